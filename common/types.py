@@ -1,0 +1,43 @@
+"""Plain values that travel between services; the convert modules map them
+to and from protobuf at each edge."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0          # 0: greedy
+    top_p: float = 1.0                # 1: off
+    top_k: int = 0                    # 0: off
+    min_p: float = 0.0                # 0: off
+    repetition_penalty: float = 1.0   # 1: off; applies to prompt and output tokens
+    presence_penalty: float = 0.0     # applies to output tokens (OpenAI semantics)
+    frequency_penalty: float = 0.0    # applies to output tokens (OpenAI semantics)
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
