@@ -33,7 +33,7 @@ prepare-model: install
 run: install prepare-model
 	$(PY) -m scripts.run_stack
 
-test: install
+test: install prepare-model
 	$(PY) -m pytest -q tests
 
 unit: install

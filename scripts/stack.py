@@ -1,0 +1,138 @@
+"""Starts the four services as separate processes on localhost and waits
+until the gateway is ready. Used by `make run` and by the integration tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class StackPorts:
+    gateway: int = 8000
+    gateway_grpc: int = 50050
+    scheduler: int = 50051
+    scheduler_metrics: int = 9101
+    kvcache: int = 50071
+    kvcache_metrics: int = 9103
+    workers: list[tuple[int, int]] = field(default_factory=lambda: [(50061, 9102)])
+
+    @classmethod
+    def free(cls, num_workers: int = 1) -> "StackPorts":
+        return cls(gateway=free_port(), gateway_grpc=free_port(), scheduler=free_port(),
+                   scheduler_metrics=free_port(), kvcache=free_port(), kvcache_metrics=free_port(),
+                   workers=[(free_port(), free_port()) for _ in range(num_workers)])
+
+
+@dataclass
+class Stack:
+    ports: StackPorts
+    env: dict[str, str]
+    log_dir: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.ports.gateway}"
+
+    def service_env(self) -> dict[str, str]:
+        p = self.ports
+        env = dict(os.environ)
+        env.update({
+            "GATEWAY_PORT": str(p.gateway), "GATEWAY_GRPC_PORT": str(p.gateway_grpc),
+            "SCHEDULER_PORT": str(p.scheduler), "SCHEDULER_METRICS_PORT": str(p.scheduler_metrics),
+            "SCHEDULER_ADDR": f"127.0.0.1:{p.scheduler}",
+            "KVCACHE_PORT": str(p.kvcache), "KVCACHE_METRICS_PORT": str(p.kvcache_metrics),
+            "KVCACHE_ADDR": f"127.0.0.1:{p.kvcache}",
+            "PYTHONUNBUFFERED": "1",
+        })
+        env.update(self.env)
+        return env
+
+    def _spawn(self, name: str, module: str, extra: dict[str, str] | None = None) -> None:
+        env = self.service_env()
+        env.update(extra or {})
+        log_file = open(self.log_dir / f"{name}.log", "ab")
+        self.processes[name] = subprocess.Popen(
+            [sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log_file,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+    def start(self, timeout_s: float = 300.0) -> "Stack":
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._spawn("kvcache", "services.kvcache.main")
+        self._spawn("scheduler", "services.scheduler.main")
+        for index, (port, metrics_port) in enumerate(self.ports.workers):
+            self._spawn(f"worker-{index}", "services.worker.main", {
+                "WORKER_PORT": str(port), "WORKER_METRICS_PORT": str(metrics_port),
+                "WORKER_ID": f"worker-{index}",
+            })
+        self._spawn("gateway", "services.gateway.main")
+        try:
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def add_worker(self, name: str, port: int, metrics_port: int) -> None:
+        self._spawn(name, "services.worker.main", {
+            "WORKER_PORT": str(port), "WORKER_METRICS_PORT": str(metrics_port), "WORKER_ID": name})
+
+    def wait_ready(self, timeout_s: float, workers: int | None = None) -> None:
+        deadline = time.monotonic() + timeout_s
+        reason = "not started"
+        while time.monotonic() < deadline:
+            for name, process in self.processes.items():
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.returncode}; see "
+                                       f"{self.log_dir / (name + '.log')}:\n{self.tail(name)}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/ready", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except urllib.error.HTTPError as error:
+                reason = error.read().decode(errors="replace")
+            except (urllib.error.URLError, OSError) as error:
+                reason = str(error)
+            time.sleep(0.25)
+        raise TimeoutError(f"gateway not ready after {timeout_s}s: {reason}")
+
+    def tail(self, name: str, lines: int = 40) -> str:
+        path = self.log_dir / f"{name}.log"
+        if not path.exists():
+            return ""
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for process in self.processes.values():
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+
+    def kill(self, name: str) -> None:
+        process = self.processes[name]
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()

@@ -1,0 +1,115 @@
+"""What the gateway needs from the services behind it, as plain values.
+
+The gRPC client (scheduler_client.py) implements SchedulerBackend; tests
+inject a fake with the same methods. Nothing here imports grpc.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from common.types import SamplingParams, TokenLogprob, Usage
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    client_id: str = "anonymous"
+    session_id: str = ""
+    priority: int = 0
+    trace_id: str = ""  # the HTTP/gRPC request id, sent as metadata for the logs
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: str  # "stop" | "length" | "cancelled" | "error"
+    usage: Usage
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class GenerationEvent:
+    tokens: tuple[TokenOutput, ...] = ()
+    finish: Finish | None = None
+
+
+@dataclass(frozen=True)
+class WorkerView:
+    worker_id: str
+    address: str
+    healthy: bool
+
+
+@dataclass(frozen=True)
+class SchedulerView:
+    workers: tuple[WorkerView, ...]
+    details: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def healthy_workers(self) -> int:
+        return sum(1 for worker in self.workers if worker.healthy)
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    reason: str = ""
+
+
+class BackendError(Exception):
+    """The scheduler refused or failed a request."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class Overloaded(BackendError):
+    """The admission queue is full (HTTP 429)."""
+
+    def __init__(self, message: str = "", retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class InvalidGeneration(BackendError):
+    """The request can never be served as asked (HTTP 400)."""
+
+
+class Unavailable(BackendError):
+    """No worker, the scheduler is unreachable, or a hold timed out (HTTP 503)."""
+
+
+class SchedulerBackend(Protocol):
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        """Streams the request's events; raises a BackendError on rejection.
+        Closing the iterator early cancels the request."""
+        ...
+
+    async def cancel(self, request_id: str) -> bool: ...
+
+    async def scheduler_stats(self) -> SchedulerView: ...
+
+    async def kvcache_stats(self) -> dict[str, Any]: ...
+
+    async def readiness(self) -> Readiness: ...
+
+    async def max_model_len(self) -> int | None:
+        """The context length the workers serve, or None while unknown."""
+        ...
+
+    async def close(self) -> None: ...

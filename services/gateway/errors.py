@@ -1,0 +1,81 @@
+"""One error shape for every answer the gateway gives:
+{"error": {"message", "type", "param", "code"}} (OpenAI's), with the status
+that matches the cause."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+RATE_LIMIT = "rate_limit_error"
+UNAVAILABLE = "service_unavailable_error"
+SERVER = "server_error"
+
+
+@dataclass
+class ApiError(Exception):
+    status: int
+    message: str
+    type: str = INVALID_REQUEST
+    param: str | None = None
+    code: str | None = None
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_json_bytes(error: ApiError) -> bytes:
+    return json.dumps(error.body()).encode()
+
+
+def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, INVALID_REQUEST, param, code)
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "Missing or incorrect API key: send 'Authorization: Bearer <key>'.",
+                    AUTHENTICATION, None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+
+
+def not_found(path: str) -> ApiError:
+    return ApiError(404, f"No route for {path}.", NOT_FOUND, None, "not_found")
+
+
+def method_not_allowed(method: str, path: str) -> ApiError:
+    return ApiError(405, f"Method {method} is not allowed for {path}.", INVALID_REQUEST, None,
+                    "method_not_allowed")
+
+
+def too_large(limit: int, size: int | None = None) -> ApiError:
+    got = f" (got {size} bytes)" if size is not None else ""
+    return ApiError(413, f"Request body is larger than the limit of {limit} bytes{got}.",
+                    INVALID_REQUEST, None, "request_too_large")
+
+
+def overloaded(message: str, retry_after_s: int) -> ApiError:
+    return ApiError(429, message or "The server is busy; retry later.", RATE_LIMIT, None,
+                    "queue_full", {"Retry-After": str(retry_after_s)})
+
+
+def unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
+    headers = {"Retry-After": str(retry_after_s)} if retry_after_s else {}
+    return ApiError(503, message or "The service is not ready.", UNAVAILABLE, None,
+                    "service_unavailable", headers)
+
+
+def server_error(message: str) -> ApiError:
+    return ApiError(500, message or "Internal error.", SERVER, None, "internal_error")

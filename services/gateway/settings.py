@@ -1,0 +1,52 @@
+"""Gateway settings, read once at start from the environment."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
+from common.settings import EnvReader
+
+ONE_MIB = 1024 * 1024
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    grpc_port: int = 50050
+    scheduler_addr: str = "127.0.0.1:50051"
+    kvcache_addr: str = "127.0.0.1:50071"
+    model_name: str = ""
+    model_cache_dir: Path = default_cache_dir()
+    api_keys: tuple[str, ...] = ()
+    max_request_bytes: int = ONE_MIB
+    default_max_tokens: int = 128
+    max_model_len: int = 0          # 0: ask the workers through the scheduler
+    log_level: str = "info"
+
+    @property
+    def model_id(self) -> str:
+        """The name clients see in /v1/models and in every response."""
+        return self.model_name or DEFAULT_MODEL_ID
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
+        read = EnvReader(env)
+        return cls(
+            host=read.str("GATEWAY_HOST", cls.host),
+            port=read.port("GATEWAY_PORT", cls.port),
+            grpc_port=read.port("GATEWAY_GRPC_PORT", cls.grpc_port),
+            scheduler_addr=read.str("SCHEDULER_ADDR", cls.scheduler_addr),
+            kvcache_addr=read.str("KVCACHE_ADDR", cls.kvcache_addr),
+            model_name=read.str("MODEL_NAME", cls.model_name),
+            model_cache_dir=Path(read.str("MODEL_CACHE_DIR", str(default_cache_dir()))).expanduser(),
+            api_keys=read.list("API_KEYS"),
+            max_request_bytes=read.int("MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
+            default_max_tokens=read.int("DEFAULT_MAX_TOKENS", cls.default_max_tokens, minimum=1),
+            max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
+            log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
+        )

@@ -1,0 +1,23 @@
+"""The worker's inference engine: paged KV pool, packed batches, sampling.
+
+A pure library (no gRPC, no protobuf) so it can be tested and benchmarked on
+its own; services/worker/server.py puts the transport on top of it.
+"""
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.types import (
+    BlockEvent,
+    EngineInfo,
+    NewSequence,
+    PoolStats,
+    SeqResult,
+    StepBatch,
+    StepOutput,
+    WorkItem,
+)
+
+__all__ = [
+    "BlockEvent", "Engine", "EngineConfig", "EngineInfo", "NewSequence", "PoolStats",
+    "SeqResult", "StepBatch", "StepOutput", "WorkItem",
+]

@@ -1,0 +1,150 @@
+"""Paged attention as a transformers attention function.
+
+Engine registers `paged_attention_forward` under ATTENTION_NAME and switches the
+model to it, so transformers' own model classes run unchanged while every
+attention layer writes its new K/V into the paged pool and reads context
+through block tables. Per-step metadata rides along in the forward kwargs
+(`paged_metadata=`), built once per step and shared by all layers.
+
+The packed batch is [1, T]: first the decodes (one token each), then prefill
+chunks (contiguous runs of rows). Decodes are attended to together with a
+right-aligned, padded gather; each prefill chunk runs its own SDPA call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from services.worker.engine.block_pool import PagedKVCache
+
+ATTENTION_NAME = "fairserve_paged"
+
+
+@dataclass
+class PrefillChunk:
+    row_start: int          # first row in the packed batch
+    num_tokens: int
+    start_pos: int          # position of the first row within its sequence
+    context_slots: torch.Tensor  # slots of positions 0 .. start_pos + num_tokens - 1
+
+
+@dataclass
+class StepMetadata:
+    kv: PagedKVCache
+    cache_layer: list[int]          # model layer -> layer whose cache it reads (KV sharing)
+    block_size: int
+    slot_mapping: torch.Tensor      # [T] where each row's new K/V goes
+    num_decodes: int
+    decode_ctx_lens: torch.Tensor   # [D] context length including the decoded token
+    decode_block_tables: torch.Tensor  # [D, max_blocks], padded with 0
+    prefills: list[PrefillChunk]
+    num_tokens: int
+    _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    _prefill_views: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+
+    def decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(slots [D, L], mask [D, 1, 1, L] or None) for decodes under a sliding `window`:
+        the last min(window, context) positions of each sequence, right-aligned."""
+        view = self._decode_views.get(window)
+        if view is None:
+            view = self._build_decode_view(window)
+            self._decode_views[window] = view
+        return view
+
+    def _build_decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        ctx = self.decode_ctx_lens
+        longest = int(ctx.max())
+        length = longest if window is None else min(longest, window)
+        offsets = torch.arange(length, device=ctx.device)
+        positions = ctx[:, None] - length + offsets[None, :]
+        valid = positions >= 0
+        positions = positions.clamp_min(0)
+        blocks = torch.gather(self.decode_block_tables, 1, positions // self.block_size)
+        slots = blocks * self.block_size + positions % self.block_size
+        mask = None if bool(valid.all()) else valid[:, None, None, :]
+        return slots, mask
+
+    def prefill_view(self, index: int, window: int | None) -> tuple[int, torch.Tensor | None]:
+        """(first key position, bool mask [n, L] or None for plain causal) of prefill chunk `index`."""
+        key = (index, window)
+        view = self._prefill_views.get(key)
+        if view is None:
+            view = self._build_prefill_view(self.prefills[index], window)
+            self._prefill_views[key] = view
+        return view
+
+    @staticmethod
+    def _build_prefill_view(chunk: PrefillChunk, window: int | None) -> tuple[int, torch.Tensor | None]:
+        end = chunk.start_pos + chunk.num_tokens
+        first = 0 if window is None else max(0, chunk.start_pos - window + 1)
+        device = chunk.context_slots.device
+        if first == 0 and chunk.start_pos == 0 and (window is None or window >= chunk.num_tokens):
+            return 0, None
+        query_pos = torch.arange(chunk.start_pos, end, device=device)[:, None]
+        key_pos = torch.arange(first, end, device=device)[None, :]
+        mask = key_pos <= query_pos
+        if window is not None:
+            mask &= key_pos > query_pos - window
+        return first, mask
+
+
+def _layer_window(module: torch.nn.Module, sliding_window: int | None) -> int | None:
+    if getattr(module, "is_sliding", None) is False:
+        return None
+    window = sliding_window if sliding_window is not None else getattr(module, "sliding_window", None)
+    return int(window) if window else None
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, paged_metadata: StepMetadata | None = None,
+                            **_kwargs) -> tuple[torch.Tensor, None]:
+    """query [1, H, T, d], key/value [1, KVH, T, d] for the packed rows -> ([1, T, H, d], None)."""
+    meta = paged_metadata
+    if meta is None:
+        raise RuntimeError(f"{ATTENTION_NAME} attention needs paged_metadata in the forward kwargs")
+    layer = meta.cache_layer[module.layer_idx]
+    k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
+    assert k_cache is not None and v_cache is not None
+    if not getattr(module, "is_kv_shared_layer", False):
+        # A KV-shared layer reads the cache its source layer wrote earlier in this forward.
+        k_cache.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+        v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    window = _layer_window(module, sliding_window)
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_kv_heads = k_cache.shape[1]
+    out = query.new_empty((meta.num_tokens, num_heads, value.shape[-1]))
+
+    if meta.num_decodes:
+        decodes = meta.num_decodes
+        slots, mask = meta.decode_view(window)
+        # Heads sharing a KV head ride as extra query rows, so K/V are never repeated.
+        q = query[0, :, :decodes].transpose(0, 1).reshape(decodes, num_kv_heads, -1, head_dim)
+        k = k_cache[slots].transpose(1, 2)
+        v = v_cache[slots].transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+        out[:decodes] = attn.reshape(decodes, num_heads, -1)
+
+    for index, chunk in enumerate(meta.prefills):
+        rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
+        first, mask = meta.prefill_view(index, window)
+        q = query[:, :, rows]
+        if chunk.start_pos == 0 and first == 0:
+            k, v = key[:, :, rows], value[:, :, rows]
+        else:
+            slots = chunk.context_slots[first:]
+            k = k_cache[slots].permute(1, 0, 2).unsqueeze(0)
+            v = v_cache[slots].permute(1, 0, 2).unsqueeze(0)
+        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                              scale=scaling, enable_gqa=num_heads != num_kv_heads)
+        out[rows] = attn[0].transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

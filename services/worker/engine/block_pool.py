@@ -1,0 +1,278 @@
+"""Paged KV cache: device tensors for every layer plus block bookkeeping.
+
+Every block is in exactly one state:
+  used    refcount > 0 (in at least one sequence's block table),
+  cached  refcount == 0 but holding a registered prefix hash (reusable, evictable),
+  free    refcount == 0 and no hash.
+Cached blocks are evicted least-recently-freed first. A sequence frees its
+blocks tail first, so a child block always sits ahead of its parent in the
+eviction order: leaves go before the prefixes they extend.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from common.block_hash import ROOT_HASH
+from services.worker.engine.types import BlockEvent, PoolStats
+
+
+class PoolInvariantError(AssertionError):
+    pass
+
+
+@dataclass(frozen=True)
+class LayerKVSpec:
+    """Shape of one layer's cache; a layer that reads another layer's cache owns none."""
+    num_kv_heads: int
+    head_dim: int
+
+
+class PagedKVCache:
+    """K and V tensors [num_blocks * block_size, kv_heads, head_dim] per owning layer,
+    allocated once. A token's slot is block_id * block_size + offset."""
+
+    def __init__(self, specs: Sequence[LayerKVSpec | None], num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        slots = num_blocks * block_size
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        for spec in specs:
+            if spec is None:
+                self.keys.append(None)
+                self.values.append(None)
+                continue
+            shape = (slots, spec.num_kv_heads, spec.head_dim)
+            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    @staticmethod
+    def bytes_per_block(specs: Sequence[LayerKVSpec | None], block_size: int, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in specs if s is not None)
+        return per_token * block_size * element
+
+
+class BlockPool:
+    """Block ownership, reference counts and the prefix cache. Pure bookkeeping:
+    it never touches tensors, so it is cheap to test exhaustively."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError("num_blocks and block_size must be positive")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._refcount = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._parent_hash: list[int] = [ROOT_HASH] * num_blocks
+        self._by_hash: dict[int, int] = {}
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()      # cached blocks, oldest first
+        self._tables: dict[str, list[int]] = {}
+        self._events: list[BlockEvent] = []
+        self.evictions = 0
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def table(self, seq_id: str) -> list[int]:
+        return self._tables.get(seq_id, [])
+
+    def has_sequence(self, seq_id: str) -> bool:
+        return seq_id in self._tables
+
+    def num_allocatable(self) -> int:
+        return len(self._free) + len(self._evictable)
+
+    def find_cached_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Blocks holding the longest cached prefix of `hashes` (a chain of full-block hashes)."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks: list[int] = []
+        for value in hashes:
+            block = self._by_hash.get(value)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def stats(self) -> PoolStats:
+        used = sum(1 for count in self._refcount if count > 0)
+        return PoolStats(total_blocks=self.num_blocks, free_blocks=len(self._free),
+                         cached_blocks=len(self._evictable), used_blocks=used,
+                         evictions=self.evictions, prefix_hit_tokens=self.prefix_hit_tokens,
+                         prefix_query_tokens=self.prefix_query_tokens)
+
+    # ---- allocation ----------------------------------------------------------------------
+
+    def can_allocate(self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Whether `seq_id`'s table can grow to cover `num_tokens` tokens. `cached_blocks`
+        (only for a sequence without blocks yet) are reused as its leading blocks."""
+        return self._new_blocks_needed(seq_id, num_tokens, cached_blocks) is not None
+
+    def allocate(self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Grows `seq_id`'s table to cover `num_tokens` tokens, evicting cached blocks
+        if needed. Returns False and changes nothing when that is impossible."""
+        needed = self._new_blocks_needed(seq_id, num_tokens, cached_blocks)
+        if needed is None:
+            return False
+        table = self._tables.setdefault(seq_id, [])
+        for block in cached_blocks:
+            self._take(block)
+            table.append(block)
+        removed: list[int] = []
+        for _ in range(needed):
+            block = self._pop_free_block(removed)
+            self._take(block)
+            table.append(block)
+        if removed:
+            self._events.append(BlockEvent.removed(removed))
+        return True
+
+    def free(self, seq_id: str) -> None:
+        """Drops `seq_id`'s references; blocks with a prefix hash stay cached."""
+        table = self._tables.pop(seq_id, None)
+        if table is None:
+            return
+        for block in reversed(table):   # tail first: children become evictable before parents
+            self._refcount[block] -= 1
+            if self._refcount[block] > 0:
+                continue
+            if self._block_hash[block] is None:
+                self._free.append(block)
+            else:
+                self._evictable[block] = None
+
+    def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
+        self.prefix_query_tokens += query_tokens
+        self.prefix_hit_tokens += hit_tokens
+
+    def cache_full_blocks(self, seq_id: str, first_block: int, hashes: Sequence[int],
+                          parent_hash: int) -> None:
+        """Registers the hashes of `seq_id`'s newly full blocks first_block.. (KV written).
+        A hash some other block already holds leaves this block unregistered (a duplicate)."""
+        if not self.enable_prefix_caching or not hashes:
+            return
+        table = self._tables[seq_id]
+        run: list[int] = []
+        run_parent = parent_hash
+        for offset, value in enumerate(hashes):
+            block = table[first_block + offset]
+            if self._block_hash[block] is None and value not in self._by_hash:
+                self._block_hash[block] = value
+                self._parent_hash[block] = parent_hash
+                self._by_hash[value] = block
+                if not run:
+                    run_parent = parent_hash
+                run.append(value)
+            elif run:
+                self._events.append(BlockEvent.stored(run, run_parent))
+                run = []
+            parent_hash = value
+        if run:
+            self._events.append(BlockEvent.stored(run, run_parent))
+
+    def clear_cache(self) -> None:
+        """Forgets every prefix hash; unreferenced cached blocks become free."""
+        for block in self._evictable:
+            self._free.append(block)
+        self._evictable.clear()
+        for block in self._by_hash.values():
+            self._block_hash[block] = None
+            self._parent_hash[block] = ROOT_HASH
+        self._by_hash.clear()
+        self._events.append(BlockEvent.cleared())
+
+    def drain_events(self) -> list[BlockEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def cached_chains(self) -> list[tuple[int, list[int]]]:
+        """Every registered block as chains (parent_hash, [hashes in prefix order]); a chain
+        continues while its last block has exactly one registered child."""
+        children: dict[int, list[int]] = {}
+        for value, block in self._by_hash.items():
+            children.setdefault(self._parent_hash[block], []).append(value)
+        chains: list[tuple[int, list[int]]] = []
+        starts = [(parent, value) for parent, values in children.items()
+                  if parent == ROOT_HASH or parent not in self._by_hash for value in values]
+        while starts:
+            parent, value = starts.pop()
+            chain = [value]
+            while len(kids := children.get(chain[-1], [])) == 1:
+                chain.append(kids[0])
+            starts.extend((chain[-1], kid) for kid in children.get(chain[-1], []))
+            chains.append((parent, chain))
+        return chains
+
+    def check_invariants(self) -> None:
+        """Raises PoolInvariantError when the bookkeeping is inconsistent (tests call it every step)."""
+        owners = [0] * self.num_blocks
+        for seq_id, table in self._tables.items():
+            if len(set(table)) != len(table):
+                raise PoolInvariantError(f"sequence {seq_id} holds a block twice: {table}")
+            for block in table:
+                owners[block] += 1
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise PoolInvariantError("a block is on the free list twice")
+        evictable = set(self._evictable)
+        for block in range(self.num_blocks):
+            count = self._refcount[block]
+            if count < 0:
+                raise PoolInvariantError(f"block {block} has refcount {count}")
+            if count != owners[block]:
+                raise PoolInvariantError(f"block {block} refcount {count} but {owners[block]} owners")
+            states = (count > 0) + (block in free) + (block in evictable)
+            if states != 1:
+                raise PoolInvariantError(f"block {block} is in {states} states")
+            if block in free and self._block_hash[block] is not None:
+                raise PoolInvariantError(f"free block {block} still holds a hash")
+            if block in evictable and self._block_hash[block] is None:
+                raise PoolInvariantError(f"cached block {block} holds no hash")
+        for value, block in self._by_hash.items():
+            if self._block_hash[block] != value:
+                raise PoolInvariantError(f"hash map points {value} at block {block}")
+        stats = self.stats()
+        if stats.free_blocks + stats.cached_blocks + stats.used_blocks != self.num_blocks:
+            raise PoolInvariantError(f"free + cached + used != total: {stats}")
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _new_blocks_needed(self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int | None:
+        table = self._tables.get(seq_id, [])
+        if cached_blocks and table:
+            raise ValueError("cached blocks can only start an empty block table")
+        have = len(table) + len(cached_blocks)
+        needed = max(0, self.blocks_for(num_tokens) - have)
+        revived = sum(1 for block in cached_blocks if self._refcount[block] == 0)
+        if needed > self.num_allocatable() - revived:
+            return None
+        return needed
+
+    def _take(self, block: int) -> None:
+        if self._refcount[block] == 0 and block in self._evictable:
+            del self._evictable[block]
+        self._refcount[block] += 1
+
+    def _pop_free_block(self, removed: list[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)
+        value = self._block_hash[block]
+        assert value is not None
+        del self._by_hash[value]
+        self._block_hash[block] = None
+        self._parent_hash[block] = ROOT_HASH
+        self.evictions += 1
+        removed.append(value)
+        return block

@@ -1,0 +1,23 @@
+"""Engine settings as a plain value; services/worker/settings.py fills it from the environment."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str                     # local Hugging Face directory
+    device: str = "auto"               # auto|cpu|cuda|mps; auto = CUDA -> MPS -> CPU
+    dtype: str = "auto"                # auto = float32 on CPU/MPS, bfloat16 on CUDA
+    block_size: int = 16
+    num_blocks: int = 0                # 0 = size from kv_memory_fraction (CUDA) or cpu_kv_bytes
+    kv_memory_fraction: float = 0.0    # of free device memory on CUDA; 0 = 0.5
+    enable_prefix_caching: bool = True
+    eviction_policy: str = "lru"       # the only policy so far
+    max_model_len: int = 0             # 0 = from the model config (capped at cpu_max_model_len on CPU)
+    model_key: str = ""                # mixed into block hashes (use the model name)
+    torch_threads: int = 0             # 0 = leave torch's default
+    use_cuda_graphs: bool = True       # reserved for a CUDA decode fast path; CPU ignores it
+    cpu_kv_bytes: int = 1 << 30        # KV pool size on CPU/MPS when num_blocks == 0
+    cpu_max_model_len: int = 8192

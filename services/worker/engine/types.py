@@ -1,0 +1,103 @@
+"""Plain values in and out of Engine.step; the worker's convert.py maps them to protobuf."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from common.types import SamplingParams, TokenLogprob
+
+
+@dataclass
+class NewSequence:
+    seq_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)   # already generated (resume after preemption)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+
+@dataclass
+class WorkItem:
+    seq_id: str
+    max_tokens: int     # compute at most this many not-yet-computed tokens
+
+
+@dataclass
+class StepBatch:
+    new_sequences: list[NewSequence] = field(default_factory=list)
+    work: list[WorkItem] = field(default_factory=list)
+    free_seq_ids: list[str] = field(default_factory=list)
+
+
+# Error strings a SeqResult may carry.
+OUT_OF_BLOCKS = "out_of_blocks"
+UNKNOWN_SEQUENCE = "unknown_sequence"
+NOTHING_TO_COMPUTE = "nothing_to_compute"
+DUPLICATE_WORK = "duplicate_work"
+INVALID_MAX_TOKENS = "invalid_max_tokens"
+EXCEEDS_MAX_MODEL_LEN = "exceeds_max_model_len"
+
+
+@dataclass
+class SeqResult:
+    seq_id: str
+    num_computed_tokens: int
+    num_cached_tokens: int = 0
+    sampled: bool = False
+    token_id: int = -1
+    logprob: TokenLogprob | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int      # unreferenced, still holding a reusable prefix
+    used_blocks: int        # referenced by at least one sequence
+    evictions: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+
+
+STORED = "stored"
+REMOVED = "removed"
+CLEARED = "cleared"
+
+
+@dataclass(frozen=True)
+class BlockEvent:
+    kind: str                          # STORED | REMOVED | CLEARED
+    hashes: tuple[int, ...] = ()       # STORED: in prefix order
+    parent_hash: int = 0               # STORED: hash of the block before hashes[0] (0 = root)
+
+    @staticmethod
+    def stored(hashes: list[int], parent_hash: int) -> BlockEvent:
+        return BlockEvent(STORED, tuple(hashes), parent_hash)
+
+    @staticmethod
+    def removed(hashes: list[int]) -> BlockEvent:
+        return BlockEvent(REMOVED, tuple(hashes))
+
+    @staticmethod
+    def cleared() -> BlockEvent:
+        return BlockEvent(CLEARED)
+
+
+@dataclass
+class StepOutput:
+    results: list[SeqResult]
+    pool: PoolStats
+    forward_ms: float = 0.0
+    batch_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model_name: str
+    block_size: int
+    num_blocks: int
+    device: str
+    dtype: str
+    max_model_len: int
+    eos_token_ids: list[int]
+    vocab_size: int

@@ -1,0 +1,85 @@
+"""Worker process: loads the model, serves Step/Info/Stats, registers with
+the scheduler and publishes KV block events to the index."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from pathlib import Path
+
+from fairserve.v1 import worker_pb2, worker_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from common.grpc_server import GrpcServer, insecure_channel
+from common.logs import configure_logging
+from common.metrics import serve_metrics
+from common.model_store import resolve_model_dir
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.kv_events import KvEventForwarder
+from services.worker.server import WorkerMetrics, WorkerService, keep_registered
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger("worker")
+
+
+def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
+    return EngineConfig(
+        model_dir=str(model_dir), device=settings.device, dtype=settings.dtype,
+        block_size=settings.block_size, num_blocks=settings.num_blocks,
+        kv_memory_fraction=settings.kv_memory_fraction,
+        enable_prefix_caching=settings.enable_prefix_caching, eviction_policy=settings.eviction_policy,
+        max_model_len=settings.max_model_len, model_key=settings.model_name or model_dir.name,
+        torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
+    )
+
+
+async def serve(settings: WorkerSettings) -> None:
+    model_dir = resolve_model_dir(settings.model_name, Path(settings.model_cache_dir))
+    engine = Engine(engine_config(settings, model_dir))
+    log.info("engine ready", extra={"model_dir": str(model_dir), "device": engine.info.device,
+                                    "num_blocks": engine.info.num_blocks})
+    registry = CollectorRegistry()
+    metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
+    kv_channel = insecure_channel(settings.kvcache_addr)
+    forwarder = KvEventForwarder(kv_channel, settings.worker_id, engine_snapshot=None)
+    service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id),
+                            on_block_events=forwarder.submit)
+    forwarder.set_snapshot_source(service.snapshot_chains_async)
+    server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
+                        [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+                        settings.host, settings.port)
+    await server.start()
+    await server.set_serving(True)
+    address = f"{settings.advertise_host}:{server.port}"
+    log.info("worker serving", extra={"address": address, "metrics_port": metrics_port})
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    scheduler_channel = insecure_channel(settings.scheduler_addr)
+    tasks = [
+        asyncio.create_task(keep_registered(scheduler_channel, settings.worker_id, address, service,
+                                            settings.heartbeat_interval_s, stop)),
+        asyncio.create_task(forwarder.run(stop)),
+    ]
+    await stop.wait()
+    log.info("worker stopping")
+    await server.stop()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    service.shutdown()
+    await scheduler_channel.close()
+    await kv_channel.close()
+
+
+def main() -> None:
+    settings = WorkerSettings.from_env(os.environ)
+    configure_logging("worker", settings.log_level)
+    asyncio.run(serve(settings))
+
+
+if __name__ == "__main__":
+    main()

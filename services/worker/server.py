@@ -1,0 +1,166 @@
+"""The worker's gRPC transport: Step/Info/Stats over the engine, registration
+and heartbeats towards the scheduler, KV block events towards the index."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from common.grpc_server import request_id_from
+from common.metrics import TOKEN_LATENCY_BUCKETS_S, metric_name
+from services.worker import convert
+from services.worker.engine.engine import Engine
+from services.worker.engine.types import BlockEvent, StepBatch, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry, worker_id: str) -> None:
+        labels = {"worker": worker_id}
+        self.step_seconds = Histogram(metric_name("worker", "step_seconds"), "Forward time per step",
+                                      buckets=TOKEN_LATENCY_BUCKETS_S, registry=registry,
+                                      labelnames=["worker"]).labels(**labels)
+        self.batch_tokens = Gauge(metric_name("worker", "batch_tokens"), "Tokens in the last step",
+                                  ["worker"], registry=registry).labels(**labels)
+        self.batch_sequences = Gauge(metric_name("worker", "batch_sequences"), "Sequences in the last step",
+                                     ["worker"], registry=registry).labels(**labels)
+        self.tokens = Counter(metric_name("worker", "tokens_total"), "Tokens computed, by kind",
+                              ["worker", "kind"], registry=registry)
+        self.blocks = Gauge(metric_name("worker", "kv_blocks"), "KV blocks by state",
+                            ["worker", "state"], registry=registry)
+        self.evictions = Gauge(metric_name("worker", "kv_evictions"), "Cached blocks evicted so far",
+                               ["worker"], registry=registry).labels(**labels)
+        self.prefix_hit_tokens = Gauge(metric_name("worker", "prefix_cache_hit_tokens"),
+                                       "Prompt tokens served from the prefix cache so far",
+                                       ["worker"], registry=registry).labels(**labels)
+        self.prefix_query_tokens = Gauge(metric_name("worker", "prefix_cache_query_tokens"),
+                                         "Prompt tokens looked up in the prefix cache so far",
+                                         ["worker"], registry=registry).labels(**labels)
+        self.running = Gauge(metric_name("worker", "running_sequences"), "Sequences holding KV",
+                             ["worker"], registry=registry).labels(**labels)
+        self._worker_id = worker_id
+
+    def observe(self, batch: StepBatch, output: StepOutput, running: int) -> None:
+        sampled = sum(1 for r in output.results if r.sampled)
+        self.step_seconds.observe(output.forward_ms / 1000.0)
+        self.batch_tokens.set(output.batch_tokens)
+        self.batch_sequences.set(len(batch.work))
+        self.tokens.labels(worker=self._worker_id, kind="computed").inc(output.batch_tokens)
+        self.tokens.labels(worker=self._worker_id, kind="sampled").inc(sampled)
+        pool = output.pool
+        for state, value in (("free", pool.free_blocks), ("cached", pool.cached_blocks),
+                             ("used", pool.used_blocks), ("total", pool.total_blocks)):
+            self.blocks.labels(worker=self._worker_id, state=state).set(value)
+        self.evictions.set(pool.evictions)
+        self.prefix_hit_tokens.set(pool.prefix_hit_tokens)
+        self.prefix_query_tokens.set(pool.prefix_query_tokens)
+        self.running.set(running)
+
+
+@dataclass
+class StepCounters:
+    steps: int = 0
+    last_forward_ms: float = 0.0
+    last_batch_tokens: int = 0
+    computed_tokens: int = 0
+    sampled_tokens: int = 0
+
+
+class WorkerService(worker_pb2_grpc.WorkerServicer):
+    """Runs engine steps one at a time on a dedicated thread (the engine is
+    not thread-safe, and torch releases the GIL while it computes)."""
+
+    def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics,
+                 on_block_events=None) -> None:
+        self._engine = engine
+        self._worker_id = worker_id
+        self._metrics = metrics
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._on_block_events = on_block_events
+        self.counters = StepCounters()
+        self.last_pool = engine.pool_stats()
+
+    def _run_step(self, batch: StepBatch) -> tuple[StepOutput, list[BlockEvent], int]:
+        output = self._engine.step(batch)
+        return output, self._engine.drain_events(), self._engine.running_sequences()
+
+    async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext):
+        request_id_from(context)
+        batch = convert.step_batch_from_proto(request)
+        loop = asyncio.get_running_loop()
+        try:
+            output, events, running = await loop.run_in_executor(self._executor, self._run_step, batch)
+        except ValueError as error:  # malformed batch: the engine changed nothing
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        self._record(batch, output, running)
+        if events and self._on_block_events is not None:
+            self._on_block_events(events)
+        return convert.step_response_to_proto(request.step_id, output)
+
+    def _record(self, batch: StepBatch, output: StepOutput, running: int) -> None:
+        counters = self.counters
+        counters.steps += 1
+        counters.last_forward_ms = output.forward_ms
+        counters.last_batch_tokens = output.batch_tokens
+        counters.computed_tokens += output.batch_tokens
+        counters.sampled_tokens += sum(1 for r in output.results if r.sampled)
+        self.last_pool = output.pool
+        self._metrics.observe(batch, output, running)
+
+    async def Info(self, request, context):
+        return convert.info_to_proto(self._worker_id, self._engine.info)
+
+    async def Stats(self, request, context):
+        loop = asyncio.get_running_loop()
+        pool, running = await loop.run_in_executor(
+            self._executor, lambda: (self._engine.pool_stats(), self._engine.running_sequences()))
+        counters = self.counters
+        return worker_pb2.WorkerStats(
+            pool=convert.pool_to_proto(pool), running_sequences=running, steps=counters.steps,
+            last_forward_ms=counters.last_forward_ms, last_batch_tokens=counters.last_batch_tokens,
+            total_prefill_tokens=counters.computed_tokens - counters.sampled_tokens,
+            total_decode_tokens=counters.sampled_tokens,
+        )
+
+    async def snapshot_chains_async(self) -> list[tuple[int, list[int]]]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._engine.snapshot_chains)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: str,
+                          service: WorkerService, interval_s: float, stop: asyncio.Event) -> None:
+    """Registers with the scheduler, then heartbeats; registers again whenever
+    the scheduler says it does not know us (it restarted, or timed us out)."""
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    registered = False
+    while not stop.is_set():
+        try:
+            if not registered:
+                reply = await stub.RegisterWorker(
+                    scheduler_pb2.RegisterWorkerRequest(worker_id=worker_id, address=address), timeout=5)
+                registered = True
+                interval_s = reply.heartbeat_interval_s or interval_s
+                log.info("registered with the scheduler", extra={"worker_id": worker_id, "address": address})
+            else:
+                pool = service.last_pool
+                reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
+                    worker_id=worker_id, free_blocks=pool.free_blocks, cached_blocks=pool.cached_blocks),
+                    timeout=5)
+                registered = reply.known
+        except grpc.aio.AioRpcError as error:
+            registered = False
+            log.warning("scheduler unreachable", extra={"code": error.code().name})
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=interval_s if registered else 1.0)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,80 @@
+"""Worker settings, read once from the environment at start."""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from common.model_store import default_cache_dir
+from common.settings import EnvReader
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+EVICTION_POLICIES = ("lru",)
+
+
+def default_advertise_host(bind_host: str) -> str:
+    """The address the scheduler should dial: the bind address, or this
+    host's own address when bound to every interface (as in a container)."""
+    if bind_host not in ("0.0.0.0", "::"):
+        return bind_host
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    host: str
+    port: int
+    advertise_host: str
+    worker_id: str
+    metrics_port: int
+    device: str
+    dtype: str
+    model_name: str
+    model_cache_dir: str
+    block_size: int
+    num_blocks: int
+    kv_memory_fraction: float
+    eviction_policy: str
+    enable_prefix_caching: bool
+    max_model_len: int
+    torch_threads: int
+    use_cuda_graphs: bool
+    scheduler_addr: str
+    kvcache_addr: str
+    heartbeat_interval_s: float
+    log_level: str
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
+        read = EnvReader(env)
+        port = read.port("WORKER_PORT", 50061)
+        host = read.str("WORKER_HOST", "127.0.0.1")
+        return cls(
+            host=host,
+            port=port,
+            advertise_host=read.str("WORKER_ADVERTISE_HOST", default_advertise_host(host)),
+            worker_id=read.str("WORKER_ID", f"worker-{os.getpid()}"),
+            metrics_port=read.port("WORKER_METRICS_PORT", 9102),
+            device=read.choice("DEVICE", "auto", DEVICES),
+            dtype=read.choice("DTYPE", "auto", DTYPES),
+            model_name=read.str("MODEL_NAME", ""),
+            model_cache_dir=read.str("MODEL_CACHE_DIR", str(default_cache_dir())),
+            block_size=read.int("KV_CACHE_BLOCK_SIZE", 16, minimum=1, maximum=1024),
+            num_blocks=read.int("KV_CACHE_NUM_BLOCKS", 0, minimum=0),
+            kv_memory_fraction=read.float("KV_CACHE_MEMORY_FRACTION", 0.0, minimum=0.0, maximum=0.95),
+            eviction_policy=read.choice("EVICTION_POLICY", "lru", EVICTION_POLICIES),
+            enable_prefix_caching=read.bool("ENABLE_PREFIX_CACHING", True),
+            max_model_len=read.int("MAX_MODEL_LEN", 0, minimum=0),
+            torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
+            use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
+            scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
+            kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
+            heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),
+            log_level=read.str("LOG_LEVEL", "info"),
+        )

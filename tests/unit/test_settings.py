@@ -1,0 +1,38 @@
+"""Every service builds its settings from env and names the bad variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.settings import EnvReader, SettingsError
+from services.worker.settings import WorkerSettings
+
+
+def test_reader_names_the_variable() -> None:
+    read = EnvReader({"MAX_BATCH_SIZE": "lots", "DEVICE": "tpu", "FLAG": "maybe", "N": "-3"})
+    with pytest.raises(SettingsError, match="MAX_BATCH_SIZE"):
+        read.int("MAX_BATCH_SIZE", 8)
+    with pytest.raises(SettingsError, match="DEVICE='tpu'.*auto, cpu"):
+        read.choice("DEVICE", "auto", ("auto", "cpu"))
+    with pytest.raises(SettingsError, match="FLAG"):
+        read.bool("FLAG", False)
+    with pytest.raises(SettingsError, match="N=-3.*at least 1"):
+        read.int("N", 1, minimum=1)
+
+
+def test_reader_defaults_and_blank_values() -> None:
+    read = EnvReader({"EMPTY": "  ", "LIST": "a, b,,c"})
+    assert read.int("EMPTY", 7) == 7
+    assert read.list("LIST") == ("a", "b", "c")
+    assert read.float("MISSING", 0.5) == 0.5
+
+
+def test_worker_settings_defaults_and_errors() -> None:
+    settings = WorkerSettings.from_env({})
+    assert settings.port == 50061 and settings.block_size == 16 and settings.device == "auto"
+    with pytest.raises(SettingsError, match="KV_CACHE_BLOCK_SIZE"):
+        WorkerSettings.from_env({"KV_CACHE_BLOCK_SIZE": "0"})
+    with pytest.raises(SettingsError, match="DEVICE"):
+        WorkerSettings.from_env({"DEVICE": "gpu"})
+    with pytest.raises(SettingsError, match="EVICTION_POLICY"):
+        WorkerSettings.from_env({"EVICTION_POLICY": "random"})
