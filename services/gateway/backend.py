@@ -93,6 +93,10 @@ class InvalidGeneration(BackendError):
 class Unavailable(BackendError):
     """No worker, the scheduler is unreachable, or a hold timed out (HTTP 503)."""
 
+    def __init__(self, message: str = "", retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
 
 class SchedulerBackend(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:

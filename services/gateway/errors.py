@@ -4,10 +4,11 @@ that matches the cause."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from services.gateway.backend import InvalidGeneration, Overloaded, Unavailable
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"
@@ -36,10 +37,6 @@ class ApiError(Exception):
 def error_body(message: str, type_: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def error_json_bytes(error: ApiError) -> bytes:
-    return json.dumps(error.body()).encode()
 
 
 def bad_request(message: str, param: str | None = None, code: str = "invalid_value") -> ApiError:
@@ -77,5 +74,23 @@ def unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
                     "service_unavailable", headers)
 
 
+def client_gone() -> ApiError:
+    # 499 (nginx's "client closed request"): nobody reads it, but logs and metrics do.
+    return ApiError(499, "The client closed the connection.", INVALID_REQUEST, None,
+                    "client_closed_request")
+
+
 def server_error(message: str) -> ApiError:
     return ApiError(500, message or "Internal error.", SERVER, None, "internal_error")
+
+
+def from_backend(error: Exception) -> ApiError:
+    """Maps a scheduler refusal or failure to the client-facing error."""
+    message = str(error)
+    if isinstance(error, Overloaded):
+        return overloaded(message, error.retry_after_s)
+    if isinstance(error, InvalidGeneration):
+        return bad_request(message or "The request can never be served.", None, "never_fits")
+    if isinstance(error, Unavailable):
+        return unavailable(message, error.retry_after_s)
+    return server_error(message)

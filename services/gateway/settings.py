@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
@@ -21,7 +21,7 @@ class GatewaySettings:
     scheduler_addr: str = "127.0.0.1:50051"
     kvcache_addr: str = "127.0.0.1:50071"
     model_name: str = ""
-    model_cache_dir: Path = default_cache_dir()
+    model_cache_dir: Path = field(default_factory=default_cache_dir)
     api_keys: tuple[str, ...] = ()
     max_request_bytes: int = ONE_MIB
     default_max_tokens: int = 128

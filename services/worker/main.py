@@ -18,7 +18,9 @@ from common.metrics import serve_metrics
 from common.model_store import resolve_model_dir
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.kv_events import KvEventForwarder
+from services.kvcache.client import KvIndexClient
+from services.kvcache.publisher import KvEventPublisher
+from services.worker.kv_events import add_events, snapshot_source
 from services.worker.server import WorkerMetrics, WorkerService, keep_registered
 from services.worker.settings import WorkerSettings
 
@@ -31,7 +33,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         block_size=settings.block_size, num_blocks=settings.num_blocks,
         kv_memory_fraction=settings.kv_memory_fraction,
         enable_prefix_caching=settings.enable_prefix_caching, eviction_policy=settings.eviction_policy,
-        max_model_len=settings.max_model_len, model_key=settings.model_name or model_dir.name,
+        max_model_len=settings.max_model_len, model_key=settings.model_key,
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
     )
 
@@ -43,11 +45,11 @@ async def serve(settings: WorkerSettings) -> None:
                                     "num_blocks": engine.info.num_blocks})
     registry = CollectorRegistry()
     metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
-    kv_channel = insecure_channel(settings.kvcache_addr)
-    forwarder = KvEventForwarder(kv_channel, settings.worker_id, engine_snapshot=None)
-    service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id),
-                            on_block_events=forwarder.submit)
-    forwarder.set_snapshot_source(service.snapshot_chains_async)
+    kv_client = KvIndexClient.connect(settings.kvcache_addr)
+    service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id))
+    publisher = KvEventPublisher(settings.worker_id, kv_client.publish,
+                                 snapshot_source(service.snapshot_chains_async))
+    service.on_block_events = lambda events: add_events(publisher, events)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                         settings.host, settings.port)
@@ -64,7 +66,7 @@ async def serve(settings: WorkerSettings) -> None:
     tasks = [
         asyncio.create_task(keep_registered(scheduler_channel, settings.worker_id, address, service,
                                             settings.heartbeat_interval_s, stop)),
-        asyncio.create_task(forwarder.run(stop)),
+        asyncio.create_task(publisher.run(settings.kv_publish_interval_s, stop)),
     ]
     await stop.wait()
     log.info("worker stopping")
@@ -72,7 +74,7 @@ async def serve(settings: WorkerSettings) -> None:
     await asyncio.gather(*tasks, return_exceptions=True)
     service.shutdown()
     await scheduler_channel.close()
-    await kv_channel.close()
+    await kv_client.close()
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -78,12 +79,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     not thread-safe, and torch releases the GIL while it computes)."""
 
     def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics,
-                 on_block_events=None) -> None:
+                 on_block_events: Callable[[list[BlockEvent]], None] | None = None) -> None:
         self._engine = engine
         self._worker_id = worker_id
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
-        self._on_block_events = on_block_events
+        self.on_block_events = on_block_events
         self.counters = StepCounters()
         self.last_pool = engine.pool_stats()
 
@@ -100,8 +101,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._record(batch, output, running)
-        if events and self._on_block_events is not None:
-            self._on_block_events(events)
+        if events and self.on_block_events is not None:
+            self.on_block_events(events)
         return convert.step_response_to_proto(request.step_id, output)
 
     def _record(self, batch: StepBatch, output: StepOutput, running: int) -> None:

@@ -48,6 +48,8 @@ class WorkerSettings:
     scheduler_addr: str
     kvcache_addr: str
     heartbeat_interval_s: float
+    kv_publish_interval_s: float
+    model_key: str
     log_level: str
 
     @classmethod
@@ -76,5 +78,7 @@ class WorkerSettings:
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
             heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),
+            kv_publish_interval_s=read.float("KV_PUBLISH_INTERVAL_S", 0.05, minimum=0.001),
+            model_key=read.str("MODEL_KEY", ""),
             log_level=read.str("LOG_LEVEL", "info"),
         )

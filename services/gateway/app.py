@@ -1,0 +1,232 @@
+"""The gateway's HTTP app: /generate, health and readiness, metrics, stats,
+and the OpenAI-compatible API (openai_api.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
+
+from common.types import Usage
+from services.gateway import openai_api
+from services.gateway.backend import BackendError, SchedulerBackend
+from services.gateway.chat_template import raw_prompt_ids, turn_stop_token_ids, user_turn_ids
+from services.gateway.errors import (
+    INVALID_REQUEST,
+    ApiError,
+    bad_request,
+    from_backend,
+    method_not_allowed,
+    not_found,
+    server_error,
+    unavailable,
+)
+from services.gateway.generation import GenerationService, GenerationSpec, TextDelta
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import (
+    ApiKeyMiddleware,
+    BodyLimitMiddleware,
+    JsonBodyMiddleware,
+    RequestContextMiddleware,
+)
+from services.gateway.schemas import GenerateBody
+from services.gateway.settings import GatewaySettings
+from services.gateway.sse import event_stream, sse_data
+from services.gateway.state import (
+    GatewayState,
+    prime,
+    require_text,
+    scheduler_request_id,
+    until_disconnected,
+)
+from services.gateway.validation import (
+    SamplingInput,
+    build_sampling,
+    check_min_tokens,
+    check_priority,
+    client_id_for,
+    normalize_stop,
+    resolve_max_tokens,
+)
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+
+
+def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, tokenizer: Any,
+               registry: CollectorRegistry | None = None) -> FastAPI:
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = GatewayMetrics(registry)
+    service = GenerationService(scheduler_client, tokenizer, metrics)
+    app = FastAPI(
+        title="fairserve gateway",
+        version="1",
+        middleware=[
+            Middleware(RequestContextMiddleware, metrics=metrics),
+            Middleware(ApiKeyMiddleware, api_keys=settings.api_keys),
+            Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes),
+            Middleware(JsonBodyMiddleware),
+        ],
+    )
+    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics)
+    install_error_handlers(app)
+    app.include_router(router)
+    app.include_router(openai_api.router)
+    return app
+
+
+def gateway_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def on_api_error(_request: Request, error: ApiError) -> Response:
+        return api_error_response(error)
+
+    @app.exception_handler(BackendError)
+    async def on_backend_error(_request: Request, error: BackendError) -> Response:
+        return api_error_response(from_backend(error))
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(_request: Request, error: RequestValidationError) -> Response:
+        return api_error_response(validation_api_error(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, error: StarletteHTTPException) -> Response:
+        if error.status_code == 404:
+            return api_error_response(not_found(request.url.path))
+        if error.status_code == 405:
+            api_error = method_not_allowed(request.method, request.url.path)
+            api_error.headers = dict(error.headers or {})
+            return api_error_response(api_error)
+        return api_error_response(ApiError(error.status_code, str(error.detail), INVALID_REQUEST,
+                                           headers=dict(error.headers or {})))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_request: Request, error: Exception) -> Response:
+        log.exception("unhandled error")
+        return api_error_response(server_error("Internal error."))
+
+
+def api_error_response(error: ApiError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=dict(error.headers))
+
+
+def validation_api_error(error: RequestValidationError) -> ApiError:
+    problems = error.errors()
+    if any(problem.get("type") == "json_invalid" for problem in problems):
+        return bad_request("The request body is not valid JSON.", None, "invalid_json")
+    first = problems[0] if problems else {}
+    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(location) or None
+    detail = "; ".join(
+        f"{'.'.join(str(p) for p in problem.get('loc', ()) if p != 'body') or 'body'}: "
+        f"{problem.get('msg', 'invalid')}" for problem in problems[:5])
+    return ApiError(422, f"Invalid request: {detail}", INVALID_REQUEST, param, "validation_error")
+
+
+def request_identity(request: Request) -> tuple[str, bool, str | None]:
+    """(request id, whether the client supplied it, API key if any)."""
+    state = request.state
+    return (getattr(state, "request_id", ""), bool(getattr(state, "request_id_supplied", False)),
+            getattr(state, "api_key", None))
+
+
+def usage_dict(usage: Usage) -> dict[str, int]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "cached_tokens": usage.cached_tokens}
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/ready", responses={503: {"description": "not ready, with the reason"}})
+async def ready(request: Request) -> Response:
+    readiness = await gateway_state(request).backend.readiness()
+    if not readiness.ready:
+        return api_error_response(unavailable(readiness.reason))
+    return JSONResponse({"status": "ready"})
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    registry = gateway_state(request).metrics.registry
+    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/stats")
+async def stats(request: Request) -> Response:
+    backend = gateway_state(request).backend
+    try:
+        scheduler = (await backend.scheduler_stats()).details
+        kvcache = await backend.kvcache_stats()
+    except BackendError as error:
+        return api_error_response(from_backend(error))
+    return JSONResponse({"scheduler": scheduler, "kvcache": kvcache})
+
+
+async def generate_spec(state: GatewayState, body: GenerateBody, prompt_ids: list[int],
+                        api_key: str | None) -> GenerationSpec:
+    sampling = build_sampling(SamplingInput(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, seed=body.seed), default_temperature=0.0)
+    stop = normalize_stop(body.stop)
+    priority = check_priority(body.priority)
+    max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids),
+                                    state.settings.default_max_tokens, await state.max_model_len())
+    return GenerationSpec(
+        prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling, stop=stop,
+        stop_token_ids=() if body.raw else turn_stop_token_ids(state.tokenizer),
+        ignore_eos=bool(body.ignore_eos), min_tokens=check_min_tokens(body.min_tokens, max_tokens),
+        client_id=client_id_for(body.session_id, body.user, api_key),
+        session_id=body.session_id or "", priority=priority)
+
+
+@router.post("/generate", responses={
+    200: {"description": "JSON {text, finish_reason, usage}, or with stream an SSE stream of "
+                         "{token, token_id} events whose last one carries finish_reason and usage"},
+    400: {"description": "bad values"}, 429: {"description": "queue full"},
+    503: {"description": "not ready"}})
+async def generate(body: GenerateBody, request: Request) -> Response:
+    state = gateway_state(request)
+    request_id, supplied, api_key = request_identity(request)
+    prompt = require_text(body.prompt)
+    prompt_ids = await state.tokenize(raw_prompt_ids if body.raw else user_turn_ids, prompt)
+    spec = await generate_spec(state, body, prompt_ids, api_key)
+    scheduler_id = scheduler_request_id(request_id, 0, supplied)
+    try:
+        if body.stream:
+            stream = state.service.stream(spec, scheduler_id, request_id)
+            return event_stream(generate_events(await prime(stream, request)))
+        result = await until_disconnected(
+            request, state.service.complete(spec, scheduler_id, request_id))
+    except BackendError as error:
+        raise from_backend(error) from None
+    return JSONResponse({"text": result.text, "finish_reason": result.finish_reason,
+                         "usage": usage_dict(result.usage)})
+
+
+async def generate_events(deltas: AsyncIterator[TextDelta]) -> AsyncIterator[bytes]:
+    try:
+        async for delta in deltas:
+            if delta.finish_reason is not None:
+                yield sse_data({"token": delta.text, "finish_reason": delta.finish_reason,
+                                "usage": usage_dict(delta.usage or Usage(0, 0, 0))})
+                return
+            for position, token in enumerate(delta.tokens):
+                yield sse_data({"token": delta.text if position == 0 else "",
+                                "token_id": token.token_id})
+    except BackendError as error:
+        yield sse_data(from_backend(error).body())
+

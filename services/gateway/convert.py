@@ -1,0 +1,171 @@
+"""Protobuf <-> plain values at the gateway's gRPC edges."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from common.types import SamplingParams, TokenLogprob, TopLogprob, Usage
+from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2, kvindex_pb2
+from services.gateway.backend import (
+    BackendError,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    InvalidGeneration,
+    Overloaded,
+    SchedulerView,
+    TokenOutput,
+    Unavailable,
+    WorkerView,
+)
+
+_UINT64_MASK = (1 << 64) - 1
+DEFAULT_RETRY_AFTER_S = 1
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    message = common_pb2.SamplingParams(
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        top_logprobs=params.top_logprobs,
+        logprobs=params.logprobs,
+    )
+    if params.seed is not None:
+        # OpenAI seeds may be negative; two's complement keeps them distinct.
+        message.seed = params.seed & _UINT64_MASK
+    return message
+
+
+def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        temperature=message.temperature,
+        top_p=message.top_p if message.top_p > 0 else 1.0,
+        top_k=message.top_k,
+        min_p=message.min_p,
+        repetition_penalty=message.repetition_penalty if message.repetition_penalty > 0 else 1.0,
+        presence_penalty=message.presence_penalty,
+        frequency_penalty=message.frequency_penalty,
+        seed=message.seed if message.HasField("seed") else None,
+        logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
+    )
+
+
+def generate_request_to_proto(request: GenerationRequest) -> scheduler_pb2.GenerateRequest:
+    return scheduler_pb2.GenerateRequest(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        max_tokens=request.max_tokens,
+        sampling=sampling_to_proto(request.sampling),
+        stop_token_ids=list(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+        min_tokens=request.min_tokens,
+        client_id=request.client_id,
+        session_id=request.session_id,
+        priority=request.priority,
+    )
+
+
+def usage_from_proto(message: common_pb2.Usage) -> Usage:
+    return Usage(prompt_tokens=message.prompt_tokens, completion_tokens=message.completion_tokens,
+                 cached_tokens=message.cached_tokens)
+
+
+def usage_to_proto(usage: Usage) -> common_pb2.Usage:
+    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens,
+                            completion_tokens=usage.completion_tokens,
+                            cached_tokens=usage.cached_tokens)
+
+
+def _logprob_from_proto(event: scheduler_pb2.TokenEvent) -> TokenLogprob | None:
+    if not event.HasField("logprob"):
+        return None
+    top = tuple(TopLogprob(token_id=item.token_id, logprob=item.logprob)
+                for item in event.logprob.top)
+    return TokenLogprob(logprob=event.logprob.logprob, top=top)
+
+
+def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
+    tokens = tuple(TokenOutput(token_id=token.token_id, logprob=_logprob_from_proto(token))
+                   for token in message.tokens)
+    finish = None
+    if message.HasField("finish"):
+        finish = Finish(reason=message.finish.finish_reason,
+                        usage=usage_from_proto(message.finish.usage),
+                        message=message.finish.message)
+    return GenerationEvent(tokens=tokens, finish=finish)
+
+
+def scheduler_view_from_proto(message: scheduler_pb2.SchedulerStats) -> SchedulerView:
+    workers = tuple(WorkerView(worker_id=worker.worker_id, address=worker.address,
+                               healthy=worker.healthy) for worker in message.workers)
+    return SchedulerView(workers=workers, details=message_to_dict(message))
+
+
+def message_to_dict(message: Any) -> dict[str, Any]:
+    return MessageToDict(message, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
+
+
+def kvcache_stats_to_dict(message: kvindex_pb2.KvIndexStats) -> dict[str, Any]:
+    return message_to_dict(message)
+
+
+def _retry_after_s(error: grpc.aio.AioRpcError) -> int | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == "retry-after":
+            try:
+                return max(1, int(float(value)))
+            except ValueError:
+                return None
+    return None
+
+
+def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
+    code = error.code()
+    details = error.details() or ""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(details, _retry_after_s(error) or DEFAULT_RETRY_AFTER_S)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidGeneration(details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable(details or "the scheduler is unavailable", _retry_after_s(error))
+    return BackendError(f"scheduler error {code.name}: {details}")
+
+
+def text_request_fields(message: gateway_pb2.TextRequest) -> dict[str, Any]:
+    """The gRPC text API's request as plain keyword values."""
+    return {
+        "prompt": message.prompt,
+        "max_tokens": message.max_tokens or None,
+        "sampling": sampling_from_proto(message.sampling),
+        "stop": tuple(message.stop),
+        "raw": message.raw,
+        "session_id": message.session_id,
+        "priority": message.priority,
+        "user": message.user,
+        "ignore_eos": message.ignore_eos,
+        "min_tokens": message.min_tokens,
+    }
+
+
+def text_chunk_to_proto(text: str, token_ids: tuple[int, ...], finish_reason: str | None,
+                        usage: Usage | None) -> gateway_pb2.TextChunk:
+    chunk = gateway_pb2.TextChunk(text=text, token_ids=list(token_ids),
+                                  finish_reason=finish_reason or "")
+    if usage is not None:
+        chunk.usage.CopyFrom(usage_to_proto(usage))
+    return chunk
+
+
+def text_response_to_proto(text: str, finish_reason: str, usage: Usage) -> gateway_pb2.TextResponse:
+    return gateway_pb2.TextResponse(text=text, finish_reason=finish_reason,
+                                    usage=usage_to_proto(usage))

@@ -1,0 +1,247 @@
+"""The text generation core shared by /generate, the OpenAI endpoints and
+the gRPC text API: sends token ids to the scheduler and turns its token
+events into text deltas, with stop strings and cancellation."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+
+from common.types import SamplingParams, Usage
+from services.gateway.backend import (
+    BackendError,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    SchedulerBackend,
+    TokenOutput,
+)
+from services.gateway.detokenizer import IncrementalDetokenizer
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.stop_strings import StopStringMatcher
+
+log = logging.getLogger(__name__)
+STOP_DRAIN_TIMEOUT_S = 2.0
+
+
+class GenerationFailed(BackendError):
+    """The scheduler ended the request with finish_reason "error"."""
+
+
+@dataclass(frozen=True)
+class GenerationSpec:
+    """A validated request, ready for the scheduler."""
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    client_id: str = "anonymous"
+    session_id: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """Text made by the tokens of one scheduler event; the last one finishes."""
+    text: str
+    tokens: tuple[TokenOutput, ...] = ()
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+
+@dataclass
+class CompletedText:
+    text: str = ""
+    finish_reason: str = ""
+    usage: Usage = Usage(0, 0, 0)
+    tokens: list[TokenOutput] = field(default_factory=list)
+
+
+class _Progress:
+    """What one stream has seen so far (for usage, metrics and cancel)."""
+
+    def __init__(self, started: float) -> None:
+        self.started = started
+        self.last_token_at: float | None = None
+        self.completion_tokens = 0
+        self.finished = False
+
+
+class GenerationService:
+    def __init__(self, backend: SchedulerBackend, tokenizer: object, metrics: GatewayMetrics,
+                 clock: Callable[[], float] = time.monotonic,
+                 stop_drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
+        self._backend = backend
+        self._tokenizer = tokenizer
+        self._metrics = metrics
+        self._clock = clock
+        self._stop_drain_timeout_s = stop_drain_timeout_s
+        self._background: set[asyncio.Task[bool]] = set()
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+    async def stream(self, spec: GenerationSpec, request_id: str,
+                     trace_id: str = "") -> AsyncIterator[TextDelta]:
+        """Yields one TextDelta per token, then a finishing one. Raises
+        BackendError when the scheduler rejects or fails the request."""
+        request = GenerationRequest(
+            request_id=request_id, prompt_token_ids=spec.prompt_token_ids,
+            max_tokens=spec.max_tokens, sampling=spec.sampling,
+            stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
+            min_tokens=spec.min_tokens, client_id=spec.client_id, session_id=spec.session_id,
+            priority=spec.priority, trace_id=trace_id)
+        detokenizer = IncrementalDetokenizer(self._tokenizer, spec.prompt_token_ids)
+        stops = StopStringMatcher(spec.stop)
+        progress = _Progress(self._clock())
+        self._metrics.in_flight.inc()
+        self._metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
+        try:
+            async with aclosing(self._backend.generate(request)) as events:
+                async for event in events:
+                    for position, token in enumerate(event.tokens):
+                        self._note_token(progress)
+                        if self._is_final_stop_token(event, position, spec):
+                            continue
+                        check = stops.feed(detokenizer.push(token.token_id))
+                        if check.stopped:
+                            if check.text:
+                                yield TextDelta(check.text, (token,))
+                            usage = await self._cancel_and_drain(events, request_id, spec, progress)
+                            yield self._finished(progress, TextDelta("", (), "stop", usage))
+                            return
+                        yield TextDelta(check.text, (token,))
+                    if event.finish is not None:
+                        yield self._finished(progress, self._final_delta(
+                            event.finish, detokenizer, stops, spec, progress))
+                        return
+            raise BackendError("the scheduler stream ended without a finish event")
+        except BackendError:
+            progress.finished = True  # refused or ended by the scheduler: nothing to cancel
+            raise
+        finally:
+            self._metrics.in_flight.dec()
+            if not progress.finished:
+                self._cancel_in_background(request_id)
+
+    async def complete(self, spec: GenerationSpec, request_id: str,
+                       trace_id: str = "") -> CompletedText:
+        result = CompletedText()
+        parts: list[str] = []
+        async with aclosing(self.stream(spec, request_id, trace_id)) as deltas:
+            async for delta in deltas:
+                parts.append(delta.text)
+                result.tokens.extend(delta.tokens)
+                if delta.finish_reason is not None:
+                    result.finish_reason = delta.finish_reason
+                    result.usage = delta.usage or result.usage
+        result.text = "".join(parts)
+        return result
+
+    def token_text(self, token_id: int) -> str:
+        return self._tokenizer.decode([token_id], skip_special_tokens=False,  # type: ignore[attr-defined]
+                                      clean_up_tokenization_spaces=False)
+
+    def _is_final_stop_token(self, event: GenerationEvent, position: int,
+                             spec: GenerationSpec) -> bool:
+        """The EOS or stop token that ends a generation is not part of the
+        output (it is still counted in usage)."""
+        if event.finish is None or event.finish.reason != "stop" or position != len(event.tokens) - 1:
+            return False
+        token_id = event.tokens[position].token_id
+        return token_id in spec.stop_token_ids or token_id in self._special_ids
+
+    def _note_token(self, progress: _Progress) -> None:
+        now = self._clock()
+        if progress.last_token_at is None:
+            self._metrics.ttft.observe(now - progress.started)
+        else:
+            self._metrics.inter_token.observe(now - progress.last_token_at)
+        progress.last_token_at = now
+        progress.completion_tokens += 1
+        self._metrics.generated_tokens.inc()
+
+    def _final_delta(self, finish: Finish, detokenizer: IncrementalDetokenizer,
+                     stops: StopStringMatcher, spec: GenerationSpec,
+                     progress: _Progress) -> TextDelta:
+        if finish.reason == "error":
+            raise GenerationFailed(finish.message or "generation failed")
+        check = stops.feed(detokenizer.flush())
+        if check.stopped:
+            return TextDelta(check.text, (), "stop", self._usage(finish, spec, progress))
+        return TextDelta(check.text + stops.flush(), (), finish.reason, finish.usage)
+
+    async def _cancel_and_drain(self, events: AsyncIterator[GenerationEvent], request_id: str,
+                                spec: GenerationSpec, progress: _Progress) -> Usage:
+        """Cancels the rest after a stop string; waits briefly for the finish
+        event, which carries the cached-token count."""
+        await self._backend.cancel(request_id)
+        finish: Finish | None = None
+        try:
+            async with asyncio.timeout(self._stop_drain_timeout_s):
+                async for event in events:
+                    if event.finish is not None:
+                        finish = event.finish
+                        break
+        except (TimeoutError, BackendError):
+            pass
+        return self._usage(finish, spec, progress)
+
+    @staticmethod
+    def _usage(finish: Finish | None, spec: GenerationSpec, progress: _Progress) -> Usage:
+        cached = finish.usage.cached_tokens if finish is not None else 0
+        return Usage(prompt_tokens=len(spec.prompt_token_ids),
+                     completion_tokens=progress.completion_tokens, cached_tokens=cached)
+
+    def _finished(self, progress: _Progress, delta: TextDelta) -> TextDelta:
+        progress.finished = True
+        self._metrics.e2e.observe(self._clock() - progress.started)
+        self._metrics.finished.labels(finish_reason=delta.finish_reason or "").inc()
+        return delta
+
+    def _cancel_in_background(self, request_id: str) -> None:
+        """The stream was abandoned (client gone, error): make sure the
+        scheduler drops the request even if it missed the stream's end."""
+        try:
+            task = asyncio.get_running_loop().create_task(self._backend.cancel(request_id))
+        except RuntimeError:
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[TextDelta]]
+                        ) -> AsyncIterator[tuple[int, TextDelta]]:
+    """Interleaves several streams as (index, item); the first error raised by
+    any of them is raised here, and closing the merge closes all of them."""
+    queue: asyncio.Queue[tuple[int, TextDelta | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[TextDelta]) -> None:
+        try:
+            async with aclosing(stream):  # type: ignore[type-var]
+                async for item in stream:
+                    await queue.put((index, item, None))
+        except Exception as error:
+            await queue.put((index, None, error))
+            return
+        await queue.put((index, None, None))
+
+    tasks = [asyncio.create_task(pump(index, stream)) for index, stream in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            index, item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is None:
+                remaining -= 1
+                continue
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -1,0 +1,124 @@
+"""The gateway's gRPC text API (fairserve.v1.TextGeneration): text in, text
+out, with the same parameters, validation and fairness as the HTTP API."""
+
+from __future__ import annotations
+
+import hmac
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import NoReturn
+
+import grpc
+
+from common.grpc_server import request_id_from
+from common.logs import request_id_var
+from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
+from services.gateway import convert
+from services.gateway.backend import BackendError
+from services.gateway.chat_template import raw_prompt_ids, turn_stop_token_ids, user_turn_ids
+from services.gateway.errors import ApiError, from_backend, unauthorized
+from services.gateway.generation import GenerationSpec
+from services.gateway.state import GatewayState, require_text, scheduler_request_id
+from services.gateway.validation import (
+    SamplingInput,
+    build_sampling,
+    check_min_tokens,
+    check_priority,
+    client_id_for,
+    normalize_stop,
+    resolve_max_tokens,
+)
+
+SERVICE_NAME = "fairserve.v1.TextGeneration"
+_STATUS_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    413: grpc.StatusCode.INVALID_ARGUMENT,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
+    def __init__(self, state: GatewayState) -> None:
+        self._state = state
+
+    async def Generate(self, request: gateway_pb2.TextRequest,
+                       context: grpc.aio.ServicerContext) -> gateway_pb2.TextResponse:
+        try:
+            spec, request_id, trace_id = await self._prepare(request, context)
+            result = await self._state.service.complete(spec, request_id, trace_id)
+        except ApiError as error:
+            await _abort(context, error)
+        except BackendError as error:
+            await _abort(context, from_backend(error))
+        return convert.text_response_to_proto(result.text, result.finish_reason, result.usage)
+
+    async def GenerateStream(self, request: gateway_pb2.TextRequest,
+                             context: grpc.aio.ServicerContext
+                             ) -> AsyncIterator[gateway_pb2.TextChunk]:
+        try:
+            spec, request_id, trace_id = await self._prepare(request, context)
+            deltas = self._state.service.stream(spec, request_id, trace_id)
+            async with aclosing(deltas):
+                async for delta in deltas:
+                    yield convert.text_chunk_to_proto(
+                        delta.text, tuple(token.token_id for token in delta.tokens),
+                        delta.finish_reason, delta.usage)
+        except ApiError as error:
+            await _abort(context, error)
+        except BackendError as error:
+            await _abort(context, from_backend(error))
+
+    async def _prepare(self, request: gateway_pb2.TextRequest,
+                       context: grpc.aio.ServicerContext) -> tuple[GenerationSpec, str, str]:
+        api_key = self._authenticate(context)
+        supplied = request_id_from(context)
+        trace_id = supplied or uuid.uuid4().hex
+        request_id_var.set(trace_id)
+        fields = convert.text_request_fields(request)
+        prompt = require_text(fields["prompt"])
+        builder = raw_prompt_ids if fields["raw"] else user_turn_ids
+        prompt_ids = await self._state.tokenize(builder, prompt)
+        given = fields["sampling"]
+        sampling = build_sampling(SamplingInput(
+            temperature=given.temperature, top_p=given.top_p, top_k=given.top_k,
+            min_p=given.min_p, repetition_penalty=given.repetition_penalty,
+            presence_penalty=given.presence_penalty, frequency_penalty=given.frequency_penalty,
+            seed=given.seed, logprobs=given.logprobs, top_logprobs=given.top_logprobs),
+            default_temperature=0.0)
+        max_tokens = resolve_max_tokens(fields["max_tokens"], len(prompt_ids),
+                                        self._state.settings.default_max_tokens,
+                                        await self._state.max_model_len())
+        spec = GenerationSpec(
+            prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
+            stop=normalize_stop(fields["stop"]),
+            stop_token_ids=() if fields["raw"] else turn_stop_token_ids(self._state.tokenizer),
+            ignore_eos=fields["ignore_eos"],
+            min_tokens=check_min_tokens(fields["min_tokens"], max_tokens),
+            client_id=client_id_for(fields["session_id"], fields["user"], api_key),
+            session_id=fields["session_id"], priority=check_priority(fields["priority"]))
+        return spec, scheduler_request_id(trace_id, 0, supplied is not None), trace_id
+
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
+        keys = self._state.settings.api_keys
+        if not keys:
+            return None
+        presented = None
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization" and value.lower().startswith("bearer "):
+                presented = value[len("bearer "):].strip()
+            elif key == "x-api-key":
+                presented = value.strip()
+        if presented is None or not any(hmac.compare_digest(presented, known) for known in keys):
+            raise unauthorized()
+        return presented
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> NoReturn:
+    retry_after = error.headers.get("Retry-After")
+    if retry_after:
+        context.set_trailing_metadata((("retry-after", retry_after),))
+    await context.abort(_STATUS_CODES.get(error.status, grpc.StatusCode.INTERNAL), error.message)
+    raise AssertionError("context.abort returns only by raising")

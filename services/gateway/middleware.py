@@ -1,0 +1,190 @@
+"""ASGI middleware: request ids and timing logs, API keys, body size limit.
+
+They are plain ASGI (not BaseHTTPMiddleware) so streaming responses and
+disconnect messages pass through untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from common.logs import request_id_var
+from services.gateway.errors import ApiError, bad_request, too_large, unauthorized
+from services.gateway.metrics import GatewayMetrics
+
+log = logging.getLogger("services.gateway.access")
+REQUEST_ID_HEADER = b"x-request-id"
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json")
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value.decode("latin-1")
+    return None
+
+
+def scope_state(scope: Scope) -> dict[str, Any]:
+    return scope.setdefault("state", {})
+
+
+async def send_error(send: Send, error: ApiError) -> None:
+    body = json.dumps(error.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(key.lower().encode(), value.encode()) for key, value in error.headers.items()]
+    await send({"type": "http.response.start", "status": error.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class RequestContextMiddleware:
+    """Sets the request id (from X-Request-ID or new), returns it in the
+    response header, logs one JSON line per request and counts it."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        supplied = header(scope, REQUEST_ID_HEADER)
+        request_id = supplied if supplied and _VALID_REQUEST_ID.match(supplied) else uuid.uuid4().hex
+        state = scope_state(scope)
+        state["request_id"] = request_id
+        state["request_id_supplied"] = request_id == supplied
+        token = request_id_var.set(request_id)
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [item for item in message.get("headers", [])
+                           if item[0].lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            duration = time.perf_counter() - started
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.requests.labels(route=route, method=scope["method"], status=str(status)).inc()
+            self.metrics.request_duration.labels(route=route).observe(duration)
+            log.info("request", extra={"method": scope["method"], "path": scope["path"],
+                                       "status": status, "duration_ms": round(duration * 1000, 3)})
+            request_id_var.reset(token)
+
+
+class ApiKeyMiddleware:
+    """With API_KEYS set, every API route needs `Authorization: Bearer <key>`
+    (or `x-api-key`); health, readiness and metrics stay open."""
+
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+        self.app = app
+        self.api_keys = tuple(api_keys)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        key = self._presented_key(scope)
+        if self.api_keys and scope["path"] not in OPEN_PATHS:
+            if key is None or not any(hmac.compare_digest(key, known) for known in self.api_keys):
+                await send_error(send, unauthorized())
+                return
+        if self.api_keys and key is not None:
+            scope_state(scope)["api_key"] = key
+        await self.app(scope, receive, send)
+
+    @staticmethod
+    def _presented_key(scope: Scope) -> str | None:
+        authorization = header(scope, b"authorization")
+        if authorization:
+            scheme, _, value = authorization.partition(" ")
+            if scheme.lower() == "bearer" and value.strip():
+                return value.strip()
+        return header(scope, b"x-api-key")
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """Refuses bodies over the limit with 413: at once from Content-Length,
+    or while reading a chunked body, before any of it is parsed."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = header(scope, b"content-length")
+        if declared is not None:
+            if not declared.strip().isdigit():
+                await send_error(send, bad_request("Invalid Content-Length header.", None,
+                                                   "invalid_header"))
+                return
+            if int(declared) > self.max_bytes:
+                await send_error(send, too_large(self.max_bytes, int(declared)))
+                return
+        received = 0
+        exceeded = False
+        response_started = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, exceeded
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    exceeded = True
+                    raise _BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal response_started
+            if exceeded:
+                return  # the app's own answer to the aborted read is replaced by the 413
+            response_started = response_started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if exceeded and not response_started:
+            await send_error(send, too_large(self.max_bytes))
+
+
+class JsonBodyMiddleware:
+    """Every POST body here is JSON: read it as JSON whatever Content-Type
+    says (curl -d sends application/x-www-form-urlencoded)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            content_type = (header(scope, b"content-type") or "").lower()
+            if "json" not in content_type:
+                headers = [item for item in scope.get("headers", [])
+                           if item[0].lower() != b"content-type"]
+                scope = {**scope, "headers": [*headers, (b"content-type", b"application/json")]}
+        await self.app(scope, receive, send)

@@ -1,0 +1,426 @@
+"""OpenAI-compatible endpoints: /v1/models, /v1/completions and
+/v1/chat/completions, streaming and not, with n choices and logprobs."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from common.types import SamplingParams, Usage
+from services.gateway.backend import BackendError, TokenOutput
+from services.gateway.chat_template import (
+    ChatMessage,
+    chat_prompt_ids,
+    raw_prompt_ids,
+    turn_stop_token_ids,
+)
+from services.gateway.errors import bad_request, from_backend
+from services.gateway.generation import GenerationSpec, TextDelta, merge_streams
+from services.gateway.schemas import (
+    ChatCompletionBody,
+    ChatMessageBody,
+    CompletionBody,
+    ModelCard,
+    ModelList,
+)
+from services.gateway.sse import DONE, event_stream, sse_data
+from services.gateway.state import (
+    GatewayState,
+    prime,
+    require_text,
+    scheduler_request_id,
+    until_disconnected,
+)
+from services.gateway.validation import (
+    MAX_TOP_LOGPROBS,
+    SamplingInput,
+    build_sampling,
+    check_int,
+    check_min_tokens,
+    check_n,
+    check_priority,
+    check_prompt_ids,
+    check_text,
+    client_id_for,
+    normalize_stop,
+    resolve_max_tokens,
+)
+
+router = APIRouter(prefix="/v1")
+MAX_CHOICES = 64
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "bad values"}, 401: {"description": "missing or wrong API key"},
+    413: {"description": "body too large"}, 422: {"description": "schema error"},
+    429: {"description": "queue full"}, 503: {"description": "not ready"}}
+
+
+def _state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+@dataclass(frozen=True)
+class Choice:
+    index: int
+    prompt_index: int
+    spec: GenerationSpec
+
+
+@dataclass
+class ChoiceResult:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenOutput] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage = Usage(0, 0, 0)
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    supplied: bool
+    api_key: str | None
+    created: int
+    model: str
+
+
+def _request_info(request: Request, state: GatewayState) -> RequestInfo:
+    request_id = getattr(request.state, "request_id", "")
+    return RequestInfo(request_id=request_id,
+                       supplied=bool(getattr(request.state, "request_id_supplied", False)),
+                       api_key=getattr(request.state, "api_key", None), created=int(time.time()),
+                       model=state.settings.model_id)
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(request: Request) -> ModelList:
+    state = _state(request)
+    card = ModelCard(id=state.settings.model_id, created=int(time.time()),
+                     max_model_len=await state.max_model_len())
+    return ModelList(data=[card])
+
+
+@router.post("/completions", responses=_ERRORS)
+async def completions(body: CompletionBody, request: Request) -> Response:
+    state = _state(request)
+    info = _request_info(request, state)
+    if body.echo:
+        raise bad_request("echo is not supported.", "echo", "unsupported")
+    check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
+    prompts = await _completion_prompts(state, body.prompt)
+    sampling = build_sampling(_sampling_input(body, logprobs=body.logprobs is not None,
+                                              top_logprobs=body.logprobs), default_temperature=1.0)
+    choices = await _choices(state, body, prompts, sampling, body.max_tokens, "max_tokens",
+                             stop_token_ids=(), api_key=info.api_key)
+    response_id = f"cmpl-{info.request_id}"
+    formatter = _CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
+    return await _respond(request, state, info, choices, bool(body.stream),
+                          _include_usage(body.stream_options), formatter)
+
+
+@router.post("/chat/completions", responses=_ERRORS)
+async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
+    state = _state(request)
+    info = _request_info(request, state)
+    if body.top_logprobs and not body.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    messages = [_chat_message(message, index) for index, message in enumerate(body.messages)]
+    prompt_ids = await state.tokenize(chat_prompt_ids, messages, param="messages")
+    sampling = build_sampling(_sampling_input(body, logprobs=bool(body.logprobs),
+                                              top_logprobs=body.top_logprobs), default_temperature=1.0)
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    choices = await _choices(state, body, [prompt_ids], sampling, max_tokens, param,
+                             stop_token_ids=turn_stop_token_ids(state.tokenizer),
+                             api_key=info.api_key)
+    formatter = _ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
+    return await _respond(request, state, info, choices, bool(body.stream),
+                          _include_usage(body.stream_options), formatter)
+
+
+def _include_usage(options: Any) -> bool:
+    return bool(options is not None and options.include_usage)
+
+
+def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
+                    top_logprobs: int | None) -> SamplingInput:
+    return SamplingInput(
+        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
+        repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty, seed=body.seed, logprobs=logprobs,
+        top_logprobs=top_logprobs)
+
+
+def _chat_message(message: ChatMessageBody, index: int) -> ChatMessage:
+    content = message.content
+    if content is None:
+        return ChatMessage(message.role, "")
+    param = f"messages.{index}.content"
+    if isinstance(content, str):
+        return ChatMessage(message.role, check_text(content, param))
+    texts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"Only text content parts are supported, got {part.type!r}.",
+                              param, "unsupported_content")
+        texts.append(check_text(part.text, param))
+    return ChatMessage(message.role, "\n".join(texts))
+
+
+async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int]]:
+    if isinstance(prompt, str):
+        return [await state.tokenize(raw_prompt_ids, require_text(prompt))]
+    if not prompt:
+        raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
+    if len(prompt) > MAX_CHOICES:
+        raise bad_request(f"At most {MAX_CHOICES} prompts per request, got {len(prompt)}.", "prompt")
+    if isinstance(prompt[0], int):
+        check_prompt_ids(prompt, state.vocab_size)
+        return [list(prompt)]
+    if isinstance(prompt[0], list):
+        for ids in prompt:
+            check_prompt_ids(ids, state.vocab_size)
+        return [list(ids) for ids in prompt]
+    return [await state.tokenize(raw_prompt_ids, require_text(text)) for text in prompt]
+
+
+async def _choices(state: GatewayState, body: CompletionBody | ChatCompletionBody,
+                   prompts: Sequence[list[int]], sampling: SamplingParams,
+                   requested_max_tokens: int | None, max_tokens_param: str,
+                   stop_token_ids: tuple[int, ...], api_key: str | None) -> list[Choice]:
+    n = check_n(body.n)
+    if n * len(prompts) > MAX_CHOICES:
+        raise bad_request(f"n times the number of prompts must be at most {MAX_CHOICES}, "
+                          f"got {n * len(prompts)}.", "n")
+    stop = normalize_stop(body.stop)
+    priority = check_priority(body.priority)
+    max_model_len = await state.max_model_len()
+    client_id = client_id_for(body.session_id, body.user, api_key)
+    choices: list[Choice] = []
+    for prompt_index, prompt_ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(requested_max_tokens, len(prompt_ids),
+                                        state.settings.default_max_tokens, max_model_len,
+                                        max_tokens_param)
+        min_tokens = check_min_tokens(body.min_tokens, max_tokens)
+        for sample in range(n):
+            # Distinct but reproducible seeds, so n > 1 gives n different samples.
+            seed = sampling.seed + sample if sampling.seed is not None and sample else sampling.seed
+            spec = GenerationSpec(
+                prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens,
+                sampling=dataclasses.replace(sampling, seed=seed), stop=stop,
+                stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos),
+                min_tokens=min_tokens, client_id=client_id, session_id=body.session_id or "",
+                priority=priority)
+            choices.append(Choice(len(choices), prompt_index, spec))
+    return choices
+
+
+async def _respond(request: Request, state: GatewayState, info: RequestInfo,
+                   choices: list[Choice], stream: bool, include_usage: bool,
+                   formatter: _Format) -> Response:
+    streams = [state.service.stream(choice.spec,
+                                    scheduler_request_id(info.request_id, choice.index, info.supplied),
+                                    info.request_id)
+               for choice in choices]
+    merged = merge_streams(streams)
+    try:
+        if stream:
+            events = _stream_events(await prime(merged, request), choices, include_usage, formatter)
+            return event_stream(events)
+        results = await until_disconnected(request, _collect(merged, len(choices)))
+    except BackendError as error:
+        raise from_backend(error) from None
+    return JSONResponse(formatter.response(results, _total_usage(choices, results)))
+
+
+async def _collect(merged: AsyncIterator[tuple[int, TextDelta]], count: int) -> list[ChoiceResult]:
+    results = [ChoiceResult() for _ in range(count)]
+    async with aclosing(merged):  # type: ignore[type-var]
+        async for index, delta in merged:
+            result = results[index]
+            result.text.append(delta.text)
+            result.tokens.extend(delta.tokens)
+            if delta.finish_reason is not None:
+                result.finish_reason = delta.finish_reason
+                result.usage = delta.usage or result.usage
+    return results
+
+
+def _total_usage(choices: Sequence[Choice], results: Sequence[ChoiceResult]) -> Usage:
+    prompt_tokens: dict[int, int] = {}
+    cached_tokens: dict[int, int] = {}
+    for choice, result in zip(choices, results):
+        prompt_tokens[choice.prompt_index] = len(choice.spec.prompt_token_ids)
+        cached_tokens[choice.prompt_index] = max(cached_tokens.get(choice.prompt_index, 0),
+                                                 result.usage.cached_tokens)
+    return Usage(prompt_tokens=sum(prompt_tokens.values()),
+                 completion_tokens=sum(result.usage.completion_tokens for result in results),
+                 cached_tokens=sum(cached_tokens.values()))
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+async def _stream_events(merged: AsyncIterator[tuple[int, TextDelta]], choices: Sequence[Choice],
+                         include_usage: bool, formatter: _Format) -> AsyncIterator[bytes]:
+    results = [ChoiceResult() for _ in choices]
+    started: set[int] = set()
+    try:
+        async with aclosing(merged):  # type: ignore[type-var]
+            async for index, delta in merged:
+                if index not in started:
+                    started.add(index)
+                    opening = formatter.opening_chunk(index, include_usage)
+                    if opening is not None:
+                        yield sse_data(opening)
+                if delta.text or (formatter.logprobs and delta.tokens):
+                    yield sse_data(formatter.delta_chunk(index, delta, include_usage))
+                if delta.finish_reason is not None:
+                    results[index].finish_reason = delta.finish_reason
+                    results[index].usage = delta.usage or results[index].usage
+                    yield sse_data(formatter.finish_chunk(index, delta.finish_reason, include_usage))
+        if include_usage:
+            yield sse_data(formatter.usage_chunk(_total_usage(choices, results)))
+    except BackendError as error:
+        yield sse_data(from_backend(error).body())
+    yield DONE
+
+
+class _Format(ABC):
+    """Shapes chunks and responses for one endpoint."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, state: GatewayState, response_id: str, info: RequestInfo,
+                 logprobs: bool) -> None:
+        self.state = state
+        self.response_id = response_id
+        self.info = info
+        self.logprobs = logprobs
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": object_name, "created": self.info.created,
+                "model": self.info.model, "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object_name, [choice])
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object_name, [])
+        chunk["usage"] = openai_usage(usage)
+        return chunk
+
+    def response(self, results: Sequence[ChoiceResult], usage: Usage) -> dict[str, Any]:
+        body = self._envelope(self.object_name, [self.choice(index, result)
+                                                 for index, result in enumerate(results)])
+        body["usage"] = openai_usage(usage)
+        return body
+
+    def token_text(self, token_id: int) -> str:
+        return self.state.service.token_text(token_id)
+
+    @abstractmethod
+    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        """Implemented per endpoint."""
+
+    @abstractmethod
+    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
+        """Implemented per endpoint."""
+
+    @abstractmethod
+    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
+        """Implemented per endpoint."""
+
+    @abstractmethod
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        """Implemented per endpoint."""
+
+
+class _CompletionFormat(_Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        return None
+
+    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "text": delta.text,
+                            "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
+                           include_usage)
+
+    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "text": "", "logprobs": None,
+                            "finish_reason": finish_reason}, include_usage)
+
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        return {"index": index, "text": "".join(result.text),
+                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
+
+    def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        texts = [self.token_text(token.token_id) for token in tokens]
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [token.logprob.logprob if token.logprob else None for token in tokens],
+            "top_logprobs": [
+                {self.token_text(top.token_id): top.logprob for top in token.logprob.top}
+                if token.logprob else None for token in tokens],
+            "text_offset": offsets,
+        }
+
+
+class _ChatFormat(_Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}, include_usage)
+
+    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {"content": delta.text},
+                            "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
+                           include_usage)
+
+    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {}, "logprobs": None,
+                            "finish_reason": finish_reason}, include_usage)
+
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(result.text)},
+                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for token in tokens:
+            if token.logprob is None:
+                continue
+            entry = self._entry(token.token_id, token.logprob.logprob)
+            entry["top_logprobs"] = [self._entry(top.token_id, top.logprob)
+                                     for top in token.logprob.top]
+            content.append(entry)
+        return {"content": content}

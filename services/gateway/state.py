@@ -1,0 +1,112 @@
+"""The gateway's shared dependencies and request helpers, stored on
+app.state and used by every endpoint (HTTP and gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, TypeVar
+
+from services.gateway.backend import SchedulerBackend
+from services.gateway.chat_template import ChatTemplateError
+from starlette.requests import Request
+
+from services.gateway.errors import bad_request, client_gone
+from services.gateway.generation import GenerationService
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.settings import GatewaySettings
+from services.gateway.validation import check_text
+
+T = TypeVar("T")
+DISCONNECT_POLL_S = 0.25
+
+
+@dataclass
+class GatewayState:
+    settings: GatewaySettings
+    backend: SchedulerBackend
+    tokenizer: Any
+    service: GenerationService
+    metrics: GatewayMetrics
+
+    @cached_property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    async def max_model_len(self) -> int | None:
+        if self.settings.max_model_len > 0:
+            return self.settings.max_model_len
+        return await self.backend.max_model_len()
+
+    async def tokenize(self, build: Callable[..., list[int]], *args: Any,
+                       param: str = "prompt") -> list[int]:
+        """Runs prompt building off the event loop (long prompts take a while)."""
+        try:
+            ids = await asyncio.to_thread(build, self.tokenizer, *args)
+        except ChatTemplateError as error:
+            raise bad_request(str(error), param, "invalid_messages") from None
+        if not ids:
+            raise bad_request("The prompt is empty.", param, "empty_prompt")
+        return ids
+
+
+def scheduler_request_id(trace_id: str, index: int, supplied_by_client: bool) -> str:
+    """Ids the scheduler sees must be unique; a client's X-Request-ID may not be."""
+    suffix = f".{secrets.token_hex(4)}" if supplied_by_client else ""
+    return f"{trace_id}.{index}{suffix}"
+
+
+async def prime(stream: AsyncIterator[T], request: Request) -> AsyncIterator[T]:
+    """Waits for the first item so that a rejection (429, 400, 503) becomes
+    the HTTP status instead of an error inside a 200 stream. A client that
+    leaves meanwhile (long queue or prefill) cancels the request."""
+    try:
+        first = await until_disconnected(request, anext(stream))
+    except StopAsyncIteration:
+        first = None
+        empty = True
+    except BaseException:
+        await stream.aclose()  # type: ignore[attr-defined]
+        raise
+    else:
+        empty = False
+
+    async def chained() -> AsyncIterator[T]:
+        try:
+            if not empty:
+                yield first  # type: ignore[misc]
+                async for item in stream:
+                    yield item
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    return chained()
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Awaits generation work, cancelling it (and so the scheduler request)
+    when the client goes away before it is done."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _pending = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise client_gone()
+    finally:
+        if not task.done():
+            task.cancel()
+            # Let the work unwind (its generators close) before the caller
+            # touches them again.
+            await asyncio.wait({task})
+
+
+def require_text(value: str, param: str = "prompt") -> str:
+    if not value:
+        raise bad_request("The prompt is empty.", param, "empty_prompt")
+    return check_text(value, param)
+

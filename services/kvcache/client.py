@@ -1,0 +1,51 @@
+"""An async client of the KvIndex service, for the scheduler and workers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
+
+from common.grpc_server import insecure_channel, request_metadata
+from services.kvcache import convert
+from services.kvcache.kv_types import (
+    IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
+)
+
+
+class KvIndexClient:
+    def __init__(self, channel: grpc.aio.Channel, timeout_s: float = 2.0) -> None:
+        self._channel = channel
+        self._stub = kvindex_pb2_grpc.KvIndexStub(channel)
+        self._timeout_s = timeout_s
+
+    @classmethod
+    def connect(cls, address: str, timeout_s: float = 2.0) -> "KvIndexClient":
+        return cls(insecure_channel(address), timeout_s)
+
+    async def publish(self, batch: PublishBatch) -> PublishResult:
+        reply = await self._stub.Publish(convert.publish_to_proto(batch), timeout=self._timeout_s)
+        return convert.publish_result_from_proto(reply)
+
+    async def lookup_tokens(self, token_ids: Sequence[int],
+                            request_id: str | None = None) -> LookupResult:
+        request = kvindex_pb2.LookupRequest(token_ids=token_ids)
+        reply = await self._stub.Lookup(request, timeout=self._timeout_s,
+                                        metadata=request_metadata(request_id))
+        return convert.lookup_result_from_proto(reply)
+
+    async def lookup(self, query: LookupQuery, request_id: str | None = None) -> LookupResult:
+        request = kvindex_pb2.LookupRequest(block_hashes=query.block_hashes,
+                                            partial_hash=query.partial_hash,
+                                            partial_tokens=query.partial_tokens)
+        reply = await self._stub.Lookup(request, timeout=self._timeout_s,
+                                        metadata=request_metadata(request_id))
+        return convert.lookup_result_from_proto(reply)
+
+    async def stats(self) -> IndexStats:
+        reply = await self._stub.Stats(common_pb2.StatsRequest(), timeout=self._timeout_s)
+        return convert.stats_from_proto(reply)
+
+    async def close(self) -> None:
+        await self._channel.close()

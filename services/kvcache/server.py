@@ -1,0 +1,67 @@
+"""The KvIndex gRPC servicer: converts, calls the service, converts back."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import redis.exceptions
+from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
+
+from common.grpc_server import GrpcServer, request_id_from
+from services.kvcache import convert
+from services.kvcache.service import KvIndexService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
+
+
+class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
+    def __init__(self, service: KvIndexService) -> None:
+        self._service = service
+
+    async def Lookup(self, request: kvindex_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> kvindex_pb2.LookupResponse:
+        request_id_from(context)
+        if request.token_ids and (request.block_hashes or request.partial_hash):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "give either token_ids or block_hashes, not both")
+        async with _mapped_errors(context):
+            if request.token_ids:
+                result = await self._service.lookup_tokens(request.token_ids)
+            else:
+                result = await self._service.lookup(convert.lookup_query_from_proto(request))
+            return convert.lookup_result_to_proto(result)
+
+    async def Publish(self, request: kvindex_pb2.PublishRequest,
+                      context: grpc.aio.ServicerContext) -> kvindex_pb2.PublishResponse:
+        request_id_from(context)
+        async with _mapped_errors(context):
+            result = await self._service.publish(convert.publish_from_proto(request))
+            return convert.publish_result_to_proto(result)
+
+    async def Stats(self, request: common_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> kvindex_pb2.KvIndexStats:
+        async with _mapped_errors(context):
+            return convert.stats_to_proto(await self._service.stats())
+
+
+@contextlib.asynccontextmanager
+async def _mapped_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+    """Bad input becomes INVALID_ARGUMENT and an unreachable Redis
+    UNAVAILABLE, so that callers can tell what is worth retrying."""
+    try:
+        yield
+    except ValueError as error:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as error:
+        log.warning("index backend unreachable", extra={"error": str(error)})
+        await context.abort(grpc.StatusCode.UNAVAILABLE, f"index backend: {error}")
+
+
+def build_server(service: KvIndexService, host: str, port: int) -> GrpcServer:
+    return GrpcServer([(kvindex_pb2_grpc.add_KvIndexServicer_to_server, KvIndexServicer(service))],
+                      [SERVICE_NAME], host, port)

@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import pytest
+
+from services.gateway.app import create_app
+from services.gateway.settings import GatewaySettings
+from tests.unit.gateway.fakes import EOS_ID, FakeScheduler
+
+REPLY_TEXT = "Paris is 東京 🙂 nice."
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    from tests.fixtures.tiny_model import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def reply_ids(tokenizer: Any) -> list[int]:
+    return [*tokenizer.encode(REPLY_TEXT, add_special_tokens=False), EOS_ID]
+
+
+@pytest.fixture
+def fake(reply_ids: list[int]) -> FakeScheduler:
+    return FakeScheduler(reply_ids=reply_ids)
+
+
+@pytest.fixture
+def make_app(tokenizer: Any) -> Callable[..., Any]:
+    def build(backend: FakeScheduler, **settings: Any) -> Any:
+        return create_app(GatewaySettings(**settings), backend, tokenizer)
+    return build
+
+
+@pytest.fixture
+async def client(make_app: Callable[..., Any], fake: FakeScheduler) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=make_app(fake))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        yield http

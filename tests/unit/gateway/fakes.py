@@ -1,0 +1,155 @@
+"""A scripted stand-in for the scheduler (no processes, no gRPC)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+
+from common.types import TokenLogprob, TopLogprob, Usage
+from services.gateway.backend import (
+    BackendError,
+    Finish,
+    GenerationEvent,
+    GenerationRequest,
+    Readiness,
+    SchedulerView,
+    TokenOutput,
+    WorkerView,
+)
+
+EOS_ID = 1
+
+
+@dataclass
+class FakeScheduler:
+    """Replies with `reply_ids` (cut at max_tokens), one event per token.
+
+    A token in stop_token_ids or EOS (unless ignore_eos) ends the request with
+    "stop". Cancel() ends a running stream with "cancelled" at the next token.
+    """
+    reply_ids: Sequence[int] | Callable[[GenerationRequest], Sequence[int]] = ()
+    token_delay_s: float = 0.0
+    reject: BackendError | None = None
+    finish_error: str | None = None
+    cached_tokens: int = 0
+    model_len: int | None = 512
+    healthy_workers: int = 1
+    kvcache_serving: bool = True
+    requests: list[GenerationRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+    abandoned: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+
+    def reply_for(self, request: GenerationRequest) -> list[int]:
+        if callable(self.reply_ids):
+            return list(self.reply_ids(request))
+        return list(self.reply_ids)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+        self.requests.append(request)
+        if self.reject is not None:
+            raise self.reject
+        produced = 0
+        done = False
+        try:
+            for token_id in self.reply_for(request)[:request.max_tokens]:
+                if self.token_delay_s:
+                    await asyncio.sleep(self.token_delay_s)
+                if request.request_id in self.cancelled:
+                    done = True
+                    yield self._finish(request, "cancelled", produced)
+                    return
+                produced += 1
+                token = (TokenOutput(token_id, self._logprob(request, token_id)),)
+                ends = token_id in request.stop_token_ids or (
+                    token_id == EOS_ID and not request.ignore_eos and produced >= request.min_tokens)
+                if ends:  # like the scheduler: the last token and the finish travel together
+                    done = True
+                    yield GenerationEvent(tokens=token, finish=self._finish(request, "stop", produced).finish)
+                    return
+                yield GenerationEvent(tokens=token)
+            done = True
+            if self.finish_error is not None:
+                yield GenerationEvent(finish=Finish("error", Usage(0, 0, 0), self.finish_error))
+                return
+            reason = "length" if produced >= request.max_tokens else "stop"
+            yield self._finish(request, reason, produced)
+        finally:
+            (self.finished if done else self.abandoned).append(request.request_id)
+
+    def _finish(self, request: GenerationRequest, reason: str, produced: int) -> GenerationEvent:
+        usage = Usage(len(request.prompt_token_ids), produced, self.cached_tokens)
+        return GenerationEvent(finish=Finish(reason, usage))
+
+    @staticmethod
+    def _logprob(request: GenerationRequest, token_id: int) -> TokenLogprob | None:
+        if not request.sampling.logprobs:
+            return None
+        top = (TopLogprob(token_id, -0.25), TopLogprob(token_id + 1, -1.5), TopLogprob(7, -3.0))
+        return TokenLogprob(-0.25, top[:request.sampling.top_logprobs])
+
+    async def cancel(self, request_id: str) -> bool:
+        self.cancelled.append(request_id)
+        return True
+
+    async def scheduler_stats(self) -> SchedulerView:
+        workers = tuple(WorkerView(f"w{index}", f"127.0.0.1:{50061 + index}", True)
+                        for index in range(self.healthy_workers))
+        return SchedulerView(workers=workers, details={"pending": 0, "workers": len(workers)})
+
+    async def kvcache_stats(self) -> dict[str, Any]:
+        return {"lookups": 0, "backend": "memory"}
+
+    async def readiness(self) -> Readiness:
+        if self.healthy_workers < 1:
+            return Readiness(False, "no healthy worker is registered with the scheduler")
+        if not self.kvcache_serving:
+            return Readiness(False, "kvcache service is not serving")
+        return Readiness(True)
+
+    async def max_model_len(self) -> int | None:
+        return self.model_len
+
+    async def close(self) -> None:
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerThread:
+    """Serves an ASGI app with uvicorn on a free port in a background thread."""
+
+    def __init__(self, app: Any) -> None:
+        self.port = free_port()
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
+                                lifespan="off", log_config=None)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline:
+                raise TimeoutError("uvicorn did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -1,0 +1,95 @@
+"""The gateway's gRPC text API over a real gRPC channel, with a fake scheduler."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+import pytest
+
+from common.grpc_server import GrpcServer, insecure_channel
+from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.backend import Overloaded
+from services.gateway.chat_template import raw_prompt_ids
+from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
+from tests.unit.gateway.conftest import REPLY_TEXT
+from tests.unit.gateway.fakes import FakeScheduler
+
+
+@pytest.fixture
+async def text_api(make_app: Callable[..., Any], fake: FakeScheduler
+                   ) -> AsyncIterator[Callable[..., Any]]:
+    servers: list[GrpcServer] = []
+    channels: list[grpc.aio.Channel] = []
+
+    async def start(**settings: Any) -> gateway_pb2_grpc.TextGenerationStub:
+        state = make_app(fake, **settings).state.gateway
+        server = GrpcServer([(gateway_pb2_grpc.add_TextGenerationServicer_to_server,
+                              TextGenerationServicer(state))], [SERVICE_NAME], "127.0.0.1", 0)
+        await server.start()
+        servers.append(server)
+        channel = insecure_channel(f"127.0.0.1:{server.port}")
+        channels.append(channel)
+        return gateway_pb2_grpc.TextGenerationStub(channel)
+
+    yield start
+    for channel in channels:
+        await channel.close()
+    for server in servers:
+        await server.stop(0)
+
+
+async def test_unary_generate(text_api: Callable[..., Any], fake: FakeScheduler,
+                              reply_ids: list[int]) -> None:
+    stub = await text_api()
+    reply = await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", user="bob"),
+                                metadata=(("x-request-id", "grpc-1"),))
+    assert reply.text == REPLY_TEXT and reply.finish_reason == "stop"
+    assert reply.usage.completion_tokens == len(reply_ids)
+    sent = fake.requests[0]
+    assert sent.client_id == "bob" and sent.trace_id == "grpc-1"
+    assert sent.sampling.temperature == 0.0 and sent.max_tokens == 128
+
+
+async def test_stream_raw_with_stop(text_api: Callable[..., Any], fake: FakeScheduler,
+                                    tokenizer: Any) -> None:
+    stub = await text_api()
+    request = gateway_pb2.TextRequest(prompt="The capital", raw=True, stop=["東"], max_tokens=50,
+                                      sampling=common_pb2.SamplingParams(temperature=0.5, seed=3))
+    chunks = [chunk async for chunk in stub.GenerateStream(request)]
+    assert "".join(chunk.text for chunk in chunks) == "Paris is "
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.prompt_tokens > 0
+    assert all(chunk.token_ids for chunk in chunks[:-1])
+    sent = fake.requests[0]
+    assert list(sent.prompt_token_ids) == raw_prompt_ids(tokenizer, "The capital")
+    assert sent.sampling.seed == 3 and sent.max_tokens == 50
+    assert fake.cancelled == [sent.request_id]
+
+
+async def test_errors_become_grpc_statuses(text_api: Callable[..., Any], fake: FakeScheduler) -> None:
+    stub = await text_api()
+    with pytest.raises(grpc.aio.AioRpcError) as bad:
+        await stub.Generate(gateway_pb2.TextRequest(
+            prompt="Hi", sampling=common_pb2.SamplingParams(temperature=9)))
+    assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "temperature" in bad.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as empty:
+        await stub.Generate(gateway_pb2.TextRequest(prompt=""))
+    assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    fake.reject = Overloaded("queue full", retry_after_s=4)
+    with pytest.raises(grpc.aio.AioRpcError) as busy:
+        async for _chunk in stub.GenerateStream(gateway_pb2.TextRequest(prompt="Hi")):
+            pass
+    assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ("retry-after", "4") in tuple(busy.value.trailing_metadata())
+
+
+async def test_api_keys_apply_to_grpc(text_api: Callable[..., Any]) -> None:
+    stub = await text_api(api_keys=("k",))
+    with pytest.raises(grpc.aio.AioRpcError) as denied:
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"))
+    assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    reply = await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"),
+                                metadata=(("authorization", "Bearer k"),))
+    assert reply.text == REPLY_TEXT

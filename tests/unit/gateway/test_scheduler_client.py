@@ -1,0 +1,157 @@
+"""The gRPC scheduler client against in-process scheduler/worker servicers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+import pytest
+
+from common.grpc_server import GrpcServer
+from common.types import SamplingParams
+from fairserve.v1 import (
+    common_pb2,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+from services.gateway import convert
+from services.gateway.backend import GenerationRequest, InvalidGeneration, Overloaded, Unavailable
+from services.gateway.scheduler_client import SchedulerClient
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.metadata: list[dict[str, str]] = []
+        self.requests: list[scheduler_pb2.GenerateRequest] = []
+        self.cancelled_streams = 0
+        self.cancel_ids: list[str] = []
+        self.worker_address = ""
+
+    async def Generate(self, request: scheduler_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata()))
+        if request.client_id == "busy":
+            context.set_trailing_metadata((("retry-after", "5"),))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        if request.client_id == "held":
+            context.set_trailing_metadata((("retry-after", "7"),))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "soft hold timed out after 30 s")
+        if request.client_id == "huge":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "needs 9000 tokens, max 4096")
+        try:
+            for index in range(request.max_tokens):
+                logprob = common_pb2.TokenLogprob(logprob=-0.5, top=[common_pb2.TopLogprob(
+                    token_id=10 + index, logprob=-0.5)])
+                yield scheduler_pb2.GenerateEvent(tokens=[scheduler_pb2.TokenEvent(
+                    token_id=10 + index, logprob=logprob)])
+                await asyncio.sleep(0.01)
+            yield scheduler_pb2.GenerateEvent(finish=scheduler_pb2.FinishEvent(
+                finish_reason="length", usage=common_pb2.Usage(
+                    prompt_tokens=len(request.prompt_token_ids),
+                    completion_tokens=request.max_tokens, cached_tokens=2)))
+        except asyncio.CancelledError:
+            self.cancelled_streams += 1
+            raise
+
+    async def Cancel(self, request: scheduler_pb2.CancelRequest,
+                     context: grpc.aio.ServicerContext) -> scheduler_pb2.CancelResponse:
+        self.cancel_ids.append(request.request_id)
+        return scheduler_pb2.CancelResponse(found=True)
+
+    async def Stats(self, request: common_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
+        workers = [scheduler_pb2.WorkerSummary(worker_id="w0", address=self.worker_address,
+                                               healthy=True)] if self.worker_address else []
+        return scheduler_pb2.SchedulerStats(pending=1, workers=workers, policy="fcfs")
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    async def Info(self, request: worker_pb2.InfoRequest,
+                   context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(worker_id="w0", max_model_len=777)
+
+
+@pytest.fixture
+async def backend() -> AsyncIterator[tuple[SchedulerClient, SchedulerServicer, GrpcServer]]:
+    scheduler = SchedulerServicer()
+    server = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
+                         (worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer())],
+                        ["fairserve.v1.Scheduler", "fairserve.v1.Worker"], "127.0.0.1", 0)
+    await server.start()
+    await server.set_serving(True)
+    address = f"127.0.0.1:{server.port}"
+    client = SchedulerClient(address, address)  # the same server answers the kvcache probe
+    yield client, scheduler, server
+    await client.close()
+    await server.stop(0)
+
+
+def request(**overrides: Any) -> GenerationRequest:
+    values: dict[str, Any] = dict(request_id="r1.0", prompt_token_ids=(2, 5, 6), max_tokens=3,
+                                  sampling=SamplingParams(temperature=0.5, seed=-1, logprobs=True,
+                                                          top_logprobs=1),
+                                  client_id="alice", trace_id="r1")
+    values.update(overrides)
+    return GenerationRequest(**values)
+
+
+async def test_generate_streams_plain_events_with_request_id_metadata(backend: Any) -> None:
+    client, scheduler, _server = backend
+    events = [event async for event in client.generate(request())]
+    assert [event.tokens[0].token_id for event in events[:-1]] == [10, 11, 12]
+    assert events[0].tokens[0].logprob.top[0].token_id == 10
+    assert events[-1].finish.reason == "length"
+    assert events[-1].finish.usage.cached_tokens == 2
+    assert scheduler.metadata[0]["x-request-id"] == "r1"
+    sent = scheduler.requests[0]
+    assert sent.client_id == "alice" and list(sent.prompt_token_ids) == [2, 5, 6]
+    assert sent.sampling.seed == 2**64 - 1  # a negative seed survives as uint64
+    assert convert.sampling_from_proto(sent.sampling).temperature == pytest.approx(0.5)
+
+
+async def test_rejections_become_backend_errors(backend: Any) -> None:
+    client, _scheduler, _server = backend
+    with pytest.raises(Overloaded) as busy:
+        [event async for event in client.generate(request(client_id="busy"))]
+    assert busy.value.retry_after_s == 5
+    with pytest.raises(Unavailable, match="hold") as held:
+        [event async for event in client.generate(request(client_id="held"))]
+    assert held.value.retry_after_s == 7
+    with pytest.raises(InvalidGeneration, match="9000"):
+        [event async for event in client.generate(request(client_id="huge"))]
+    dead = SchedulerClient("127.0.0.1:1", "127.0.0.1:1")
+    with pytest.raises(Unavailable):
+        [event async for event in dead.generate(request())]
+    assert not (await dead.readiness()).ready
+    await dead.close()
+
+
+async def test_closing_the_stream_cancels_the_rpc(backend: Any) -> None:
+    client, scheduler, _server = backend
+    async with aclosing(client.generate(request(max_tokens=500))) as events:
+        await anext(events)
+    for _ in range(100):
+        if scheduler.cancelled_streams:
+            break
+        await asyncio.sleep(0.01)
+    assert scheduler.cancelled_streams == 1
+    assert await client.cancel("r1.0") and scheduler.cancel_ids == ["r1.0"]
+
+
+async def test_readiness_needs_a_worker_and_the_kvcache(backend: Any) -> None:
+    client, scheduler, server = backend
+    not_ready = await client.readiness()
+    assert not not_ready.ready and "worker" in not_ready.reason
+    scheduler.worker_address = f"127.0.0.1:{server.port}"
+    assert (await client.readiness()).ready
+    assert await client.max_model_len() == 777
+    assert (await client.scheduler_stats()).details["policy"] == "fcfs"
+    await server.set_serving(False)
+    down = await client.readiness()
+    assert not down.ready and "kvcache" in down.reason

@@ -1,0 +1,181 @@
+"""The real gRPC server: Publish, Lookup, Stats and health through a client,
+and `python -m services.kvcache.main` as a process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc
+
+from common.grpc_server import GrpcServer, check_health, insecure_channel
+from services.kvcache.backend import MemoryBackend
+from services.kvcache.client import KvIndexClient
+from services.kvcache.kv_types import (
+    BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult,
+)
+from services.kvcache.prompt_hash import prompt_hashes
+from services.kvcache.publisher import KvEventPublisher
+from services.kvcache.server import SERVICE_NAME, build_server
+from services.kvcache.service import KvIndexService
+
+ROOT = Path(__file__).resolve().parents[3]
+BLOCK = 4
+MODEL_KEY = "tiny"
+PROMPT = list(range(1, 15))  # three full blocks and two tokens
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[GrpcServer]:
+    service = KvIndexService(MemoryBackend(BLOCK), MODEL_KEY)
+    instance = build_server(service, "127.0.0.1", 0)
+    await instance.start()
+    await instance.set_serving(True)
+    yield instance
+    await instance.stop(0)
+
+
+@pytest.fixture
+async def client(server: GrpcServer) -> AsyncIterator[KvIndexClient]:
+    instance = KvIndexClient.connect(f"127.0.0.1:{server.port}")
+    yield instance
+    await instance.close()
+
+
+def prompt_chain() -> BlockStored:
+    hashes = prompt_hashes(PROMPT, BLOCK, MODEL_KEY)
+    return BlockStored(0, hashes.block_hashes, hashes.partial_hash)
+
+
+async def test_health_reports_serving(server: GrpcServer) -> None:
+    async with insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        assert await check_health(channel)
+        assert await check_health(channel, SERVICE_NAME)
+
+
+async def test_publish_lookup_stats_over_grpc(client: KvIndexClient) -> None:
+    publisher = KvEventPublisher("worker-0", client.publish, lambda: [])
+    assert await publisher.flush()  # joins with an empty snapshot
+    chain = prompt_chain()
+    publisher.stored(chain.parent_hash, chain.block_hashes, chain.partial_hash)
+    assert await publisher.flush()
+
+    exact = await client.lookup_tokens(PROMPT)
+    assert exact.block_size == BLOCK
+    assert [(m.worker_id, m.matched_blocks, m.matched_tokens, m.exact) for m in exact.matches] == \
+        [("worker-0", 3, len(PROMPT), True)]
+    longer = await client.lookup_tokens(PROMPT[:12] + [99, 98, 97, 96, 95])
+    assert [(m.matched_blocks, m.matched_tokens, m.exact) for m in longer.matches] == \
+        [(3, 12, False)]
+    by_hash = prompt_hashes(PROMPT[:8], BLOCK, MODEL_KEY)
+    partial = await client.lookup(LookupQuery(by_hash.block_hashes))
+    assert partial.best is not None and partial.best.matched_tokens == 8
+
+    stats = await client.stats()
+    assert stats.backend == "memory"
+    assert (stats.lookups, stats.hits, stats.hit_tokens) == (3, 3, 14 + 12 + 8)
+    assert stats.lookup_tokens == 14 + 17 + 8
+    assert stats.blocks_by_worker == {"worker-0": 3}
+    assert stats.events == 1 and stats.resyncs == 1 and stats.nodes == 1
+
+
+async def test_gap_over_grpc_answers_resync_needed(client: KvIndexClient) -> None:
+    await client.publish(PublishBatch("w", full_resync=True))
+    reply = await client.publish(PublishBatch("w", (KvEvent(2, prompt_chain()),)))
+    assert reply == PublishResult(True, 1)
+
+
+async def test_bad_requests_are_invalid_argument(server: GrpcServer) -> None:
+    async with insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = kvindex_pb2_grpc.KvIndexStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as both:
+            await stub.Lookup(kvindex_pb2.LookupRequest(block_hashes=[1], token_ids=[1]))
+        assert both.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as zero_hash:
+            await stub.Publish(kvindex_pb2.PublishRequest(
+                worker_id="w", full_resync=True,
+                snapshot=[kvindex_pb2.BlockStored(block_hashes=[0])]))
+        assert zero_hash.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as no_worker:
+            await stub.Publish(kvindex_pb2.PublishRequest(full_resync=True))
+        assert no_worker.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ServiceProcess:
+    def __init__(self, env: dict[str, str]) -> None:
+        self.port = free_port()
+        self.metrics_port = free_port()
+        full_env = {**os.environ, **env, "KVCACHE_PORT": str(self.port),
+                    "KVCACHE_METRICS_PORT": str(self.metrics_port),
+                    "KV_CACHE_BLOCK_SIZE": str(BLOCK), "MODEL_KEY": MODEL_KEY}
+        self.process = subprocess.Popen([sys.executable, "-m", "services.kvcache.main"], cwd=ROOT,
+                                        env=full_env, stdout=subprocess.PIPE,
+                                        stderr=subprocess.STDOUT)
+
+    async def wait_serving(self, timeout_s: float = 15.0) -> None:
+        async with insecure_channel(f"127.0.0.1:{self.port}") as channel:
+            for _ in range(int(timeout_s / 0.1)):
+                if self.process.poll() is not None:
+                    output = self.process.stdout.read().decode() if self.process.stdout else ""
+                    raise RuntimeError(f"kvcache exited early:\n{output}")
+                if await check_health(channel, timeout_s=0.5):
+                    return
+                await asyncio.sleep(0.1)
+        raise TimeoutError("kvcache did not become healthy")
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout=10)
+
+
+async def test_main_serves_metrics_and_stops_cleanly() -> None:
+    service = ServiceProcess({"KV_INDEX_BACKEND": "memory"})
+    try:
+        await service.wait_serving()
+        client = KvIndexClient.connect(f"127.0.0.1:{service.port}")
+        await client.lookup_tokens(PROMPT)
+        await client.close()
+        metrics = await asyncio.to_thread(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{service.metrics_port}/metrics",
+                                           timeout=2).read().decode())
+        assert "fairserve_kvcache_lookups_total 1.0" in metrics
+    finally:
+        assert service.stop() == 0
+
+
+async def test_redis_backed_service_survives_a_restart(redis_url: str) -> None:
+    env = {"KV_INDEX_BACKEND": "redis", "REDIS_URL": redis_url}
+    first = ServiceProcess(env)
+    try:
+        await first.wait_serving()
+        client = KvIndexClient.connect(f"127.0.0.1:{first.port}")
+        publisher = KvEventPublisher("worker-0", client.publish, lambda: [prompt_chain()])
+        assert await publisher.flush()
+        await client.close()
+    finally:
+        assert first.stop() == 0
+    second = ServiceProcess(env)
+    try:
+        await second.wait_serving()
+        client = KvIndexClient.connect(f"127.0.0.1:{second.port}")
+        result = await client.lookup_tokens(PROMPT)
+        assert result.best is not None and result.best.exact
+        assert (await client.stats()).backend == "redis"
+        await client.close()
+    finally:
+        assert second.stop() == 0

@@ -1,0 +1,91 @@
+import ast
+import re
+from pathlib import Path
+
+from common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
+from common.prometheus_names import (ALL_FAMILIES, COUNTER, GAUGE, HISTOGRAM, SERVICES, WORKER,
+                                     families_of, family_of_series)
+
+ROOT = Path(__file__).resolve().parents[3]
+DOCS = ROOT / "docs" / "metrics.md"
+TABLE_ROW = re.compile(r"^\|\s*`(fairserve_\w+)`\s*\|\s*(\w+)\s*\|\s*([^|]*)\|")
+
+
+def documented_families() -> dict[str, tuple[str, tuple[str, ...]]]:
+    rows = {}
+    for line in DOCS.read_text().splitlines():
+        if match := TABLE_ROW.match(line):
+            labels = tuple(label.strip() for label in match.group(3).split(",") if label.strip() not in ("", "–"))
+            assert match.group(1) not in rows, f"{match.group(1)} documented twice"
+            rows[match.group(1)] = (match.group(2), labels)
+    return rows
+
+
+def test_names_follow_the_scheme():
+    pattern = re.compile(rf"^fairserve_({'|'.join(SERVICES)})_[a-z][a-z0-9_]*[a-z0-9]$")
+    for family in ALL_FAMILIES:
+        assert pattern.match(family.name), family.name
+        assert family.name.split("_")[1] == family.service
+        assert family.name.endswith("_total") == (family.kind == COUNTER), family.name
+        if family.kind == HISTOGRAM:
+            assert family.name.endswith("_seconds") and family.buckets, family.name
+        assert family.help
+
+
+def test_names_are_unique_and_every_service_exports_some():
+    names = [family.name for family in ALL_FAMILIES]
+    assert len(names) == len(set(names))
+    assert all(families_of(service) for service in SERVICES)
+
+
+def test_histograms_use_the_shared_buckets():
+    for family in ALL_FAMILIES:
+        if family.kind == HISTOGRAM:
+            assert family.buckets in (LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S), family.name
+
+
+def test_series_names_map_back_to_their_family():
+    for family in ALL_FAMILIES:
+        for series in family.series_names():
+            assert family_of_series(series) == family
+    assert family_of_series("fairserve_gateway_ttft_seconds") is None  # histograms expose only suffixed series
+    assert family_of_series("something_else") is None
+
+
+def test_docs_document_every_family_with_its_type_and_labels():
+    documented = documented_families()
+    assert set(documented) == {family.name for family in ALL_FAMILIES}
+    for family in ALL_FAMILIES:
+        assert documented[family.name] == (family.kind, family.labels), family.name
+
+
+def test_docs_describe_the_stats_schema():
+    text = DOCS.read_text()
+    assert "## /stats schema" in text
+    for key in ('"ts"', '"gateway"', '"scheduler"', '"kvcache"', '"latency_ms"', '"workers"', '"clients"',
+                '"blocks_by_worker"', '"rejections"', '"holds"'):
+        assert key in text, key
+
+
+def collectors_in_source(path: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
+    """Counter/Gauge/Histogram(metric_name(service, what), help, labels...)
+    calls in a module's source: name -> (type, labels). Read from the source
+    so the test does not import the engine (and torch)."""
+    kinds = {"Counter": COUNTER, "Gauge": GAUGE, "Histogram": HISTOGRAM}
+    found = {}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in kinds):
+            continue
+        name_call = node.args[0]
+        assert isinstance(name_call, ast.Call) and getattr(name_call.func, "id", "") == "metric_name"
+        service, what = (ast.literal_eval(arg) for arg in name_call.args)
+        labels_node = next((kw.value for kw in node.keywords if kw.arg == "labelnames"),
+                           node.args[2] if len(node.args) > 2 else None)
+        labels = tuple(ast.literal_eval(labels_node)) if labels_node is not None else ()
+        found[f"fairserve_{service}_{what}"] = (kinds[node.func.id], labels)
+    return found
+
+
+def test_the_worker_exports_its_catalogued_families():
+    exported = collectors_in_source(ROOT / "services" / "worker" / "server.py")
+    assert exported == {family.name: (family.kind, family.labels) for family in families_of(WORKER)}
