@@ -1,0 +1,111 @@
+"""proto <-> core values, at the scheduler's edges."""
+
+from __future__ import annotations
+
+import grpc
+from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
+
+from common.convert import (
+    logprob_from_proto, logprob_to_proto, sampling_from_proto, sampling_to_proto, usage_to_proto,
+)
+
+from services.scheduler.core import (
+    CoreStats, Gate, PoolSnapshot, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan,
+    WorkerSpec,
+)
+
+REJECTION_CODES: dict[Gate, grpc.StatusCode] = {
+    Gate.QUEUE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Gate.NEVER_FIT: grpc.StatusCode.INVALID_ARGUMENT,
+    Gate.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Gate.TIMEOUT: grpc.StatusCode.UNAVAILABLE,
+    Gate.NO_WORKER: grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSpec:
+    return RequestSpec(
+        request_id=message.request_id,
+        prompt_token_ids=tuple(message.prompt_token_ids),
+        max_tokens=message.max_tokens,
+        sampling=sampling_from_proto(message.sampling),
+        stop_token_ids=frozenset(message.stop_token_ids),
+        ignore_eos=message.ignore_eos,
+        min_tokens=max(0, message.min_tokens),
+        client_id=message.client_id,
+        session_id=message.session_id,
+        priority=message.priority,
+    )
+
+
+def worker_spec_from_proto(info: worker_pb2.WorkerInfo, worker_id: str, address: str) -> WorkerSpec:
+    return WorkerSpec(worker_id=worker_id, address=address, block_size=info.block_size,
+                      num_blocks=info.num_blocks, max_model_len=info.max_model_len,
+                      eos_token_ids=frozenset(info.eos_token_ids))
+
+
+def step_request_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
+    return worker_pb2.StepRequest(
+        step_id=plan.step_id,
+        new_sequences=[worker_pb2.NewSequence(seq_id=n.seq_id, prompt_token_ids=n.prompt_token_ids,
+                                              output_token_ids=n.output_token_ids,
+                                              sampling=sampling_to_proto(n.sampling))
+                       for n in plan.new_sequences],
+        work=[worker_pb2.WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in plan.work],
+        free_seq_ids=plan.free_seq_ids,
+    )
+
+
+def pool_from_proto(message: worker_pb2.PoolStats) -> PoolSnapshot:
+    return PoolSnapshot(total_blocks=message.total_blocks, free_blocks=message.free_blocks,
+                        cached_blocks=message.cached_blocks, used_blocks=message.used_blocks)
+
+
+def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
+    return SeqResult(
+        seq_id=message.seq_id, num_computed_tokens=message.num_computed_tokens,
+        num_cached_tokens=message.num_cached_tokens, sampled=message.sampled,
+        token_id=message.token_id,
+        logprob=logprob_from_proto(message.logprob) if message.HasField("logprob") else None,
+        error=message.error,
+    )
+
+
+def step_outcome_from_proto(message: worker_pb2.StepResponse) -> StepOutcome:
+    return StepOutcome(step_id=message.step_id,
+                       results=tuple(seq_result_from_proto(r) for r in message.results),
+                       pool=pool_from_proto(message.pool), forward_ms=message.forward_ms)
+
+
+def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEvent:
+    event = scheduler_pb2.GenerateEvent()
+    for token in update.tokens:
+        item = event.tokens.add(token_id=token.token_id)
+        if token.logprob is not None:
+            item.logprob.CopyFrom(logprob_to_proto(token.logprob))
+    if update.finish is not None:
+        event.finish.CopyFrom(scheduler_pb2.FinishEvent(
+            finish_reason=update.finish.reason.value, usage=usage_to_proto(update.finish.usage),
+            message=update.finish.message))
+    return event
+
+
+def cached_prefix_tokens(response: kvindex_pb2.LookupResponse) -> dict[str, int]:
+    return {match.worker_id: match.matched_tokens for match in response.matches}
+
+
+def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
+    return scheduler_pb2.SchedulerStats(
+        pending=stats.pending, prefilling=stats.prefilling, active=stats.active,
+        admitted=stats.admitted, finished=stats.finished, preemptions=stats.preemptions,
+        rejections=stats.rejections, holds=stats.holds,
+        workers=[scheduler_pb2.WorkerSummary(
+            worker_id=w.worker_id, address=w.address, healthy=w.healthy, running=w.running,
+            free_blocks=w.free_blocks, cached_blocks=w.cached_blocks, total_blocks=w.total_blocks,
+            last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps)
+            for w in stats.workers],
+        clients=[scheduler_pb2.ClientCounter(client_id=c.client_id, counter=c.counter,
+                                             served_tokens=c.served_tokens)
+                 for c in stats.clients],
+        policy=stats.policy.value, reserved_kv_tokens=stats.reserved_kv_tokens,
+    )

@@ -1,0 +1,15 @@
+"""Pure scheduling core: no gRPC, no protobuf; clock and ids are injected."""
+
+from services.scheduler.core.scheduler import SchedulerCore
+from services.scheduler.core.types import (
+    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, NewSequence, Policy,
+    PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepOutcome,
+    StepPlan, SubmitResult, TokenOut, WorkerSpec, WorkItem,
+)
+
+__all__ = [
+    "CoreConfig", "CoreStats", "ExpireOutcome", "Finish", "FinishReason", "Gate", "NewSequence",
+    "Policy", "PoolSnapshot", "PrefillMode", "Rejection", "RequestSpec", "RequestUpdate",
+    "SchedulerCore", "SeqResult", "StepOutcome", "StepPlan", "SubmitResult", "TokenOut",
+    "WorkItem", "WorkerSpec",
+]

@@ -1,0 +1,566 @@
+"""The scheduling core: queues, admission, step planning and bookkeeping for
+every worker. Pure and synchronous; the transport calls it from one event
+loop, feeds it step outcomes and delivers the request updates it returns.
+
+Life of a request: submit() puts it in its worker's pending queue (or
+rejects it). plan_step() admits pending requests under the gates, sends
+their prompts in chunks (prefilling), then one decode per step (active).
+apply_step() turns the worker's results into token events and finishes.
+A sequence that loses its blocks to a preemption goes back to pending with
+its generated tokens and is later recomputed from prompt + output.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from itertools import count
+
+from common.types import Usage
+
+from services.scheduler.core.policy import VirtualTokenCounter, pick_next
+from services.scheduler.core.routing import SessionMap, choose_worker
+from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
+from services.scheduler.core.types import (
+    OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate,
+    NewSequence, PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult,
+    StepOutcome, StepPlan, SubmitResult, TokenOut, WorkerSpec, WorkerSummary, WorkItem,
+)
+
+ANONYMOUS_CLIENT = "anonymous"
+MAX_TRACKED_CLIENTS = 10000
+
+
+class _PlanBuilder:
+    """One step under construction, with what is left of its budgets."""
+
+    def __init__(self, step_id: int, available_blocks: int, token_budget: int,
+                 frees: list[str]) -> None:
+        self.step_id = step_id
+        self.available_blocks = available_blocks
+        self.token_budget = token_budget
+        self.frees = frees
+        self.new_sequences: list[NewSequence] = []
+        self._work: dict[str, tuple[int, int, bool]] = {}  # seq_id -> tokens, blocks, is_decode
+
+    def add(self, seq_id: str, tokens: int, blocks: int, is_decode: bool) -> None:
+        self._work[seq_id] = (tokens, blocks, is_decode)
+        self.token_budget -= tokens
+        self.available_blocks -= blocks
+
+    def drop(self, seq_id: str) -> None:
+        tokens, blocks, _ = self._work.pop(seq_id, (0, 0, False))
+        self.token_budget += tokens
+        self.available_blocks += blocks
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._work)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(not is_decode for _, _, is_decode in self._work.values())
+
+    @property
+    def has_decode(self) -> bool:
+        return any(is_decode for _, _, is_decode in self._work.values())
+
+    def build(self) -> StepPlan | None:
+        if not (self._work or self.frees or self.new_sequences):
+            return None
+        return StepPlan(
+            step_id=self.step_id, new_sequences=tuple(self.new_sequences),
+            work=tuple(WorkItem(seq_id, tokens) for seq_id, (tokens, _, _) in self._work.items()),
+            free_seq_ids=tuple(self.frees),
+        )
+
+
+class SchedulerCore:
+    def __init__(self, config: CoreConfig, clock: Callable[[], float],
+                 new_id: Callable[[], str]) -> None:
+        self._config = config
+        self._clock = clock
+        self._new_id = new_id
+        self._workers: dict[str, WorkerState] = {}
+        self._requests: dict[str, RequestState] = {}
+        self._by_seq: dict[str, RequestState] = {}
+        self._vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight)
+        self._waiting_by_client: Counter[str] = Counter()
+        self._sessions = SessionMap()
+        self._arrivals = count()
+        self._step_ids = count(1)
+        self._admitted = 0
+        self._preemptions = 0
+        self._finished: Counter[str] = Counter()
+        self._rejections: Counter[str] = Counter()
+        self._holds: Counter[str] = Counter()
+        self._queue_waits: list[float] = []
+
+    @property
+    def config(self) -> CoreConfig:
+        return self._config
+
+    # ---- workers ----
+
+    def add_worker(self, spec: WorkerSpec) -> list[RequestUpdate]:
+        """Registers a worker. A worker that registers again has restarted:
+        what it was running is lost, what waited for it keeps waiting."""
+        updates: list[RequestUpdate] = []
+        waiting: list[RequestState] = []
+        old = self._workers.get(spec.worker_id)
+        if old is not None:
+            waiting = [r for r in old.pending if not r.admitted_once]
+            old.pending = [r for r in old.pending if r.admitted_once]
+            updates = self._drop_worker(old, f"worker {spec.worker_id} restarted; its sequences were lost")
+        pool = PoolSnapshot(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
+                            cached_blocks=0, used_blocks=0)
+        worker = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
+        worker.pending.extend(waiting)
+        self._workers[spec.worker_id] = worker
+        return updates
+
+    def heartbeat(self, worker_id: str) -> bool:
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.last_heartbeat_s = self._clock()
+        return True
+
+    def remove_worker(self, worker_id: str, message: str) -> list[RequestUpdate]:
+        """Takes a worker out of the rotation. Its in-flight requests end with
+        an error; requests that were only waiting for it move to another one."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return []
+        orphans = [r for r in worker.pending if not r.admitted_once]
+        worker.pending = [r for r in worker.pending if r.admitted_once]
+        updates = self._drop_worker(worker, message)
+        for request in orphans:
+            updates.extend(self._reroute(request))
+        return updates
+
+    def worker_ids(self) -> list[str]:
+        return list(self._workers)
+
+    def has_worker(self, worker_id: str) -> bool:
+        return worker_id in self._workers
+
+    def expire(self) -> ExpireOutcome:
+        """Drops workers that stopped heartbeating and fails requests that
+        waited past the queue timeout without being admitted."""
+        now = self._clock()
+        updates: list[RequestUpdate] = []
+        removed: list[str] = []
+        for worker in list(self._workers.values()):
+            silence = now - worker.last_heartbeat_s
+            if silence > self._config.heartbeat_timeout_s:
+                removed.append(worker.worker_id)
+                updates.extend(self.remove_worker(
+                    worker.worker_id,
+                    f"worker {worker.worker_id} stopped heartbeating ({silence:.1f} s since the last one)"))
+        for worker in self._workers.values():
+            for request in list(worker.pending):
+                waited = now - request.arrival_s
+                if not request.admitted_once and waited > self._config.queue_timeout_s:
+                    updates.append(self._reject_waiting(worker, request, Gate.TIMEOUT,
+                                                        self._timeout_message(request, waited)))
+        return ExpireOutcome(updates=tuple(updates), removed_workers=tuple(removed))
+
+    # ---- requests ----
+
+    def submit(self, spec: RequestSpec,
+               cached_prefix_tokens: Mapping[str, int] | None = None) -> SubmitResult:
+        """Queues a request on a worker, or rejects it at once."""
+        if not spec.request_id:
+            spec = replace(spec, request_id=self._new_id())
+        rejection = self._reject_early(spec)
+        if rejection is not None:
+            return self._count_rejection(spec.request_id, rejection)
+        session_worker = self._sessions.get(spec.session_id) if spec.session_id else None
+        worker = choose_worker(list(self._workers.values()), session_worker, cached_prefix_tokens or {})
+        assert worker is not None
+        prompt_len = len(spec.prompt_token_ids)
+        max_tokens = spec.max_tokens if spec.max_tokens > 0 else worker.spec.max_model_len - prompt_len
+        problem = self._never_fit(worker.spec, prompt_len, max_tokens)
+        if problem:
+            return self._count_rejection(spec.request_id, Rejection(Gate.NEVER_FIT, problem))
+        if spec.session_id:
+            self._sessions.remember(spec.session_id, worker.worker_id)
+        client_id = spec.client_id or ANONYMOUS_CLIENT
+        request = RequestState(spec=spec, client_id=client_id, max_tokens=max_tokens,
+                               arrival_s=self._clock(), arrival_order=next(self._arrivals),
+                               worker_id=worker.worker_id)
+        if self._waiting_by_client[client_id] == 0:
+            self._vtc.lift_on_arrival(client_id, list(self._waiting_by_client))
+        self._requests[spec.request_id] = request
+        self._enqueue(worker, request)
+        return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
+
+    def cancel(self, request_id: str) -> tuple[bool, list[RequestUpdate]]:
+        """Ends a request now; its sequence is freed in its worker's next step."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False, []
+        finish = self._finish(request, FinishReason.CANCELLED)
+        return True, [RequestUpdate(request_id, finish=finish)]
+
+    def worker_of(self, request_id: str) -> str | None:
+        request = self._requests.get(request_id)
+        return request.worker_id if request else None
+
+    # ---- steps ----
+
+    def plan_step(self, worker_id: str) -> StepPlan | None:
+        """The next step for a worker, or None when it has nothing to do."""
+        worker = self._workers[worker_id]
+        if worker.in_flight is not None:
+            raise RuntimeError(f"worker {worker_id} already has step {worker.in_flight.step_id} in flight")
+        plan = _PlanBuilder(next(self._step_ids),
+                            worker.pool.available_blocks + worker.releasing_blocks,
+                            self._config.max_batch_tokens, worker.frees)
+        worker.frees, worker.releasing_blocks = [], 0
+        prefill_turn = self._prefill_turn(worker)
+        if prefill_turn is None:
+            self._plan_decodes(worker, plan)
+            self._plan_prefill(worker, plan)
+        elif prefill_turn:
+            self._plan_prefill(worker, plan)
+            if not plan.has_work:
+                self._plan_decodes(worker, plan)
+        else:
+            self._plan_decodes(worker, plan)
+        worker.last_step_was_prefill = plan.has_prefill and not plan.has_decode
+        step = plan.build()
+        worker.in_flight = step
+        return step
+
+    def apply_step(self, worker_id: str, outcome: StepOutcome) -> list[RequestUpdate]:
+        """Feeds a worker's step results back; returns what the streams get."""
+        worker = self._workers.get(worker_id)
+        if worker is None:
+            return []
+        plan = worker.in_flight
+        if plan is None or plan.step_id != outcome.step_id:
+            return []  # a step of an earlier registration of this worker
+        worker.in_flight = None
+        worker.refused_allocation = False
+        worker.pool = outcome.pool
+        worker.steps += 1
+        worker.last_step_ms = outcome.forward_ms
+        worker.last_batch_size = len(plan.work)
+        updates: list[RequestUpdate] = []
+        for result in outcome.results:
+            request = self._by_seq.get(result.seq_id)
+            if request is None or request.worker_id != worker_id:
+                continue  # cancelled, finished or preempted while the step ran
+            update = self._apply_result(worker, request, result)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    # ---- statistics ----
+
+    def drain_queue_waits(self) -> list[float]:
+        """Seconds from arrival to first admission, since the last call."""
+        waits, self._queue_waits = self._queue_waits, []
+        return waits
+
+    def stats(self) -> CoreStats:
+        workers = tuple(
+            WorkerSummary(
+                worker_id=w.worker_id, address=w.spec.address,
+                healthy=self._clock() - w.last_heartbeat_s <= self._config.heartbeat_timeout_s,
+                running=len(w.running), pending=len(w.pending), free_blocks=w.pool.free_blocks,
+                cached_blocks=w.pool.cached_blocks, total_blocks=w.pool.total_blocks,
+                last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps,
+                reserved_kv_tokens=w.reserved_kv_tokens)
+            for w in self._workers.values())
+        return CoreStats(
+            policy=self._config.policy,
+            pending=sum(len(w.pending) for w in self._workers.values()),
+            prefilling=sum(len(w.prefilling) for w in self._workers.values()),
+            active=sum(len(w.active) for w in self._workers.values()),
+            admitted=self._admitted, finished=sum(self._finished.values()),
+            preemptions=self._preemptions, rejections=dict(self._rejections),
+            holds=dict(self._holds), workers=workers, clients=self._vtc.snapshot(),
+            reserved_kv_tokens=sum(w.reserved_kv_tokens for w in self._workers.values()),
+            finished_by_reason=dict(self._finished),
+        )
+
+    # ---- admission checks ----
+
+    def _reject_early(self, spec: RequestSpec) -> Rejection | None:
+        if not spec.prompt_token_ids:
+            return Rejection(Gate.INVALID, "the prompt is empty")
+        if spec.request_id in self._requests:
+            return Rejection(Gate.INVALID, f"request_id {spec.request_id!r} is already in flight")
+        if not self._workers:
+            return Rejection(Gate.NO_WORKER, "no worker is registered")
+        waiting = sum(len(w.pending) for w in self._workers.values())
+        if waiting >= self._config.max_queue_len:
+            return Rejection(Gate.QUEUE, f"the queue is full: {waiting} requests waiting "
+                                         f"(MAX_QUEUE_LEN={self._config.max_queue_len})")
+        return None
+
+    def _never_fit(self, worker: WorkerSpec, prompt_len: int, max_tokens: int) -> str:
+        total = prompt_len + max_tokens
+        head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens"
+        if max_tokens <= 0 or total > worker.max_model_len:
+            return f"{head} exceeds the model context of {worker.max_model_len} tokens"
+        blocks = blocks_for(total, worker.block_size)
+        if blocks > worker.num_blocks:
+            return (f"{head} needs {blocks} KV blocks of {worker.block_size} tokens, "
+                    f"but the worker's pool has {worker.num_blocks}")
+        if total > self._config.max_active_kv_tokens:
+            return f"{head} exceeds MAX_ACTIVE_KV_TOKENS={self._config.max_active_kv_tokens}"
+        return ""
+
+    def _count_rejection(self, request_id: str, rejection: Rejection) -> SubmitResult:
+        self._rejections[rejection.gate.value] += 1
+        return SubmitResult(request_id=request_id, rejection=rejection)
+
+    def _hold(self, request: RequestState, gate: Gate) -> None:
+        if gate not in request.held_by:
+            request.held_by.add(gate)
+            self._holds[gate.value] += 1
+
+    def _timeout_message(self, request: RequestState, waited: float) -> str:
+        held = ", ".join(sorted(g.value for g in request.held_by)) or "queue order"
+        return (f"not admitted after {waited:.1f} s (QUEUE_TIMEOUT_S={self._config.queue_timeout_s:g}); "
+                f"held by: {held}")
+
+    # ---- planning ----
+
+    def _prefill_turn(self, worker: WorkerState) -> bool | None:
+        """None: prefill and decodes share the step. Otherwise whether this
+        step of the alternating mode is the prefill one."""
+        if self._config.prefill_mode is PrefillMode.MIXED:
+            return None
+        if not worker.active or not (worker.prefilling or worker.pending):
+            return None
+        return not worker.last_step_was_prefill
+
+    def _plan_decodes(self, worker: WorkerState, plan: _PlanBuilder) -> None:
+        block_size = worker.spec.block_size
+        for request in sorted(worker.active, key=lambda r: r.running_key):
+            if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
+                continue  # preempted while this step was being planned
+            if plan.token_budget < 1:
+                return
+            needed = blocks_for(request.num_computed + 1, block_size) - worker.blocks_held(request)
+            if self._make_room(worker, plan, request, needed):
+                assert request.seq_id is not None
+                plan.add(request.seq_id, 1, needed, is_decode=True)
+
+    def _plan_prefill(self, worker: WorkerState, plan: _PlanBuilder) -> None:
+        for request in sorted(worker.prefilling, key=lambda r: r.running_key):
+            if request.phase is not Phase.PREFILLING:
+                continue
+            if plan.token_budget < 1:
+                return
+            self._plan_chunk(worker, plan, request)
+        self._plan_admissions(worker, plan)
+
+    def _plan_chunk(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState) -> None:
+        wanted = min(request.known_tokens - request.num_computed,
+                     self._config.prefill_chunk_size, plan.token_budget)
+        if wanted <= 0:
+            return
+        tokens = self._tokens_that_fit(worker, plan, request, wanted)
+        if tokens == 0:
+            one_more = blocks_for(request.num_computed + 1, worker.spec.block_size) - worker.blocks_held(request)
+            if not self._make_room(worker, plan, request, one_more):
+                return
+            tokens = self._tokens_that_fit(worker, plan, request, wanted)
+        needed = blocks_for(request.num_computed + tokens, worker.spec.block_size) - worker.blocks_held(request)
+        assert request.seq_id is not None
+        plan.add(request.seq_id, tokens, needed, is_decode=False)
+
+    @staticmethod
+    def _tokens_that_fit(worker: WorkerState, plan: _PlanBuilder, request: RequestState,
+                         wanted: int) -> int:
+        capacity = ((worker.blocks_held(request) + max(plan.available_blocks, 0)) * worker.spec.block_size
+                    - request.num_computed)
+        return max(0, min(wanted, capacity))
+
+    def _plan_admissions(self, worker: WorkerState, plan: _PlanBuilder) -> None:
+        config = self._config
+        if worker.refused_allocation:
+            return
+        while worker.pending and plan.token_budget >= 1 and len(worker.running) < config.max_batch_size:
+            request = pick_next(worker.pending, config.policy, self._vtc)
+            assert request is not None
+            if worker.reserved_kv_tokens + request.kv_reservation > config.max_active_kv_tokens:
+                self._hold(request, Gate.ACTIVE_KV)
+                return
+            if blocks_for(request.known_tokens, worker.spec.block_size) > plan.available_blocks:
+                self._hold(request, Gate.CACHE_POOL)
+                return
+            self._admit(worker, plan, request)
+
+    def _admit(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState) -> None:
+        if not request.admitted_once:
+            request.admitted_once = True
+            self._admitted += 1
+            self._queue_waits.append(self._clock() - request.arrival_s)
+            self._vtc.charge_prompt(request.client_id, len(request.prompt))
+        self._dequeue(worker, request)
+        seq_id = self._new_id()
+        request.seq_id, request.num_computed, request.phase = seq_id, 0, Phase.PREFILLING
+        worker.prefilling.append(request)
+        worker.reserved_kv_tokens += request.kv_reservation
+        self._by_seq[seq_id] = request
+        plan.new_sequences.append(NewSequence(seq_id=seq_id, prompt_token_ids=request.prompt,
+                                              output_token_ids=tuple(request.output),
+                                              sampling=request.sampling))
+        tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
+        plan.add(seq_id, tokens, blocks_for(tokens, worker.spec.block_size), is_decode=False)
+
+    def _make_room(self, worker: WorkerState, plan: _PlanBuilder, requester: RequestState,
+                   needed_blocks: int) -> bool:
+        """Preempts until `needed_blocks` are available; False when the
+        requester itself had to go."""
+        while plan.available_blocks < needed_blocks:
+            victim = max(worker.running, key=lambda r: r.running_key)
+            self._preempt(worker, victim, plan)
+            if victim is requester:
+                return False
+        return True
+
+    # ---- results ----
+
+    def _apply_result(self, worker: WorkerState, request: RequestState,
+                      result: SeqResult) -> RequestUpdate | None:
+        if result.error == OUT_OF_BLOCKS:
+            # Nothing changed on the worker; make room for the next step.
+            worker.refused_allocation = True
+            self._preempt(worker, max(worker.running, key=lambda r: r.running_key))
+            return None
+        if result.error:
+            finish = self._finish(request, FinishReason.ERROR,
+                                  f"worker {worker.worker_id} failed the sequence: {result.error}")
+            return RequestUpdate(request.request_id, finish=finish)
+        request.num_computed = result.num_computed_tokens
+        if request.cached_tokens is None:
+            request.cached_tokens = min(result.num_cached_tokens, len(request.prompt))
+        if not result.sampled:
+            return None
+        request.output.append(result.token_id)
+        self._vtc.charge_output(request.client_id)
+        if request.phase is Phase.PREFILLING:
+            worker.prefilling.remove(request)
+            worker.active.append(request)
+            request.phase = Phase.ACTIVE
+        token = TokenOut(token_id=result.token_id, logprob=result.logprob)
+        reason = self._finish_reason(worker, request, result.token_id)
+        finish = self._finish(request, reason) if reason is not None else None
+        return RequestUpdate(request.request_id, tokens=(token,), finish=finish)
+
+    @staticmethod
+    def _finish_reason(worker: WorkerState, request: RequestState, token_id: int) -> FinishReason | None:
+        spec = request.spec
+        generated = len(request.output)
+        if generated >= spec.min_tokens:
+            if not spec.ignore_eos and token_id in worker.spec.eos_token_ids:
+                return FinishReason.STOP
+            if token_id in spec.stop_token_ids:
+                return FinishReason.STOP
+        if generated >= request.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    # ---- moving requests between queues ----
+
+    def _enqueue(self, worker: WorkerState, request: RequestState) -> None:
+        request.phase = Phase.PENDING
+        worker.pending.append(request)
+        self._waiting_by_client[request.client_id] += 1
+
+    def _dequeue(self, worker: WorkerState, request: RequestState) -> None:
+        worker.pending.remove(request)
+        self._left_queue(request.client_id)
+
+    def _left_queue(self, client_id: str) -> None:
+        self._waiting_by_client[client_id] -= 1
+        if self._waiting_by_client[client_id] <= 0:
+            del self._waiting_by_client[client_id]
+            self._vtc.note_departure(client_id)
+
+    def _detach(self, worker: WorkerState, request: RequestState,
+                plan: _PlanBuilder | None = None) -> None:
+        """Takes a request out of its worker's queues and frees its sequence
+        (in `plan` when one is being built, else in the next step)."""
+        if request.phase is Phase.PENDING:
+            self._dequeue(worker, request)
+            return
+        (worker.prefilling if request.phase is Phase.PREFILLING else worker.active).remove(request)
+        worker.reserved_kv_tokens -= request.kv_reservation
+        if request.seq_id is not None:
+            seq_id, blocks = request.seq_id, worker.blocks_held(request)
+            del self._by_seq[seq_id]
+            if plan is not None:
+                plan.drop(seq_id)
+                plan.frees.append(seq_id)
+                plan.available_blocks += blocks
+            else:
+                worker.frees.append(seq_id)
+                worker.releasing_blocks += blocks
+        request.seq_id, request.num_computed = None, 0
+
+    def _preempt(self, worker: WorkerState, request: RequestState,
+                 plan: _PlanBuilder | None = None) -> None:
+        self._detach(worker, request, plan)
+        request.resumed = True
+        self._enqueue(worker, request)
+        self._preemptions += 1
+
+    def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:
+        worker = self._workers.get(request.worker_id)
+        if worker is not None:
+            self._detach(worker, request)
+        self._requests.pop(request.request_id, None)
+        self._finished[reason.value] += 1
+        self._forget_idle_clients()
+        usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
+                      cached_tokens=request.cached_tokens or 0)
+        return Finish(reason=reason, usage=usage, message=message)
+
+    def _reject_waiting(self, worker: WorkerState, request: RequestState, gate: Gate,
+                        message: str) -> RequestUpdate:
+        self._dequeue(worker, request)
+        self._requests.pop(request.request_id, None)
+        self._rejections[gate.value] += 1
+        return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
+
+    def _drop_worker(self, worker: WorkerState, message: str) -> list[RequestUpdate]:
+        updates = []
+        for request in [*worker.running, *worker.pending]:
+            finish = self._finish(request, FinishReason.ERROR, message)
+            updates.append(RequestUpdate(request.request_id, finish=finish))
+        self._sessions.forget_worker(worker.worker_id)
+        del self._workers[worker.worker_id]
+        return updates
+
+    def _reroute(self, request: RequestState) -> list[RequestUpdate]:
+        """Moves a request that was only waiting (already out of its old
+        worker's queue, still counted as waiting) to another worker."""
+        target = choose_worker(list(self._workers.values()), None, {})
+        if target is None:
+            self._left_queue(request.client_id)
+            self._requests.pop(request.request_id, None)
+            self._rejections[Gate.NO_WORKER.value] += 1
+            rejection = Rejection(Gate.NO_WORKER, "no worker is left to serve the request")
+            return [RequestUpdate(request.request_id, rejection=rejection)]
+        request.worker_id = target.worker_id
+        if request.spec.session_id:
+            self._sessions.remember(request.spec.session_id, target.worker_id)
+        target.pending.append(request)
+        return []
+
+    def _forget_idle_clients(self) -> None:
+        if len(self._vtc) <= MAX_TRACKED_CLIENTS:
+            return
+        busy = {r.client_id for r in self._requests.values()}
+        idle = [c.client_id for c in self._vtc.snapshot() if c.client_id not in busy]
+        self._vtc.forget(idle[: len(self._vtc) - MAX_TRACKED_CLIENTS // 2])

@@ -1,0 +1,105 @@
+"""Mutable per-request and per-worker state owned by the scheduling core."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from common.types import SamplingParams
+
+from services.scheduler.core.types import Gate, PoolSnapshot, RequestSpec, StepPlan, WorkerSpec
+
+
+class Phase(StrEnum):
+    PENDING = "pending"        # waiting for admission (new, or back after a preemption)
+    PREFILLING = "prefilling"  # registered on the worker, known tokens not all computed
+    ACTIVE = "active"          # decoding: one uncomputed token, the last sampled one
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+@dataclass(eq=False)
+class RequestState:
+    spec: RequestSpec
+    client_id: str
+    max_tokens: int
+    arrival_s: float
+    arrival_order: int
+    worker_id: str
+    phase: Phase = Phase.PENDING
+    output: list[int] = field(default_factory=list)
+    seq_id: str | None = None       # the incarnation the worker knows, if any
+    num_computed: int = 0
+    cached_tokens: int | None = None  # from the first incarnation's first result
+    admitted_once: bool = False
+    resumed: bool = False           # preempted: goes to the front of its queue
+    held_by: set[Gate] = field(default_factory=set)
+
+    @property
+    def request_id(self) -> str:
+        return self.spec.request_id
+
+    @property
+    def priority(self) -> int:
+        return self.spec.priority
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.spec.prompt_token_ids
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.spec.sampling
+
+    @property
+    def known_tokens(self) -> int:
+        return len(self.spec.prompt_token_ids) + len(self.output)
+
+    @property
+    def kv_reservation(self) -> int:
+        """Tokens counted against the active-KV gate while admitted."""
+        return len(self.spec.prompt_token_ids) + self.max_tokens
+
+    @property
+    def running_key(self) -> tuple[int, int]:
+        """Ascending: served first; the largest key is the first to be preempted."""
+        return (-self.spec.priority, self.arrival_order)
+
+
+@dataclass(eq=False)
+class WorkerState:
+    spec: WorkerSpec
+    pool: PoolSnapshot
+    last_heartbeat_s: float
+    pending: list[RequestState] = field(default_factory=list)
+    prefilling: list[RequestState] = field(default_factory=list)
+    active: list[RequestState] = field(default_factory=list)
+    # Sequences to free in the next step, and the blocks that should release.
+    frees: list[str] = field(default_factory=list)
+    releasing_blocks: int = 0
+    reserved_kv_tokens: int = 0
+    in_flight: StepPlan | None = None
+    last_step_was_prefill: bool = False
+    # The worker refused an allocation in its last step: our estimate of its
+    # pool was too optimistic, so nothing is admitted until a step succeeds.
+    refused_allocation: bool = False
+    steps: int = 0
+    last_step_ms: float = 0.0
+    last_batch_size: int = 0
+
+    @property
+    def worker_id(self) -> str:
+        return self.spec.worker_id
+
+    @property
+    def running(self) -> list[RequestState]:
+        return self.prefilling + self.active
+
+    @property
+    def load(self) -> int:
+        return len(self.pending) + len(self.prefilling) + len(self.active)
+
+    def blocks_held(self, request: RequestState) -> int:
+        return blocks_for(request.num_computed, self.spec.block_size)

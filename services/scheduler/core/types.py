@@ -1,0 +1,230 @@
+"""Plain values exchanged between the scheduling core and its transport."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from common.types import SamplingParams, TokenLogprob, Usage
+
+
+class Policy(StrEnum):
+    FCFS = "fcfs"
+    VTC = "vtc"
+
+
+class PrefillMode(StrEnum):
+    MIXED = "mixed"              # prefill chunks ride in the same forward as decodes
+    ALTERNATING = "alternating"  # a prefill step, then a decode step
+
+
+class Gate(StrEnum):
+    """Where a request was stopped. The first four reject, the last two hold."""
+
+    QUEUE = "queue"
+    NEVER_FIT = "never_fit"
+    TIMEOUT = "timeout"
+    NO_WORKER = "no_worker"
+    INVALID = "invalid"
+    ACTIVE_KV = "active_kv"
+    CACHE_POOL = "cache_pool"
+
+
+class FinishReason(StrEnum):
+    STOP = "stop"
+    LENGTH = "length"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+OUT_OF_BLOCKS = "out_of_blocks"
+
+
+@dataclass(frozen=True)
+class CoreConfig:
+    policy: Policy = Policy.FCFS
+    max_batch_size: int = 32
+    max_batch_tokens: int = 2048
+    max_active_kv_tokens: int = 262144
+    prefill_chunk_size: int = 512
+    prefill_mode: PrefillMode = PrefillMode.MIXED
+    max_queue_len: int = 1024
+    queue_timeout_s: float = 60.0
+    heartbeat_timeout_s: float = 10.0
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int  # <= 0: as many as the context allows
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    client_id: str = ""
+    session_id: str = ""
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    worker_id: str
+    address: str
+    block_size: int
+    num_blocks: int
+    max_model_len: int
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True)
+class PoolSnapshot:
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+
+    @property
+    def available_blocks(self) -> int:
+        """Blocks an allocation can take: never used, or evictable."""
+        return self.free_blocks + self.cached_blocks
+
+
+# ---- one step, scheduler -> worker -> scheduler ----
+
+@dataclass(frozen=True)
+class NewSequence:
+    seq_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    seq_id: str
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step_id: int
+    new_sequences: tuple[NewSequence, ...]
+    work: tuple[WorkItem, ...]
+    free_seq_ids: tuple[str, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(item.max_tokens for item in self.work)
+
+
+@dataclass(frozen=True)
+class SeqResult:
+    seq_id: str
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    sampled: bool = False
+    token_id: int = 0
+    logprob: TokenLogprob | None = None
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    step_id: int
+    results: tuple[SeqResult, ...]
+    pool: PoolSnapshot
+    forward_ms: float = 0.0
+
+
+# ---- what the clients see ----
+
+@dataclass(frozen=True)
+class TokenOut:
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: FinishReason
+    usage: Usage
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Rejection:
+    gate: Gate
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestUpdate:
+    """Something for one request's stream: tokens, then at most one finish;
+    or a rejection before anything was streamed."""
+
+    request_id: str
+    tokens: tuple[TokenOut, ...] = ()
+    finish: Finish | None = None
+    rejection: Rejection | None = None
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    request_id: str
+    worker_id: str | None = None
+    rejection: Rejection | None = None
+
+    @property
+    def accepted(self) -> bool:
+        return self.rejection is None
+
+
+@dataclass(frozen=True)
+class ExpireOutcome:
+    updates: tuple[RequestUpdate, ...] = ()
+    removed_workers: tuple[str, ...] = ()
+
+
+# ---- statistics ----
+
+@dataclass(frozen=True)
+class WorkerSummary:
+    worker_id: str
+    address: str
+    healthy: bool
+    running: int
+    pending: int
+    free_blocks: int
+    cached_blocks: int
+    total_blocks: int
+    last_step_ms: float
+    last_batch_size: int
+    steps: int
+    reserved_kv_tokens: int
+
+
+@dataclass(frozen=True)
+class ClientCounter:
+    client_id: str
+    counter: float
+    served_tokens: int
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    policy: Policy
+    pending: int
+    prefilling: int
+    active: int
+    admitted: int
+    finished: int
+    preemptions: int
+    rejections: dict[str, int] = field(default_factory=dict)
+    holds: dict[str, int] = field(default_factory=dict)
+    workers: tuple[WorkerSummary, ...] = ()
+    clients: tuple[ClientCounter, ...] = ()
+    reserved_kv_tokens: int = 0
+    finished_by_reason: dict[str, int] = field(default_factory=dict)

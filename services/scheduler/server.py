@@ -1,0 +1,274 @@
+"""The scheduler's gRPC transport: the Scheduler service, one step loop per
+worker, the reaper for silent workers and queue timeouts, and KV-index
+lookups for routing. All scheduling decisions live in the core."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from fairserve.v1 import worker_pb2_grpc
+
+from common.grpc_server import GrpcServer, insecure_channel, request_id_from
+
+from services.scheduler import convert
+from services.scheduler.core import RequestUpdate, SchedulerCore
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.settings import SchedulerSettings
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+INFO_TIMEOUT_S = 10.0
+# A step of a long prompt chunk on a CPU can take seconds; a hung worker is
+# caught sooner by its missing heartbeats.
+STEP_TIMEOUT_S = 300.0
+KV_LOOKUP_TIMEOUT_S = 0.25
+KV_RETRY_AFTER_S = 5.0
+MAX_REAPER_INTERVAL_S = 0.25
+
+
+class KvIndexRouter:
+    """Asks the KV index which worker holds the longest cached prefix. When
+    the index is unreachable routing goes on without it, and the index is
+    left alone for a while."""
+
+    def __init__(self, address: str, clock: Callable[[], float]) -> None:
+        self._address = address
+        self._clock = clock
+        self._channel: grpc.aio.Channel | None = None
+        self._skip_until = 0.0
+
+    async def cached_prefix_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+        if self._clock() < self._skip_until:
+            return {}
+        if self._channel is None:
+            self._channel = insecure_channel(self._address)
+        stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
+        try:
+            reply = await stub.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids),
+                                      timeout=KV_LOOKUP_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            self._skip_until = self._clock() + KV_RETRY_AFTER_S
+            log.warning("kv index lookup failed; routing without it",
+                        extra={"kvcache_addr": self._address, "code": error.code().name})
+            return {}
+        return convert.cached_prefix_tokens(reply)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+@dataclass(eq=False)
+class _WorkerLink:
+    worker_id: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: worker_pb2_grpc.WorkerStub
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, settings: SchedulerSettings, metrics: SchedulerMetrics,
+                 clock: Callable[[], float] = time.monotonic,
+                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+        self._settings = settings
+        self._metrics = metrics
+        self._core = SchedulerCore(settings.core_config(), clock, new_id)
+        self._kv = KvIndexRouter(settings.kvcache_addr, clock)
+        self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._links: dict[str, _WorkerLink] = {}
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._reaper = asyncio.create_task(self._reap())
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        for worker_id in list(self._links):
+            await self._unlink(worker_id)
+        await self._kv.close()
+
+    # ---- Scheduler RPCs ----
+
+    async def Generate(self, request: scheduler_pb2.GenerateRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
+        request_id_from(context)
+        spec = convert.request_spec_from_proto(request)
+        hints: dict[str, int] = {}
+        if len(self._core.worker_ids()) > 1:
+            hints = await self._kv.cached_prefix_tokens(spec.prompt_token_ids)
+        result = self._core.submit(spec, hints)
+        if result.rejection is not None:
+            log.info("request rejected", extra={"gate": result.rejection.gate.value,
+                                                "reason": result.rejection.message})
+            await context.abort(convert.REJECTION_CODES[result.rejection.gate], result.rejection.message)
+        request_id = result.request_id
+        queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        self._streams[request_id] = queue
+        self._wake(result.worker_id)
+        ended = False
+        try:
+            while True:
+                update = await queue.get()
+                if update.rejection is not None:
+                    ended = True
+                    await context.abort(convert.REJECTION_CODES[update.rejection.gate],
+                                        update.rejection.message)
+                yield convert.generate_event_to_proto(update)
+                if update.finish is not None:
+                    ended = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not ended:  # the client went away: stop generating for it
+                self._cancel(request_id)
+
+    async def Cancel(self, request: scheduler_pb2.CancelRequest,
+                     context: grpc.aio.ServicerContext) -> scheduler_pb2.CancelResponse:
+        request_id_from(context)
+        return scheduler_pb2.CancelResponse(found=self._cancel(request.request_id))
+
+    async def Stats(self, request: object, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
+        return convert.stats_to_proto(self._core.stats())
+
+    async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
+                             context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
+        if not request.worker_id or not request.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        channel = insecure_channel(request.address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        try:
+            info = await stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            await channel.close()
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                f"could not reach worker {request.worker_id} at {request.address}: "
+                                f"{error.code().name} {error.details()}")
+        await self._unlink(request.worker_id)
+        spec = convert.worker_spec_from_proto(info, request.worker_id, request.address)
+        self._deliver(self._core.add_worker(spec))
+        link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub)
+        link.task = asyncio.create_task(self._run_worker(link), name=f"worker-loop-{spec.worker_id}")
+        self._links[spec.worker_id] = link
+        log.info("worker registered", extra={"worker_id": spec.worker_id, "address": spec.address,
+                                             "num_blocks": spec.num_blocks, "block_size": spec.block_size,
+                                             "max_model_len": spec.max_model_len})
+        self._wake_all()
+        return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_s=self._settings.heartbeat_interval_s)
+
+    async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
+        return scheduler_pb2.HeartbeatResponse(known=self._core.heartbeat(request.worker_id))
+
+    # ---- the per-worker step loop ----
+
+    async def _run_worker(self, link: _WorkerLink) -> None:
+        worker_id = link.worker_id
+        try:
+            while self._links.get(worker_id) is link and self._core.has_worker(worker_id):
+                link.wake.clear()
+                plan = self._core.plan_step(worker_id)
+                self._metrics.observe_queue_waits(self._core.drain_queue_waits())
+                if plan is None:
+                    await link.wake.wait()
+                    continue
+                started = time.perf_counter()
+                try:
+                    reply = await link.stub.Step(convert.step_request_to_proto(plan), timeout=STEP_TIMEOUT_S)
+                except grpc.aio.AioRpcError as error:
+                    await self._drop_worker(worker_id, f"worker {worker_id} failed a step: "
+                                                       f"{error.code().name} {error.details()}")
+                    return
+                self._metrics.observe_step(worker_id, time.perf_counter() - started)
+                self._deliver(self._core.apply_step(worker_id, convert.step_outcome_from_proto(reply)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # a bug must not leave this worker's requests hanging
+            log.exception("worker loop failed", extra={"worker_id": worker_id})
+            await self._drop_worker(worker_id, f"scheduler loop for worker {worker_id} failed: {error!r}")
+
+    async def _drop_worker(self, worker_id: str, message: str) -> None:
+        log.warning("worker left the rotation", extra={"worker_id": worker_id, "reason": message})
+        self._deliver(self._core.remove_worker(worker_id, message))
+        await self._unlink(worker_id)
+        self._wake_all()
+
+    async def _unlink(self, worker_id: str) -> None:
+        link = self._links.pop(worker_id, None)
+        if link is None:
+            return
+        if link.task is not None and link.task is not asyncio.current_task():
+            link.task.cancel()
+        self._metrics.forget_worker(worker_id)
+        await link.channel.close()
+
+    async def _reap(self) -> None:
+        interval = min(MAX_REAPER_INTERVAL_S, self._settings.worker_heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            outcome = self._core.expire()
+            self._deliver(outcome.updates)
+            for worker_id in outcome.removed_workers:
+                log.warning("worker stopped heartbeating", extra={"worker_id": worker_id})
+                await self._unlink(worker_id)
+            if outcome.removed_workers:
+                self._wake_all()
+            self._metrics.publish(self._core.stats())
+
+    # ---- helpers ----
+
+    def _cancel(self, request_id: str) -> bool:
+        worker_id = self._core.worker_of(request_id)
+        found, updates = self._core.cancel(request_id)
+        self._deliver(updates)
+        self._wake(worker_id)
+        return found
+
+    def _deliver(self, updates: Iterable[RequestUpdate]) -> None:
+        for update in updates:
+            queue = self._streams.get(update.request_id)
+            if queue is not None:
+                queue.put_nowait(update)
+
+    def _wake(self, worker_id: str | None) -> None:
+        link = self._links.get(worker_id) if worker_id else None
+        if link is not None:
+            link.wake.set()
+
+    def _wake_all(self) -> None:
+        for link in self._links.values():
+            link.wake.set()
+
+
+class SchedulerServer:
+    """The gRPC server around the service, with health and reflection."""
+
+    def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
+                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+        self.metrics = SchedulerMetrics()
+        self.service = SchedulerService(settings, self.metrics, clock, new_id)
+        self._grpc = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.service)],
+                                [SERVICE_NAME], settings.host, settings.port)
+
+    @property
+    def port(self) -> int:
+        return self._grpc.port
+
+    async def start(self) -> None:
+        await self._grpc.start()
+        await self.service.start()
+        await self._grpc.set_serving(True)
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        await self._grpc.stop(grace_s)
+        await self.service.close()

@@ -1,0 +1,69 @@
+"""Scheduler settings, read once from the environment at start."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from common.settings import EnvReader
+
+from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
+
+
+@dataclass(frozen=True)
+class SchedulerSettings:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9101
+    policy: Policy = Policy.FCFS
+    max_batch_size: int = 32
+    max_batch_tokens: int = 2048
+    max_active_kv_tokens: int = 262144
+    prefill_chunk_size: int = 512
+    prefill_mode: PrefillMode = PrefillMode.MIXED
+    max_queue_len: int = 1024
+    queue_timeout_s: float = 60.0
+    kvcache_addr: str = "127.0.0.1:50071"
+    worker_heartbeat_timeout_s: float = 10.0
+    vtc_input_weight: float = 1.0
+    vtc_output_weight: float = 2.0
+    log_level: str = "info"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> SchedulerSettings:
+        read = EnvReader(env)
+        return cls(
+            host=read.str("SCHEDULER_HOST", cls.host),
+            port=read.port("SCHEDULER_PORT", cls.port),
+            metrics_port=read.port("SCHEDULER_METRICS_PORT", cls.metrics_port),
+            policy=Policy(read.choice("SCHEDULING_POLICY", cls.policy.value, [p.value for p in Policy])),
+            max_batch_size=read.int("MAX_BATCH_SIZE", cls.max_batch_size, minimum=1),
+            max_batch_tokens=read.int("MAX_BATCH_TOKENS", cls.max_batch_tokens, minimum=1),
+            max_active_kv_tokens=read.int("MAX_ACTIVE_KV_TOKENS", cls.max_active_kv_tokens, minimum=1),
+            prefill_chunk_size=read.int("PREFILL_CHUNK_SIZE", cls.prefill_chunk_size, minimum=1),
+            prefill_mode=PrefillMode(read.choice("PREFILL_MODE", cls.prefill_mode.value,
+                                                 [m.value for m in PrefillMode])),
+            max_queue_len=read.int("MAX_QUEUE_LEN", cls.max_queue_len, minimum=1),
+            queue_timeout_s=read.float("QUEUE_TIMEOUT_S", cls.queue_timeout_s, minimum=0.001),
+            kvcache_addr=read.str("KVCACHE_ADDR", cls.kvcache_addr),
+            worker_heartbeat_timeout_s=read.float("WORKER_HEARTBEAT_TIMEOUT_S",
+                                                  cls.worker_heartbeat_timeout_s, minimum=0.001),
+            vtc_input_weight=read.float("VTC_INPUT_WEIGHT", cls.vtc_input_weight, minimum=0.0),
+            vtc_output_weight=read.float("VTC_OUTPUT_WEIGHT", cls.vtc_output_weight, minimum=0.0),
+            log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
+        )
+
+    def core_config(self) -> CoreConfig:
+        return CoreConfig(
+            policy=self.policy, max_batch_size=self.max_batch_size,
+            max_batch_tokens=self.max_batch_tokens, max_active_kv_tokens=self.max_active_kv_tokens,
+            prefill_chunk_size=self.prefill_chunk_size, prefill_mode=self.prefill_mode,
+            max_queue_len=self.max_queue_len, queue_timeout_s=self.queue_timeout_s,
+            heartbeat_timeout_s=self.worker_heartbeat_timeout_s,
+            vtc_input_weight=self.vtc_input_weight, vtc_output_weight=self.vtc_output_weight,
+        )
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        """What workers are told: three heartbeats fit in one timeout."""
+        return self.worker_heartbeat_timeout_s / 3.0

@@ -1,0 +1,98 @@
+"""A Worker gRPC server over the fake engine, for transport tests."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
+
+from common.convert import logprob_to_proto, sampling_from_proto
+from common.grpc_server import GrpcServer, insecure_channel
+
+from services.scheduler.core import NewSequence, StepPlan, WorkItem
+
+from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine
+
+
+def plan_from_proto(message: worker_pb2.StepRequest) -> StepPlan:
+    return StepPlan(
+        step_id=message.step_id,
+        new_sequences=tuple(NewSequence(seq_id=n.seq_id, prompt_token_ids=tuple(n.prompt_token_ids),
+                                        output_token_ids=tuple(n.output_token_ids),
+                                        sampling=sampling_from_proto(n.sampling))
+                            for n in message.new_sequences),
+        work=tuple(WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in message.work),
+        free_seq_ids=tuple(message.free_seq_ids),
+    )
+
+
+class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
+    def __init__(self, engine: FakeEngine, worker_id: str, step_delay_s: float = 0.0) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.step_delay_s = step_delay_s
+        self.running = asyncio.Event()  # cleared: Step blocks, as a hung worker would
+        self.running.set()
+
+    async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
+        await self.running.wait()
+        if self.step_delay_s:
+            await asyncio.sleep(self.step_delay_s)
+        outcome = self.engine.step(plan_from_proto(request))
+        reply = worker_pb2.StepResponse(step_id=outcome.step_id, forward_ms=outcome.forward_ms)
+        for result in outcome.results:
+            item = reply.results.add(seq_id=result.seq_id, num_computed_tokens=result.num_computed_tokens,
+                                     num_cached_tokens=result.num_cached_tokens, sampled=result.sampled,
+                                     token_id=result.token_id, error=result.error)
+            if result.logprob is not None:
+                item.logprob.CopyFrom(logprob_to_proto(result.logprob))
+        pool = outcome.pool
+        reply.pool.CopyFrom(worker_pb2.PoolStats(total_blocks=pool.total_blocks, free_blocks=pool.free_blocks,
+                                                 cached_blocks=pool.cached_blocks, used_blocks=pool.used_blocks))
+        return reply
+
+    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+        return worker_pb2.WorkerInfo(worker_id=self.worker_id, model_name="fake", block_size=self.engine.block_size,
+                                     num_blocks=self.engine.num_blocks, device="cpu", dtype="none",
+                                     max_model_len=self.engine.max_model_len, eos_token_ids=[EOS_TOKEN_ID],
+                                     vocab_size=1000)
+
+
+class FakeWorkerProcess:
+    """The fake worker's server plus its registration and heartbeats."""
+
+    def __init__(self, engine: FakeEngine, worker_id: str, scheduler_addr: str,
+                 step_delay_s: float = 0.0) -> None:
+        self.servicer = FakeWorkerServicer(engine, worker_id, step_delay_s)
+        self.worker_id = worker_id
+        self._scheduler_addr = scheduler_addr
+        self._server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer)],
+                                  ["fairserve.v1.Worker"], "127.0.0.1", 0)
+        self._heartbeats: asyncio.Task[None] | None = None
+        self._channel = insecure_channel(scheduler_addr)
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.servicer.engine
+
+    async def start(self, heartbeat_s: float = 0.05) -> None:
+        await self._server.start()
+        stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, address=f"127.0.0.1:{self._server.port}"), timeout=5)
+        self._heartbeats = asyncio.create_task(self._beat(stub, heartbeat_s))
+
+    async def _beat(self, stub: scheduler_pb2_grpc.SchedulerStub, interval_s: float) -> None:
+        while True:
+            await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=5)
+            await asyncio.sleep(interval_s)
+
+    def stop_heartbeats(self) -> None:
+        if self._heartbeats is not None:
+            self._heartbeats.cancel()
+
+    async def stop(self) -> None:
+        self.stop_heartbeats()
+        await self._server.stop(0)
+        await self._channel.close()

@@ -1,0 +1,87 @@
+"""The worker's gRPC transport over a real engine on a tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+from fairserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from prometheus_client import CollectorRegistry, generate_latest
+
+from common.grpc_server import GrpcServer, check_health
+from services.kvcache.kv_types import PublishBatch, PublishResult
+from services.kvcache.publisher import KvEventPublisher
+from services.worker.kv_events import add_events, snapshot_source
+from services.worker.server import WorkerMetrics, WorkerService
+from tests.unit.worker.engine_helpers import make_engine
+
+
+async def _start(service: WorkerService) -> GrpcServer:
+    server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
+                        ["fairserve.v1.Worker"], "127.0.0.1", 0)
+    await server.start()
+    await server.set_serving(True)
+    return server
+
+
+def _new(seq_id: str, prompt: list[int]) -> worker_pb2.NewSequence:
+    return worker_pb2.NewSequence(seq_id=seq_id, prompt_token_ids=prompt,
+                                  sampling=common_pb2.SamplingParams(temperature=0.0))
+
+
+async def _scenario() -> None:
+    engine = make_engine("gemma3", num_blocks=64, block_size=4)
+    registry = CollectorRegistry()
+    service = WorkerService(engine, "w-test", WorkerMetrics(registry, "w-test"))
+    sent: list[PublishBatch] = []
+
+    async def send(batch: PublishBatch) -> PublishResult:
+        sent.append(batch)
+        return PublishResult(resync_needed=False, next_seq=batch.snapshot_seq + 1 + len(batch.events)
+                             if batch.full_resync else batch.events[-1].seq + 1)
+
+    publisher = KvEventPublisher("w-test", send, snapshot_source(service.snapshot_chains_async))
+    service.on_block_events = lambda events: add_events(publisher, events)
+    server = await _start(service)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            assert await check_health(channel, "fairserve.v1.Worker")
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            info = await stub.Info(worker_pb2.InfoRequest())
+            assert info.block_size == 4 and info.num_blocks == 64 and info.worker_id == "w-test"
+
+            prompt = list(range(3, 14))  # 11 tokens: two full blocks and a partial one
+            reply = await stub.Step(worker_pb2.StepRequest(
+                step_id=1, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", max_tokens=6)]))
+            first = reply.results[0]
+            assert first.num_computed_tokens == 6 and not first.sampled
+            reply = await stub.Step(worker_pb2.StepRequest(
+                step_id=2, work=[worker_pb2.WorkItem(seq_id="a", max_tokens=64)]))
+            assert reply.step_id == 2 and reply.results[0].sampled
+            assert reply.results[0].num_computed_tokens == len(prompt)
+            assert reply.pool.used_blocks == 3
+
+            unknown = await stub.Step(worker_pb2.StepRequest(
+                step_id=3, work=[worker_pb2.WorkItem(seq_id="missing", max_tokens=1)]))
+            assert unknown.results[0].error
+
+            await stub.Step(worker_pb2.StepRequest(step_id=4, free_seq_ids=["a"]))
+            stats = await stub.Stats(common_pb2.StatsRequest())
+            assert stats.running_sequences == 0 and stats.steps == 4
+            assert stats.pool.used_blocks == 0 and stats.pool.cached_blocks >= 2
+
+        assert await publisher.flush()
+        snapshot = sent[0]
+        assert snapshot.full_resync
+        stored = [chain for batch in sent for chain in batch.snapshot] + [
+            event.body for batch in sent for event in batch.events]
+        assert any(len(getattr(body, "block_hashes", ())) >= 2 for body in stored)
+        exported = generate_latest(registry).decode()
+        assert 'fairserve_worker_kv_blocks{state="cached",worker="w-test"}' in exported
+    finally:
+        await server.stop()
+        service.shutdown()
+
+
+def test_worker_transport_end_to_end() -> None:
+    asyncio.run(_scenario())
