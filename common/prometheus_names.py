@@ -96,6 +96,8 @@ SCHEDULER_WORKER_HEALTHY = _family(SCHEDULER, "worker_healthy", GAUGE, ("worker"
 SCHEDULER_WORKER_STEP = _family(SCHEDULER, "worker_step_seconds", HISTOGRAM, ("worker",),
                                 "Step RPC round trip as the scheduler sees it, per worker",
                                 TOKEN_LATENCY_BUCKETS_S)
+SCHEDULER_WORKER_BATCH_SIZE = _family(SCHEDULER, "worker_batch_size", GAUGE, ("worker",),
+                                     "Sequences in the worker's last step, as the scheduler planned it")
 SCHEDULER_CLIENT_VTC = _family(SCHEDULER, "client_vtc_tokens", GAUGE, ("client",),
                                "Virtual token counter of each fairness client (weighted tokens)")
 SCHEDULER_CLIENT_SERVED_TOKENS = _family(SCHEDULER, "client_served_tokens_total", COUNTER, ("client",),

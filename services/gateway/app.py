@@ -3,13 +3,17 @@ and the OpenAI-compatible API (openai_api.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Awaitable
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
@@ -58,6 +62,8 @@ from services.gateway.validation import (
 
 log = logging.getLogger(__name__)
 router = APIRouter()
+DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboard"
+STATS_PART_TIMEOUT_S = 3.0
 
 
 def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, tokenizer: Any,
@@ -79,6 +85,7 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
+    app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app
 
 
@@ -166,13 +173,31 @@ async def metrics(request: Request) -> Response:
 
 @router.get("/stats")
 async def stats(request: Request) -> Response:
-    backend = gateway_state(request).backend
+    """The live page's feed (schema: docs/metrics.md). A service that does
+    not answer gives null for its part; the answer is still 200."""
+    state = gateway_state(request)
+    scheduler, kvcache = await asyncio.gather(
+        stats_part("scheduler", scheduler_details(state.backend)),
+        stats_part("kvcache", state.backend.kvcache_stats()))
+    return JSONResponse({"ts": time.time(), "gateway": state.service.tracker.snapshot(),
+                         "scheduler": scheduler, "kvcache": kvcache})
+
+
+async def scheduler_details(backend: SchedulerBackend) -> dict[str, Any]:
+    return (await backend.scheduler_stats()).details
+
+
+async def stats_part(name: str, part: Awaitable[dict[str, Any]]) -> dict[str, Any] | None:
     try:
-        scheduler = (await backend.scheduler_stats()).details
-        kvcache = await backend.kvcache_stats()
-    except BackendError as error:
-        return api_error_response(from_backend(error))
-    return JSONResponse({"scheduler": scheduler, "kvcache": kvcache})
+        return await asyncio.wait_for(part, STATS_PART_TIMEOUT_S)
+    except (BackendError, TimeoutError) as error:
+        log.debug("stats part unavailable", extra={"part": name, "error": str(error)})
+        return None
+
+
+@router.get("/", include_in_schema=False)
+async def root() -> Response:
+    return RedirectResponse("/dashboard/")
 
 
 async def generate_spec(state: GatewayState, body: GenerateBody, prompt_ids: list[int],

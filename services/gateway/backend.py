@@ -39,6 +39,7 @@ class Finish:
     reason: str  # "stop" | "length" | "cancelled" | "error"
     usage: Usage
     message: str = ""
+    queue_wait_s: float | None = None  # arrival to admission at the scheduler, if known
 
 
 @dataclass(frozen=True)

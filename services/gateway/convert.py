@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from common.types import SamplingParams, TokenLogprob, TopLogprob, Usage
 from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2, kvindex_pb2
@@ -98,25 +97,49 @@ def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
                    for token in message.tokens)
     finish = None
     if message.HasField("finish"):
+        queue_wait_ms = message.finish.queue_wait_ms
         finish = Finish(reason=message.finish.finish_reason,
                         usage=usage_from_proto(message.finish.usage),
-                        message=message.finish.message)
+                        message=message.finish.message,
+                        queue_wait_s=queue_wait_ms / 1000.0 if queue_wait_ms > 0 else None)
     return GenerationEvent(tokens=tokens, finish=finish)
 
 
 def scheduler_view_from_proto(message: scheduler_pb2.SchedulerStats) -> SchedulerView:
     workers = tuple(WorkerView(worker_id=worker.worker_id, address=worker.address,
                                healthy=worker.healthy) for worker in message.workers)
-    return SchedulerView(workers=workers, details=message_to_dict(message))
+    return SchedulerView(workers=workers, details=scheduler_stats_to_dict(message))
 
 
-def message_to_dict(message: Any) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True,
-                         always_print_fields_with_no_presence=True)
+def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, Any]:
+    """The "scheduler" part of /stats (docs/metrics.md): counts as numbers,
+    not the strings a JSON mapping of int64 fields would give."""
+    return {
+        "pending": message.pending, "prefilling": message.prefilling, "active": message.active,
+        "admitted": message.admitted, "finished": message.finished,
+        "preemptions": message.preemptions, "rejections": dict(message.rejections),
+        "holds": dict(message.holds), "policy": message.policy,
+        "reserved_kv_tokens": message.reserved_kv_tokens,
+        "workers": [{
+            "worker_id": w.worker_id, "healthy": w.healthy, "running": w.running,
+            "free_blocks": w.free_blocks, "cached_blocks": w.cached_blocks,
+            "used_blocks": w.used_blocks, "total_blocks": w.total_blocks,
+            "last_step_ms": w.last_step_ms, "last_batch_size": w.last_batch_size,
+            "steps": w.steps, "evictions": w.evictions,
+        } for w in message.workers],
+        "clients": [{"client_id": c.client_id, "counter": c.counter, "served_tokens": c.served_tokens}
+                    for c in message.clients],
+    }
 
 
 def kvcache_stats_to_dict(message: kvindex_pb2.KvIndexStats) -> dict[str, Any]:
-    return message_to_dict(message)
+    """The "kvcache" part of /stats (docs/metrics.md)."""
+    return {
+        "lookups": message.lookups, "hits": message.hits, "lookup_tokens": message.lookup_tokens,
+        "hit_tokens": message.hit_tokens, "nodes": message.nodes, "events": message.events,
+        "resyncs": message.resyncs, "blocks_by_worker": dict(message.blocks_by_worker),
+        "backend": message.backend,
+    }
 
 
 def _retry_after_s(error: grpc.aio.AioRpcError) -> int | None:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
+from common.latency_tracker import LatencyTracker, RequestRecord
 from common.types import SamplingParams, Usage
 from services.gateway.backend import (
     BackendError,
@@ -69,18 +70,28 @@ class _Progress:
 
     def __init__(self, started: float) -> None:
         self.started = started
+        self.first_token_at: float | None = None
         self.last_token_at: float | None = None
+        self.inter_token_s: list[float] = []
         self.completion_tokens = 0
-        self.finished = False
+        self.queue_wait_s: float | None = None
+        self.finished = False  # the scheduler is done with the request
+        self.concluded = False  # counted in the metrics and the tracker
+
+    def note_finish(self, finish: Finish | None) -> None:
+        if finish is not None and finish.queue_wait_s is not None:
+            self.queue_wait_s = finish.queue_wait_s
 
 
 class GenerationService:
     def __init__(self, backend: SchedulerBackend, tokenizer: object, metrics: GatewayMetrics,
                  clock: Callable[[], float] = time.monotonic,
-                 stop_drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S) -> None:
+                 stop_drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S,
+                 tracker: LatencyTracker | None = None) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self.tracker = tracker if tracker is not None else LatencyTracker(clock=clock)
         self._clock = clock
         self._stop_drain_timeout_s = stop_drain_timeout_s
         self._background: set[asyncio.Task[bool]] = set()
@@ -100,7 +111,6 @@ class GenerationService:
         stops = StopStringMatcher(spec.stop)
         progress = _Progress(self._clock())
         self._metrics.in_flight.inc()
-        self._metrics.prompt_tokens.inc(len(spec.prompt_token_ids))
         try:
             async with aclosing(self._backend.generate(request)) as events:
                 async for event in events:
@@ -113,21 +123,25 @@ class GenerationService:
                             if check.text:
                                 yield TextDelta(check.text, (token,))
                             usage = await self._cancel_and_drain(events, request_id, spec, progress)
-                            yield self._finished(progress, TextDelta("", (), "stop", usage))
+                            yield self._finished(progress, spec, TextDelta("", (), "stop", usage))
                             return
                         yield TextDelta(check.text, (token,))
                     if event.finish is not None:
-                        yield self._finished(progress, self._final_delta(
+                        progress.note_finish(event.finish)
+                        yield self._finished(progress, spec, self._final_delta(
                             event.finish, detokenizer, stops, spec, progress))
                         return
             raise BackendError("the scheduler stream ended without a finish event")
-        except BackendError:
+        except BackendError as error:
             progress.finished = True  # refused or ended by the scheduler: nothing to cancel
+            refused = progress.first_token_at is None and not isinstance(error, GenerationFailed)
+            self._conclude(progress, spec, "rejected" if refused else "error")
             raise
         finally:
             self._metrics.in_flight.dec()
             if not progress.finished:
                 self._cancel_in_background(request_id)
+            self._conclude(progress, spec, "cancelled")  # abandoned: the client left
 
     async def complete(self, spec: GenerationSpec, request_id: str,
                        trace_id: str = "") -> CompletedText:
@@ -159,12 +173,15 @@ class GenerationService:
     def _note_token(self, progress: _Progress) -> None:
         now = self._clock()
         if progress.last_token_at is None:
+            progress.first_token_at = now
             self._metrics.ttft.observe(now - progress.started)
         else:
-            self._metrics.inter_token.observe(now - progress.last_token_at)
+            gap = now - progress.last_token_at
+            progress.inter_token_s.append(gap)
+            self._metrics.inter_token.observe(gap)
         progress.last_token_at = now
         progress.completion_tokens += 1
-        self._metrics.generated_tokens.inc()
+        self._metrics.output_tokens.inc()
 
     def _final_delta(self, finish: Finish, detokenizer: IncrementalDetokenizer,
                      stops: StopStringMatcher, spec: GenerationSpec,
@@ -190,6 +207,7 @@ class GenerationService:
                         break
         except (TimeoutError, BackendError):
             pass
+        progress.note_finish(finish)
         return self._usage(finish, spec, progress)
 
     @staticmethod
@@ -198,11 +216,32 @@ class GenerationService:
         return Usage(prompt_tokens=len(spec.prompt_token_ids),
                      completion_tokens=progress.completion_tokens, cached_tokens=cached)
 
-    def _finished(self, progress: _Progress, delta: TextDelta) -> TextDelta:
+    def _finished(self, progress: _Progress, spec: GenerationSpec, delta: TextDelta) -> TextDelta:
         progress.finished = True
-        self._metrics.e2e.observe(self._clock() - progress.started)
-        self._metrics.finished.labels(finish_reason=delta.finish_reason or "").inc()
+        self._conclude(progress, spec, delta.finish_reason or "stop")
         return delta
+
+    def _conclude(self, progress: _Progress, spec: GenerationSpec, outcome: str) -> None:
+        """Counts a request once, when it ends whichever way: its outcome, and
+        unless it was refused, its latencies in the histograms and the tracker."""
+        if progress.concluded:
+            return
+        progress.concluded = True
+        self._metrics.count_outcome(outcome)
+        if outcome == "rejected":
+            return
+        ttft = (progress.first_token_at - progress.started
+                if progress.first_token_at is not None else None)
+        record = RequestRecord(
+            session_id=spec.session_id or spec.client_id, input_tokens=len(spec.prompt_token_ids),
+            output_tokens=progress.completion_tokens, e2e_s=self._clock() - progress.started,
+            ttft_s=ttft, queue_wait_s=progress.queue_wait_s,
+            inter_token_s=tuple(progress.inter_token_s), finish_reason=outcome)
+        self._metrics.e2e.observe(record.e2e_s)
+        if record.tpot_s is not None:
+            self._metrics.tpot.observe(record.tpot_s)
+        self._metrics.input_tokens.inc(record.input_tokens)
+        self.tracker.record(record)
 
     def _cancel_in_background(self, request_id: str) -> None:
         """The stream was abandoned (client gone, error): make sure the

@@ -1,41 +1,76 @@
-"""The gateway's Prometheus metrics, registered on a registry the app owns."""
+"""The gateway's Prometheus metrics (the gateway families of
+common.prometheus_names), registered on a registry the app owns."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S, metric_name
+from common import prometheus_names as names
 
-SERVICE = "gateway"
+# Outcomes of a generation request; each is exported from the start at 0.
+REQUEST_STATUSES = ("stop", "length", "cancelled", "error", "rejected")
+
+
+def _histogram(family: names.MetricFamily, registry: CollectorRegistry) -> Histogram:
+    return Histogram(family.name, family.help, list(family.labels), buckets=family.buckets,
+                     registry=registry)
+
+
+def _counter(family: names.MetricFamily, registry: CollectorRegistry) -> Counter:
+    return Counter(family.name, family.help, list(family.labels), registry=registry)
+
+
+class _AccessLogView:
+    """How the access middleware (middleware.py) records a request:
+    requests.labels(route, method, status).inc(), then at once
+    request_duration.labels(route).observe(seconds). Both land in the
+    catalogued HTTP families; the method of the first call labels the second
+    (no await comes between them, so requests cannot interleave)."""
+
+    def __init__(self, counter: Counter, histogram: Histogram) -> None:
+        self._counter = counter
+        self._histogram = histogram
+        self._method = ""
+
+    def count(self, route: str, method: str, status: str) -> Counter:
+        self._method = method
+        return self._counter.labels(method=method, route=route, code=status)
+
+    def time(self, route: str) -> Histogram:
+        return self._histogram.labels(method=self._method, route=route)
+
+
+@dataclass(frozen=True)
+class _Labeller:
+    labels: Callable[..., Counter | Histogram]
 
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.requests = Counter(
-            metric_name(SERVICE, "requests_total"), "HTTP requests by route, method and status",
-            ["route", "method", "status"], registry=registry)
-        self.request_duration = Histogram(
-            metric_name(SERVICE, "request_duration_seconds"), "HTTP request duration",
-            ["route"], buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.ttft = Histogram(
-            metric_name(SERVICE, "ttft_seconds"), "Time to first token",
-            buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.e2e = Histogram(
-            metric_name(SERVICE, "e2e_latency_seconds"), "Generation time, first byte in to last token out",
-            buckets=LATENCY_BUCKETS_S, registry=registry)
-        self.inter_token = Histogram(
-            metric_name(SERVICE, "inter_token_latency_seconds"), "Time between streamed tokens",
-            buckets=TOKEN_LATENCY_BUCKETS_S, registry=registry)
-        self.generated_tokens = Counter(
-            metric_name(SERVICE, "generated_tokens_total"), "Tokens received from the scheduler",
-            registry=registry)
-        self.prompt_tokens = Counter(
-            metric_name(SERVICE, "prompt_tokens_total"), "Prompt tokens sent to the scheduler",
-            registry=registry)
-        self.finished = Counter(
-            metric_name(SERVICE, "generations_total"), "Generations by finish reason",
-            ["finish_reason"], registry=registry)
-        self.in_flight = Gauge(
-            metric_name(SERVICE, "generations_in_flight"), "Generations streaming now",
-            registry=registry)
+        self.http_requests = _counter(names.GATEWAY_HTTP_REQUESTS, registry)
+        self.http_duration = _histogram(names.GATEWAY_HTTP_REQUEST_DURATION, registry)
+        outcomes = _counter(names.GATEWAY_REQUESTS, registry)
+        self.outcomes = {status: outcomes.labels(status=status) for status in REQUEST_STATUSES}
+        self.in_flight = Gauge(names.GATEWAY_IN_FLIGHT.name, names.GATEWAY_IN_FLIGHT.help,
+                               registry=registry)
+        self.ttft = _histogram(names.GATEWAY_TTFT, registry)
+        self.tpot = _histogram(names.GATEWAY_TPOT, registry)
+        self.inter_token = _histogram(names.GATEWAY_INTER_TOKEN, registry)
+        self.e2e = _histogram(names.GATEWAY_E2E, registry)
+        self.input_tokens = _counter(names.GATEWAY_INPUT_TOKENS, registry)
+        self.output_tokens = _counter(names.GATEWAY_OUTPUT_TOKENS, registry)
+        access = _AccessLogView(self.http_requests, self.http_duration)
+        # The names the access middleware records with (see _AccessLogView).
+        self.requests = _Labeller(access.count)
+        self.request_duration = _Labeller(access.time)
+
+    def observe_http(self, method: str, route: str, status: int | str, duration_s: float) -> None:
+        self.http_requests.labels(method=method, route=route, code=str(status)).inc()
+        self.http_duration.labels(method=method, route=route).observe(duration_s)
+
+    def count_outcome(self, status: str) -> None:
+        self.outcomes[status if status in self.outcomes else "error"].inc()

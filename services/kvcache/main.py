@@ -21,7 +21,7 @@ from services.kvcache.settings import KvCacheSettings
 
 log = logging.getLogger("services.kvcache")
 
-METRICS_REFRESH_S = 5.0
+METRICS_REFRESH_S = 2.0
 REDIS_WAIT_S = 30.0
 
 

@@ -1,59 +1,57 @@
-"""Prometheus metrics of the kvcache service (fairserve_kvcache_*)."""
+"""Prometheus metrics of the kvcache service, named as catalogued in
+common.prometheus_names (fairserve_kvcache_*)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from common.metrics import LATENCY_BUCKETS_S, metric_name
-from services.kvcache.kv_types import (
-    AllCleared, BlockRemoved, BlockStored, IndexStats, PublishBatch, PublishResult,
-)
+from common import prometheus_names as names
+from services.kvcache.kv_types import IndexStats, PublishBatch, PublishResult
 
-SERVICE = "kvcache"
-_EVENT_KINDS = {BlockStored: "stored", BlockRemoved: "removed", AllCleared: "cleared"}
+
+def _counter(family: names.MetricFamily, registry: CollectorRegistry) -> Counter:
+    return Counter(family.name, family.help, list(family.labels), registry=registry)
+
+
+def _gauge(family: names.MetricFamily, registry: CollectorRegistry) -> Gauge:
+    return Gauge(family.name, family.help, list(family.labels), registry=registry)
 
 
 class KvCacheMetrics:
-    """Counters are per replica; the gauges mirror the (possibly shared)
-    index and are refreshed from its stats."""
+    """Counters and the hit rate are per replica; the index gauges mirror the
+    (possibly shared) index and are refreshed from its stats."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.lookups = Counter(metric_name(SERVICE, "lookups_total"), "Lookups served", registry=r)
-        self.lookup_hits = Counter(metric_name(SERVICE, "lookup_hits_total"),
-                                   "Lookups where some worker holds a prefix", registry=r)
-        self.lookup_tokens = Counter(metric_name(SERVICE, "lookup_tokens_total"),
-                                     "Prompt tokens looked up", registry=r)
-        self.hit_tokens = Counter(metric_name(SERVICE, "lookup_hit_tokens_total"),
-                                  "Prompt tokens found cached on the best worker", registry=r)
-        self.lookup_seconds = Histogram(metric_name(SERVICE, "lookup_seconds"), "Lookup latency",
-                                        buckets=LATENCY_BUCKETS_S, registry=r)
-        self.events = Counter(metric_name(SERVICE, "events_total"),
-                              "Block events received, by kind", ["kind"], registry=r)
-        self.resyncs = Counter(metric_name(SERVICE, "resyncs_total"),
-                               "Full resyncs received", registry=r)
-        self.resync_requests = Counter(metric_name(SERVICE, "resync_requests_total"),
-                                       "Publish answers asking a worker to resync", registry=r)
-        self.nodes = Gauge(metric_name(SERVICE, "index_nodes"), "Nodes in the index", registry=r)
-        self.blocks = Gauge(metric_name(SERVICE, "index_blocks"),
-                            "Blocks indexed, by worker", ["worker"], registry=r)
+        self.lookups = _counter(names.KVCACHE_LOOKUPS, r)
+        self.hits = _counter(names.KVCACHE_HITS, r)
+        self.lookup_tokens = _counter(names.KVCACHE_LOOKUP_TOKENS, r)
+        self.hit_tokens = _counter(names.KVCACHE_HIT_TOKENS, r)
+        self.events = _counter(names.KVCACHE_EVENTS, r)
+        self.resyncs = _counter(names.KVCACHE_RESYNCS, r)
+        self.nodes = _gauge(names.KVCACHE_NODES, r)
+        self.blocks = _gauge(names.KVCACHE_BLOCKS, r)
+        self._looked_up_tokens = 0
+        self._found_tokens = 0
+        _gauge(names.KVCACHE_HIT_RATE, r).set_function(self.hit_rate)
 
-    def observe_lookup(self, query_tokens: int, best_tokens: int, seconds: float) -> None:
+    def hit_rate(self) -> float:
+        return self._found_tokens / self._looked_up_tokens if self._looked_up_tokens else 0.0
+
+    def observe_lookup(self, query_tokens: int, best_tokens: int) -> None:
         self.lookups.inc()
         self.lookup_tokens.inc(query_tokens)
-        self.lookup_seconds.observe(seconds)
+        self._looked_up_tokens += query_tokens
         if best_tokens > 0:
-            self.lookup_hits.inc()
+            self.hits.inc()
             self.hit_tokens.inc(best_tokens)
+            self._found_tokens += best_tokens
 
     def observe_publish(self, batch: PublishBatch, result: PublishResult) -> None:
         if batch.full_resync:
             self.resyncs.inc()
-        for event in batch.events:
-            self.events.labels(kind=_EVENT_KINDS[type(event.body)]).inc()
-        if result.resync_needed:
-            self.resync_requests.inc()
+        self.events.inc(len(batch.events))
 
     def refresh(self, stats: IndexStats) -> None:
         self.nodes.set(stats.nodes)

@@ -34,6 +34,9 @@ class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
                 result = await self._service.lookup_tokens(request.token_ids)
             else:
                 result = await self._service.lookup(convert.lookup_query_from_proto(request))
+            log.info("lookup", extra={
+                "tokens": len(request.token_ids) or None, "block_hashes": len(request.block_hashes) or None,
+                "matches": {match.worker_id: match.matched_tokens for match in result.matches}})
             return convert.lookup_result_to_proto(result)
 
     async def Publish(self, request: kvindex_pb2.PublishRequest,

@@ -3,8 +3,7 @@ or hashes, publishing with validation, stats, metrics."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from services.kvcache.backend import IndexBackend
 from services.kvcache.kv_types import (
@@ -17,12 +16,10 @@ from services.kvcache.rules import validate_chain, validate_event
 
 class KvIndexService:
     def __init__(self, backend: IndexBackend, model_key: str = "",
-                 metrics: KvCacheMetrics | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 metrics: KvCacheMetrics | None = None) -> None:
         self.backend = backend
         self.model_key = model_key
         self.metrics = metrics if metrics is not None else KvCacheMetrics()
-        self._clock = clock
 
     @property
     def block_size(self) -> int:
@@ -40,11 +37,9 @@ class KvIndexService:
             raise ValueError(f"partial_tokens must be in [0, {self.block_size})")
         if (query.partial_hash == 0) != (query.partial_tokens == 0):
             raise ValueError("partial_hash and partial_tokens go together")
-        started = self._clock()
         matches = await self.backend.lookup(query)
         best = matches[0].matched_tokens if matches else 0
-        self.metrics.observe_lookup(query.num_tokens(self.block_size), best,
-                                    self._clock() - started)
+        self.metrics.observe_lookup(query.num_tokens(self.block_size), best)
         return LookupResult(tuple(matches), self.block_size)
 
     async def publish(self, batch: PublishBatch) -> PublishResult:

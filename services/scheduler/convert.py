@@ -10,7 +10,7 @@ from common.convert import (
 )
 
 from services.scheduler.core import (
-    CoreStats, Gate, PoolSnapshot, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan,
+    CoreStats, Finish, Gate, PoolSnapshot, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan,
     WorkerSpec,
 )
 
@@ -58,7 +58,8 @@ def step_request_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
 
 def pool_from_proto(message: worker_pb2.PoolStats) -> PoolSnapshot:
     return PoolSnapshot(total_blocks=message.total_blocks, free_blocks=message.free_blocks,
-                        cached_blocks=message.cached_blocks, used_blocks=message.used_blocks)
+                        cached_blocks=message.cached_blocks, used_blocks=message.used_blocks,
+                        evictions=message.evictions)
 
 
 def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
@@ -86,8 +87,12 @@ def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEven
     if update.finish is not None:
         event.finish.CopyFrom(scheduler_pb2.FinishEvent(
             finish_reason=update.finish.reason.value, usage=usage_to_proto(update.finish.usage),
-            message=update.finish.message))
+            message=update.finish.message, queue_wait_ms=queue_wait_ms(update.finish)))
     return event
+
+
+def queue_wait_ms(finish: Finish) -> float:
+    return finish.queue_wait_s * 1000.0 if finish.queue_wait_s is not None else 0.0
 
 
 def cached_prefix_tokens(response: kvindex_pb2.LookupResponse) -> dict[str, int]:
@@ -102,7 +107,8 @@ def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
         workers=[scheduler_pb2.WorkerSummary(
             worker_id=w.worker_id, address=w.address, healthy=w.healthy, running=w.running,
             free_blocks=w.free_blocks, cached_blocks=w.cached_blocks, total_blocks=w.total_blocks,
-            last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps)
+            last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps,
+            evictions=w.evictions, used_blocks=w.used_blocks)
             for w in stats.workers],
         clients=[scheduler_pb2.ClientCounter(client_id=c.client_id, counter=c.counter,
                                              served_tokens=c.served_tokens)

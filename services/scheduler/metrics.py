@@ -71,6 +71,8 @@ class _StatsCollector(Collector):
         yield reserved
         yield _by_label(names.SCHEDULER_WORKER_HEALTHY,
                         [(w.worker_id, 1.0 if w.healthy else 0.0) for w in stats.workers], GaugeMetricFamily)
+        yield _by_label(names.SCHEDULER_WORKER_BATCH_SIZE,
+                        [(w.worker_id, w.last_batch_size) for w in stats.workers], GaugeMetricFamily)
         yield _by_label(names.SCHEDULER_CLIENT_VTC, [(c.client_id, c.counter) for c in stats.clients],
                         GaugeMetricFamily)
         yield _by_label(names.SCHEDULER_CLIENT_SERVED_TOKENS,
@@ -91,6 +93,10 @@ class SchedulerMetrics:
 
     def publish(self, stats: CoreStats) -> None:
         self.snapshot = stats
+
+    def add_worker(self, worker_id: str) -> None:
+        """Exports the worker's step histogram at zero from its registration on."""
+        self._step_seconds.labels(worker=worker_id)
 
     def observe_step(self, worker_id: str, seconds: float) -> None:
         self._step_seconds.labels(worker=worker_id).observe(seconds)

@@ -15,10 +15,11 @@ import grpc
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from fairserve.v1 import worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, insecure_channel, request_id_from
+from common.grpc_server import GrpcServer, insecure_channel, request_id_from, request_metadata
+from common.sequence_ids import request_id_of
 
 from services.scheduler import convert
-from services.scheduler.core import RequestUpdate, SchedulerCore
+from services.scheduler.core import RequestUpdate, SchedulerCore, StepPlan
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings
 
@@ -45,7 +46,8 @@ class KvIndexRouter:
         self._channel: grpc.aio.Channel | None = None
         self._skip_until = 0.0
 
-    async def cached_prefix_tokens(self, token_ids: Sequence[int]) -> dict[str, int]:
+    async def cached_prefix_tokens(self, token_ids: Sequence[int],
+                                   request_id: str | None = None) -> dict[str, int]:
         if self._clock() < self._skip_until:
             return {}
         if self._channel is None:
@@ -53,7 +55,7 @@ class KvIndexRouter:
         stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
         try:
             reply = await stub.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids),
-                                      timeout=KV_LOOKUP_TIMEOUT_S)
+                                      timeout=KV_LOOKUP_TIMEOUT_S, metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
             self._skip_until = self._clock() + KV_RETRY_AFTER_S
             log.warning("kv index lookup failed; routing without it",
@@ -102,17 +104,23 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
-        request_id_from(context)
+        trace_id = request_id_from(context)
         spec = convert.request_spec_from_proto(request)
         hints: dict[str, int] = {}
-        if len(self._core.worker_ids()) > 1:
-            hints = await self._kv.cached_prefix_tokens(spec.prompt_token_ids)
+        # Asked even with one worker: the lookups feed the index's hit rate,
+        # and they carry the request id into the kvcache service's logs.
+        if self._core.worker_ids():
+            hints = await self._kv.cached_prefix_tokens(spec.prompt_token_ids,
+                                                        trace_id or spec.request_id)
         result = self._core.submit(spec, hints)
         if result.rejection is not None:
             log.info("request rejected", extra={"gate": result.rejection.gate.value,
                                                 "reason": result.rejection.message})
             await context.abort(convert.REJECTION_CODES[result.rejection.gate], result.rejection.message)
         request_id = result.request_id
+        log.info("request queued", extra={"scheduler_request_id": request_id, "worker_id": result.worker_id,
+                                          "client_id": spec.client_id, "prompt_tokens": len(spec.prompt_token_ids),
+                                          "max_tokens": spec.max_tokens, "cached_prefix_tokens": hints})
         queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self._streams[request_id] = queue
         self._wake(result.worker_id)
@@ -127,10 +135,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 yield convert.generate_event_to_proto(update)
                 if update.finish is not None:
                     ended = True
+                    self._log_finish(request_id, update)
                     return
         finally:
             self._streams.pop(request_id, None)
             if not ended:  # the client went away: stop generating for it
+                log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
                 self._cancel(request_id)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest,
@@ -157,6 +167,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         await self._unlink(request.worker_id)
         spec = convert.worker_spec_from_proto(info, request.worker_id, request.address)
         self._deliver(self._core.add_worker(spec))
+        self._metrics.add_worker(spec.worker_id)
         link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub)
         link.task = asyncio.create_task(self._run_worker(link), name=f"worker-loop-{spec.worker_id}")
         self._links[spec.worker_id] = link
@@ -182,6 +193,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if plan is None:
                     await link.wake.wait()
                     continue
+                self._log_plan(worker_id, plan)
                 started = time.perf_counter()
                 try:
                     reply = await link.stub.Step(convert.step_request_to_proto(plan), timeout=STEP_TIMEOUT_S)
@@ -226,6 +238,27 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._metrics.publish(self._core.stats())
 
     # ---- helpers ----
+
+    @staticmethod
+    def _log_plan(worker_id: str, plan: StepPlan) -> None:
+        for new in plan.new_sequences:
+            log.info("sequence admitted", extra={
+                "request_id": request_id_of(new.seq_id), "seq_id": new.seq_id, "worker_id": worker_id,
+                "prompt_tokens": len(new.prompt_token_ids), "resumed_tokens": len(new.output_token_ids)})
+        log.debug("step planned", extra={"worker_id": worker_id, "step_id": plan.step_id,
+                                         "sequences": len(plan.work), "tokens": plan.num_tokens,
+                                         "frees": len(plan.free_seq_ids)})
+
+    @staticmethod
+    def _log_finish(request_id: str, update: RequestUpdate) -> None:
+        finish = update.finish
+        assert finish is not None
+        queue_wait_ms = convert.queue_wait_ms(finish)
+        log.info("request finished", extra={
+            "scheduler_request_id": request_id, "finish_reason": finish.reason.value,
+            "prompt_tokens": finish.usage.prompt_tokens, "completion_tokens": finish.usage.completion_tokens,
+            "cached_tokens": finish.usage.cached_tokens, "queue_wait_ms": round(queue_wait_ms, 3),
+            **({"message": finish.message} if finish.message else {})})
 
     def _cancel(self, request_id: str) -> bool:
         worker_id = self._core.worker_of(request_id)

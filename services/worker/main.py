@@ -46,7 +46,8 @@ async def serve(settings: WorkerSettings) -> None:
     registry = CollectorRegistry()
     metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr)
-    service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id))
+    service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id,
+                                                                     engine.pool_stats()))
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish,
                                  snapshot_source(service.snapshot_chains_async))
     service.on_block_events = lambda events: add_events(publisher, events)

@@ -13,56 +13,62 @@ import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from common import prometheus_names as names
 from common.grpc_server import request_id_from
-from common.metrics import TOKEN_LATENCY_BUCKETS_S, metric_name
+from common.sequence_ids import request_id_of
 from services.worker import convert
 from services.worker.engine.engine import Engine
-from services.worker.engine.types import BlockEvent, StepBatch, StepOutput
+from services.worker.engine.types import BlockEvent, PoolStats, StepBatch, StepOutput
 
 log = logging.getLogger(__name__)
 
 
+BLOCK_STATES = ("free", "cached", "used", "total")
+TOKEN_KINDS = ("computed", "sampled")
+
+
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry, worker_id: str) -> None:
-        labels = {"worker": worker_id}
-        self.step_seconds = Histogram(metric_name("worker", "step_seconds"), "Forward time per step",
-                                      buckets=TOKEN_LATENCY_BUCKETS_S, registry=registry,
-                                      labelnames=["worker"]).labels(**labels)
-        self.batch_tokens = Gauge(metric_name("worker", "batch_tokens"), "Tokens in the last step",
-                                  ["worker"], registry=registry).labels(**labels)
-        self.batch_sequences = Gauge(metric_name("worker", "batch_sequences"), "Sequences in the last step",
-                                     ["worker"], registry=registry).labels(**labels)
-        self.tokens = Counter(metric_name("worker", "tokens_total"), "Tokens computed, by kind",
-                              ["worker", "kind"], registry=registry)
-        self.blocks = Gauge(metric_name("worker", "kv_blocks"), "KV blocks by state",
-                            ["worker", "state"], registry=registry)
-        self.evictions = Gauge(metric_name("worker", "kv_evictions"), "Cached blocks evicted so far",
-                               ["worker"], registry=registry).labels(**labels)
-        self.prefix_hit_tokens = Gauge(metric_name("worker", "prefix_cache_hit_tokens"),
-                                       "Prompt tokens served from the prefix cache so far",
-                                       ["worker"], registry=registry).labels(**labels)
-        self.prefix_query_tokens = Gauge(metric_name("worker", "prefix_cache_query_tokens"),
-                                         "Prompt tokens looked up in the prefix cache so far",
-                                         ["worker"], registry=registry).labels(**labels)
-        self.running = Gauge(metric_name("worker", "running_sequences"), "Sequences holding KV",
-                             ["worker"], registry=registry).labels(**labels)
-        self._worker_id = worker_id
+    """The worker families of common.prometheus_names, all labelled with this
+    worker's id and exported from the start (block states from the empty pool)."""
+
+    def __init__(self, registry: CollectorRegistry, worker_id: str, pool: PoolStats | None = None) -> None:
+        def gauge(family: names.MetricFamily) -> Gauge:
+            return Gauge(family.name, family.help, list(family.labels), registry=registry)
+
+        step = names.WORKER_STEP
+        self.step_seconds = Histogram(step.name, step.help, list(step.labels), buckets=step.buckets,
+                                      registry=registry).labels(worker=worker_id)
+        self.batch_tokens = gauge(names.WORKER_BATCH_TOKENS).labels(worker=worker_id)
+        self.batch_sequences = gauge(names.WORKER_BATCH_SEQUENCES).labels(worker=worker_id)
+        tokens = names.WORKER_TOKENS
+        token_counter = Counter(tokens.name, tokens.help, list(tokens.labels), registry=registry)
+        self.tokens = {kind: token_counter.labels(worker=worker_id, kind=kind) for kind in TOKEN_KINDS}
+        blocks = gauge(names.WORKER_KV_BLOCKS)
+        self.blocks = {state: blocks.labels(worker=worker_id, state=state) for state in BLOCK_STATES}
+        self.evictions = gauge(names.WORKER_KV_EVICTIONS).labels(worker=worker_id)
+        self.prefix_hit_tokens = gauge(names.WORKER_PREFIX_HIT_TOKENS).labels(worker=worker_id)
+        self.prefix_query_tokens = gauge(names.WORKER_PREFIX_QUERY_TOKENS).labels(worker=worker_id)
+        self.running = gauge(names.WORKER_RUNNING).labels(worker=worker_id)
+        if pool is not None:
+            self.observe_pool(pool)
 
     def observe(self, batch: StepBatch, output: StepOutput, running: int) -> None:
         sampled = sum(1 for r in output.results if r.sampled)
         self.step_seconds.observe(output.forward_ms / 1000.0)
         self.batch_tokens.set(output.batch_tokens)
         self.batch_sequences.set(len(batch.work))
-        self.tokens.labels(worker=self._worker_id, kind="computed").inc(output.batch_tokens)
-        self.tokens.labels(worker=self._worker_id, kind="sampled").inc(sampled)
-        pool = output.pool
+        self.tokens["computed"].inc(output.batch_tokens)
+        self.tokens["sampled"].inc(sampled)
+        self.observe_pool(output.pool)
+        self.running.set(running)
+
+    def observe_pool(self, pool: PoolStats) -> None:
         for state, value in (("free", pool.free_blocks), ("cached", pool.cached_blocks),
                              ("used", pool.used_blocks), ("total", pool.total_blocks)):
-            self.blocks.labels(worker=self._worker_id, state=state).set(value)
+            self.blocks[state].set(value)
         self.evictions.set(pool.evictions)
         self.prefix_hit_tokens.set(pool.prefix_hit_tokens)
         self.prefix_query_tokens.set(pool.prefix_query_tokens)
-        self.running.set(running)
 
 
 @dataclass
@@ -101,9 +107,27 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._record(batch, output, running)
+        self._log_step(batch, output)
         if events and self.on_block_events is not None:
             self.on_block_events(events)
         return convert.step_response_to_proto(request.step_id, output)
+
+    def _log_step(self, batch: StepBatch, output: StepOutput) -> None:
+        """A step serves many requests: one debug line for the step, and an
+        info line per sequence that starts, fails or is freed, with the
+        request id its sequence id carries."""
+        for seq_id in batch.free_seq_ids:
+            log.info("sequence freed", extra={"request_id": request_id_of(seq_id), "seq_id": seq_id})
+        for new in batch.new_sequences:
+            log.info("sequence registered", extra={
+                "request_id": request_id_of(new.seq_id), "seq_id": new.seq_id,
+                "prompt_tokens": len(new.prompt_token_ids), "resumed_tokens": len(new.output_token_ids)})
+        for result in output.results:
+            if result.error:
+                log.info("sequence step failed", extra={"request_id": request_id_of(result.seq_id),
+                                                        "seq_id": result.seq_id, "error": result.error})
+        log.debug("step", extra={"sequences": len(batch.work), "tokens": output.batch_tokens,
+                                 "forward_ms": round(output.forward_ms, 3)})
 
     def _record(self, batch: StepBatch, output: StepOutput, running: int) -> None:
         counters = self.counters

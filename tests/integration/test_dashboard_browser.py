@@ -1,7 +1,11 @@
 """The live dashboard in real headless Chromium (Debian's /usr/bin/chromium,
-driven by Playwright), against a stand-in HTTP server that serves dashboard/
-at /dashboard and a /stats (schema: docs/metrics.md) that changes on every
-call and can drop parts, as when a service is down.
+driven by Playwright).
+
+First against the real stack (four processes on a tiny model) while
+concurrent streams run: the gateway serves dashboard/ at /dashboard and its
+/stats. Then against a stand-in HTTP server whose /stats (schema:
+docs/metrics.md) changes on every call and can drop parts, as when a
+service is down.
 
 Set DASHBOARD_SCREENSHOT_DIR to keep the screenshots somewhere known.
 """
@@ -16,14 +20,17 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 
 from common.latency_tracker import LatencyTracker, RequestRecord
+from scripts.stack import Stack
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
@@ -168,17 +175,18 @@ class PageProblems:
         page.on("requestfailed", lambda request: self.items.append(f"request failed: {request.url}"))
 
 
-def open_dashboard(browser, base_url: str):
+def open_dashboard(browser, base_url: str, poll_ms: int = POLL_MS, span_s: int = SPAN_S):
     page = browser.new_page(viewport={"width": 1440, "height": 1280})
     problems = PageProblems(page)
     # A short span, so that a few seconds of polls fill the charts' width.
-    page.goto(f"{base_url}/dashboard?interval={POLL_MS}&span={SPAN_S}")
+    page.goto(f"{base_url}/dashboard?interval={poll_ms}&span={span_s}")
     return page, problems
 
 
-def wait_for_polls(page, count: int) -> None:
+def wait_for_polls(page, count: int, timeout_ms: int = 15000) -> None:
     already = int(page.evaluate("Number(document.body.dataset.polls || 0)"))
-    page.wait_for_function(f"Number(document.body.dataset.polls || 0) >= {already + count}", timeout=15000)
+    page.wait_for_function(f"Number(document.body.dataset.polls || 0) >= {already + count}",
+                           timeout=timeout_ms)
 
 
 def canvas_images(page) -> dict[str, str]:
@@ -212,6 +220,70 @@ def keep_screenshot(page, tmp_path: Path, name: str) -> Path:
         Path(keep_dir).mkdir(parents=True, exist_ok=True)
         shutil.copy(path, Path(keep_dir) / name)
     return path
+
+
+class StreamLoad:
+    """`streams` threads, each posting streaming /generate requests back to
+    back until stopped, from a few sessions with a shared prompt prefix."""
+
+    def __init__(self, base_url: str, streams: int, max_tokens: int = 24) -> None:
+        self._base_url = base_url
+        self._streams = streams
+        self._max_tokens = max_tokens
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(streams)
+        self.finished = 0
+        self.failures: list[str] = []
+
+    def __enter__(self) -> "StreamLoad":
+        for index in range(self._streams):
+            self._pool.submit(self._run, index)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=True)
+
+    def _run(self, index: int) -> None:
+        with httpx.Client(base_url=self._base_url, timeout=120) as client:
+            round_ = 0
+            while not self._stop.is_set():
+                round_ += 1
+                body = {"prompt": f"A story shared by every stream, part {round_}, told by {index}:",
+                        "max_tokens": self._max_tokens, "raw": True, "ignore_eos": True, "stream": True,
+                        "session_id": f"session-{index % 4}"}
+                try:
+                    with client.stream("POST", "/generate", json=body) as response:
+                        response.read()
+                        if response.status_code != 200:
+                            self.failures.append(f"{response.status_code}: {response.text[:200]}")
+                except httpx.HTTPError as error:
+                    self.failures.append(repr(error))
+                self.finished += 1
+
+
+LIVE_CHARTS = {"ttft", "tpot", "throughput", "queues", "kv_blocks", "hit_rate", "worker_batch",
+               "worker_step", "worker_running", "vtc_over_time", "sessions"}
+
+
+def test_real_stack_under_load_moves_the_charts(browser, tiny_stack: Stack, tmp_path):
+    with StreamLoad(tiny_stack.url, streams=16) as load:
+        page, problems = open_dashboard(browser, tiny_stack.url, poll_ms=500, span_s=30)
+        wait_for_polls(page, 10, timeout_ms=30000)
+        before = canvas_images(page)
+        wait_for_polls(page, 4, timeout_ms=30000)
+        after = canvas_images(page)
+        assert load.finished > 0
+        with_data = charts_with_data(page)
+        screenshot = keep_screenshot(page, tmp_path, "dashboard-live.png")
+    assert load.failures == []
+    assert LIVE_CHARTS <= with_data, LIVE_CHARTS - with_data
+    assert {chart for chart in LIVE_CHARTS if before[chart] == after[chart]} == set()
+    assert unavailable_cards(page) == set()
+    assert page.locator(".badge.ok").count() == 3
+    assert screenshot.stat().st_size > 10_000
+    assert problems.items == []
+    page.close()
 
 
 def test_charts_move_and_the_console_stays_clean(browser, stand_in, tmp_path):

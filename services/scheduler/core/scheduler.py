@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from itertools import count
 
+from common.sequence_ids import sequence_id
 from common.types import Usage
 
 from services.scheduler.core.policy import VirtualTokenCounter, pick_next
@@ -273,6 +274,7 @@ class SchedulerCore:
                 healthy=self._clock() - w.last_heartbeat_s <= self._config.heartbeat_timeout_s,
                 running=len(w.running), pending=len(w.pending), free_blocks=w.pool.free_blocks,
                 cached_blocks=w.pool.cached_blocks, total_blocks=w.pool.total_blocks,
+                used_blocks=w.pool.used_blocks, evictions=w.pool.evictions,
                 last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps,
                 reserved_kv_tokens=w.reserved_kv_tokens)
             for w in self._workers.values())
@@ -403,10 +405,11 @@ class SchedulerCore:
         if not request.admitted_once:
             request.admitted_once = True
             self._admitted += 1
-            self._queue_waits.append(self._clock() - request.arrival_s)
+            request.queue_wait_s = self._clock() - request.arrival_s
+            self._queue_waits.append(request.queue_wait_s)
             self._vtc.charge_prompt(request.client_id, len(request.prompt))
         self._dequeue(worker, request)
-        seq_id = self._new_id()
+        seq_id = sequence_id(request.request_id, self._new_id())
         request.seq_id, request.num_computed, request.phase = seq_id, 0, Phase.PREFILLING
         worker.prefilling.append(request)
         worker.reserved_kv_tokens += request.kv_reservation
@@ -524,7 +527,7 @@ class SchedulerCore:
         self._forget_idle_clients()
         usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
                       cached_tokens=request.cached_tokens or 0)
-        return Finish(reason=reason, usage=usage, message=message)
+        return Finish(reason=reason, usage=usage, message=message, queue_wait_s=request.queue_wait_s)
 
     def _reject_waiting(self, worker: WorkerState, request: RequestState, gate: Gate,
                         message: str) -> RequestUpdate:

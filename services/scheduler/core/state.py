@@ -33,6 +33,7 @@ class RequestState:
     seq_id: str | None = None       # the incarnation the worker knows, if any
     num_computed: int = 0
     cached_tokens: int | None = None  # from the first incarnation's first result
+    queue_wait_s: float | None = None  # arrival to first admission, once admitted
     admitted_once: bool = False
     resumed: bool = False           # preempted: goes to the front of its queue
     held_by: set[Gate] = field(default_factory=set)

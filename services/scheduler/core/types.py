@@ -85,6 +85,7 @@ class PoolSnapshot:
     free_blocks: int
     cached_blocks: int
     used_blocks: int
+    evictions: int = 0  # cached blocks the worker evicted since it started
 
     @property
     def available_blocks(self) -> int:
@@ -152,6 +153,7 @@ class Finish:
     reason: FinishReason
     usage: Usage
     message: str = ""
+    queue_wait_s: float | None = None  # None: never admitted
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,8 @@ class WorkerSummary:
     last_batch_size: int
     steps: int
     reserved_kv_tokens: int
+    used_blocks: int = 0
+    evictions: int = 0
 
 
 @dataclass(frozen=True)

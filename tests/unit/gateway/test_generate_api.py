@@ -243,10 +243,10 @@ async def test_health_ready_stats_and_metrics(client: httpx.AsyncClient, fake: F
     fake.healthy_workers = 0
     assert "worker" in assert_error_shape(await client.get("/ready"), 503)["message"]
     stats = (await client.get("/stats")).json()
-    assert set(stats) == {"scheduler", "kvcache"}
+    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache"}
     await post(client, {"prompt": "Hi", "stream": False})
     metrics = (await client.get("/metrics")).text
-    assert 'fairserve_gateway_requests_total{method="POST",route="/generate",status="200"} 1.0' in metrics
+    assert 'fairserve_gateway_http_requests_total{code="200",method="POST",route="/generate"} 1.0' in metrics
     assert "fairserve_gateway_ttft_seconds_bucket" in metrics
     assert "fairserve_gateway_e2e_latency_seconds_count 1.0" in metrics
 

@@ -1,10 +1,9 @@
-import ast
 import re
 from pathlib import Path
 
 from common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
-from common.prometheus_names import (ALL_FAMILIES, COUNTER, GAUGE, HISTOGRAM, SERVICES, WORKER,
-                                     families_of, family_of_series)
+from common.prometheus_names import (ALL_FAMILIES, COUNTER, HISTOGRAM, SERVICES, families_of,
+                                     family_of_series)
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "metrics.md"
@@ -65,27 +64,3 @@ def test_docs_describe_the_stats_schema():
     for key in ('"ts"', '"gateway"', '"scheduler"', '"kvcache"', '"latency_ms"', '"workers"', '"clients"',
                 '"blocks_by_worker"', '"rejections"', '"holds"'):
         assert key in text, key
-
-
-def collectors_in_source(path: Path) -> dict[str, tuple[str, tuple[str, ...]]]:
-    """Counter/Gauge/Histogram(metric_name(service, what), help, labels...)
-    calls in a module's source: name -> (type, labels). Read from the source
-    so the test does not import the engine (and torch)."""
-    kinds = {"Counter": COUNTER, "Gauge": GAUGE, "Histogram": HISTOGRAM}
-    found = {}
-    for node in ast.walk(ast.parse(path.read_text())):
-        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in kinds):
-            continue
-        name_call = node.args[0]
-        assert isinstance(name_call, ast.Call) and getattr(name_call.func, "id", "") == "metric_name"
-        service, what = (ast.literal_eval(arg) for arg in name_call.args)
-        labels_node = next((kw.value for kw in node.keywords if kw.arg == "labelnames"),
-                           node.args[2] if len(node.args) > 2 else None)
-        labels = tuple(ast.literal_eval(labels_node)) if labels_node is not None else ()
-        found[f"fairserve_{service}_{what}"] = (kinds[node.func.id], labels)
-    return found
-
-
-def test_the_worker_exports_its_catalogued_families():
-    exported = collectors_in_source(ROOT / "services" / "worker" / "server.py")
-    assert exported == {family.name: (family.kind, family.labels) for family in families_of(WORKER)}
