@@ -25,7 +25,7 @@ from services.scheduler.core.routing import SessionMap, choose_worker
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.types import (
     OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate,
-    NewSequence, PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult,
+    NewSequence, Policy, PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult,
     StepOutcome, StepPlan, SubmitResult, TokenOut, WorkerSpec, WorkerSummary, WorkItem,
 )
 
@@ -390,9 +390,14 @@ class SchedulerCore:
         config = self._config
         if worker.refused_allocation:
             return
-        while worker.pending and plan.token_budget >= 1 and len(worker.running) < config.max_batch_size:
+        while worker.pending and plan.token_budget >= 1:
             request = pick_next(worker.pending, config.policy, self._vtc)
             assert request is not None
+            if len(worker.running) >= config.max_batch_size:
+                victim = self._slot_victim(worker, plan, request)
+                if victim is None:
+                    return
+                self._preempt(worker, victim, plan)
             if worker.reserved_kv_tokens + request.kv_reservation > config.max_active_kv_tokens:
                 self._hold(request, Gate.ACTIVE_KV)
                 return
@@ -400,6 +405,35 @@ class SchedulerCore:
                 self._hold(request, Gate.CACHE_POOL)
                 return
             self._admit(worker, plan, request)
+
+    def _slot_victim(self, worker: WorkerState, plan: _PlanBuilder,
+                     candidate: RequestState) -> RequestState | None:
+        """The running request that gives its batch slot to `candidate` when
+        the batch is full, if any. A lower-priority request always yields.
+        Under vtc, a client holding more than its fair share of slots
+        (max_batch_size over the clients with work on this worker) yields
+        its latest arrival to a client holding less; the victim keeps its
+        tokens and its cached blocks make the recompute cheap. Both rules
+        only ever move slots towards higher priority or a fairer split, so
+        they cannot ping-pong."""
+        admitted_now = {s.seq_id for s in plan.new_sequences}
+        movable = [r for r in worker.running if r.seq_id not in admitted_now]
+        lower = [r for r in movable if r.priority < candidate.priority]
+        if lower:
+            return max(lower, key=lambda r: r.running_key)
+        if self._config.policy is not Policy.VTC:
+            return None
+        slots = Counter(r.client_id for r in worker.running)
+        clients = set(slots) | {r.client_id for r in worker.pending}
+        fair_share = self._config.max_batch_size / len(clients)
+        if slots[candidate.client_id] + 1 > fair_share:
+            return None
+        over_share = [r for r in movable if r.priority == candidate.priority
+                      and slots[r.client_id] - 1 >= fair_share
+                      and r.client_id != candidate.client_id]
+        if not over_share:
+            return None
+        return max(over_share, key=lambda r: (slots[r.client_id], r.arrival_order))
 
     def _admit(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState) -> None:
         if not request.admitted_once:
