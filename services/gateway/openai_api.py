@@ -22,6 +22,7 @@ from services.gateway.chat_template import (
     raw_prompt_ids,
     turn_stop_token_ids,
 )
+from services.gateway.detokenizer import token_bytes
 from services.gateway.errors import bad_request, from_backend
 from services.gateway.generation import GenerationSpec, TextDelta, merge_streams
 from services.gateway.schemas import (
@@ -178,11 +179,11 @@ async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int
         return [await state.tokenize(raw_prompt_ids, require_text(prompt))]
     if not prompt:
         raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
-    if len(prompt) > MAX_CHOICES:
-        raise bad_request(f"At most {MAX_CHOICES} prompts per request, got {len(prompt)}.", "prompt")
-    if isinstance(prompt[0], int):
+    if isinstance(prompt[0], int):   # one prompt of token ids: its length is no count of prompts
         check_prompt_ids(prompt, state.vocab_size)
         return [list(prompt)]
+    if len(prompt) > MAX_CHOICES:
+        raise bad_request(f"At most {MAX_CHOICES} prompts per request, got {len(prompt)}.", "prompt")
     if isinstance(prompt[0], list):
         for ids in prompt:
             check_prompt_ids(ids, state.vocab_size)
@@ -410,7 +411,8 @@ class _ChatFormat(_Format):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": text, "logprob": logprob,
+                "bytes": list(token_bytes(self.state.tokenizer, token_id, text))}
 
     def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
         if not self.logprobs:

@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from services.gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_bytes
 
 TEXTS = ["東京 🙂", "Zwei Äpfel kosten 3 € — naïve café", "Hello world! How are you?",
          "def add(a, b):\n    return a + b\n", "🙂🙂 emoji 東京東京"]
@@ -64,3 +64,42 @@ def test_sentencepiece_spaces_with_the_gemma_tokenizer() -> None:
     for text in [" Paris, and 東京 🙂 too.", " naïve café —  two  spaces"]:
         ids = gemma.encode(text, add_special_tokens=False)
         assert "".join(stream_text(gemma, ids, prompt)) == text
+
+
+def _joined_token_bytes(tokenizer: Any, ids: list[int]) -> bytes:
+    return b"".join(token_bytes(tokenizer, token_id, tokenizer.decode(
+        [token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False))
+        for token_id in ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_are_the_tokens_own_bytes(tokenizer: Any, text: str) -> None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert any(REPLACEMENT_CHAR in tokenizer.decode([token_id]) for token_id in ids) or text.isascii()
+    assert _joined_token_bytes(tokenizer, ids) == text.encode()
+
+
+class _ByteFallbackVocabulary:
+    """SentencePiece-style pieces: whole words, and <0xNN> for single bytes."""
+    pieces = {7: "<0xF0>", 8: "<0x9F>", 9: "▁hello"}
+
+    def convert_ids_to_tokens(self, token_id: int) -> str:
+        return self.pieces[token_id]
+
+
+def test_token_bytes_of_byte_fallback_pieces() -> None:
+    vocabulary = _ByteFallbackVocabulary()
+    assert token_bytes(vocabulary, 7, REPLACEMENT_CHAR) == b"\xf0"
+    assert token_bytes(vocabulary, 8, REPLACEMENT_CHAR) == b"\x9f"
+    assert token_bytes(vocabulary, 9, " hello") == b" hello"
+
+
+@pytest.mark.skipif(not is_prepared(default_model_dir(default_cache_dir())),
+                    reason="the default model is not converted here")
+def test_token_bytes_with_the_gemma_tokenizer() -> None:
+    from transformers import AutoTokenizer
+
+    gemma = AutoTokenizer.from_pretrained(str(Path(default_model_dir(default_cache_dir()))))
+    text = "東京 🙂 café \U0001FAE8 plain"  # the last emoji is spelled in byte-fallback pieces
+    ids = gemma.encode(text, add_special_tokens=False)
+    assert _joined_token_bytes(gemma, ids) == text.encode()

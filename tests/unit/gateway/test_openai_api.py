@@ -175,3 +175,16 @@ def test_api_key_is_checked_and_becomes_the_client(serve: Callable[..., ServerTh
     right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret", max_retries=0)
     right.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
     assert fake.requests[0].client_id == "secret"
+
+
+def test_chat_logprob_bytes_of_split_characters(serve: Callable[..., ServerThread],
+                                                tokenizer: Any) -> None:
+    ids = tokenizer.encode("東京 🙂", add_special_tokens=False)  # byte-level pieces of characters
+    server = serve(FakeScheduler(reply_ids=ids))
+    api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=10)
+    reply = api.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                        logprobs=True, max_tokens=len(ids))
+    content = reply.choices[0].logprobs.content
+    assert any("\ufffd" in entry.token for entry in content)
+    assert b"".join(bytes(entry.bytes) for entry in content) == "東京 🙂".encode()
+    assert reply.choices[0].message.content == "東京 🙂"
