@@ -41,6 +41,7 @@ class StepMetadata:
     num_decodes: int
     decode_ctx_lens: torch.Tensor   # [D] context length including the decoded token
     decode_block_tables: torch.Tensor  # [D, max_blocks], padded with 0
+    decode_ctx_range: tuple[int, int]  # (shortest, longest) context among decodes, known on the host
     prefills: list[PrefillChunk]
     num_tokens: int
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
@@ -57,15 +58,14 @@ class StepMetadata:
 
     def _build_decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         ctx = self.decode_ctx_lens
-        longest = int(ctx.max())
+        shortest, longest = self.decode_ctx_range
         length = longest if window is None else min(longest, window)
         offsets = torch.arange(length, device=ctx.device)
         positions = ctx[:, None] - length + offsets[None, :]
-        valid = positions >= 0
+        mask = None if shortest >= length else (positions >= 0)[:, None, None, :]
         positions = positions.clamp_min(0)
         blocks = torch.gather(self.decode_block_tables, 1, positions // self.block_size)
         slots = blocks * self.block_size + positions % self.block_size
-        mask = None if bool(valid.all()) else valid[:, None, None, :]
         return slots, mask
 
     def prefill_view(self, index: int, window: int | None) -> tuple[int, torch.Tensor | None]:
@@ -99,6 +99,12 @@ def _layer_window(module: torch.nn.Module, sliding_window: int | None) -> int | 
     return int(window) if window else None
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache[slots] via index_select on a 2-D view (about 3x faster than advanced indexing on CPU)."""
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:])
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
@@ -126,8 +132,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         slots, mask = meta.decode_view(window)
         # Heads sharing a KV head ride as extra query rows, so K/V are never repeated.
         q = query[0, :, :decodes].transpose(0, 1).reshape(decodes, num_kv_heads, -1, head_dim)
-        k = k_cache[slots].transpose(1, 2)
-        v = v_cache[slots].transpose(1, 2)
+        k = _gather(k_cache, slots).transpose(1, 2)
+        v = _gather(v_cache, slots).transpose(1, 2)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out[:decodes] = attn.reshape(decodes, num_heads, -1)
 
@@ -139,8 +145,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             k, v = key[:, :, rows], value[:, :, rows]
         else:
             slots = chunk.context_slots[first:]
-            k = k_cache[slots].permute(1, 0, 2).unsqueeze(0)
-            v = v_cache[slots].permute(1, 0, 2).unsqueeze(0)
+            k = _gather(k_cache, slots).permute(1, 0, 2).unsqueeze(0)
+            v = _gather(v_cache, slots).permute(1, 0, 2).unsqueeze(0)
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=scaling, enable_gqa=num_heads != num_kv_heads)
         out[rows] = attn[0].transpose(0, 1)

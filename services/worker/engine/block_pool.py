@@ -106,7 +106,7 @@ class BlockPool:
         return blocks
 
     def stats(self) -> PoolStats:
-        used = sum(1 for count in self._refcount if count > 0)
+        used = self.num_blocks - len(self._free) - len(self._evictable)
         return PoolStats(total_blocks=self.num_blocks, free_blocks=len(self._free),
                          cached_blocks=len(self._evictable), used_blocks=used,
                          evictions=self.evictions, prefix_hit_tokens=self.prefix_hit_tokens,
@@ -242,9 +242,12 @@ class BlockPool:
         for value, block in self._by_hash.items():
             if self._block_hash[block] != value:
                 raise PoolInvariantError(f"hash map points {value} at block {block}")
-        stats = self.stats()
-        if stats.free_blocks + stats.cached_blocks + stats.used_blocks != self.num_blocks:
-            raise PoolInvariantError(f"free + cached + used != total: {stats}")
+        used = sum(1 for count in self._refcount if count > 0)
+        if len(free) + len(evictable) + used != self.num_blocks:
+            raise PoolInvariantError(f"free {len(free)} + cached {len(evictable)} + used {used} "
+                                     f"!= total {self.num_blocks}")
+        if self.stats().used_blocks != used:
+            raise PoolInvariantError(f"stats report {self.stats().used_blocks} used blocks, counted {used}")
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -19,8 +19,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from common.types import SamplingParams, TokenLogprob, TopLogprob
+
+
+TOP_P_CANDIDATES = 1024   # top-p alone first looks for its cut among this many tokens
+CDF_BLOCK = 1024
 
 
 @dataclass
@@ -58,6 +63,8 @@ class Sampler:
             raise ValueError("one logits row per request")
         if not requests:
             return []
+        if logits.device.type == "mps":
+            logits = logits.cpu()     # the draw needs float64, which MPS lacks
         logits = logits.float()
         raw = logits
         penalized = [i for i, r in enumerate(requests) if _has_penalties(r.params)]
@@ -69,23 +76,19 @@ class Sampler:
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
         if greedy:
-            index = torch.tensor(greedy, device=logits.device)
-            tokens[index] = logits[index].argmax(dim=-1)
+            tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if random_rows:
-            index = torch.tensor(random_rows, device=logits.device)
             params = [requests[i].params for i in random_rows]
-            probs = _filtered_probs(logits[index], params)
             uniforms = torch.tensor([self._uniform(requests[i]) for i in random_rows],
-                                    dtype=probs.dtype, device=probs.device)
-            tokens[index] = _inverse_cdf(probs, uniforms)
+                                    dtype=torch.float64, device=logits.device)
+            tokens[random_rows] = _sample_random(_rows(logits, random_rows), params, uniforms)
 
         token_list = tokens.tolist()
         logprob_rows = [i for i, r in enumerate(requests) if _wants_logprobs(r.params)]
         logprobs: dict[int, TokenLogprob] = {}
         if logprob_rows:
-            index = torch.tensor(logprob_rows, device=logits.device)
-            row_logprobs = torch.log_softmax(raw[index], dim=-1)
+            row_logprobs = torch.log_softmax(_rows(raw, logprob_rows), dim=-1)
             for position, row in enumerate(logprob_rows):
                 logprobs[row] = _token_logprob(row_logprobs[position], token_list[row],
                                                requests[row].params.top_logprobs)
@@ -95,6 +98,13 @@ class Sampler:
         if request.params.seed is not None:
             return seeded_uniform(request.params.seed, request.num_sampled)
         return float(torch.rand(1, generator=self._rng, dtype=torch.float64))
+
+
+def _rows(matrix: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """matrix[rows] without copying a [rows, vocab] block when rows is every row."""
+    if len(rows) == matrix.shape[0]:
+        return matrix
+    return matrix[torch.tensor(rows, device=matrix.device)]
 
 
 def _has_penalties(params: SamplingParams) -> bool:
@@ -120,9 +130,58 @@ def _apply_penalties(row: torch.Tensor, request: SampleRequest) -> None:
         row[ids] -= params.frequency_penalty * counts.to(row.dtype) + params.presence_penalty
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def _sample_random(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   uniforms: torch.Tensor) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=logits.device)
     scaled = logits / temps[:, None]
+    vocab = scaled.shape[-1]
+    tokens = torch.empty(len(params), dtype=torch.long, device=scaled.device)
+    full = [i for i, p in enumerate(params) if not _truncates(p, vocab)]
+    truncated = [i for i, p in enumerate(params) if _truncates(p, vocab)]
+    if truncated:
+        picked, exact = _sample_candidates(_rows(scaled, truncated), [params[i] for i in truncated],
+                                           uniforms[truncated])
+        tokens[truncated] = picked
+        full += [row for row, ok in zip(truncated, exact.tolist()) if not ok]
+    if full:
+        probs = _filtered_probs(_rows(scaled, full), [params[i] for i in full])
+        tokens[full] = _inverse_cdf(probs, uniforms[full])
+    return tokens
+
+
+def _truncates(params: SamplingParams, vocab: int) -> bool:
+    return 0 < params.top_k < vocab or params.top_p < 1.0
+
+
+def _sample_candidates(scaled: torch.Tensor, params: Sequence[SamplingParams],
+                       uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast path for top-k/top-p rows: filter and draw among each row's most likely
+    tokens (its top_k, or TOP_P_CANDIDATES for top-p alone) instead of the whole
+    vocabulary. Returns (tokens, exact): a top-p row is exact only if its candidates
+    hold more than top_p of the mass; the others must take the full path. Each row's
+    result depends on its own logits only, never on the rest of the batch."""
+    vocab = scaled.shape[-1]
+    device = scaled.device
+    limits = [p.top_k if 0 < p.top_k < vocab else min(TOP_P_CANDIDATES, vocab) for p in params]
+    has_top_k = torch.tensor([0 < p.top_k < vocab for p in params], device=device)
+    values, ids = scaled.topk(max(limits), dim=-1)      # sorted, most likely first
+    ranks = torch.arange(values.shape[1], device=device)
+    in_limit = ranks[None, :] < torch.tensor(limits, device=device)[:, None]
+    # Top-k renormalizes over its k tokens; top-p alone is measured on the whole vocabulary.
+    log_norm = torch.where(has_top_k, values.masked_fill(~in_limit, float("-inf")).logsumexp(dim=-1),
+                           scaled.logsumexp(dim=-1))
+    probs = (values - log_norm[:, None]).exp().masked_fill(~in_limit, 0.0)
+    top_ps = torch.tensor([p.top_p for p in params], dtype=probs.dtype, device=device)
+    min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=device)
+    mass_before = probs.cumsum(dim=-1) - probs
+    keep = in_limit & (mass_before <= top_ps[:, None]) & (probs >= min_ps[:, None] * probs[:, :1])
+    exact = has_top_k | (probs.sum(dim=-1) > top_ps)
+    picked = _inverse_cdf(probs * keep, uniforms)
+    return ids.gather(1, picked[:, None]).squeeze(1), exact
+
+
+def _filtered_probs(scaled: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Full-vocabulary filtering: top-k, top-p (a full sort), min-p -> probabilities."""
     vocab = scaled.shape[-1]
     top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     if min(top_ks) < vocab:
@@ -137,9 +196,9 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
         sorted_logits, order = subset.sort(dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        drop_sorted = mass_before > top_ps[:, None]     # always keeps the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        scaled[index] = subset.masked_fill(drop, float("-inf"))
+        drop = torch.zeros_like(subset, dtype=torch.bool).scatter(1, order, mass_before > top_ps[:, None])
+        scaled = scaled.clone()
+        scaled[index] = subset.masked_fill(drop, float("-inf"))   # the most likely token is never dropped
     probs = scaled.softmax(dim=-1)
     min_ps = torch.tensor([p.min_p for p in params], dtype=probs.dtype, device=probs.device)
     if bool((min_ps > 0).any()):
@@ -149,11 +208,22 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
 
 
 def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    cdf = probs.double().cumsum(dim=-1)
-    targets = uniforms.double()[:, None] * cdf[:, -1:]
-    # right=True picks the first token whose cumulative mass exceeds the target, never a zero-mass one.
-    picked = torch.searchsorted(cdf, targets, right=True).squeeze(1)
-    return picked.clamp_max(probs.shape[-1] - 1)
+    """Token whose cumulative (unnormalized) mass first exceeds uniform * total, in two
+    levels: pick a block of CDF_BLOCK tokens from the block masses, then a token inside
+    it. Two short cumsums instead of one over the whole vocabulary. Targets are clamped
+    below each level's total so float rounding can never land on a zero-mass token."""
+    rows, vocab = probs.shape
+    padding = (-vocab) % CDF_BLOCK
+    blocks = (F.pad(probs, (0, padding)) if padding else probs).reshape(rows, -1, CDF_BLOCK)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)
+    total = block_cdf[:, -1:]
+    target = torch.minimum(uniforms[:, None] * total, total * (1 - 1e-12))
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_max(block_cdf.shape[1] - 1)
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp_min(0)), torch.zeros_like(target))
+    inner = blocks.gather(1, block[:, :, None].expand(-1, 1, CDF_BLOCK)).squeeze(1).double().cumsum(dim=-1)
+    inner_target = torch.minimum((target - before).clamp_min(0), inner[:, -1:] * (1 - 1e-12))
+    offset = torch.searchsorted(inner, inner_target, right=True).clamp_max(CDF_BLOCK - 1)
+    return (block * CDF_BLOCK + offset).squeeze(1)
 
 
 def _token_logprob(row_logprobs: torch.Tensor, token_id: int, top_n: int) -> TokenLogprob:

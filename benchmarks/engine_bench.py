@@ -1,0 +1,259 @@
+"""Engine benchmark on the default model, in-process, against transformers.
+
+    python -m benchmarks.engine_bench            # full run (minutes; `make bench-engine`)
+    python -m benchmarks.engine_bench --quick    # small sizes, checks the script end to end
+
+Measures the engine's prefill tokens/s, decode tokens/s at several batch sizes
+and end-to-end output tokens/s for N concurrent prompts driven the way the
+scheduler drives a worker (decodes first, then prefill chunks under a token
+budget), and in the same run transformers' sequential `generate` and its
+continuous batching (`generate_batch`). Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from common.model_store import default_cache_dir, default_model_dir, is_prepared
+from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+
+BOS = 2
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    prompt_len: int
+    new_tokens: int
+    concurrency: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_steps: int
+    prefill_prompts: int
+    token_budget: int
+    generate_prompts: int
+
+
+FULL = BenchSizes(prompt_len=256, new_tokens=64, concurrency=(8, 32), decode_batches=(1, 8, 32),
+                  decode_steps=32, prefill_prompts=8, token_budget=512, generate_prompts=8)
+QUICK = BenchSizes(prompt_len=32, new_tokens=8, concurrency=(2, 4), decode_batches=(1, 4),
+                   decode_steps=4, prefill_prompts=2, token_budget=64, generate_prompts=2)
+
+
+def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    # Ordinary vocabulary ids (well past the special tokens), distinct per prompt.
+    body = torch.randint(1000, min(vocab_size, 200_000), (count, length - 1), generator=generator)
+    return [[BOS] + row for row in body.tolist()]
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+# ---- engine ----------------------------------------------------------------------------------
+
+
+class EngineRunner:
+    def __init__(self, engine: Engine, token_budget: int) -> None:
+        self.engine = engine
+        self.token_budget = token_budget
+        self._next_id = 0
+
+    def _ids(self, count: int) -> list[str]:
+        ids = [f"r{self._next_id + i}" for i in range(count)]
+        self._next_id += count
+        return ids
+
+    def prefill_tokens_per_s(self, prompts: list[list[int]]) -> float:
+        seq_ids = self._ids(len(prompts))
+        seconds, _ = timed(lambda: self._serve(seq_ids, prompts, new_tokens=1))
+        self.engine.step(StepBatch(free_seq_ids=seq_ids))
+        return sum(len(p) for p in prompts) / seconds
+
+    def decode_tokens_per_s(self, prompts: list[list[int]], steps: int) -> float:
+        seq_ids = self._ids(len(prompts))
+        self._serve(seq_ids, prompts, new_tokens=1, free=False)
+        work = StepBatch(work=[WorkItem(seq_id, 1) for seq_id in seq_ids])
+        seconds, _ = timed(lambda: [self.engine.step(work) for _ in range(steps)])
+        self.engine.step(StepBatch(free_seq_ids=seq_ids))
+        return len(prompts) * steps / seconds
+
+    def end_to_end_tokens_per_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        seq_ids = self._ids(len(prompts))
+        seconds, produced = timed(lambda: self._serve(seq_ids, prompts, new_tokens))
+        return produced / seconds
+
+    def _serve(self, seq_ids: list[str], prompts: list[list[int]], new_tokens: int, free: bool = True) -> int:
+        """Scheduler-like loop: every running decode each step, then prefill chunks in
+        arrival order until the token budget is spent."""
+        remaining_prompt = dict(zip(seq_ids, (len(p) for p in prompts)))
+        produced = dict.fromkeys(seq_ids, 0)
+        new = [NewSequence(seq_id, prompt) for seq_id, prompt in zip(seq_ids, prompts)]
+        while any(count < new_tokens for count in produced.values()):
+            budget = self.token_budget
+            work: list[WorkItem] = []
+            for seq_id in seq_ids:
+                if remaining_prompt[seq_id] == 0 and produced[seq_id] < new_tokens:
+                    work.append(WorkItem(seq_id, 1))
+                    budget -= 1
+            for seq_id in seq_ids:
+                if budget <= 0:
+                    break
+                if remaining_prompt[seq_id] > 0:
+                    chunk = min(budget, remaining_prompt[seq_id])
+                    work.append(WorkItem(seq_id, chunk))
+                    budget -= chunk
+            out = self.engine.step(StepBatch(new_sequences=new, work=work))
+            new = []
+            for result in out.results:
+                if result.error:
+                    raise RuntimeError(f"engine step failed: {result}")
+                if remaining_prompt[result.seq_id] > 0:
+                    prompt_len = len(prompts[seq_ids.index(result.seq_id)])
+                    remaining_prompt[result.seq_id] = max(0, prompt_len - result.num_computed_tokens)
+                if result.sampled:
+                    produced[result.seq_id] += 1
+        if free:
+            self.engine.step(StepBatch(free_seq_ids=seq_ids))
+        return sum(produced.values())
+
+
+# ---- transformers -----------------------------------------------------------------------------
+
+
+def generate_tokens_per_s(model, prompts: list[list[int]], new_tokens: int) -> float:
+    produced = 0
+    started = time.perf_counter()
+    for prompt in prompts:
+        input_ids = torch.tensor([prompt])
+        with torch.inference_mode():
+            output = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    max_new_tokens=new_tokens, do_sample=False)
+        produced += output.shape[1] - len(prompt)
+    return produced / (time.perf_counter() - started)
+
+
+def generate_decode_tokens_per_s(model, prompt: list[int], steps: int) -> float:
+    """Decode rate of `generate` at batch 1: (time for 1 + steps tokens) - (time for 1 token)."""
+    input_ids = torch.tensor([prompt])
+    mask = torch.ones_like(input_ids)
+
+    def run(count: int) -> int:
+        with torch.inference_mode():
+            output = model.generate(input_ids, attention_mask=mask, max_new_tokens=count, do_sample=False,
+                                    min_new_tokens=count)
+        return output.shape[1] - len(prompt)
+
+    first, _ = timed(lambda: run(1))
+    total, produced = timed(lambda: run(1 + steps))
+    return (produced - 1) / max(total - first, 1e-9)
+
+
+def generate_batch_tokens_per_s(model, prompts: list[list[int]], new_tokens: int, token_budget: int) -> float:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    page = 256
+    pages_per_request = math.ceil((len(prompts[0]) + new_tokens) / page)
+    cb_config = ContinuousBatchingConfig(num_blocks=pages_per_request * len(prompts) + 4,
+                                         max_batch_tokens=token_budget)
+    gen_config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
+                                  eos_token_id=model.generation_config.eos_token_id,
+                                  pad_token_id=model.generation_config.pad_token_id)
+    seconds, results = timed(lambda: model.generate_batch(inputs=prompts, generation_config=gen_config,
+                                                          continuous_batching_config=cb_config,
+                                                          max_new_tokens=new_tokens))
+    produced = sum(len(result.generated_tokens) for result in results.values())
+    if len(results) != len(prompts):
+        raise RuntimeError(f"generate_batch returned {len(results)} of {len(prompts)} results")
+    return produced / seconds
+
+
+# ---- report -----------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.1f}"
+
+
+def _ratio(ours: float | None, theirs: float | None) -> str:
+    return "—" if not ours or not theirs else f"{ours / theirs:.1f}×"
+
+
+def render(rows: list[tuple[str, float | None, float | None, float | None]], header: str) -> str:
+    lines = [header, "",
+             "| metric | engine | transformers generate | transformers generate_batch | vs generate | vs generate_batch |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for name, ours, generate, batch in rows:
+        lines.append(f"| {name} | {_fmt(ours)} | {_fmt(generate)} | {_fmt(batch)} | "
+                     f"{_ratio(ours, generate)} | {_ratio(ours, batch)} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes: checks the script, not the speed")
+    parser.add_argument("--model-dir", default="", help="default: the prepared default model")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument("--skip-transformers", action="store_true", help="engine numbers only")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    sizes = QUICK if args.quick else FULL
+    model_dir = args.model_dir or str(default_model_dir(default_cache_dir()))
+    if not args.model_dir and not is_prepared(default_model_dir(default_cache_dir())):
+        raise SystemExit("default model not prepared: run `make prepare-model` first")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
+    runner = EngineRunner(engine, sizes.token_budget)
+    vocab = engine.info.vocab_size
+    longest = max(max(sizes.concurrency), max(sizes.decode_batches))
+    prompts = make_prompts(longest, sizes.prompt_len, vocab)
+    runner.end_to_end_tokens_per_s(make_prompts(1, sizes.prompt_len, vocab, seed=99), 2)   # warm-up
+
+    rows: list[tuple[str, float | None, float | None, float | None]] = []
+    rows.append((f"prefill tokens/s ({sizes.prefill_prompts}×{sizes.prompt_len}, "
+                 f"budget {sizes.token_budget})",
+                 runner.prefill_tokens_per_s(prompts[:sizes.prefill_prompts]), None, None))
+    decode_rates = {batch: runner.decode_tokens_per_s(prompts[:batch], sizes.decode_steps)
+                    for batch in sizes.decode_batches}
+    e2e = {n: runner.end_to_end_tokens_per_s(prompts[:n], sizes.new_tokens) for n in sizes.concurrency}
+    del runner, engine
+
+    generate_decode = generate_rate = None
+    batch_rates: dict[int, float | None] = dict.fromkeys(sizes.concurrency)
+    if not args.skip_transformers:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        generate_decode = generate_decode_tokens_per_s(reference, prompts[0], sizes.decode_steps)
+        generate_rate = generate_tokens_per_s(reference, prompts[:sizes.generate_prompts], sizes.new_tokens)
+        for n in sizes.concurrency:
+            batch_rates[n] = generate_batch_tokens_per_s(reference, prompts[:n], sizes.new_tokens,
+                                                         sizes.token_budget)
+
+    for batch, rate in decode_rates.items():
+        rows.append((f"decode tokens/s, batch {batch}", rate, generate_decode if batch == 1 else None, None))
+    for n, rate in e2e.items():
+        rows.append((f"end-to-end output tokens/s, {n} concurrent × {sizes.prompt_len}-token prompts, "
+                     f"{sizes.new_tokens} new", rate, generate_rate, batch_rates[n]))
+
+    header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
+              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads. "
+              f"Sequential generate runs {sizes.generate_prompts} prompts one after another.")
+    print(render(rows, header))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""Engine: one packed forward per step over prefill chunks and decodes.
+
+Step semantics (see proto/fairserve/v1/worker.proto): frees first, then new
+sequences are registered, then each work item computes up to max_tokens of its
+sequence's not-yet-computed tokens; when that reaches the end of the known
+tokens, one token is sampled and appended. A work item whose blocks cannot be
+allocated fails with "out_of_blocks" and changes nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.block_hash import ROOT_HASH, block_hash
+from services.worker.engine import types as t
+from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
+from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.cpu_linear import PackedLinear, mkl_packing_available, pack_linears
+from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
+from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
+
+
+@dataclass
+class _Sequence:
+    seq_id: str
+    tokens: list[int]                   # prompt + output; the last one is uncomputed after a sample
+    request: SampleRequest
+    num_computed: int = 0
+    num_registered_blocks: int = 0      # leading full blocks whose hashes the pool knows
+    hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks of `tokens`
+    started: bool = False
+
+    def full_block_hashes(self, block_size: int, model_key: str) -> list[int]:
+        parent = self.hashes[-1] if self.hashes else ROOT_HASH
+        for start in range(len(self.hashes) * block_size, len(self.tokens) - block_size + 1, block_size):
+            parent = block_hash(parent, self.tokens[start:start + block_size], model_key)
+            self.hashes.append(parent)
+        return self.hashes
+
+
+@dataclass
+class _Planned:
+    seq: _Sequence
+    start: int
+    num_tokens: int
+    cached_tokens: int
+    result_index: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.seq.tokens)
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+        self.config = config
+        if config.eviction_policy != "lru":
+            raise ValueError(f"unknown eviction policy {config.eviction_policy!r}; only 'lru' is supported")
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = model if model is not None else _load_model(config.model_dir, self.dtype)
+        self.model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        # Multimodal checkpoints (Gemma 4) wrap the text decoder; only the text path runs here.
+        self.model_config = self.model.config.get_text_config()
+        if getattr(self.model_config, "attn_logit_softcapping", None):
+            raise ValueError("attention logit softcapping is not supported by the paged attention path")
+        base = self.model.base_model
+        self._base = getattr(base, "language_model", base)
+        self._lm_head = self.model.get_output_embeddings()
+        if self._use_packed_cpu_weights():
+            pack_linears(self._base)
+            if isinstance(self._lm_head, torch.nn.Linear):
+                self._lm_head = PackedLinear(self._lm_head)
+        self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
+        layer_types = getattr(self.model_config, "layer_types", None)
+        self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
+
+        specs, self._cache_layer = _layer_kv_layout(self._base)
+        self.block_size = config.block_size
+        num_blocks = config.num_blocks or self._default_num_blocks(specs)
+        self.kv = PagedKVCache(specs, num_blocks, self.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.max_model_len = self._max_model_len()
+        self.sampler = Sampler()
+        self._sequences: dict[str, _Sequence] = {}
+        self._info = t.EngineInfo(
+            model_name=config.model_key or getattr(self.model_config, "name_or_path", "") or Path(config.model_dir).name,
+            block_size=self.block_size, num_blocks=num_blocks, device=str(self.device),
+            dtype=dtype_name(self.dtype), max_model_len=self.max_model_len,
+            eos_token_ids=_eos_token_ids(self.model), vocab_size=int(self.model_config.vocab_size))
+
+    # ---- public API ----------------------------------------------------------------------
+
+    @property
+    def info(self) -> t.EngineInfo:
+        return self._info
+
+    def step(self, batch: t.StepBatch) -> t.StepOutput:
+        for seq_id in batch.free_seq_ids:
+            self._free(seq_id)
+        for new in batch.new_sequences:
+            self._register(new)
+        results: list[t.SeqResult] = []
+        planned = self._plan(batch.work, results)
+        forward_ms = 0.0
+        if planned:
+            started = time.perf_counter()
+            sampled = self._forward(planned)
+            forward_ms = (time.perf_counter() - started) * 1000.0
+            self._commit(planned, sampled, results)
+        return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
+                            batch_tokens=sum(p.num_tokens for p in planned))
+
+    def drain_events(self) -> list[t.BlockEvent]:
+        return self.pool.drain_events()
+
+    def snapshot_chains(self) -> list[tuple[int, list[int]]]:
+        return self.pool.cached_chains()
+
+    def pool_stats(self) -> t.PoolStats:
+        return self.pool.stats()
+
+    def running_sequences(self) -> int:
+        return len(self._sequences)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        for seq in self._sequences.values():
+            table = self.pool.table(seq.seq_id)
+            if self.pool.blocks_for(seq.num_computed) > len(table):
+                raise AssertionError(f"{seq.seq_id} computed {seq.num_computed} tokens in {len(table)} blocks")
+
+    # ---- step phases ---------------------------------------------------------------------
+
+    def _free(self, seq_id: str) -> None:
+        self.pool.free(seq_id)
+        self._sequences.pop(seq_id, None)
+
+    def _register(self, new: t.NewSequence) -> None:
+        self._free(new.seq_id)     # re-registering a sequence starts it over
+        tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
+        request = SampleRequest(params=new.sampling, prompt_token_ids=list(new.prompt_token_ids),
+                                output_token_ids=list(new.output_token_ids),
+                                num_sampled=len(new.output_token_ids))
+        self._sequences[new.seq_id] = _Sequence(new.seq_id, tokens, request)
+
+    def _plan(self, work: list[t.WorkItem], results: list[t.SeqResult]) -> list[_Planned]:
+        planned: list[_Planned] = []
+        seen: set[str] = set()
+        for item in work:
+            seq = self._sequences.get(item.seq_id)
+            error = self._work_error(item, seq, seen)
+            seen.add(item.seq_id)
+            if error:
+                computed = seq.num_computed if seq is not None else 0
+                results.append(t.SeqResult(item.seq_id, computed, error=error))
+                continue
+            assert seq is not None
+            plan = self._plan_one(seq, item.max_tokens, len(results))
+            if plan is None:
+                results.append(t.SeqResult(item.seq_id, seq.num_computed, error=t.OUT_OF_BLOCKS))
+                continue
+            results.append(t.SeqResult(item.seq_id, plan.end, plan.cached_tokens))
+            planned.append(plan)
+        return planned
+
+    def _work_error(self, item: t.WorkItem, seq: _Sequence | None, seen: set[str]) -> str:
+        if seq is None:
+            return t.UNKNOWN_SEQUENCE
+        if item.seq_id in seen:
+            return t.DUPLICATE_WORK
+        if item.max_tokens <= 0:
+            return t.INVALID_MAX_TOKENS
+        if seq.num_computed >= len(seq.tokens):
+            return t.NOTHING_TO_COMPUTE
+        if len(seq.tokens) > self.max_model_len:
+            return t.EXCEEDS_MAX_MODEL_LEN
+        return ""
+
+    def _plan_one(self, seq: _Sequence, max_tokens: int, result_index: int) -> _Planned | None:
+        cached_blocks: list[int] = []
+        start = seq.num_computed
+        if not seq.started and self.pool.enable_prefix_caching:
+            hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
+            # Keep at least the last token to compute: its logits give the next token.
+            reusable = (len(seq.tokens) - 1) // self.block_size
+            cached_blocks = self.pool.find_cached_prefix(hashes[:reusable])
+            start = len(cached_blocks) * self.block_size
+        num_tokens = min(max_tokens, len(seq.tokens) - start)
+        if not self.pool.allocate(seq.seq_id, start + num_tokens, cached_blocks):
+            return None
+        cached_tokens = 0
+        if not seq.started:
+            seq.started = True
+            cached_tokens = start
+            seq.num_computed = start
+            seq.num_registered_blocks = len(cached_blocks)
+            self.pool.record_prefix_query(len(seq.tokens), cached_tokens)
+        return _Planned(seq, start, num_tokens, cached_tokens, result_index)
+
+    @torch.inference_mode()
+    def _forward(self, planned: list[_Planned]) -> list[tuple[_Planned, SampledToken]]:
+        # Decodes first (one row each), then prefill chunks as contiguous runs.
+        order = sorted(planned, key=lambda p: p.num_tokens != 1)
+        meta, input_ids, positions, sample_rows, sample_plans = self._build_inputs(order)
+        hidden = self._base(input_ids=input_ids[None], position_ids=positions[None],
+                            attention_mask=self._mask_by_type, use_cache=False,
+                            paged_metadata=meta).last_hidden_state[0]
+        if not sample_plans:
+            return []
+        logits = self._lm_head(hidden[torch.tensor(sample_rows, device=self.device)])
+        if self._softcap:
+            logits = torch.tanh(logits / self._softcap) * self._softcap
+        sampled = self.sampler.sample(logits.float(), [p.seq.request for p in sample_plans])
+        return list(zip(sample_plans, sampled))
+
+    def _build_inputs(self, order: list[_Planned]
+                      ) -> tuple[StepMetadata, torch.Tensor, torch.Tensor, list[int], list[_Planned]]:
+        block_size = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_ctx: list[int] = []
+        decode_tables: list[list[int]] = []
+        prefills: list[PrefillChunk] = []
+        sample_rows: list[int] = []
+        sample_plans: list[_Planned] = []
+        for plan in order:
+            table = self.pool.table(plan.seq.seq_id)
+            row = len(ids)
+            ids.extend(plan.seq.tokens[plan.start:plan.end])
+            positions.extend(range(plan.start, plan.end))
+            if plan.num_tokens == 1 and not prefills:
+                slots.append(table[plan.start // block_size] * block_size + plan.start % block_size)
+                decode_ctx.append(plan.end)
+                decode_tables.append(table)
+            else:
+                table_tensor = torch.tensor(table[:self.pool.blocks_for(plan.end)], dtype=torch.long)
+                context = torch.arange(plan.end)
+                context_slots = table_tensor[context // block_size] * block_size + context % block_size
+                slots.extend(context_slots[plan.start:].tolist())
+                prefills.append(PrefillChunk(row, plan.num_tokens, plan.start, context_slots.to(self.device)))
+            if plan.samples:
+                sample_rows.append(len(ids) - 1)
+                sample_plans.append(plan)
+        width = max((len(table) for table in decode_tables), default=0)
+        padded = [table + [0] * (width - len(table)) for table in decode_tables]
+        device = self.device
+        meta = StepMetadata(
+            kv=self.kv, cache_layer=self._cache_layer, block_size=block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+            num_decodes=len(decode_ctx),
+            decode_ctx_lens=torch.tensor(decode_ctx, dtype=torch.long, device=device),
+            decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
+            decode_ctx_range=(min(decode_ctx, default=0), max(decode_ctx, default=0)),
+            prefills=prefills, num_tokens=len(ids))
+        input_ids = torch.tensor(ids, dtype=torch.long, device=device)
+        position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
+        return meta, input_ids, position_tensor, sample_rows, sample_plans
+
+    def _commit(self, planned: list[_Planned], sampled: list[tuple[_Planned, SampledToken]],
+                results: list[t.SeqResult]) -> None:
+        for plan in planned:
+            seq = plan.seq
+            seq.num_computed = plan.end
+            self._register_full_blocks(seq)
+        for plan, token in sampled:
+            seq = plan.seq
+            seq.tokens.append(token.token_id)
+            seq.request.output_token_ids.append(token.token_id)
+            seq.request.num_sampled += 1
+            result = results[plan.result_index]
+            result.sampled = True
+            result.token_id = token.token_id
+            result.logprob = token.logprob
+
+    def _register_full_blocks(self, seq: _Sequence) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        first = seq.num_registered_blocks
+        if full <= first:
+            return
+        hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
+        parent = hashes[first - 1] if first else ROOT_HASH
+        self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent)
+        seq.num_registered_blocks = full
+
+    def _use_packed_cpu_weights(self) -> bool:
+        """MKL-packed weights on CPU float32 (cpu_linear.py): decode batches of a few
+        rows then cost about what one row does."""
+        return (self.config.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.float32
+                and mkl_packing_available())
+
+    # ---- sizing --------------------------------------------------------------------------
+
+    def _default_num_blocks(self, specs: list[LayerKVSpec | None]) -> int:
+        per_block = PagedKVCache.bytes_per_block(specs, self.config.block_size, self.dtype)
+        if self.device.type == "cuda":
+            budget = int(free_device_memory(self.device) * (self.config.kv_memory_fraction or 0.5))
+        else:
+            budget = self.config.cpu_kv_bytes
+        return max(1, budget // per_block)
+
+    def _max_model_len(self) -> int:
+        if self.config.max_model_len > 0:
+            return self.config.max_model_len
+        limit = int(getattr(self.model_config, "max_position_embeddings", 0) or self.config.cpu_max_model_len)
+        if self.device.type != "cuda":
+            limit = min(limit, self.config.cpu_max_model_len)
+        return limit
+
+
+def _load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def _layer_kv_layout(base: torch.nn.Module) -> tuple[list[LayerKVSpec | None], list[int]]:
+    """Cache shape per layer, and which layer's cache each layer reads: its own, or for
+    a KV-shared layer (Gemma 4) the last earlier storing layer of the same attention type."""
+    specs: list[LayerKVSpec | None] = []
+    cache_layer: list[int] = []
+    last_store: dict[object, int] = {}
+    for index, layer in enumerate(base.layers):
+        attn = layer.self_attn
+        kind = getattr(attn, "layer_type", None)
+        if getattr(attn, "is_kv_shared_layer", False):
+            if kind not in last_store:
+                raise ValueError(f"layer {index} shares KV but no earlier {kind} layer stores it")
+            specs.append(None)
+            cache_layer.append(last_store[kind])
+            continue
+        head_dim = int(attn.head_dim)
+        specs.append(LayerKVSpec(num_kv_heads=attn.k_proj.out_features // head_dim, head_dim=head_dim))
+        cache_layer.append(index)
+        if getattr(attn, "store_full_length_kv", True):
+            last_store[kind] = index
+    return specs, cache_layer
+
+
+def _eos_token_ids(model: torch.nn.Module) -> list[int]:
+    generation = getattr(model, "generation_config", None)
+    value = getattr(generation, "eos_token_id", None) if generation is not None else None
+    if value is None:
+        value = getattr(model.config.get_text_config(), "eos_token_id", None)
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -1,0 +1,139 @@
+"""Sampler: greedy, penalties, filters, seeds, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from common.types import SamplingParams
+from services.worker.engine.sampler import SampleRequest, Sampler
+
+
+def _request(prompt=(), output=(), num_sampled=0, **params) -> SampleRequest:
+    return SampleRequest(SamplingParams(**params), list(prompt), list(output), num_sampled)
+
+
+def _tokens(sampler: Sampler, logits: torch.Tensor, requests: list[SampleRequest]) -> list[int]:
+    return [s.token_id for s in sampler.sample(logits, requests)]
+
+
+def test_greedy_takes_argmax_per_row() -> None:
+    logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 1.0, 0.0]])
+    assert _tokens(Sampler(0), logits, [_request(), _request()]) == [1, 0]
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    logits = torch.tensor([[3.0, 2.5, -1.0, -1.2]])
+    # Token 0 seen: 3.0 / 2 = 1.5 < 2.5, so greedy moves to token 1.
+    assert _tokens(Sampler(0), logits, [_request(prompt=[0], repetition_penalty=2.0)]) == [1]
+    logits = torch.tensor([[-5.0, -1.0, -1.1, -6.0]])
+    # Token 1 seen in the output: -1.0 * 2 = -2.0 < -1.1.
+    assert _tokens(Sampler(0), logits, [_request(output=[1], repetition_penalty=2.0)]) == [2]
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only() -> None:
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    sampler = Sampler(0)
+    # The prompt holds token 0, but these penalties only look at the output.
+    assert _tokens(sampler, logits, [_request(prompt=[0, 0], presence_penalty=1.0)]) == [0]
+    assert _tokens(sampler, logits, [_request(output=[0], presence_penalty=1.0)]) == [1]
+    # frequency: 2.0 - 0.2 * 3 = 1.4 < 1.5
+    assert _tokens(sampler, logits, [_request(output=[0, 0, 0], frequency_penalty=0.2)]) == [1]
+    assert _tokens(sampler, logits, [_request(output=[0], frequency_penalty=0.2)]) == [0]
+
+
+def test_top_k_one_and_tiny_top_p_reduce_to_greedy() -> None:
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(1))
+    expected = logits.argmax(dim=-1).tolist()
+    sampler = Sampler(0)
+    for _ in range(5):
+        assert _tokens(sampler, logits, [_request(temperature=1.0, top_k=1)] * 4) == expected
+        assert _tokens(sampler, logits, [_request(temperature=1.0, top_p=1e-6)] * 4) == expected
+        assert _tokens(sampler, logits, [_request(temperature=1.0, min_p=0.999)] * 4) == expected
+
+
+def test_filters_only_ever_pick_allowed_tokens() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    sampler = Sampler(0)
+    seen_top_k, seen_top_p, seen_min_p = set(), set(), set()
+    for _ in range(200):
+        seen_top_k.update(_tokens(sampler, logits, [_request(temperature=1.0, top_k=2)]))
+        seen_top_p.update(_tokens(sampler, logits, [_request(temperature=1.0, top_p=0.7)]))
+        seen_min_p.update(_tokens(sampler, logits, [_request(temperature=1.0, min_p=0.5)]))
+    assert seen_top_k == {0, 1}
+    assert seen_top_p == {0, 1}     # 0.5 alone is below 0.7, so token 1 is kept too
+    assert seen_min_p == {0, 1}     # 0.15 < 0.5 * 0.5
+
+
+def test_temperature_sampling_follows_the_distribution() -> None:
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    logits = torch.log(probs)[None].repeat(500, 1)
+    picks = _tokens(Sampler(123), logits, [_request(temperature=1.0)] * 500)
+    counts = torch.bincount(torch.tensor(picks), minlength=3).float() / 500
+    assert torch.allclose(counts, probs, atol=0.07)
+    # A low temperature sharpens towards the argmax.
+    cold = _tokens(Sampler(123), logits, [_request(temperature=0.1)] * 500)
+    assert sum(1 for token in cold if token == 0) > 490
+
+
+def test_same_seed_same_tokens_whatever_shares_the_batch() -> None:
+    generator = torch.Generator().manual_seed(7)
+    logits = torch.randn(3, 100, generator=generator)
+    seeded = _request(temperature=1.0, seed=42, num_sampled=3)
+    alone = _tokens(Sampler(1), logits[1:2], [seeded])
+    crowd = [_request(temperature=0.8, top_p=0.9), seeded, _request(temperature=1.3, seed=5)]
+    together = _tokens(Sampler(2), logits, crowd)
+    assert together[1] == alone[0]
+    # The draw advances with the number of tokens the request sampled.
+    draws = {_tokens(Sampler(0), logits[1:2], [_request(temperature=1.0, seed=42, num_sampled=n)])[0]
+             for n in range(30)}
+    assert len(draws) > 1
+
+
+def test_logprobs_come_from_the_raw_distribution() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    sampled = Sampler(0).sample(logits, [_request(output=[2], repetition_penalty=3.0, logprobs=True,
+                                                  top_logprobs=2)])[0]
+    raw = torch.log_softmax(logits[0], dim=-1)
+    assert sampled.token_id == 1          # penalized 3.0 / 3 = 1.0 < 2.0
+    assert sampled.logprob is not None
+    assert math.isclose(sampled.logprob.logprob, float(raw[1]), abs_tol=1e-6)
+    assert [top.token_id for top in sampled.logprob.top] == [2, 1]
+    assert math.isclose(sampled.logprob.top[0].logprob, float(raw[2]), abs_tol=1e-6)
+    assert Sampler(0).sample(logits, [_request()])[0].logprob is None
+
+
+def test_top_p_draws_the_same_token_set_on_the_candidate_and_the_full_path() -> None:
+    from services.worker.engine.sampler import TOP_P_CANDIDATES, _sample_random
+
+    vocab = 4 * TOP_P_CANDIDATES
+    generator = torch.Generator().manual_seed(3)
+    peaked = torch.full((vocab,), -30.0)
+    peaked[[7, 900, 3000]] = torch.tensor([2.0, 1.5, 1.0])     # its candidates cover top_p
+    flat = torch.randn(vocab, generator=generator) * 0.01        # they do not: full sort
+    params = [SamplingParams(temperature=1.0, top_p=0.8)] * 2
+    seen: list[set[int]] = [set(), set()]
+    for uniform in torch.linspace(0, 1, 401, dtype=torch.float64).tolist():
+        picked = _sample_random(torch.stack([peaked, flat]), params, torch.tensor([uniform, uniform],
+                                                                                  dtype=torch.float64))
+        seen[0].add(int(picked[0]))
+        seen[1].add(int(picked[1]))
+    probs = peaked.softmax(dim=-1)
+    assert probs[7] + probs[900] > 0.8 > probs[7]
+    assert seen[0] == {7, 900}
+    # The flat row keeps about 80% of its tokens; draws spread over well past the candidates.
+    assert len(seen[1]) > 300 and max(seen[1]) > TOP_P_CANDIDATES
+
+
+def test_draws_never_pick_zero_mass_tokens_across_cdf_blocks() -> None:
+    from services.worker.engine.sampler import CDF_BLOCK, _inverse_cdf
+
+    vocab = 3 * CDF_BLOCK + 17          # not a multiple of the block: the padding must never win
+    probs = torch.zeros(7, vocab)
+    allowed = [5, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 3, vocab - 1]
+    probs[:, allowed] = torch.tensor([0.1, 0.2, 0.3, 0.25, 0.15])
+    # Cumulative masses 0.1 0.3 0.6 0.85 1.0; a uniform of exactly 1 is clamped to the last token.
+    uniforms = torch.tensor([0.0, 0.05, 0.2, 0.35, 0.7, 0.9, 1.0], dtype=torch.float64)
+    picked = _inverse_cdf(probs, uniforms).tolist()
+    assert picked == [5, 5, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 3, vocab - 1, vocab - 1]
