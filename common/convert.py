@@ -14,6 +14,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_p=params.min_p, repetition_penalty=params.repetition_penalty,
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         logprobs=params.logprobs, top_logprobs=params.top_logprobs,
+        min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
     )
     if params.seed is not None:
         message.seed = params.seed
@@ -32,6 +33,8 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         seed=message.seed if message.HasField("seed") else None,
         logprobs=message.logprobs,
         top_logprobs=max(0, message.top_logprobs),
+        min_tokens=max(0, message.min_tokens),
+        stop_token_ids=tuple(message.stop_token_ids),
     )
 
 

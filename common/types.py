@@ -18,6 +18,8 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    min_tokens: int = 0               # EOS and stop_token_ids are banned until then
+    stop_token_ids: tuple[int, ...] = ()
 
     @property
     def is_greedy(self) -> bool:

@@ -18,7 +18,7 @@ from dataclasses import replace
 from itertools import count
 
 from common.sequence_ids import sequence_id
-from common.types import Usage
+from common.types import SamplingParams, Usage
 
 from services.scheduler.core.policy import VirtualTokenCounter, pick_next
 from services.scheduler.core.routing import SessionMap, choose_worker
@@ -31,6 +31,16 @@ from services.scheduler.core.types import (
 
 ANONYMOUS_CLIENT = "anonymous"
 MAX_TRACKED_CLIENTS = 10000
+
+
+def worker_sampling(request: RequestState) -> SamplingParams:
+    """The request's sampling settings plus what the worker must ban until
+    min_tokens: a stop token sampled early would be generated and then ignored."""
+    spec = request.spec
+    if spec.min_tokens <= 0:
+        return spec.sampling
+    return replace(spec.sampling, min_tokens=spec.min_tokens,
+                   stop_token_ids=tuple(sorted(spec.stop_token_ids)))
 
 
 class _PlanBuilder:
@@ -450,7 +460,7 @@ class SchedulerCore:
         self._by_seq[seq_id] = request
         plan.new_sequences.append(NewSequence(seq_id=seq_id, prompt_token_ids=request.prompt,
                                               output_token_ids=tuple(request.output),
-                                              sampling=request.sampling))
+                                              sampling=worker_sampling(request)))
         tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
         plan.add(seq_id, tokens, blocks_for(tokens, worker.spec.block_size), is_decode=False)
 

@@ -93,7 +93,7 @@ class Engine:
         self.kv = PagedKVCache(specs, num_blocks, self.block_size, self.dtype, self.device)
         self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len()
-        self.sampler = Sampler()
+        self.sampler = Sampler(eos_token_ids=_eos_token_ids(self.model))
         self._sequences: dict[str, _Sequence] = {}
         self._info = t.EngineInfo(
             model_name=config.model_key or getattr(self.model_config, "name_or_path", "") or Path(config.model_dir).name,

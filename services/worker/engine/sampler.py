@@ -50,7 +50,8 @@ def seeded_uniform(seed: int, draw_index: int) -> float:
 
 
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, eos_token_ids: Sequence[int] = ()) -> None:
+        self._eos_token_ids = tuple(eos_token_ids)
         self._rng = torch.Generator()
         if seed is None:
             self._rng.seed()
@@ -68,10 +69,14 @@ class Sampler:
         logits = logits.float()
         raw = logits
         penalized = [i for i, r in enumerate(requests) if _has_penalties(r.params)]
-        if penalized:
+        banned = [i for i, r in enumerate(requests) if _below_min_tokens(r)]
+        if penalized or banned:
             logits = logits.clone()
             for row in penalized:
                 _apply_penalties(logits[row], requests[row])
+            for row in banned:
+                ids = set(self._eos_token_ids) | set(requests[row].params.stop_token_ids)
+                logits[row, [i for i in ids if 0 <= i < logits.shape[-1]]] = float("-inf")
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
@@ -110,6 +115,10 @@ def _rows(matrix: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def _has_penalties(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0)
+
+
+def _below_min_tokens(request: SampleRequest) -> bool:
+    return len(request.output_token_ids) < request.params.min_tokens
 
 
 def _wants_logprobs(params: SamplingParams) -> bool:

@@ -137,3 +137,19 @@ def test_draws_never_pick_zero_mass_tokens_across_cdf_blocks() -> None:
     uniforms = torch.tensor([0.0, 0.05, 0.2, 0.35, 0.7, 0.9, 1.0], dtype=torch.float64)
     picked = _inverse_cdf(probs, uniforms).tolist()
     assert picked == [5, 5, CDF_BLOCK - 1, CDF_BLOCK, 2 * CDF_BLOCK + 3, vocab - 1, vocab - 1]
+
+
+def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
+    from common.types import SamplingParams
+    from services.worker.engine.sampler import SampleRequest, Sampler
+
+    logits = torch.zeros(2, 8)
+    logits[:, 1] = 10.0   # EOS is by far the likeliest
+    logits[:, 5] = 9.0    # then a stop token
+    logits[:, 3] = 8.0
+    params = SamplingParams(min_tokens=2, stop_token_ids=(5,))
+    sampler = Sampler(eos_token_ids=[1])
+    early = SampleRequest(params, [0], [4], num_sampled=1)
+    done = SampleRequest(params, [0], [4, 4], num_sampled=2)
+    tokens = [t.token_id for t in sampler.sample(logits, [early, done])]
+    assert tokens == [3, 1]
