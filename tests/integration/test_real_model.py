@@ -31,4 +31,4 @@ def test_default_model_greedy_parity(real_stack: Stack, real_model_dir: Path) ->
     got = [e["token_id"] for e in events if "token_id" in e]
     assert got == expected
     text = "".join(e["token"] for e in events if "token" in e)
-    assert "Paris" in text
+    assert text.strip() and "France" in text
