@@ -2,8 +2,12 @@
 
 Every block is in exactly one state:
   used    refcount > 0 (in at least one sequence's block table),
-  cached  refcount == 0 but holding a registered prefix hash (reusable, evictable),
-  free    refcount == 0 and no hash.
+  cached  refcount == 0 but holding a registered full-block hash or a partial
+          entry (reusable, evictable),
+  free    refcount == 0 and neither.
+A partial entry is the computed head of a sequence's last, partly filled block,
+keyed by its parent's hash and its tokens. It is only ever copied from (the
+exact-match path), never put in a block table, never published as an event.
 Cached blocks are evicted least-recently-freed first. A sequence frees its
 blocks tail first, so a child block always sits ahead of its parent in the
 eviction order: leaves go before the prefixes they extend.
@@ -32,6 +36,14 @@ class LayerKVSpec:
     head_dim: int
 
 
+@dataclass(frozen=True)
+class PartialBlock:
+    """The computed head of a sequence's partly filled block, kept when the sequence is freed."""
+    block_index: int            # in the sequence's block table
+    tokens: tuple[int, ...]     # tokens whose K/V its first slots hold; 0 < len < block_size
+    parent_hash: int            # hash of the full block before it (ROOT_HASH for the first)
+
+
 class PagedKVCache:
     """K and V tensors [num_blocks * block_size, kv_heads, head_dim] per owning layer,
     allocated once. A token's slot is block_id * block_size + offset."""
@@ -49,6 +61,15 @@ class PagedKVCache:
             shape = (slots, spec.num_kv_heads, spec.head_dim)
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
+        self.block_size = block_size
+
+    def copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
+        """Copies the K/V of the first `num_tokens` slots of `src_block` into `dst_block`."""
+        src = slice(src_block * self.block_size, src_block * self.block_size + num_tokens)
+        dst = slice(dst_block * self.block_size, dst_block * self.block_size + num_tokens)
+        for cache in (*self.keys, *self.values):
+            if cache is not None:
+                cache[dst] = cache[src]
 
     @staticmethod
     def bytes_per_block(specs: Sequence[LayerKVSpec | None], block_size: int, dtype: torch.dtype) -> int:
@@ -70,7 +91,11 @@ class BlockPool:
         self._refcount = [0] * num_blocks
         self._block_hash: list[int | None] = [None] * num_blocks
         self._parent_hash: list[int] = [ROOT_HASH] * num_blocks
+        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks   # full hash or partial
         self._by_hash: dict[int, int] = {}
+        self._partials: set[int] = set()
+        self._tails: dict[tuple[int, int], dict[int, None]] = {}   # (parent hash, first token) -> blocks
+        self._held: dict[int, int] = {}                             # block -> holds (eviction skips it)
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()      # cached blocks, oldest first
         self._tables: dict[str, list[int]] = {}
@@ -91,7 +116,8 @@ class BlockPool:
         return seq_id in self._tables
 
     def num_allocatable(self) -> int:
-        return len(self._free) + len(self._evictable)
+        held_cached = sum(1 for block in self._held if block in self._evictable)
+        return len(self._free) + len(self._evictable) - held_cached
 
     def find_cached_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached prefix of `hashes` (a chain of full-block hashes)."""
@@ -105,10 +131,26 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def find_cached_tail(self, parent_hash: int, tail: Sequence[int]) -> int | None:
+        """A block (registered full, or partial) after `parent_hash` whose computed
+        tokens start with `tail`: its first len(tail) slots hold their K/V."""
+        if not self.enable_prefix_caching or not tail:
+            return None
+        wanted = tuple(tail)
+        for block in self._tails.get((parent_hash, wanted[0]), ()):
+            tokens = self._block_tokens[block]
+            assert tokens is not None
+            if tokens[:len(wanted)] == wanted:
+                return block
+        return None
+
     def stats(self) -> PoolStats:
+        # Partial blocks count as free: they hold no published prefix (the KV index
+        # counts exactly the cached blocks) and are evicted like any cached block.
         used = self.num_blocks - len(self._free) - len(self._evictable)
-        return PoolStats(total_blocks=self.num_blocks, free_blocks=len(self._free),
-                         cached_blocks=len(self._evictable), used_blocks=used,
+        partial = len(self._partials)
+        return PoolStats(total_blocks=self.num_blocks, free_blocks=len(self._free) + partial,
+                         cached_blocks=len(self._evictable) - partial, used_blocks=used,
                          evictions=self.evictions, prefix_hit_tokens=self.prefix_hit_tokens,
                          prefix_query_tokens=self.prefix_query_tokens)
 
@@ -138,16 +180,29 @@ class BlockPool:
             self._events.append(BlockEvent.removed(removed))
         return True
 
-    def free(self, seq_id: str) -> None:
-        """Drops `seq_id`'s references; blocks with a prefix hash stay cached."""
+    def hold(self, block: int) -> None:
+        """Keeps `block` from being evicted until `release`; its state does not change."""
+        self._held[block] = self._held.get(block, 0) + 1
+
+    def release(self, block: int) -> None:
+        count = self._held.pop(block)
+        if count > 1:
+            self._held[block] = count - 1
+
+    def free(self, seq_id: str, partial: PartialBlock | None = None) -> None:
+        """Drops `seq_id`'s references; blocks with a prefix hash stay cached, and so does
+        `partial` as a partial entry unless the block is shared or its tokens are already
+        covered by another entry."""
         table = self._tables.pop(seq_id, None)
         if table is None:
             return
+        if partial is not None:
+            self._keep_partial(table, partial)
         for block in reversed(table):   # tail first: children become evictable before parents
             self._refcount[block] -= 1
             if self._refcount[block] > 0:
                 continue
-            if self._block_hash[block] is None:
+            if self._block_tokens[block] is None:
                 self._free.append(block)
             else:
                 self._evictable[block] = None
@@ -157,20 +212,23 @@ class BlockPool:
         self.prefix_hit_tokens += hit_tokens
 
     def cache_full_blocks(self, seq_id: str, first_block: int, hashes: Sequence[int],
-                          parent_hash: int) -> None:
-        """Registers the hashes of `seq_id`'s newly full blocks first_block.. (KV written).
+                          parent_hash: int, tokens: Sequence[int]) -> None:
+        """Registers the hashes of `seq_id`'s newly full blocks first_block.. (KV written);
+        `tokens` are the sequence's tokens, covering at least those blocks.
         A hash some other block already holds leaves this block unregistered (a duplicate)."""
         if not self.enable_prefix_caching or not hashes:
             return
         table = self._tables[seq_id]
+        size = self.block_size
         run: list[int] = []
         run_parent = parent_hash
         for offset, value in enumerate(hashes):
-            block = table[first_block + offset]
+            index = first_block + offset
+            block = table[index]
             if self._block_hash[block] is None and value not in self._by_hash:
                 self._block_hash[block] = value
-                self._parent_hash[block] = parent_hash
                 self._by_hash[value] = block
+                self._add_tail(block, parent_hash, tokens[index * size:(index + 1) * size])
                 if not run:
                     run_parent = parent_hash
                 run.append(value)
@@ -182,14 +240,13 @@ class BlockPool:
             self._events.append(BlockEvent.stored(run, run_parent))
 
     def clear_cache(self) -> None:
-        """Forgets every prefix hash; unreferenced cached blocks become free."""
+        """Forgets every prefix hash and partial entry; unreferenced cached blocks become free."""
         for block in self._evictable:
             self._free.append(block)
         self._evictable.clear()
-        for block in self._by_hash.values():
-            self._block_hash[block] = None
-            self._parent_hash[block] = ROOT_HASH
-        self._by_hash.clear()
+        for blocks in list(self._tails.values()):
+            for block in list(blocks):
+                self._forget(block)
         self._events.append(BlockEvent.cleared())
 
     def drain_events(self) -> list[BlockEvent]:
@@ -235,19 +292,48 @@ class BlockPool:
             states = (count > 0) + (block in free) + (block in evictable)
             if states != 1:
                 raise PoolInvariantError(f"block {block} is in {states} states")
-            if block in free and self._block_hash[block] is not None:
-                raise PoolInvariantError(f"free block {block} still holds a hash")
-            if block in evictable and self._block_hash[block] is None:
-                raise PoolInvariantError(f"cached block {block} holds no hash")
+            self._check_entry(block, count, block in free)
         for value, block in self._by_hash.items():
             if self._block_hash[block] != value:
                 raise PoolInvariantError(f"hash map points {value} at block {block}")
+        self._check_tail_index()
         used = sum(1 for count in self._refcount if count > 0)
         if len(free) + len(evictable) + used != self.num_blocks:
             raise PoolInvariantError(f"free {len(free)} + cached {len(evictable)} + used {used} "
                                      f"!= total {self.num_blocks}")
         if self.stats().used_blocks != used:
             raise PoolInvariantError(f"stats report {self.stats().used_blocks} used blocks, counted {used}")
+
+    def _check_entry(self, block: int, refcount: int, free: bool) -> None:
+        tokens = self._block_tokens[block]
+        value = self._block_hash[block]
+        partial = block in self._partials
+        if free and (tokens is not None or value is not None or partial):
+            raise PoolInvariantError(f"free block {block} still holds a hash or partial entry")
+        if refcount == 0 and not free and tokens is None:
+            raise PoolInvariantError(f"cached block {block} holds neither a hash nor a partial entry")
+        if partial and (refcount > 0 or value is not None or tokens is None
+                        or not 0 < len(tokens) < self.block_size):
+            raise PoolInvariantError(f"partial block {block} is referenced, hashed or malformed")
+        if value is not None and (tokens is None or len(tokens) != self.block_size):
+            raise PoolInvariantError(f"full block {block} does not hold its {self.block_size} tokens")
+        if not partial and value is None and tokens is not None:
+            raise PoolInvariantError(f"block {block} holds tokens but no entry")
+
+    def _check_tail_index(self) -> None:
+        indexed = 0
+        for (parent, first), blocks in self._tails.items():
+            for block in blocks:
+                tokens = self._block_tokens[block]
+                if tokens is None or tokens[0] != first or self._parent_hash[block] != parent:
+                    raise PoolInvariantError(f"tail index points ({parent}, {first}) at block {block}")
+                indexed += 1
+        holding = sum(1 for tokens in self._block_tokens if tokens is not None)
+        if indexed != holding:
+            raise PoolInvariantError(f"tail index lists {indexed} blocks, {holding} hold entries")
+        for block in self._held:
+            if self._block_tokens[block] is None:
+                raise PoolInvariantError(f"held block {block} holds no entry")
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -270,12 +356,43 @@ class BlockPool:
     def _pop_free_block(self, removed: list[int]) -> int:
         if self._free:
             return self._free.pop()
-        block, _ = self._evictable.popitem(last=False)
+        block = next(b for b in self._evictable if b not in self._held)
+        del self._evictable[block]
         value = self._block_hash[block]
-        assert value is not None
-        del self._by_hash[value]
-        self._block_hash[block] = None
-        self._parent_hash[block] = ROOT_HASH
+        if value is not None:
+            removed.append(value)
+        self._forget(block)
         self.evictions += 1
-        removed.append(value)
         return block
+
+    def _keep_partial(self, table: list[int], partial: PartialBlock) -> None:
+        if not self.enable_prefix_caching or not 0 < len(partial.tokens) < self.block_size:
+            return
+        block = table[partial.block_index]
+        if self._refcount[block] != 1 or self._block_tokens[block] is not None:
+            return
+        if self.find_cached_tail(partial.parent_hash, partial.tokens) is not None:
+            return
+        self._partials.add(block)
+        self._add_tail(block, partial.parent_hash, partial.tokens)
+
+    def _add_tail(self, block: int, parent_hash: int, tokens: Sequence[int]) -> None:
+        self._block_tokens[block] = tuple(tokens)
+        self._parent_hash[block] = parent_hash
+        self._tails.setdefault((parent_hash, tokens[0]), {})[block] = None
+
+    def _forget(self, block: int) -> None:
+        """Drops `block`'s hash or partial entry (its refcount and state are the caller's)."""
+        tokens = self._block_tokens[block]
+        assert tokens is not None
+        key = (self._parent_hash[block], tokens[0])
+        del self._tails[key][block]
+        if not self._tails[key]:
+            del self._tails[key]
+        value = self._block_hash[block]
+        if value is not None:
+            del self._by_hash[value]
+        self._partials.discard(block)
+        self._block_hash[block] = None
+        self._block_tokens[block] = None
+        self._parent_hash[block] = ROOT_HASH

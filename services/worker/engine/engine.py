@@ -18,7 +18,7 @@ import torch
 from common.block_hash import ROOT_HASH, block_hash
 from services.worker.engine import types as t
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
-from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache
+from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu_linear import PackedLinear, mkl_packing_available, pack_linears
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
@@ -145,8 +145,16 @@ class Engine:
     # ---- step phases ---------------------------------------------------------------------
 
     def _free(self, seq_id: str) -> None:
-        self.pool.free(seq_id)
-        self._sequences.pop(seq_id, None)
+        seq = self._sequences.pop(seq_id, None)
+        self.pool.free(seq_id, self._partial_block(seq) if seq is not None else None)
+
+    def _partial_block(self, seq: _Sequence) -> PartialBlock | None:
+        """The computed head of `seq`'s partly filled last block, if it has one."""
+        full, used = divmod(seq.num_computed, self.block_size)
+        if not used or not self.pool.enable_prefix_caching:
+            return None
+        parent = seq.full_block_hashes(self.block_size, self.config.model_key)[full - 1] if full else ROOT_HASH
+        return PartialBlock(full, tuple(seq.tokens[full * self.block_size:seq.num_computed]), parent)
 
     def _register(self, new: t.NewSequence) -> None:
         self._free(new.seq_id)     # re-registering a sequence starts it over
@@ -191,16 +199,16 @@ class Engine:
 
     def _plan_one(self, seq: _Sequence, max_tokens: int, result_index: int) -> _Planned | None:
         cached_blocks: list[int] = []
+        tail_source: int | None = None
         start = seq.num_computed
         if not seq.started and self.pool.enable_prefix_caching:
-            hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
-            # Keep at least the last token to compute: its logits give the next token.
-            reusable = (len(seq.tokens) - 1) // self.block_size
-            cached_blocks = self.pool.find_cached_prefix(hashes[:reusable])
+            cached_blocks, tail_source = self._find_cached(seq)
             start = len(cached_blocks) * self.block_size
-        num_tokens = min(max_tokens, len(seq.tokens) - start)
-        if not self.pool.allocate(seq.seq_id, start + num_tokens, cached_blocks):
+        copied = len(seq.tokens) - 1 - start if tail_source is not None else 0
+        num_tokens = min(max_tokens, len(seq.tokens) - start - copied)
+        if not self._allocate(seq, start + copied + num_tokens, cached_blocks, tail_source, copied):
             return None
+        start += copied
         cached_tokens = 0
         if not seq.started:
             seq.started = True
@@ -209,6 +217,32 @@ class Engine:
             seq.num_registered_blocks = len(cached_blocks)
             self.pool.record_prefix_query(len(seq.tokens), cached_tokens)
         return _Planned(seq, start, num_tokens, cached_tokens, result_index)
+
+    def _find_cached(self, seq: _Sequence) -> tuple[list[int], int | None]:
+        """`seq`'s leading cached full blocks and, when all of them matched, a cached block
+        holding the rest of its tokens (the exact-match path copies it into a block of its own)."""
+        hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
+        # Keep at least the last token to compute: its logits give the next token.
+        reusable = (len(seq.tokens) - 1) // self.block_size
+        blocks = self.pool.find_cached_prefix(hashes[:reusable])
+        tail = seq.tokens[len(blocks) * self.block_size:]
+        if len(blocks) < reusable or len(tail) < 2:
+            return blocks, None
+        parent = hashes[reusable - 1] if reusable else ROOT_HASH
+        return blocks, self.pool.find_cached_tail(parent, tail)
+
+    def _allocate(self, seq: _Sequence, num_tokens: int, cached_blocks: list[int],
+                  tail_source: int | None, copied: int) -> bool:
+        """Grows `seq`'s table to `num_tokens` tokens; with a tail source, copies its first
+        `copied` slots into the block after the cached ones."""
+        if tail_source is None:
+            return self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
+        self.pool.hold(tail_source)     # the allocation must not evict the block copied from
+        allocated = self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
+        if allocated:
+            self.kv.copy_slots(tail_source, self.pool.table(seq.seq_id)[len(cached_blocks)], copied)
+        self.pool.release(tail_source)
+        return allocated
 
     @torch.inference_mode()
     def _forward(self, planned: list[_Planned]) -> list[tuple[_Planned, SampledToken]]:
@@ -295,7 +329,7 @@ class Engine:
             return
         hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
         parent = hashes[first - 1] if first else ROOT_HASH
-        self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent)
+        self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent, seq.tokens)
         seq.num_registered_blocks = full
 
     def _use_packed_cpu_weights(self) -> bool:

@@ -51,8 +51,8 @@ class SeqResult:
 @dataclass(frozen=True)
 class PoolStats:
     total_blocks: int
-    free_blocks: int
-    cached_blocks: int      # unreferenced, still holding a reusable prefix
+    free_blocks: int        # unreferenced and holding no published prefix (partial blocks included)
+    cached_blocks: int      # unreferenced, still holding a reusable prefix the KV index knows
     used_blocks: int        # referenced by at least one sequence
     evictions: int
     prefix_hit_tokens: int

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.block_hash import ROOT_HASH, chain_hashes
-from services.worker.engine.block_pool import BlockPool, PoolInvariantError
+from services.worker.engine.block_pool import BlockPool, PartialBlock, PoolInvariantError
 from services.worker.engine.types import CLEARED, REMOVED, STORED, BlockEvent
 
 
@@ -17,9 +17,16 @@ def _fill(pool: BlockPool, seq_id: str, tokens: list[int]) -> list[int]:
     cached = pool.find_cached_prefix(hashes)
     assert pool.allocate(seq_id, len(tokens), cached)
     pool.cache_full_blocks(seq_id, len(cached), hashes[len(cached):],
-                           hashes[len(cached) - 1] if cached else ROOT_HASH)
+                           hashes[len(cached) - 1] if cached else ROOT_HASH, tokens)
     pool.check_invariants()
     return hashes
+
+
+def _partial(tokens: list[int], block_size: int) -> PartialBlock:
+    """The partly filled last block of a sequence that computed exactly `tokens`."""
+    full = len(tokens) // block_size
+    parent = chain_hashes(tokens, block_size)[full - 1] if full else ROOT_HASH
+    return PartialBlock(full, tuple(tokens[full * block_size:]), parent)
 
 
 def test_allocate_grows_table_and_free_returns_blocks() -> None:
@@ -101,7 +108,7 @@ def test_stored_events_follow_prefix_order_and_skip_duplicates() -> None:
     # b computes the same first block itself (no reuse), then a new one.
     assert pool.allocate("b", 4)
     other = chain_hashes([1, 2, 7, 7], 2)
-    pool.cache_full_blocks("b", 0, other, ROOT_HASH)
+    pool.cache_full_blocks("b", 0, other, ROOT_HASH, [1, 2, 7, 7])
     assert pool.drain_events() == [BlockEvent.stored([other[1]], other[0])]
     pool.free("b")
     assert pool.stats().free_blocks + pool.stats().cached_blocks + pool.stats().used_blocks == 8
@@ -144,6 +151,103 @@ def test_prefix_caching_disabled_never_matches() -> None:
     assert pool.drain_events() == []
 
 
+def test_freed_partial_block_stays_cached_and_is_found_by_its_tail() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = _fill(pool, "a", tokens)
+    full_block, partial_block = pool.table("a")
+    pool.drain_events()
+    pool.free("a", _partial(tokens, 4))
+    pool.check_invariants()
+    assert pool.drain_events() == []          # partial entries are never published
+    stats = pool.stats()
+    # The partial block counts as free: the KV index knows exactly the cached blocks.
+    assert (stats.used_blocks, stats.cached_blocks, stats.free_blocks) == (0, 1, 7)
+    assert pool.find_cached_tail(hashes[0], [5]) == partial_block
+    assert pool.find_cached_tail(hashes[0], [5, 6]) == partial_block
+    assert pool.find_cached_tail(hashes[0], [5, 6, 7]) is None
+    assert pool.find_cached_tail(hashes[0], [6]) is None
+    assert pool.find_cached_tail(ROOT_HASH, [5, 6]) is None
+    assert pool.find_cached_tail(ROOT_HASH, [1, 2, 3]) == full_block     # full blocks hold their tokens
+    assert pool.find_cached_tail(ROOT_HASH, []) is None
+    # A partial block is never reused as a prefix block.
+    assert pool.find_cached_prefix(chain_hashes(tokens + [7, 8], 4)) == [full_block]
+
+
+def test_partial_block_is_not_kept_when_shared_covered_or_disabled() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    _fill(pool, "a", [1, 2, 3, 4, 5, 6, 7])
+    _fill(pool, "b", [1, 2, 3, 4, 5, 6])
+    pool.free("a", _partial([1, 2, 3, 4, 5, 6, 7], 4))
+    pool.free("b", _partial([1, 2, 3, 4, 5, 6], 4))    # a's entry already covers [5, 6]
+    pool.check_invariants()
+    assert pool.stats().free_blocks == 8 - 1
+    assert pool.stats().cached_blocks == 1
+
+    assert pool.allocate("c", 2)
+    assert pool.allocate("d", 2, pool.table("c"))      # the block is shared
+    pool.free("c", _partial([9, 9], 4))
+    pool.free("d")
+    assert pool.find_cached_tail(ROOT_HASH, [9]) is None
+
+    disabled = BlockPool(num_blocks=4, block_size=4, enable_prefix_caching=False)
+    assert disabled.allocate("a", 2)
+    disabled.free("a", _partial([9, 9], 4))
+    assert disabled.find_cached_tail(ROOT_HASH, [9]) is None
+    assert disabled.stats().free_blocks == 4
+    disabled.check_invariants()
+
+
+def test_partial_blocks_are_evicted_before_their_parent_and_counted() -> None:
+    pool = BlockPool(num_blocks=3, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = _fill(pool, "a", tokens)
+    pool.drain_events()
+    pool.free("a", _partial(tokens, 4))
+    assert pool.allocate("b", 8)                 # one free block, then the oldest cached: the partial
+    assert pool.find_cached_tail(hashes[0], [5, 6]) is None
+    assert pool.find_cached_prefix(hashes) == pool.find_cached_prefix(hashes[:1]) != []
+    assert pool.stats().evictions == 1
+    assert pool.drain_events() == []             # nothing published, nothing to remove
+    pool.check_invariants()
+
+
+def test_held_block_survives_allocation_and_keeps_its_state() -> None:
+    pool = BlockPool(num_blocks=2, block_size=2)
+    tokens = [1, 2, 3]
+    hashes = _fill(pool, "a", tokens)
+    pool.free("a", _partial(tokens, 2))
+    partial_block = pool.find_cached_tail(hashes[0], [3])
+    assert partial_block is not None
+    before = pool.stats()
+    pool.hold(partial_block)
+    pool.hold(partial_block)
+    assert pool.stats() == before
+    assert pool.num_allocatable() == 1
+    pool.check_invariants()
+    assert pool.allocate("b", 2)                 # evicts the full block, older-held partial stays
+    assert pool.find_cached_tail(hashes[0], [3]) == partial_block
+    assert not pool.allocate("c", 2)
+    pool.release(partial_block)
+    assert not pool.can_allocate("c", 2)         # still held once
+    pool.release(partial_block)
+    assert pool.allocate("c", 2)
+    assert pool.find_cached_tail(hashes[0], [3]) is None
+    pool.check_invariants()
+
+
+def test_clear_cache_forgets_partial_entries() -> None:
+    pool = BlockPool(num_blocks=4, block_size=4)
+    tokens = [1, 2, 3, 4, 5]
+    hashes = _fill(pool, "a", tokens)
+    pool.free("a", _partial(tokens, 4))
+    pool.clear_cache()
+    assert pool.find_cached_tail(hashes[0], [5]) is None
+    assert pool.find_cached_tail(ROOT_HASH, [1]) is None
+    assert pool.stats().free_blocks == 4
+    pool.check_invariants()
+
+
 def test_invariant_checker_catches_corruption() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
     pool.allocate("a", 4)
@@ -152,41 +256,89 @@ def test_invariant_checker_catches_corruption() -> None:
         pool.check_invariants()
 
 
+def test_invariant_checker_catches_a_stale_tail_entry() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2)
+    _fill(pool, "a", [1, 2, 3])
+    pool.free("a", _partial([1, 2, 3], 2))
+    partial_block = pool.find_cached_tail(chain_hashes([1, 2], 2)[0], [3])
+    assert partial_block is not None
+    pool._block_tokens[partial_block] = None
+    with pytest.raises(PoolInvariantError):
+        pool.check_invariants()
+
+
 _operations = st.lists(
-    st.tuples(st.sampled_from(["grow", "free", "share"]), st.integers(0, 5), st.integers(1, 24),
+    st.tuples(st.sampled_from(["grow", "free", "share", "tail"]), st.integers(0, 5), st.integers(1, 24),
               st.integers(0, 3)),
     min_size=1, max_size=60)
+
+
+def _churn_tokens(variant: int, amount: int) -> list[int]:
+    """Short prompts from few variants, so that prefixes and tails get reused."""
+    return [variant % 2] * 4 + [variant] * (amount % 9 + 1)
 
 
 @settings(max_examples=150, deadline=None)
 @given(_operations)
 def test_random_churn_keeps_invariants(operations: list[tuple[str, int, int, int]]) -> None:
     pool = BlockPool(num_blocks=12, block_size=4)
-    lengths: dict[str, int] = {}
+    live: dict[str, list[int]] = {}     # every allocated sequence's tokens
+    freed: list[list[int]] = []
     for verb, seq_index, amount, variant in operations:
         seq_id = f"s{seq_index}"
         if verb == "free":
-            pool.free(seq_id)
-            lengths.pop(seq_id, None)
-        elif verb == "share" and seq_id not in lengths:
-            tokens = [variant % 2] * 8 + [variant] * amount
+            if seq_id in live:
+                freed.append(live[seq_id])
+            _free_keeping_partial(pool, seq_id, live)
+        elif verb == "tail" and seq_id not in live and freed:
+            # A prompt that is a prefix of what an earlier sequence computed.
+            earlier = freed[variant % len(freed)]
+            _hold_a_tail_across_allocation(pool, seq_id, earlier[:amount % len(earlier) + 1], live)
+        elif verb == "share" and seq_id not in live:
+            tokens = _churn_tokens(variant, amount)
             hashes = chain_hashes(tokens, 4)
             cached = pool.find_cached_prefix(hashes[:(len(tokens) - 1) // 4])
             stats_before = pool.stats()
             if pool.allocate(seq_id, len(tokens), cached):
-                lengths[seq_id] = len(tokens)
+                live[seq_id] = tokens
                 start = len(cached)
-                pool.cache_full_blocks(seq_id, start, hashes[start:], hashes[start - 1] if start else ROOT_HASH)
+                pool.cache_full_blocks(seq_id, start, hashes[start:], hashes[start - 1] if start else ROOT_HASH,
+                                       tokens)
             else:
                 assert pool.stats() == stats_before
         else:
-            target = lengths.get(seq_id, 0) + amount
-            if pool.allocate(seq_id, target):
-                lengths[seq_id] = target
+            tokens = live.get(seq_id, []) + [variant] * (amount % 12 + 1)
+            if pool.allocate(seq_id, len(tokens)):
+                live[seq_id] = tokens
         pool.check_invariants()
         for event in pool.drain_events():
             assert event.kind in (STORED, REMOVED)
-    for seq_id in list(lengths):
-        pool.free(seq_id)
+    for seq_id in list(live):
+        _free_keeping_partial(pool, seq_id, live)
     pool.check_invariants()
     assert pool.stats().used_blocks == 0
+
+
+def _free_keeping_partial(pool: BlockPool, seq_id: str, live: dict[str, list[int]]) -> None:
+    tokens = live.pop(seq_id, [])
+    pool.free(seq_id, _partial(tokens, 4) if len(tokens) % 4 else None)
+
+
+def _hold_a_tail_across_allocation(pool: BlockPool, seq_id: str, tokens: list[int],
+                                   live: dict[str, list[int]]) -> None:
+    """The engine's exact-match path: the block found for the tail survives the allocation."""
+    hashes = chain_hashes(tokens, 4)
+    full = (len(tokens) - 1) // 4
+    cached = pool.find_cached_prefix(hashes[:full])
+    if len(cached) < full:
+        return
+    parent = hashes[full - 1] if full else ROOT_HASH
+    source = pool.find_cached_tail(parent, tokens[full * 4:])
+    if source is None:
+        return
+    pool.hold(source)
+    if pool.allocate(seq_id, len(tokens), cached):
+        live[seq_id] = tokens
+        assert source not in pool.table(seq_id)
+    assert pool.find_cached_tail(parent, tokens[full * 4:]) == source
+    pool.release(source)

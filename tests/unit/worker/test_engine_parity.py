@@ -89,7 +89,7 @@ def test_shared_prefix_blocks_are_reused(kind: str, reference: torch.nn.Module) 
     assert stats.prefix_query_tokens == 21 + 21 + 21
 
 
-def test_running_sequences_share_blocks_and_block_aligned_prompt_recomputes_last_block(
+def test_running_sequences_share_blocks_and_block_aligned_prompt_copies_its_last_block(
         kind: str, reference: torch.nn.Module) -> None:
     engine = make_engine(kind)
     driver = Driver(engine)
@@ -97,8 +97,9 @@ def test_running_sequences_share_blocks_and_block_aligned_prompt_recomputes_last
     driver.step(StepBatch(new_sequences=[NewSequence("a", prompt)], work=[WorkItem("a", 100)]))
     used_by_one = engine.pool_stats().used_blocks
     driver.step(StepBatch(new_sequences=[NewSequence("b", prompt)], work=[WorkItem("a", 1), WorkItem("b", 100)]))
-    assert driver.cached == {"b": 12}
-    # b shares a's first three blocks and recomputes the fourth in a block of its own.
+    assert driver.cached == {"b": 15}
+    # b shares a's first three blocks and copies the fourth into a block of its own,
+    # where it recomputes only its last token.
     assert engine.pool_stats().used_blocks == used_by_one + 1 + 1
     for _ in range(4):
         driver.step(StepBatch(work=[WorkItem("a", 1), WorkItem("b", 1)]))

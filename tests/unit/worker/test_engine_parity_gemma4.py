@@ -1,7 +1,8 @@
 """The parity tests of test_engine_parity.py on Gemma 4 text shapes: per-layer
 embeddings, KV-shared layers that read an earlier layer's paged cache, wider
 heads and proportional RoPE on global layers, final logit softcapping; once
-with separate values and once with keys as values (attention_k_eq_v)."""
+with separate values and once with keys as values (attention_k_eq_v). The
+exact-match tests too: a copied tail must carry every storing layer's K/V."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ from tests.unit.worker.test_engine_parity import (  # noqa: F401  (collected her
     test_mixed_batch_with_chunked_prefill_matches_generate,
     test_out_of_blocks_changes_nothing_and_recovers,
     test_resume_with_output_tokens_continues_the_same_text,
-    test_running_sequences_share_blocks_and_block_aligned_prompt_recomputes_last_block,
+    test_running_sequences_share_blocks_and_block_aligned_prompt_copies_its_last_block,
     test_seeded_sampling_does_not_depend_on_the_batch,
     test_shared_prefix_blocks_are_reused,
+)
+from tests.unit.worker.test_engine_exact_match import (  # noqa: F401
+    test_identical_prompt_computes_only_its_last_token,
+    test_prompt_made_of_an_earlier_prompt_and_its_output_reuses_the_tail,
 )
 from tests.unit.worker.engine_helpers import make_engine
 

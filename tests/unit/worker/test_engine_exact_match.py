@@ -1,0 +1,166 @@
+"""The exact-match path: a prompt whose tokens a cached block already holds past its
+last full block copies that block's K/V and computes only its last position, with the
+same tokens and logits as a cold run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.block_hash import chain_hashes
+from services.worker.engine import Engine, NewSequence, StepBatch, WorkItem
+from tests.unit.worker.engine_helpers import (
+    Driver,
+    RecordingSampler,
+    generate,
+    make_engine,
+    prompt_of,
+    reference_model,
+)
+
+LOGITS_ATOL = 1e-4
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(kind: str) -> torch.nn.Module:
+    return reference_model(kind)
+
+
+def _recording_engine(kind: str, **config) -> tuple[Engine, RecordingSampler]:
+    engine = make_engine(kind, block_size=BLOCK_SIZE, **config)
+    recorder = RecordingSampler(engine.sampler)
+    engine.sampler = recorder
+    return engine, recorder
+
+
+def _first_step(driver: Driver, seq_id: str, prompt: list[int]) -> tuple[int, int, int]:
+    """(cached tokens, computed tokens, batch tokens) of a new sequence's first step."""
+    out = driver.step(StepBatch(new_sequences=[NewSequence(seq_id, prompt)], work=[WorkItem(seq_id, 1024)]))
+    (result,) = out.results
+    assert result.sampled
+    return result.num_cached_tokens, result.num_computed_tokens, out.batch_tokens
+
+
+def _decode(driver: Driver, seq_id: str, new_tokens: int) -> list[int]:
+    while len(driver.outputs[seq_id]) < new_tokens:
+        driver.step(StepBatch(work=[WorkItem(seq_id, 1)]))
+    driver.step(StepBatch(free_seq_ids=[seq_id]))
+    return driver.outputs[seq_id]
+
+
+def _assert_rows_match(recorder: RecordingSampler, reference: torch.nn.Module, first_row: int) -> None:
+    with torch.no_grad():
+        for logits, seen in recorder.rows[first_row:]:
+            expected = reference(torch.tensor([seen])).logits[0, -1]
+            torch.testing.assert_close(logits, expected, atol=LOGITS_ATOL, rtol=0)
+
+
+# (prompt length, tokens the cold run generates): where the rest of the warm prompt sits.
+@pytest.mark.parametrize("prompt_len,cold_new_tokens", [
+    (15, 1),    # a partial block: the cold run computed its prompt only
+    (14, 6),    # a full block the cold run's generated tokens completed
+    (16, 1),    # a block-aligned prompt: its own last full block
+    (3, 1),     # no full block at all: a partial block after the root
+])
+def test_identical_prompt_computes_only_its_last_token(kind: str, reference: torch.nn.Module,
+                                                       prompt_len: int, cold_new_tokens: int) -> None:
+    engine, recorder = _recording_engine(kind)
+    driver = Driver(engine)
+    prompt = prompt_of(prompt_len, prompt_len)
+    cold = driver.run({"cold": prompt}, cold_new_tokens)["cold"]
+    cold_logits = recorder.rows[0][0]
+    hits_before = engine.pool_stats().prefix_hit_tokens
+
+    assert _first_step(driver, "warm", prompt) == (prompt_len - 1, prompt_len, 1)
+    torch.testing.assert_close(recorder.rows[cold_new_tokens][0], cold_logits, atol=LOGITS_ATOL, rtol=0)
+    warm = _decode(driver, "warm", 6)
+    assert warm[:cold_new_tokens] == cold
+    assert warm == generate(reference, prompt, 6)[:len(warm)]
+    _assert_rows_match(recorder, reference, cold_new_tokens)
+    assert engine.pool_stats().prefix_hit_tokens - hits_before == prompt_len - 1
+
+    # The warm run left its own last block behind: a third run copies again.
+    assert _first_step(driver, "third", prompt)[0] == prompt_len - 1
+    assert _decode(driver, "third", 6) == warm
+
+
+def test_prompt_made_of_an_earlier_prompt_and_its_output_reuses_the_tail(
+        kind: str, reference: torch.nn.Module) -> None:
+    engine, recorder = _recording_engine(kind)
+    driver = Driver(engine)
+    first = prompt_of(10, 3)
+    output = driver.run({"first": first}, 5)["first"]
+    # The first run computed 10 + 4 tokens: two full blocks, a full one of prompt and
+    # output, then a partial one holding output[2:4].
+    follow_up = first + output[:4]
+    rows_before = len(recorder.rows)
+    assert _first_step(driver, "follow-up", follow_up) == (13, 14, 1)
+    got = _decode(driver, "follow-up", 4)
+    assert got == generate(reference, follow_up, 4)[:len(got)]
+    assert got[0] == output[4]
+    _assert_rows_match(recorder, reference, rows_before)
+
+
+@pytest.mark.parametrize("tail_of", [
+    lambda prompt: prompt[:14] + [prompt[14] + 1],     # the last token differs
+    lambda prompt: prompt[:13] + [prompt[13] + 1] + prompt[14:],   # a middle tail token differs
+    lambda prompt: prompt + [prompt[-1]],               # longer than anything the cache holds
+])
+def test_tail_that_does_not_match_falls_back_to_full_blocks(kind: str, reference: torch.nn.Module,
+                                                            tail_of) -> None:
+    engine, recorder = _recording_engine(kind)
+    driver = Driver(engine)
+    prompt = prompt_of(15, 7)
+    driver.run({"cold": prompt}, 1)
+    other = tail_of(prompt)
+    rows_before = len(recorder.rows)
+    cached, computed, batch = _first_step(driver, "other", other)
+    assert (cached, computed, batch) == (12, len(other), len(other) - 12)
+    got = _decode(driver, "other", 4)
+    assert got == generate(reference, other, 4)[:len(got)]
+    _assert_rows_match(recorder, reference, rows_before)
+
+
+def test_missing_full_block_disables_the_tail_path(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    prompt = prompt_of(15, 11)
+    driver.run({"cold": prompt}, 1)
+    # Same tail tokens after a different second block: the cached partial block is not
+    # its continuation, whatever its own tokens.
+    changed = prompt[:4] + [token + 1 for token in prompt[4:8]] + prompt[8:]
+    assert _first_step(driver, "changed", changed)[0] == 4
+
+
+def test_tail_source_survives_the_allocation_it_makes(kind: str, reference: torch.nn.Module) -> None:
+    # Five blocks: the cold prompt's four, then an unrelated one; no free block is left.
+    engine = make_engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    prompt = prompt_of(15, 12)
+    driver.run({"cold": prompt}, 1)
+    filler = prompt_of(4, 13)
+    driver.run({"filler": filler}, 1)
+    assert engine.pool_stats().free_blocks == 1         # the partial block: it counts as free
+    assert _first_step(driver, "warm", prompt)[0] == 14
+    # The allocation evicted the filler's block, not the partial one it copies from.
+    assert engine.pool_stats().evictions == 1
+    cached_hashes = {value for _parent, chain in engine.snapshot_chains() for value in chain}
+    assert chain_hashes(filler, BLOCK_SIZE, kind)[0] not in cached_hashes
+    got = _decode(driver, "warm", 3)
+    assert got == generate(reference, prompt, 3)[:len(got)]
+    assert _first_step(driver, "again", prompt)[0] == 14
+
+
+def test_prefix_caching_disabled_keeps_no_partial_blocks(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    driver = Driver(engine)
+    prompt = prompt_of(15, 14)
+    driver.run({"cold": prompt}, 1)
+    assert engine.pool_stats().free_blocks == engine.info.num_blocks
+    assert _first_step(driver, "warm", prompt)[0] == 0
