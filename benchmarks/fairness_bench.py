@@ -38,7 +38,7 @@ class Load:
     idle_requests: int
 
 
-FULL = Load(heavy_in_flight=32, prompt_words=60, max_tokens=48, light_requests=12, idle_requests=5)
+FULL = Load(heavy_in_flight=32, prompt_words=60, max_tokens=48, light_requests=6, idle_requests=5)
 QUICK = Load(heavy_in_flight=8, prompt_words=12, max_tokens=8, light_requests=4, idle_requests=2)
 
 
