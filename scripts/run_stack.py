@@ -7,16 +7,35 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from scripts.stack import ROOT, Stack, StackPorts
 
 
+def ports_from_env(env: Mapping[str, str]) -> StackPorts:
+    """The default ports, or those named in the environment."""
+    defaults = StackPorts()
+    port = lambda name, default: int(env.get(name) or default)  # noqa: E731
+    return StackPorts(
+        gateway=port("GATEWAY_PORT", defaults.gateway),
+        gateway_grpc=port("GATEWAY_GRPC_PORT", defaults.gateway_grpc),
+        scheduler=port("SCHEDULER_PORT", defaults.scheduler),
+        scheduler_metrics=port("SCHEDULER_METRICS_PORT", defaults.scheduler_metrics),
+        kvcache=port("KVCACHE_PORT", defaults.kvcache),
+        kvcache_metrics=port("KVCACHE_METRICS_PORT", defaults.kvcache_metrics),
+        workers=[(port("WORKER_PORT", defaults.workers[0][0]),
+                  port("WORKER_METRICS_PORT", defaults.workers[0][1]))],
+    )
+
+
 def main() -> int:
-    env = {key: value for key, value in os.environ.items() if key.isupper()}
-    ports = StackPorts(gateway=int(env.get("GATEWAY_PORT", 8000)))
-    stack = Stack(ports=ports, env={}, log_dir=Path(env.get("LOG_DIR", ROOT / ".cache" / "logs")))
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    stack = Stack(ports=ports_from_env(os.environ), env={},
+                  log_dir=Path(os.environ.get("LOG_DIR") or ROOT / ".cache" / "logs"))
+    # Ctrl-C and SIGTERM both stop every service; SIGINT is set explicitly because a
+    # process started in the background inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print("starting kvcache, scheduler, worker and gateway (logs in "
           f"{stack.log_dir}) ...", flush=True)
     try:

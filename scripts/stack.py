@@ -114,6 +114,32 @@ class Stack:
             time.sleep(0.25)
         raise TimeoutError(f"gateway not ready after {timeout_s}s: {reason}")
 
+    def check_alive(self) -> None:
+        for name, process in self.processes.items():
+            if process.poll() is not None:
+                raise RuntimeError(f"{name} exited with {process.returncode}; see "
+                                   f"{self.log_dir / (name + '.log')}:\n{self.tail(name)}")
+
+    def wait_workers(self, count: int, timeout_s: float) -> None:
+        """Waits until the scheduler reports `count` healthy workers (the gateway
+        is ready as soon as one has registered)."""
+        import json
+
+        deadline = time.monotonic() + timeout_s
+        healthy = 0
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(f"{self.url}/stats", timeout=5) as reply:
+                    scheduler = json.load(reply).get("scheduler") or {}
+                healthy = sum(1 for worker in scheduler.get("workers", []) if worker["healthy"])
+                if healthy >= count:
+                    return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"{healthy} of {count} workers registered after {timeout_s}s")
+
     def tail(self, name: str, lines: int = 40) -> str:
         path = self.log_dir / f"{name}.log"
         if not path.exists():
@@ -136,3 +162,30 @@ class Stack:
         process = self.processes[name]
         os.killpg(process.pid, signal.SIGKILL)
         process.wait()
+
+    def restart_kvcache(self, timeout_s: float = 30.0) -> None:
+        """Kills the kvcache index service and starts it again on the same port,
+        waiting until it answers its gRPC health check."""
+        self.kill("kvcache")
+        self._spawn("kvcache", "services.kvcache.main")
+        self.wait_serving("kvcache", f"127.0.0.1:{self.ports.kvcache}", timeout_s)
+
+    def wait_serving(self, name: str, address: str, timeout_s: float) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                process = self.processes[name]
+                if process.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {process.returncode}:\n{self.tail(name)}")
+                try:
+                    reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.1)
+        raise TimeoutError(f"{name} not serving at {address} after {timeout_s}s")

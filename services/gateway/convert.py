@@ -136,7 +136,9 @@ def kvcache_stats_to_dict(message: kvindex_pb2.KvIndexStats) -> dict[str, Any]:
     """The "kvcache" part of /stats (docs/metrics.md)."""
     return {
         "lookups": message.lookups, "hits": message.hits, "lookup_tokens": message.lookup_tokens,
-        "hit_tokens": message.hit_tokens, "nodes": message.nodes, "events": message.events,
+        "hit_tokens": message.hit_tokens,
+        "hit_rate": message.hit_tokens / message.lookup_tokens if message.lookup_tokens else 0.0,
+        "nodes": message.nodes, "events": message.events,
         "resyncs": message.resyncs, "blocks_by_worker": dict(message.blocks_by_worker),
         "backend": message.backend,
     }

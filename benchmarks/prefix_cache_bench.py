@@ -1,0 +1,267 @@
+"""Prefix-cache benchmark through the gateway, on real service processes.
+
+    python -m benchmarks.prefix_cache_bench            # default model (minutes)
+    python -m benchmarks.prefix_cache_bench --quick    # tiny random model: checks the script
+
+1. One worker: time to first token of a long prompt cold (a prefix never seen),
+   the same prompt with a different last sentence (warm prefix), and the
+   identical prompt again (exact match); the ratios cold/warm and cold/exact,
+   and where a request's time went: the worker's forward passes, and
+   everything outside them (HTTP, tokenizing, the index lookup, scheduling,
+   gRPC hops, proto conversion, block hashing).
+2. Two workers, eight sessions each repeating its own long prefix (all sessions
+   at once, each session's turns one after another): the fraction of the
+   repeated prefix tokens served from cache (usage.cached_tokens).
+
+Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import re
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from common.model_store import default_cache_dir, default_model_dir, is_prepared
+from scripts.stack import Stack, StackPorts
+
+WORDS = ("river", "lantern", "copper", "meadow", "signal", "harbor", "orchard", "granite", "violet",
+         "engine", "compass", "thunder", "willow", "marble", "falcon", "canyon", "ember", "glacier",
+         "saddle", "quartz", "timber", "beacon", "cobalt", "prairie")
+
+
+@dataclass(frozen=True)
+class BenchSizes:
+    prompt_tokens: int
+    repeats: int
+    sessions: int
+    session_turns: int
+    session_prefix_tokens: int
+
+
+FULL = BenchSizes(prompt_tokens=1500, repeats=3, sessions=8, session_turns=3, session_prefix_tokens=512)
+QUICK = BenchSizes(prompt_tokens=120, repeats=2, sessions=8, session_turns=3, session_prefix_tokens=64)
+
+
+@dataclass
+class Timed:
+    ttft_s: float
+    prompt_tokens: int
+    cached_tokens: int
+    forward_s: float      # the worker's forward passes for this request
+
+
+# ---- prompts -------------------------------------------------------------------------------
+
+def sentence(seed: int, index: int) -> str:
+    words = [WORDS[(seed * 7 + index * 5 + k * 3) % len(WORDS)] for k in range(9)]
+    return f"Note {index}: the {words[0]} near the {words[1]} carried {words[2]} and {words[3]} " \
+           f"past a {words[4]} {words[5]}, while {words[6]} {words[7]} watched the {words[8]}."
+
+
+def long_body(tokenizer: Any, document: int, tokens: int) -> str:
+    """Text of about `tokens` tokens that starts with its own document number, so
+    that two documents share no cached block."""
+    parts = [f"Document {document}."]
+    index = 0
+    while len(tokenizer(" ".join(parts + [sentence(document, index)]))["input_ids"]) < tokens - 16:
+        parts.append(sentence(document, index))
+        index += 1
+    filler = 0
+    while len(tokenizer(" ".join(parts))["input_ids"]) < tokens - 16:
+        parts.append(WORDS[filler % len(WORDS)])
+        filler += 1
+    return " ".join(parts)
+
+
+def last_sentence(variant: int) -> str:
+    return f" Question {variant}: which {WORDS[variant % len(WORDS)]} came last, and why?"
+
+
+# ---- measuring -----------------------------------------------------------------------------
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return reply.read().decode()
+
+
+def metric_sum(text: str, family: str) -> float:
+    """Sum of a histogram's `_sum` over all its label sets."""
+    pattern = re.compile(rf"^{re.escape(family)}_sum(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
+    return sum(float(value) for value in pattern.findall(text))
+
+
+class StepClock:
+    """Reads the workers' total forward time (their step histograms)."""
+
+    def __init__(self, stack: Stack) -> None:
+        self._stack = stack
+
+    def read(self) -> float:
+        return sum(metric_sum(scrape(metrics_port), "fairserve_worker_step_seconds")
+                   for _, metrics_port in self._stack.ports.workers)
+
+
+def first_token(client: httpx.Client, base_url: str, prompt: str, clock: StepClock) -> Timed:
+    """One streamed /generate of a raw prompt with max_tokens 1; TTFT is the
+    time to the first SSE event."""
+    body = {"prompt": prompt, "raw": True, "max_tokens": 1, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    forward_before = clock.read()
+    ttft = None
+    usage: dict[str, int] = {}
+    started = time.perf_counter()
+    with client.stream("POST", f"{base_url}/generate", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - started
+            if '"usage"' in line:
+                usage = json.loads(line[len("data: "):])["usage"]
+    time.sleep(0.3)   # let the scheduler send the step that frees the sequence
+    forward_after = clock.read()
+    assert ttft is not None and usage, "no events from /generate"
+    return Timed(ttft, usage["prompt_tokens"], usage["cached_tokens"], forward_after - forward_before)
+
+
+def ttft_rows(stack: Stack, tokenizer: Any, sizes: BenchSizes) -> list[tuple[str, str]]:
+    clock = StepClock(stack)
+    runs: dict[str, list[Timed]] = {"cold": [], "warm": [], "exact": []}
+    # One keep-alive client, as a real one would: building a client costs tens of ms.
+    with httpx.Client() as client:
+        first_token(client, stack.url, "Warm up the engine.", clock)
+        for repeat in range(sizes.repeats):
+            body = long_body(tokenizer, 1000 + repeat, sizes.prompt_tokens)
+            runs["cold"].append(first_token(client, stack.url, body + last_sentence(0), clock))
+            runs["warm"].append(first_token(client, stack.url, body + last_sentence(repeat + 1), clock))
+            runs["exact"].append(first_token(client, stack.url, body + last_sentence(0), clock))
+    median = {kind: statistics.median(t.ttft_s for t in timed) for kind, timed in runs.items()}
+    rows = []
+    labels = {"cold": "cold", "warm": "warm prefix (different last sentence)", "exact": "identical prompt"}
+    for kind, timed in runs.items():
+        forward = statistics.median(t.forward_s for t in timed)
+        outside = statistics.median(t.ttft_s - t.forward_s for t in timed)
+        rows.append((f"TTFT, {labels[kind]}",
+                     f"{median[kind] * 1000:,.1f} ms (prompt {timed[0].prompt_tokens:,} tokens, cached "
+                     f"{timed[0].cached_tokens:,}; worker forward {forward * 1000:,.1f} ms, outside the "
+                     f"forward {outside * 1000:,.1f} ms)"))
+    rows.append(("cold / warm prefix", f"**{median['cold'] / median['warm']:.1f}x**"))
+    rows.append(("cold / identical", f"**{median['cold'] / median['exact']:.1f}x**"))
+    return rows
+
+
+# ---- sessions over two workers -------------------------------------------------------------
+
+def session_rows(stack: Stack, vocab_size: int, sizes: BenchSizes) -> list[tuple[str, str]]:
+    rng = random.Random(0)
+    low, high = min(1000, vocab_size // 4), min(vocab_size, 200_000)
+    prefixes = [[rng.randrange(low, high) for _ in range(sizes.session_prefix_tokens)]
+                for _ in range(sizes.sessions)]
+
+    def run_session(index: int) -> list[int]:
+        local = random.Random(index)
+        cached = []
+        for _ in range(sizes.session_turns):
+            prompt = prefixes[index] + [local.randrange(low, high) for _ in range(12)]
+            reply = httpx.post(f"{stack.url}/v1/completions", timeout=600, json={
+                "prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+                "session_id": f"session-{index}"})
+            reply.raise_for_status()
+            cached.append(reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+        return cached
+
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=sizes.sessions) as pool:
+        per_session = list(pool.map(run_session, range(sizes.sessions)))
+    elapsed = time.perf_counter() - started
+    repeated = sizes.sessions * (sizes.session_turns - 1) * sizes.session_prefix_tokens
+    served = sum(min(c, sizes.session_prefix_tokens) for turns in per_session for c in turns[1:])
+    blocks = httpx.get(f"{stack.url}/stats", timeout=10).json()["kvcache"]["blocks_by_worker"]
+    return [
+        (f"{sizes.sessions} sessions x {sizes.session_turns} turns, {sizes.session_prefix_tokens}-token "
+         f"prefix each, 2 workers", f"{elapsed:,.1f} s"),
+        ("repeated-prefix tokens served from cache", f"**{served / repeated:.1%}** ({served:,} of {repeated:,})"),
+        ("index blocks by worker afterwards", ", ".join(f"{w}: {n}" for w, n in sorted(blocks.items()))),
+    ]
+
+
+# ---- stacks --------------------------------------------------------------------------------
+
+def start(model_dir: Path, num_workers: int, env: dict[str, str], log_dir: Path) -> Stack:
+    stack = Stack(ports=StackPorts.free(num_workers), env={"MODEL_NAME": str(model_dir), **env},
+                  log_dir=log_dir)
+    stack.start(timeout_s=600)
+    try:
+        stack.wait_workers(num_workers, timeout_s=600)
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+def render(rows: list[tuple[str, str]], header: str) -> str:
+    lines = [header, "", "| measure | value |", "|---|---|"]
+    lines += [f"| {name} | {value} |" for name, value in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="tiny random model, small sizes")
+    parser.add_argument("--model-dir", default="", help="default: the prepared default model")
+    parser.add_argument("--logs", default="", help="where the services write logs (default: a temp dir)")
+    args = parser.parse_args(argv)
+    sizes = QUICK if args.quick else FULL
+    # A SIGTERM (a `timeout`) must still stop the services this run started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory(prefix="prefix-bench-") as scratch:
+        if args.quick:
+            from tests.fixtures.tiny_model import save_tiny_model
+            model_dir = save_tiny_model(Path(scratch) / "tiny")
+        else:
+            model_dir = Path(args.model_dir) if args.model_dir else default_model_dir(default_cache_dir())
+            if not is_prepared(model_dir) and not args.model_dir:
+                raise SystemExit(f"{model_dir} is not prepared: run `python -m common.model_store` first")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        logs = Path(args.logs) if args.logs else Path(scratch) / "logs"
+        env = {"LOG_LEVEL": "warning", "WORKER_HEARTBEAT_INTERVAL_S": "0.5"}
+
+        stack = start(model_dir, 1, env, logs / "ttft")
+        try:
+            rows = ttft_rows(stack, tokenizer, sizes)
+        finally:
+            stack.stop()
+        # Two workers share the CPUs: one thread each.
+        stack = start(model_dir, 2, {**env, "TORCH_THREADS": "1"}, logs / "sessions")
+        try:
+            rows += session_rows(stack, len(tokenizer), sizes)
+        finally:
+            stack.stop()
+
+    header = (f"Model {model_dir.name}, through the gateway (`/generate` raw, streamed, max_tokens 1 for "
+              f"TTFT; median of {sizes.repeats}); {platform.processor() or platform.machine()}, "
+              f"{os.cpu_count()} CPUs.")
+    print(render(rows, header))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""`make run`'s launcher: serves, and Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from scripts.stack import ROOT, free_port
+from tests.integration.conftest import TINY_ENV
+
+
+def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> None:
+    gateway = free_port()
+    env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path),
+           "GATEWAY_PORT": str(gateway), "GATEWAY_GRPC_PORT": str(free_port()),
+           "SCHEDULER_PORT": str(free_port()), "SCHEDULER_METRICS_PORT": str(free_port()),
+           "KVCACHE_PORT": str(free_port()), "KVCACHE_METRICS_PORT": str(free_port()),
+           "WORKER_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
+    launcher = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        banner = ""
+        deadline = time.monotonic() + 180
+        while "ready at" not in banner and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            assert line or launcher.poll() is None, f"launcher exited:\n{banner}"
+            banner += line
+        assert f"127.0.0.1:{gateway}" in banner and "curl -N" in banner
+        children = psutil.Process(launcher.pid).children(recursive=True)
+        assert len(children) == 4
+        reply = httpx.post(f"http://127.0.0.1:{gateway}/generate",
+                           json={"prompt": "Hello", "max_tokens": 4, "stream": False}, timeout=60)
+        assert reply.status_code == 200
+
+        launcher.send_signal(signal.SIGINT)
+        assert launcher.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(children, timeout=15)
+        assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
