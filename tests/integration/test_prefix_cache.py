@@ -180,7 +180,8 @@ def test_repeated_prompt_skips_the_prefill_the_worker_really_skipped(
                                                    tokenizer(changed)["input_ids"])) if a != b)
     _, other, _ = run(changed)
     assert other["prompt_tokens"] == changed_len
-    assert other["cached_tokens"] == common // BLOCK_SIZE * BLOCK_SIZE > 0
+    # Whole shared blocks, plus the shared start of the block where the prompts part.
+    assert 0 < common // BLOCK_SIZE * BLOCK_SIZE <= other["cached_tokens"] <= common
 
 
 @pytest.mark.parametrize("tail", range(BLOCK_SIZE))
@@ -218,7 +219,7 @@ def test_second_turn_reuses_first_turns_prompt_and_generated_tokens(
     # KV exists for everything turn 1 computed: its prompt and all but its last sampled token.
     computed_by_turn1 = len(turn1_ids) + len(output_ids) - 1
     assert computed_by_turn1 > len(turn1_ids) + BLOCK_SIZE
-    assert second.cached_tokens == computed_by_turn1 // BLOCK_SIZE * BLOCK_SIZE
+    assert computed_by_turn1 // BLOCK_SIZE * BLOCK_SIZE <= second.cached_tokens <= computed_by_turn1
 
 
 def test_sessions_stick_to_one_worker_and_reuse_their_prefix(two_worker_stack: Stack, probe: Probe) -> None:
@@ -308,7 +309,8 @@ def test_index_agrees_with_workers_after_churn(two_worker_stack: Stack, probe: P
         again = complete_ids(two_worker_stack.url, prompt)
         # The index knows full blocks only; the worker may also hold the partial tail.
         exact_match = claimed >= reusable_tokens(len(prompt)) and again.cached_tokens == len(prompt) - 1
-        assert again.cached_tokens == min(claimed, reusable_tokens(len(prompt))) or exact_match
+        assert (min(claimed, reusable_tokens(len(prompt))) <= again.cached_tokens <= len(prompt) - 1
+                or exact_match)
         probe.wait_quiescent()
 
 

@@ -134,15 +134,25 @@ class BlockPool:
     def find_cached_tail(self, parent_hash: int, tail: Sequence[int]) -> int | None:
         """A block (registered full, or partial) after `parent_hash` whose computed
         tokens start with `tail`: its first len(tail) slots hold their K/V."""
-        if not self.enable_prefix_caching or not tail:
+        found = self.find_longest_tail(parent_hash, tail)
+        return found[0] if found is not None and found[1] == len(tail) else None
+
+    def find_longest_tail(self, parent_hash: int, tokens: Sequence[int]) -> tuple[int, int] | None:
+        """The block (registered full, or partial) after `parent_hash` sharing the longest
+        run of leading tokens with `tokens`, and that run's length: the block's first
+        that-many slots hold the K/V those tokens would get."""
+        if not self.enable_prefix_caching or not tokens:
             return None
-        wanted = tuple(tail)
-        for block in self._tails.get((parent_hash, wanted[0]), ()):
-            tokens = self._block_tokens[block]
-            assert tokens is not None
-            if tokens[:len(wanted)] == wanted:
-                return block
-        return None
+        best: tuple[int, int] | None = None
+        for block in self._tails.get((parent_hash, tokens[0]), ()):
+            block_tokens = self._block_tokens[block]
+            assert block_tokens is not None
+            matched = _common_prefix_len(block_tokens, tokens)
+            if best is None or matched > best[1]:
+                best = (block, matched)
+                if matched >= len(tokens):
+                    break
+        return best
 
     def stats(self) -> PoolStats:
         # Partial blocks count as free: they hold no published prefix (the KV index
@@ -396,3 +406,12 @@ class BlockPool:
         self._block_hash[block] = None
         self._block_tokens[block] = None
         self._parent_hash[block] = ROOT_HASH
+
+
+def _common_prefix_len(left: Sequence[int], right: Sequence[int]) -> int:
+    length = 0
+    for a, b in zip(left, right):
+        if a != b:
+            break
+        length += 1
+    return length

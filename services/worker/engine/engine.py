@@ -60,6 +60,9 @@ class _Planned:
         return self.end == len(self.seq.tokens)
 
 
+MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
         self.config = config
@@ -200,14 +203,27 @@ class Engine:
     def _plan_one(self, seq: _Sequence, max_tokens: int, result_index: int) -> _Planned | None:
         cached_blocks: list[int] = []
         tail_source: int | None = None
+        copied = 0
         start = seq.num_computed
         if not seq.started and self.pool.enable_prefix_caching:
-            cached_blocks, tail_source = self._find_cached(seq)
+            cached_blocks, tail = self._find_cached(seq)
             start = len(cached_blocks) * self.block_size
-        copied = len(seq.tokens) - 1 - start if tail_source is not None else 0
+            if tail is not None:
+                # Keep at least the last token to compute: its logits give the next token.
+                rest = len(seq.tokens) - 1 - start
+                tail_source, copied = tail[0], min(tail[1], rest)
+                # A lone shared token (a BOS) is not worth a copy; a whole tail always is.
+                if copied <= 0 or (copied < MIN_PARTIAL_COPY and copied < rest):
+                    tail_source, copied = None, 0
         num_tokens = min(max_tokens, len(seq.tokens) - start - copied)
         if not self._allocate(seq, start + copied + num_tokens, cached_blocks, tail_source, copied):
-            return None
+            if tail_source is None:
+                return None
+            # Holding the copy source can be what leaves the pool one block short.
+            tail_source, copied = None, 0
+            num_tokens = min(max_tokens, len(seq.tokens) - start)
+            if not self._allocate(seq, start + num_tokens, cached_blocks, None, 0):
+                return None
         start += copied
         cached_tokens = 0
         if not seq.started:
@@ -218,18 +234,21 @@ class Engine:
             self.pool.record_prefix_query(len(seq.tokens), cached_tokens)
         return _Planned(seq, start, num_tokens, cached_tokens, result_index)
 
-    def _find_cached(self, seq: _Sequence) -> tuple[list[int], int | None]:
-        """`seq`'s leading cached full blocks and, when all of them matched, a cached block
-        holding the rest of its tokens (the exact-match path copies it into a block of its own)."""
+    def _find_cached(self, seq: _Sequence) -> tuple[list[int], tuple[int, int] | None]:
+        """`seq`'s leading cached full blocks, and the cached block (full or a kept partial)
+        after them that shares the longest run of `seq`'s next tokens, with that run's
+        length: its slots are copied into a block of `seq`'s own. An identical prompt
+        copies its whole tail; a prompt that differs inside a block keeps the part before."""
         hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
         # Keep at least the last token to compute: its logits give the next token.
         reusable = (len(seq.tokens) - 1) // self.block_size
         blocks = self.pool.find_cached_prefix(hashes[:reusable])
-        tail = seq.tokens[len(blocks) * self.block_size:]
-        if len(blocks) < reusable or len(tail) < 2:
+        start = len(blocks) * self.block_size
+        tail = seq.tokens[start:start + self.block_size]
+        if len(tail) < 2:
             return blocks, None
-        parent = hashes[reusable - 1] if reusable else ROOT_HASH
-        return blocks, self.pool.find_cached_tail(parent, tail)
+        parent = hashes[len(blocks) - 1] if blocks else ROOT_HASH
+        return blocks, self.pool.find_longest_tail(parent, tail)
 
     def _allocate(self, seq: _Sequence, num_tokens: int, cached_blocks: list[int],
                   tail_source: int | None, copied: int) -> bool:

@@ -342,3 +342,14 @@ def _hold_a_tail_across_allocation(pool: BlockPool, seq_id: str, tokens: list[in
         assert source not in pool.table(seq_id)
     assert pool.find_cached_tail(parent, tokens[full * 4:]) == source
     pool.release(source)
+
+
+def test_longest_tail_finds_the_longest_shared_run() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    assert pool.allocate("a", 7)
+    hashes = chain_hashes([1, 2, 3, 4, 5, 6, 7], 4)
+    pool.cache_full_blocks("a", 0, hashes, ROOT_HASH, [1, 2, 3, 4, 5, 6, 7])
+    assert pool.find_longest_tail(ROOT_HASH, [1, 2, 9, 9]) == (pool.table("a")[0], 2)
+    assert pool.find_longest_tail(ROOT_HASH, [1, 2, 3, 4]) == (pool.table("a")[0], 4)
+    assert pool.find_longest_tail(ROOT_HASH, [7]) is None
+    pool.check_invariants()

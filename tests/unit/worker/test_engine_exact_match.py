@@ -107,13 +107,13 @@ def test_prompt_made_of_an_earlier_prompt_and_its_output_reuses_the_tail(
     _assert_rows_match(recorder, reference, rows_before)
 
 
-@pytest.mark.parametrize("tail_of", [
-    lambda prompt: prompt[:14] + [prompt[14] + 1],     # the last token differs
-    lambda prompt: prompt[:13] + [prompt[13] + 1] + prompt[14:],   # a middle tail token differs
-    lambda prompt: prompt + [prompt[-1]],               # longer than anything the cache holds
+@pytest.mark.parametrize("tail_of,expected_cached", [
+    (lambda prompt: prompt[:14] + [prompt[14] + 1], 14),                  # the last token differs
+    (lambda prompt: prompt[:13] + [prompt[13] + 1] + prompt[14:], 12),    # one shared token: no copy
+    (lambda prompt: prompt + [prompt[-1]], 15),       # longer than anything the cache holds
 ])
-def test_tail_that_does_not_match_falls_back_to_full_blocks(kind: str, reference: torch.nn.Module,
-                                                            tail_of) -> None:
+def test_tail_that_differs_reuses_the_tokens_before_the_difference(
+        kind: str, reference: torch.nn.Module, tail_of, expected_cached: int) -> None:
     engine, recorder = _recording_engine(kind)
     driver = Driver(engine)
     prompt = prompt_of(15, 7)
@@ -121,7 +121,22 @@ def test_tail_that_does_not_match_falls_back_to_full_blocks(kind: str, reference
     other = tail_of(prompt)
     rows_before = len(recorder.rows)
     cached, computed, batch = _first_step(driver, "other", other)
-    assert (cached, computed, batch) == (12, len(other), len(other) - 12)
+    assert (cached, computed, batch) == (expected_cached, len(other), len(other) - expected_cached)
+    got = _decode(driver, "other", 4)
+    assert got == generate(reference, other, 4)[:len(got)]
+    _assert_rows_match(recorder, reference, rows_before)
+
+
+def test_prompt_differing_inside_a_full_block_reuses_the_part_before(
+        kind: str, reference: torch.nn.Module) -> None:
+    engine, recorder = _recording_engine(kind)
+    driver = Driver(engine)
+    prompt = prompt_of(15, 8)
+    driver.run({"cold": prompt}, 1)
+    # Differs at token 6, inside the second full block: one full block, then two copied slots.
+    other = prompt[:6] + [token + 1 for token in prompt[6:]]
+    rows_before = len(recorder.rows)
+    assert _first_step(driver, "other", other) == (6, len(other), len(other) - 6)
     got = _decode(driver, "other", 4)
     assert got == generate(reference, other, 4)[:len(got)]
     _assert_rows_match(recorder, reference, rows_before)
@@ -164,3 +179,16 @@ def test_prefix_caching_disabled_keeps_no_partial_blocks(kind: str) -> None:
     driver.run({"cold": prompt}, 1)
     assert engine.pool_stats().free_blocks == engine.info.num_blocks
     assert _first_step(driver, "warm", prompt)[0] == 0
+
+
+def test_copy_is_dropped_when_holding_its_source_would_leave_the_pool_short(
+        kind: str, reference: torch.nn.Module) -> None:
+    engine = make_engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    cold = prompt_of(7, 21)           # one full block and a kept partial one
+    driver.run({"cold": cold}, 1)
+    big = cold[:6] + prompt_of(13, 22)[1:]   # 18 tokens, 20 with two new ones: all five blocks
+    # Copying cold's partial block would need it held while four more are allocated.
+    assert _first_step(driver, "big", big)[0] == 4
+    got = _decode(driver, "big", 2)
+    assert got == generate(reference, big, 2)[:len(got)]
