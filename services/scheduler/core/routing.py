@@ -37,7 +37,9 @@ class SessionMap:
 def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
                   cached_prefix_tokens: Mapping[str, int]) -> WorkerState | None:
     """The session's worker if it is still there; otherwise the worker holding
-    the longest cached prefix, ties going to the least loaded."""
+    the longest cached prefix, ties going to the least loaded, then to the one
+    with the most never-used blocks (so cold prompts spread over idle workers
+    instead of all landing on the first)."""
     if not workers:
         return None
     if session_worker is not None:
@@ -45,4 +47,4 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
             if worker.worker_id == session_worker:
                 return worker
     return min(workers, key=lambda w: (-cached_prefix_tokens.get(w.worker_id, 0), w.load,
-                                        w.reserved_kv_tokens, w.worker_id))
+                                        w.reserved_kv_tokens, -w.pool.free_blocks, w.worker_id))

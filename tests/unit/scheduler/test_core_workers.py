@@ -116,3 +116,14 @@ def test_stats_report_queues_counters_and_workers() -> None:
     assert stats.finished == 3 and stats.finished_by_reason == {"length": 3}
     served = {c.client_id: c.served_tokens for c in stats.clients}
     assert served == {"a": 2 * (len(PROMPT) + 2), "b": len(PROMPT) + 2}
+
+
+def test_cold_prompts_one_at_a_time_spread_over_idle_workers() -> None:
+    h = _two_workers()
+    used = []
+    for index in range(4):
+        result = h.submit(tuple(range(100 * index, 100 * index + 12)), max_tokens=4)
+        used.append(result.worker_id)
+        h.run()  # both workers idle again before the next prompt
+    # The worker that served last has fewer never-used blocks: the next cold prompt goes to the other.
+    assert used == ["w0", "w1", "w0", "w1"]
