@@ -44,5 +44,8 @@ def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> Non
         gone, alive = psutil.wait_procs(children, timeout=15)
         assert not alive, f"left behind: {[p.cmdline() for p in alive]}"
     finally:
-        if launcher.poll() is None:
+        if launcher.poll() is None:  # a failed check: take down what it started too
+            leftovers = psutil.Process(launcher.pid).children(recursive=True)
             launcher.kill()
+            for process in leftovers:
+                process.kill()
