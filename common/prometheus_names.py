@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S, metric_name
 
 COUNTER = "counter"
@@ -40,6 +42,20 @@ class MetricFamily:
             return tuple(self.name + suffix for suffix in HISTOGRAM_SERIES_SUFFIXES)
         return (self.name,)
 
+
+
+def counter(family: MetricFamily, registry: CollectorRegistry) -> Counter:
+    """A live counter for a catalogued family, registered on `registry`."""
+    return Counter(family.name, family.help, list(family.labels), registry=registry)
+
+
+def gauge(family: MetricFamily, registry: CollectorRegistry) -> Gauge:
+    return Gauge(family.name, family.help, list(family.labels), registry=registry)
+
+
+def histogram(family: MetricFamily, registry: CollectorRegistry) -> Histogram:
+    return Histogram(family.name, family.help, list(family.labels), buckets=family.buckets,
+                     registry=registry)
 
 def _family(service: str, what: str, kind: str, labels: tuple[str, ...], help_text: str,
             buckets: tuple[float, ...] = ()) -> MetricFamily:

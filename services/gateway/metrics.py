@@ -6,21 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common import prometheus_names as names
 
 # Outcomes of a generation request; each is exported from the start at 0.
 REQUEST_STATUSES = ("stop", "length", "cancelled", "error", "rejected")
-
-
-def _histogram(family: names.MetricFamily, registry: CollectorRegistry) -> Histogram:
-    return Histogram(family.name, family.help, list(family.labels), buckets=family.buckets,
-                     registry=registry)
-
-
-def _counter(family: names.MetricFamily, registry: CollectorRegistry) -> Counter:
-    return Counter(family.name, family.help, list(family.labels), registry=registry)
 
 
 class _AccessLogView:
@@ -51,18 +42,17 @@ class _Labeller:
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.http_requests = _counter(names.GATEWAY_HTTP_REQUESTS, registry)
-        self.http_duration = _histogram(names.GATEWAY_HTTP_REQUEST_DURATION, registry)
-        outcomes = _counter(names.GATEWAY_REQUESTS, registry)
+        self.http_requests = names.counter(names.GATEWAY_HTTP_REQUESTS, registry)
+        self.http_duration = names.histogram(names.GATEWAY_HTTP_REQUEST_DURATION, registry)
+        outcomes = names.counter(names.GATEWAY_REQUESTS, registry)
         self.outcomes = {status: outcomes.labels(status=status) for status in REQUEST_STATUSES}
-        self.in_flight = Gauge(names.GATEWAY_IN_FLIGHT.name, names.GATEWAY_IN_FLIGHT.help,
-                               registry=registry)
-        self.ttft = _histogram(names.GATEWAY_TTFT, registry)
-        self.tpot = _histogram(names.GATEWAY_TPOT, registry)
-        self.inter_token = _histogram(names.GATEWAY_INTER_TOKEN, registry)
-        self.e2e = _histogram(names.GATEWAY_E2E, registry)
-        self.input_tokens = _counter(names.GATEWAY_INPUT_TOKENS, registry)
-        self.output_tokens = _counter(names.GATEWAY_OUTPUT_TOKENS, registry)
+        self.in_flight = names.gauge(names.GATEWAY_IN_FLIGHT, registry)
+        self.ttft = names.histogram(names.GATEWAY_TTFT, registry)
+        self.tpot = names.histogram(names.GATEWAY_TPOT, registry)
+        self.inter_token = names.histogram(names.GATEWAY_INTER_TOKEN, registry)
+        self.e2e = names.histogram(names.GATEWAY_E2E, registry)
+        self.input_tokens = names.counter(names.GATEWAY_INPUT_TOKENS, registry)
+        self.output_tokens = names.counter(names.GATEWAY_OUTPUT_TOKENS, registry)
         access = _AccessLogView(self.http_requests, self.http_duration)
         # The names the access middleware records with (see _AccessLogView).
         self.requests = _Labeller(access.count)

@@ -3,18 +3,10 @@ common.prometheus_names (fairserve_kvcache_*)."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry
 
 from common import prometheus_names as names
 from services.kvcache.kv_types import IndexStats, PublishBatch, PublishResult
-
-
-def _counter(family: names.MetricFamily, registry: CollectorRegistry) -> Counter:
-    return Counter(family.name, family.help, list(family.labels), registry=registry)
-
-
-def _gauge(family: names.MetricFamily, registry: CollectorRegistry) -> Gauge:
-    return Gauge(family.name, family.help, list(family.labels), registry=registry)
 
 
 class KvCacheMetrics:
@@ -24,17 +16,17 @@ class KvCacheMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.lookups = _counter(names.KVCACHE_LOOKUPS, r)
-        self.hits = _counter(names.KVCACHE_HITS, r)
-        self.lookup_tokens = _counter(names.KVCACHE_LOOKUP_TOKENS, r)
-        self.hit_tokens = _counter(names.KVCACHE_HIT_TOKENS, r)
-        self.events = _counter(names.KVCACHE_EVENTS, r)
-        self.resyncs = _counter(names.KVCACHE_RESYNCS, r)
-        self.nodes = _gauge(names.KVCACHE_NODES, r)
-        self.blocks = _gauge(names.KVCACHE_BLOCKS, r)
+        self.lookups = names.counter(names.KVCACHE_LOOKUPS, r)
+        self.hits = names.counter(names.KVCACHE_HITS, r)
+        self.lookup_tokens = names.counter(names.KVCACHE_LOOKUP_TOKENS, r)
+        self.hit_tokens = names.counter(names.KVCACHE_HIT_TOKENS, r)
+        self.events = names.counter(names.KVCACHE_EVENTS, r)
+        self.resyncs = names.counter(names.KVCACHE_RESYNCS, r)
+        self.nodes = names.gauge(names.KVCACHE_NODES, r)
+        self.blocks = names.gauge(names.KVCACHE_BLOCKS, r)
         self._looked_up_tokens = 0
         self._found_tokens = 0
-        _gauge(names.KVCACHE_HIT_RATE, r).set_function(self.hit_rate)
+        names.gauge(names.KVCACHE_HIT_RATE, r).set_function(self.hit_rate)
 
     def hit_rate(self) -> float:
         return self._found_tokens / self._looked_up_tokens if self._looked_up_tokens else 0.0

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge
 
 from common import prometheus_names as names
 from common.grpc_server import request_id_from
@@ -33,15 +33,12 @@ class WorkerMetrics:
 
     def __init__(self, registry: CollectorRegistry, worker_id: str, pool: PoolStats | None = None) -> None:
         def gauge(family: names.MetricFamily) -> Gauge:
-            return Gauge(family.name, family.help, list(family.labels), registry=registry)
+            return names.gauge(family, registry)
 
-        step = names.WORKER_STEP
-        self.step_seconds = Histogram(step.name, step.help, list(step.labels), buckets=step.buckets,
-                                      registry=registry).labels(worker=worker_id)
+        self.step_seconds = names.histogram(names.WORKER_STEP, registry).labels(worker=worker_id)
         self.batch_tokens = gauge(names.WORKER_BATCH_TOKENS).labels(worker=worker_id)
         self.batch_sequences = gauge(names.WORKER_BATCH_SEQUENCES).labels(worker=worker_id)
-        tokens = names.WORKER_TOKENS
-        token_counter = Counter(tokens.name, tokens.help, list(tokens.labels), registry=registry)
+        token_counter = names.counter(names.WORKER_TOKENS, registry)
         self.tokens = {kind: token_counter.labels(worker=worker_id, kind=kind) for kind in TOKEN_KINDS}
         blocks = gauge(names.WORKER_KV_BLOCKS)
         self.blocks = {state: blocks.labels(worker=worker_id, state=state) for state in BLOCK_STATES}
