@@ -33,6 +33,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         block_size=settings.block_size, num_blocks=settings.num_blocks,
         kv_memory_fraction=settings.kv_memory_fraction,
         enable_prefix_caching=settings.enable_prefix_caching, eviction_policy=settings.eviction_policy,
+        prompt_logits_cache_size=settings.prompt_logits_cache_size,
         max_model_len=settings.max_model_len, model_key=settings.model_key,
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
     )
@@ -49,7 +50,7 @@ async def serve(settings: WorkerSettings) -> None:
     service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id,
                                                                      engine.pool_stats()))
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish,
-                                 snapshot_source(service.snapshot_chains_async))
+                                 snapshot_source(service.snapshot_async))
     service.on_block_events = lambda events: add_events(publisher, events)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],

@@ -74,6 +74,7 @@ class StepCounters:
     last_forward_ms: float = 0.0
     last_batch_tokens: int = 0
     computed_tokens: int = 0
+    prompt_tokens: int = 0
     sampled_tokens: int = 0
 
 
@@ -132,6 +133,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         counters.last_forward_ms = output.forward_ms
         counters.last_batch_tokens = output.batch_tokens
         counters.computed_tokens += output.batch_tokens
+        counters.prompt_tokens += output.prompt_tokens
         counters.sampled_tokens += sum(1 for r in output.results if r.sampled)
         self.last_pool = output.pool
         self._metrics.observe(batch, output, running)
@@ -147,13 +149,16 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.WorkerStats(
             pool=convert.pool_to_proto(pool), running_sequences=running, steps=counters.steps,
             last_forward_ms=counters.last_forward_ms, last_batch_tokens=counters.last_batch_tokens,
-            total_prefill_tokens=counters.computed_tokens - counters.sampled_tokens,
+            total_prefill_tokens=counters.prompt_tokens,
             total_decode_tokens=counters.sampled_tokens,
         )
 
-    async def snapshot_chains_async(self) -> list[tuple[int, list[int]]]:
+    async def snapshot_async(self) -> tuple[list[tuple[int, list[int]]], list[tuple[int, int]]]:
+        """The engine's cached chains and whole prompts' partial blocks, taken together
+        on the engine's thread."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._engine.snapshot_chains)
+        return await loop.run_in_executor(
+            self._executor, lambda: (self._engine.snapshot_chains(), self._engine.snapshot_partials()))
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

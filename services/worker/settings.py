@@ -42,6 +42,7 @@ class WorkerSettings:
     kv_memory_fraction: float
     eviction_policy: str
     enable_prefix_caching: bool
+    prompt_logits_cache_size: int
     max_model_len: int
     torch_threads: int
     use_cuda_graphs: bool
@@ -72,6 +73,7 @@ class WorkerSettings:
             kv_memory_fraction=read.float("KV_CACHE_MEMORY_FRACTION", 0.0, minimum=0.0, maximum=0.95),
             eviction_policy=read.choice("EVICTION_POLICY", "lru", EVICTION_POLICIES),
             enable_prefix_caching=read.bool("ENABLE_PREFIX_CACHING", True),
+            prompt_logits_cache_size=read.int("PROMPT_LOGITS_CACHE_SIZE", 32, minimum=0, maximum=100_000),
             max_model_len=read.int("MAX_MODEL_LEN", 0, minimum=0),
             torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
             use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),

@@ -52,6 +52,11 @@ class Probe:
         reply = self._kv.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids), timeout=5)
         return {match.worker_id: match.matched_tokens for match in reply.matches}
 
+    def exact_holders(self, token_ids: list[int]) -> set[str]:
+        """Workers the index says hold the whole prompt, its partial last block included."""
+        reply = self._kv.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids), timeout=5)
+        return {match.worker_id for match in reply.matches if match.exact}
+
     def wait_quiescent(self, timeout_s: float = 15.0) -> dict[str, worker_pb2.WorkerStats]:
         """Waits until no worker runs a sequence and the index holds, for every
         worker, as many blocks as the worker has cached (publishing lags a step)."""
@@ -163,16 +168,15 @@ def test_repeated_prompt_skips_the_prefill_the_worker_really_skipped(
         usage = events[-1]["usage"]
         skipped = after[worker].pool.prefix_hit_tokens - before[worker].pool.prefix_hit_tokens
         assert usage["cached_tokens"] == skipped, "usage must report the worker's skipped prefill"
-        # Prefill computed = prompt - cached; the first sampled token comes out of it.
         prefill = after[worker].total_prefill_tokens - before[worker].total_prefill_tokens
-        assert prefill == usage["prompt_tokens"] - usage["cached_tokens"] - 1
+        assert prefill == usage["prompt_tokens"] - usage["cached_tokens"]
         return [e["token_id"] for e in events if "token_id" in e], usage, after
 
     cold_tokens, cold, _ = run(prompt)
     assert cold["prompt_tokens"] == prompt_len and cold["cached_tokens"] == 0
 
     warm_tokens, warm, _ = run(prompt)
-    assert warm["cached_tokens"] == prompt_len - 1, "an identical prompt recomputes only its last token"
+    assert warm["cached_tokens"] == prompt_len, "an identical prompt reuses its K/V and last logits"
     assert warm_tokens == cold_tokens, "greedy tokens must not depend on the prefix cache"
 
     changed_len = len(tokenizer(changed)["input_ids"])
@@ -185,15 +189,14 @@ def test_repeated_prompt_skips_the_prefill_the_worker_really_skipped(
 
 
 @pytest.mark.parametrize("tail", range(BLOCK_SIZE))
-def test_identical_prompt_recomputes_only_its_last_token(two_worker_stack: Stack, probe: Probe,
-                                                         tail: int) -> None:
-    """Whatever fills the last block (nothing included), an identical prompt reuses all
-    but its last token and samples what the cold run did."""
+def test_identical_prompt_skips_its_whole_prefill(two_worker_stack: Stack, probe: Probe, tail: int) -> None:
+    """Whatever fills the last block (nothing included), an identical prompt reuses the
+    K/V of every token and the kept logits of its last one, and samples what the cold run did."""
     prompt = random_ids(random.Random(tail), 4 * BLOCK_SIZE + tail)
     first = complete_ids(two_worker_stack.url, prompt, max_tokens=3)
     probe.wait_quiescent()
     again = complete_ids(two_worker_stack.url, prompt, max_tokens=3)
-    assert again.cached_tokens == len(prompt) - 1
+    assert again.cached_tokens == len(prompt)
     assert again.text == first.text
     probe.wait_quiescent()
 
@@ -303,12 +306,24 @@ def test_index_agrees_with_workers_after_churn(two_worker_stack: Stack, probe: P
     assert all(s.running_sequences == 0 for s in workers.values())
     assert {w: n for w, n in index.blocks_by_worker.items() if n} == {
         w: s.pool.cached_blocks for w, s in workers.items() if s.pool.cached_blocks}
+    # Workers publish the partial last block of whole prompts they still hold: some survive
+    # the churn, and every such claim holds: the prompt goes to a worker the index names,
+    # which skips all of its prefill but (at most) the last token.
+    exact = {tuple(ids): holders for ids in prompts if len(ids) % BLOCK_SIZE
+             and (holders := probe.exact_holders(ids))}
+    assert exact, "the churn must leave some prompts' partial blocks published"
+    for ids in rng.sample(sorted(exact), min(4, len(exact))):
+        before = probe.worker_stats()
+        again = complete_ids(two_worker_stack.url, list(ids))
+        after = probe.wait_quiescent()
+        assert served_by(before, after) in exact[ids]
+        assert again.cached_tokens >= len(ids) - 1
     # The index's claims hold: a prompt routed by them skips exactly the claimed prefill.
     for prompt in rng.sample(prompts, 6):
         claimed = max(probe.lookup(prompt).values(), default=0)
         again = complete_ids(two_worker_stack.url, prompt)
-        # The index knows full blocks only; the worker may also hold the partial tail.
-        exact_match = claimed >= reusable_tokens(len(prompt)) and again.cached_tokens == len(prompt) - 1
+        # The index may not know every partial tail the worker holds (only whole prompts').
+        exact_match = claimed >= reusable_tokens(len(prompt)) and again.cached_tokens >= len(prompt) - 1
         assert (min(claimed, reusable_tokens(len(prompt))) <= again.cached_tokens <= len(prompt) - 1
                 or exact_match)
         probe.wait_quiescent()

@@ -7,7 +7,15 @@ Every block is in exactly one state:
   free    refcount == 0 and neither.
 A partial entry is the computed head of a sequence's last, partly filled block,
 keyed by its parent's hash and its tokens. It is only ever copied from (the
-exact-match path), never put in a block table, never published as an event.
+exact-match path), never put in a block table. When a whole prompt ends inside
+it, the engine gives it an alias: the prompt's partial-block hash
+(services/kvcache/prompt_hash.py), under which the KV index knows it. An alias
+is published (STORED with partial_hash, no full hashes) when the first entry
+carrying it is kept, and withdrawn (REMOVED) when the last one is forgotten, or
+as soon as its parent's full-block hash is: the index only keeps a partial
+block under a parent the worker holds. Entries without an alias are never
+published. Several entries may carry one alias: the same prompt, continued
+differently.
 Cached blocks are evicted least-recently-freed first. A sequence frees its
 blocks tail first, so a child block always sits ahead of its parent in the
 eviction order: leaves go before the prefixes they extend.
@@ -42,6 +50,7 @@ class PartialBlock:
     block_index: int            # in the sequence's block table
     tokens: tuple[int, ...]     # tokens whose K/V its first slots hold; 0 < len < block_size
     parent_hash: int            # hash of the full block before it (ROOT_HASH for the first)
+    alias_hash: int = 0         # the whole prompt's partial-block hash when the prompt ends in it; 0: none
 
 
 class PagedKVCache:
@@ -96,6 +105,9 @@ class BlockPool:
         self._partials: set[int] = set()
         self._tails: dict[tuple[int, int], dict[int, None]] = {}   # (parent hash, first token) -> blocks
         self._held: dict[int, int] = {}                             # block -> holds (eviction skips it)
+        self._alias_of: dict[int, int] = {}                         # partial block -> its published alias
+        self._alias_blocks: dict[int, dict[int, None]] = {}         # alias -> partial blocks carrying it
+        self._aliases_under: dict[int, set[int]] = {}               # parent hash (not the root) -> aliases
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
         self._evictable: OrderedDict[int, None] = OrderedDict()      # cached blocks, oldest first
         self._tables: dict[str, list[int]] = {}
@@ -250,13 +262,17 @@ class BlockPool:
             self._events.append(BlockEvent.stored(run, run_parent))
 
     def clear_cache(self) -> None:
-        """Forgets every prefix hash and partial entry; unreferenced cached blocks become free."""
+        """Forgets every prefix hash and partial entry; unreferenced cached blocks become free.
+        CLEARED withdraws every published alias too."""
         for block in self._evictable:
             self._free.append(block)
         self._evictable.clear()
         for blocks in list(self._tails.values()):
             for block in list(blocks):
                 self._forget(block)
+        self._alias_of.clear()
+        self._alias_blocks.clear()
+        self._aliases_under.clear()
         self._events.append(BlockEvent.cleared())
 
     def drain_events(self) -> list[BlockEvent]:
@@ -280,6 +296,11 @@ class BlockPool:
             starts.extend((chain[-1], kid) for kid in children.get(chain[-1], []))
             chains.append((parent, chain))
         return chains
+
+    def cached_partials(self) -> list[tuple[int, int]]:
+        """Every published alias as (parent_hash, alias), once however many partial
+        entries carry it; the parent is the root or a registered full block."""
+        return [(self._parent_hash[next(iter(blocks))], alias) for alias, blocks in self._alias_blocks.items()]
 
     def check_invariants(self) -> None:
         """Raises PoolInvariantError when the bookkeeping is inconsistent (tests call it every step)."""
@@ -307,6 +328,7 @@ class BlockPool:
             if self._block_hash[block] != value:
                 raise PoolInvariantError(f"hash map points {value} at block {block}")
         self._check_tail_index()
+        self._check_aliases()
         used = sum(1 for count in self._refcount if count > 0)
         if len(free) + len(evictable) + used != self.num_blocks:
             raise PoolInvariantError(f"free {len(free)} + cached {len(evictable)} + used {used} "
@@ -345,6 +367,29 @@ class BlockPool:
             if self._block_tokens[block] is None:
                 raise PoolInvariantError(f"held block {block} holds no entry")
 
+    def _check_aliases(self) -> None:
+        under: dict[int, set[int]] = {}
+        carried = 0
+        for alias, blocks in self._alias_blocks.items():
+            if not alias or not blocks:
+                raise PoolInvariantError(f"alias {alias} is zero or carried by no block")
+            parents = {self._parent_hash[block] for block in blocks}
+            if len(parents) != 1:
+                raise PoolInvariantError(f"alias {alias} is carried under several parents {parents}")
+            (parent,) = parents
+            if parent != ROOT_HASH:
+                if parent not in self._by_hash:
+                    raise PoolInvariantError(f"alias {alias} is published under unregistered parent {parent}")
+                under.setdefault(parent, set()).add(alias)
+            for block in blocks:
+                if block not in self._partials or self._alias_of.get(block) != alias:
+                    raise PoolInvariantError(f"alias {alias} lists block {block}, not a partial entry carrying it")
+            carried += len(blocks)
+        if carried != len(self._alias_of):
+            raise PoolInvariantError(f"{len(self._alias_of)} blocks carry an alias, alias sets list {carried}")
+        if under != self._aliases_under:
+            raise PoolInvariantError("aliases by parent disagree with the alias sets")
+
     # ---- internals -----------------------------------------------------------------------
 
     def _new_blocks_needed(self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int | None:
@@ -371,7 +416,7 @@ class BlockPool:
         value = self._block_hash[block]
         if value is not None:
             removed.append(value)
-        self._forget(block)
+        self._forget(block, removed)
         self.evictions += 1
         return block
 
@@ -385,23 +430,66 @@ class BlockPool:
             return
         self._partials.add(block)
         self._add_tail(block, partial.parent_hash, partial.tokens)
+        if partial.alias_hash and (partial.parent_hash == ROOT_HASH or partial.parent_hash in self._by_hash):
+            self._add_alias(block, partial.alias_hash)
+
+    def _add_alias(self, block: int, alias: int) -> None:
+        """Publishes `alias` for the partial entry `block` unless another entry already did."""
+        blocks = self._alias_blocks.get(alias)
+        if blocks is None:
+            blocks = self._alias_blocks[alias] = {}
+            parent = self._parent_hash[block]
+            if parent != ROOT_HASH:
+                self._aliases_under.setdefault(parent, set()).add(alias)
+            self._events.append(BlockEvent.stored([], parent, partial_hash=alias))
+        blocks[block] = None
+        self._alias_of[block] = alias
+
+    def _drop_alias(self, block: int) -> int | None:
+        """Takes `block`'s alias away; returns the alias when no other entry carries it."""
+        alias = self._alias_of.pop(block, None)
+        if alias is None:
+            return None
+        blocks = self._alias_blocks[alias]
+        del blocks[block]
+        if blocks:
+            return None
+        del self._alias_blocks[alias]
+        parent = self._parent_hash[block]
+        aliases = self._aliases_under.get(parent)
+        if aliases is not None:
+            aliases.discard(alias)
+            if not aliases:
+                del self._aliases_under[parent]
+        return alias
 
     def _add_tail(self, block: int, parent_hash: int, tokens: Sequence[int]) -> None:
         self._block_tokens[block] = tuple(tokens)
         self._parent_hash[block] = parent_hash
         self._tails.setdefault((parent_hash, tokens[0]), {})[block] = None
 
-    def _forget(self, block: int) -> None:
-        """Drops `block`'s hash or partial entry (its refcount and state are the caller's)."""
+    def _forget(self, block: int, removed: list[int] | None = None) -> None:
+        """Drops `block`'s hash or partial entry (its refcount and state are the caller's).
+        Aliases this withdraws (its own, or those published under its hash) go to `removed`."""
         tokens = self._block_tokens[block]
         assert tokens is not None
         key = (self._parent_hash[block], tokens[0])
         del self._tails[key][block]
         if not self._tails[key]:
             del self._tails[key]
+        withdrawn: list[int] = []
         value = self._block_hash[block]
         if value is not None:
             del self._by_hash[value]
+            for alias in self._aliases_under.pop(value, ()):   # the entries stay, unpublished
+                for aliased in self._alias_blocks.pop(alias):
+                    del self._alias_of[aliased]
+                withdrawn.append(alias)
+        alias = self._drop_alias(block)
+        if alias is not None:
+            withdrawn.append(alias)
+        if removed is not None:
+            removed.extend(withdrawn)
         self._partials.discard(block)
         self._block_hash[block] = None
         self._block_tokens[block] = None

@@ -14,6 +14,7 @@ class EngineConfig:
     num_blocks: int = 0                # 0 = size from kv_memory_fraction (CUDA) or cpu_kv_bytes
     kv_memory_fraction: float = 0.0    # of free device memory on CUDA; 0 = 0.5
     enable_prefix_caching: bool = True
+    prompt_logits_cache_size: int = 32 # prompts whose last logits are kept (identical prompts skip the forward)
     eviction_policy: str = "lru"       # the only policy so far
     max_model_len: int = 0             # 0 = from the model config (capped at cpu_max_model_len on CPU)
     model_key: str = ""                # mixed into block hashes (use the model name)

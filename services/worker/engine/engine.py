@@ -16,12 +16,19 @@ from pathlib import Path
 import torch
 
 from common.block_hash import ROOT_HASH, block_hash
+from services.kvcache.prompt_hash import partial_block_hash
 from services.worker.engine import types as t
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu_linear import PackedLinear, mkl_packing_available, pack_linears
+from services.worker.engine.cpu_linear import (
+    LM_HEAD_MAX_PACKED_ROWS,
+    PackedLinear,
+    mkl_packing_available,
+    pack_linears,
+)
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
+from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
 
 
@@ -50,10 +57,16 @@ class _Planned:
     num_tokens: int
     cached_tokens: int
     result_index: int
+    cached_logits: torch.Tensor | None = None   # exact match: sample from these, compute nothing
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of this chunk at prompt positions (a resumed sequence's outputs are not)."""
+        return max(0, min(self.end, len(self.seq.request.prompt_token_ids)) - self.start)
 
     @property
     def samples(self) -> bool:
@@ -85,7 +98,7 @@ class Engine:
         if self._use_packed_cpu_weights():
             pack_linears(self._base)
             if isinstance(self._lm_head, torch.nn.Linear):
-                self._lm_head = PackedLinear(self._lm_head)
+                self._lm_head = PackedLinear(self._lm_head, LM_HEAD_MAX_PACKED_ROWS)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         layer_types = getattr(self.model_config, "layer_types", None)
         self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
@@ -97,6 +110,8 @@ class Engine:
         self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len()
         self.sampler = Sampler(eos_token_ids=_eos_token_ids(self.model))
+        self.prompt_logits = PromptLogitsCache(config.prompt_logits_cache_size
+                                               if config.enable_prefix_caching else 0)
         self._sequences: dict[str, _Sequence] = {}
         self._info = t.EngineInfo(
             model_name=config.model_key or getattr(self.model_config, "name_or_path", "") or Path(config.model_dir).name,
@@ -124,13 +139,18 @@ class Engine:
             forward_ms = (time.perf_counter() - started) * 1000.0
             self._commit(planned, sampled, results)
         return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
-                            batch_tokens=sum(p.num_tokens for p in planned))
+                            batch_tokens=sum(p.num_tokens for p in planned),
+                            prompt_tokens=sum(p.prompt_tokens for p in planned))
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()
 
     def snapshot_chains(self) -> list[tuple[int, list[int]]]:
         return self.pool.cached_chains()
+
+    def snapshot_partials(self) -> list[tuple[int, int]]:
+        """(parent_hash, partial_hash) of every whole prompt's partial last block the index may know."""
+        return self.pool.cached_partials()
 
     def pool_stats(self) -> t.PoolStats:
         return self.pool.stats()
@@ -152,12 +172,19 @@ class Engine:
         self.pool.free(seq_id, self._partial_block(seq) if seq is not None else None)
 
     def _partial_block(self, seq: _Sequence) -> PartialBlock | None:
-        """The computed head of `seq`'s partly filled last block, if it has one."""
+        """The computed head of `seq`'s partly filled last block, if it has one. When the
+        prompt ends inside it, it is aliased by the prompt's partial-block hash (the index's
+        exact-match key), even if generated tokens follow the prompt's in it."""
         full, used = divmod(seq.num_computed, self.block_size)
         if not used or not self.pool.enable_prefix_caching:
             return None
         parent = seq.full_block_hashes(self.block_size, self.config.model_key)[full - 1] if full else ROOT_HASH
-        return PartialBlock(full, tuple(seq.tokens[full * self.block_size:seq.num_computed]), parent)
+        start = full * self.block_size
+        prompt = seq.request.prompt_token_ids
+        alias = 0
+        if start < len(prompt) <= seq.num_computed:
+            alias = partial_block_hash(parent, prompt[start:], self.config.model_key)
+        return PartialBlock(full, tuple(seq.tokens[start:seq.num_computed]), parent, alias)
 
     def _register(self, new: t.NewSequence) -> None:
         self._free(new.seq_id)     # re-registering a sequence starts it over
@@ -201,6 +228,10 @@ class Engine:
         return ""
 
     def _plan_one(self, seq: _Sequence, max_tokens: int, result_index: int) -> _Planned | None:
+        if not seq.started and self.pool.enable_prefix_caching:
+            exact = self._plan_exact(seq, result_index)
+            if exact is not None:
+                return exact
         cached_blocks: list[int] = []
         tail_source: int | None = None
         copied = 0
@@ -234,6 +265,42 @@ class Engine:
             self.pool.record_prefix_query(len(seq.tokens), cached_tokens)
         return _Planned(seq, start, num_tokens, cached_tokens, result_index)
 
+    def _plan_exact(self, seq: _Sequence, result_index: int) -> _Planned | None:
+        """An identical prompt whose last-position logits and every token's K/V are cached:
+        its blocks are reused (the partial last one copied) and nothing is computed."""
+        key = self._prompt_key(seq)
+        if key is None or not self.prompt_logits.contains(key):
+            return None
+        hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
+        full = len(seq.tokens) // self.block_size
+        blocks = self.pool.find_cached_prefix(hashes[:full])
+        if len(blocks) < full:
+            return None
+        rest = len(seq.tokens) - full * self.block_size
+        tail_source = None
+        if rest:
+            tail = self.pool.find_longest_tail(key[0], seq.tokens[full * self.block_size:])
+            if tail is None or tail[1] < rest:
+                return None
+            tail_source = tail[0]
+        if not self._allocate(seq, len(seq.tokens), blocks, tail_source, rest):
+            return None
+        logits = self.prompt_logits.get(key)
+        assert logits is not None
+        seq.started = True
+        seq.num_computed = len(seq.tokens)
+        seq.num_registered_blocks = full
+        self.pool.record_prefix_query(len(seq.tokens), len(seq.tokens))
+        return _Planned(seq, len(seq.tokens), 0, len(seq.tokens), result_index, cached_logits=logits)
+
+    def _prompt_key(self, seq: _Sequence) -> PromptKey | None:
+        """The logits-cache key of `seq`'s prompt while nothing has been sampled after it."""
+        if seq.request.num_sampled or len(seq.tokens) != len(seq.request.prompt_token_ids):
+            return None
+        hashes = seq.full_block_hashes(self.block_size, self.config.model_key)
+        full = len(seq.tokens) // self.block_size
+        return prompt_key(hashes[full - 1] if full else ROOT_HASH, seq.tokens[full * self.block_size:])
+
     def _find_cached(self, seq: _Sequence) -> tuple[list[int], tuple[int, int] | None]:
         """`seq`'s leading cached full blocks, and the cached block (full or a kept partial)
         after them that shares the longest run of `seq`'s next tokens, with that run's
@@ -265,6 +332,26 @@ class Engine:
 
     @torch.inference_mode()
     def _forward(self, planned: list[_Planned]) -> list[tuple[_Planned, SampledToken]]:
+        computed = [p for p in planned if p.num_tokens]
+        sample_plans: list[_Planned] = []
+        rows: list[torch.Tensor] = []
+        if computed:
+            sample_plans, logits = self._compute_logits(computed)
+            if sample_plans:
+                rows.append(logits.float())
+                self._keep_prompt_logits(sample_plans, rows[0])
+        reused = [p for p in planned if p.cached_logits is not None]
+        if reused:
+            sample_plans += reused
+            rows.append(torch.stack([p.cached_logits for p in reused]))
+        if not sample_plans:
+            return []
+        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        sampled = self.sampler.sample(logits, [p.seq.request for p in sample_plans])
+        return list(zip(sample_plans, sampled))
+
+    def _compute_logits(self, planned: list[_Planned]) -> tuple[list[_Planned], torch.Tensor]:
+        """One packed forward over `planned`; logits only at the rows that sample."""
         # Decodes first (one row each), then prefill chunks as contiguous runs.
         order = sorted(planned, key=lambda p: p.num_tokens != 1)
         meta, input_ids, positions, sample_rows, sample_plans = self._build_inputs(order)
@@ -272,12 +359,19 @@ class Engine:
                             attention_mask=self._mask_by_type, use_cache=False,
                             paged_metadata=meta).last_hidden_state[0]
         if not sample_plans:
-            return []
+            return [], hidden[:0]
         logits = self._lm_head(hidden[torch.tensor(sample_rows, device=self.device)])
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
-        sampled = self.sampler.sample(logits.float(), [p.seq.request for p in sample_plans])
-        return list(zip(sample_plans, sampled))
+        return sample_plans, logits
+
+    def _keep_prompt_logits(self, sample_plans: list[_Planned], logits: torch.Tensor) -> None:
+        if self.prompt_logits.capacity == 0:
+            return
+        for row, plan in enumerate(sample_plans):
+            key = self._prompt_key(plan.seq)
+            if key is not None:
+                self.prompt_logits.put(key, logits[row])
 
     def _build_inputs(self, order: list[_Planned]
                       ) -> tuple[StepMetadata, torch.Tensor, torch.Tensor, list[int], list[_Planned]]:

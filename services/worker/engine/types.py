@@ -69,10 +69,11 @@ class BlockEvent:
     kind: str                          # STORED | REMOVED | CLEARED
     hashes: tuple[int, ...] = ()       # STORED: in prefix order
     parent_hash: int = 0               # STORED: hash of the block before hashes[0] (0 = root)
+    partial_hash: int = 0              # STORED: a whole prompt's partial last block after the chain
 
     @staticmethod
-    def stored(hashes: list[int], parent_hash: int) -> BlockEvent:
-        return BlockEvent(STORED, tuple(hashes), parent_hash)
+    def stored(hashes: list[int], parent_hash: int, partial_hash: int = 0) -> BlockEvent:
+        return BlockEvent(STORED, tuple(hashes), parent_hash, partial_hash)
 
     @staticmethod
     def removed(hashes: list[int]) -> BlockEvent:
@@ -89,6 +90,7 @@ class StepOutput:
     pool: PoolStats
     forward_ms: float = 0.0
     batch_tokens: int = 0
+    prompt_tokens: int = 0      # of batch_tokens, those at prompt positions (prefill, not decode)
 
 
 @dataclass(frozen=True)

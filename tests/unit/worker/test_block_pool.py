@@ -7,6 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.block_hash import ROOT_HASH, chain_hashes
+from services.kvcache.prompt_hash import partial_block_hash
+from services.kvcache.radix_index import RadixIndex
 from services.worker.engine.block_pool import BlockPool, PartialBlock, PoolInvariantError
 from services.worker.engine.types import CLEARED, REMOVED, STORED, BlockEvent
 
@@ -282,6 +284,7 @@ def _churn_tokens(variant: int, amount: int) -> list[int]:
 @given(_operations)
 def test_random_churn_keeps_invariants(operations: list[tuple[str, int, int, int]]) -> None:
     pool = BlockPool(num_blocks=12, block_size=4)
+    index = RadixIndex()
     live: dict[str, list[int]] = {}     # every allocated sequence's tokens
     freed: list[list[int]] = []
     for verb, seq_index, amount, variant in operations:
@@ -311,17 +314,35 @@ def test_random_churn_keeps_invariants(operations: list[tuple[str, int, int, int
             if pool.allocate(seq_id, len(tokens)):
                 live[seq_id] = tokens
         pool.check_invariants()
-        for event in pool.drain_events():
-            assert event.kind in (STORED, REMOVED)
+        _replay(index, pool)
     for seq_id in list(live):
         _free_keeping_partial(pool, seq_id, live)
     pool.check_invariants()
+    _replay(index, pool)
     assert pool.stats().used_blocks == 0
 
 
+def _replay(index: RadixIndex, pool: BlockPool) -> None:
+    """Applies the pool's events to an index, which must then hold what a resync would send."""
+    for event in pool.drain_events():
+        assert event.kind in (STORED, REMOVED)
+        if event.kind == STORED:
+            index.insert("w", event.parent_hash, event.hashes, event.partial_hash)
+        else:
+            index.remove("w", event.hashes)
+    assert index.blocks_of("w") == {value for _parent, chain in pool.cached_chains() for value in chain}
+    assert index.partials_of("w") == {alias for _parent, alias in pool.cached_partials()}
+
+
 def _free_keeping_partial(pool: BlockPool, seq_id: str, live: dict[str, list[int]]) -> None:
+    """Frees keeping the partial block, aliased as if the prompt ended after its first
+    token: tails starting alike share an alias."""
     tokens = live.pop(seq_id, [])
-    pool.free(seq_id, _partial(tokens, 4) if len(tokens) % 4 else None)
+    partial = _partial(tokens, 4) if len(tokens) % 4 else None
+    if partial is not None:
+        alias = partial_block_hash(partial.parent_hash, partial.tokens[:1])
+        partial = PartialBlock(partial.block_index, partial.tokens, partial.parent_hash, alias)
+    pool.free(seq_id, partial)
 
 
 def _hold_a_tail_across_allocation(pool: BlockPool, seq_id: str, tokens: list[int],
@@ -353,3 +374,134 @@ def test_longest_tail_finds_the_longest_shared_run() -> None:
     assert pool.find_longest_tail(ROOT_HASH, [1, 2, 3, 4]) == (pool.table("a")[0], 4)
     assert pool.find_longest_tail(ROOT_HASH, [7]) is None
     pool.check_invariants()
+
+
+# ---- partial aliases: a whole prompt's partial last block, published to the index ------------
+
+def _aliased(tokens: list[int], alias: int, block_size: int = 4) -> PartialBlock:
+    partial = _partial(tokens, block_size)
+    return PartialBlock(partial.block_index, partial.tokens, partial.parent_hash, alias)
+
+
+def test_kept_partial_with_an_alias_is_published_once() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = _fill(pool, "a", tokens)
+    pool.drain_events()
+    pool.free("a", _aliased(tokens, 777))
+    pool.check_invariants()
+    assert pool.drain_events() == [BlockEvent.stored([], hashes[0], partial_hash=777)]
+    assert pool.cached_partials() == [(hashes[0], 777)]
+    # The alias does not change what counts as cached: the index counts full blocks.
+    stats = pool.stats()
+    assert (stats.used_blocks, stats.cached_blocks, stats.free_blocks) == (0, 1, 7)
+
+
+def test_partial_without_alias_or_not_kept_publishes_nothing() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    _fill(pool, "a", [1, 2, 3, 4, 5, 6, 7])
+    _fill(pool, "b", [1, 2, 3, 4, 5, 6])
+    pool.drain_events()
+    pool.free("a", _partial([1, 2, 3, 4, 5, 6, 7], 4))
+    pool.free("b", _aliased([1, 2, 3, 4, 5, 6], 55))    # covered by a's entry: not kept
+    assert pool.drain_events() == []
+    assert pool.cached_partials() == []
+    pool.check_invariants()
+
+
+def test_alias_at_the_root_is_published_under_the_root() -> None:
+    pool = BlockPool(num_blocks=4, block_size=4)
+    assert pool.allocate("a", 3)
+    pool.free("a", _aliased([1, 2, 3], 9))
+    assert pool.drain_events() == [BlockEvent.stored([], ROOT_HASH, partial_hash=9)]
+    assert pool.cached_partials() == [(ROOT_HASH, 9)]
+    pool.check_invariants()
+
+
+def test_two_partials_with_one_alias_publish_once_and_are_removed_after_both() -> None:
+    pool = BlockPool(num_blocks=4, block_size=4)
+    # One prompt [1, 2, 3, 4, 5], continued two ways: both tails are kept, one alias.
+    first, second = [1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 5, 8]
+    hashes = _fill(pool, "a", first)
+    assert pool.allocate("b", len(second), pool.find_cached_prefix(hashes[:1]))
+    pool.drain_events()
+    pool.free("a", _aliased(first, 42))
+    pool.free("b", _aliased(second, 42))
+    pool.check_invariants()
+    assert pool.drain_events() == [BlockEvent.stored([], hashes[0], partial_hash=42)]
+    assert pool.cached_partials() == [(hashes[0], 42)]
+    assert pool.stats().cached_blocks == 1
+
+    assert pool.allocate("c", 4)          # one free block: nothing evicted
+    assert pool.drain_events() == []
+    assert pool.allocate("d", 4)          # evicts a's partial, b's still carries the alias
+    assert pool.drain_events() == []
+    assert pool.cached_partials() == [(hashes[0], 42)]
+    pool.check_invariants()
+    assert pool.allocate("e", 4)          # evicts b's partial: the alias goes
+    assert pool.drain_events() == [BlockEvent.removed([42])]
+    assert pool.cached_partials() == []
+    assert pool.find_cached_prefix(hashes) == pool.find_cached_prefix(hashes[:1]) != []
+    assert pool.stats().evictions == 2
+    pool.check_invariants()
+
+
+def test_alias_is_withdrawn_with_its_parent_hash() -> None:
+    """A held partial can outlive its parent block; the index only keeps partials
+    under a parent the worker holds, so the alias goes with the parent."""
+    pool = BlockPool(num_blocks=2, block_size=2)
+    tokens = [1, 2, 3]
+    hashes = _fill(pool, "a", tokens)
+    pool.drain_events()
+    pool.free("a", _aliased(tokens, 31, block_size=2))
+    assert pool.drain_events() == [BlockEvent.stored([], hashes[0], partial_hash=31)]
+    partial_block = pool.find_cached_tail(hashes[0], [3])
+    assert partial_block is not None
+    pool.hold(partial_block)
+    assert pool.allocate("b", 2)          # evicts the parent, the held partial stays
+    assert pool.drain_events() == [BlockEvent.removed([hashes[0], 31])]
+    assert pool.cached_partials() == []
+    assert pool.find_cached_tail(hashes[0], [3]) == partial_block
+    pool.check_invariants()
+    pool.release(partial_block)
+    assert pool.allocate("c", 2)          # the entry goes too, nothing more to withdraw
+    assert pool.drain_events() == []
+    pool.check_invariants()
+
+
+def test_alias_under_an_unregistered_parent_is_not_published() -> None:
+    pool = BlockPool(num_blocks=4, block_size=4)
+    assert pool.allocate("a", 6)          # no full block registered
+    pool.free("a", PartialBlock(1, (5, 6), 123456, 77))
+    assert pool.find_cached_tail(123456, [5, 6]) is not None   # kept, but not published
+    assert pool.drain_events() == [] and pool.cached_partials() == []
+    pool.check_invariants()
+
+
+def test_clear_cache_drops_aliases_without_removals() -> None:
+    pool = BlockPool(num_blocks=4, block_size=4)
+    tokens = [1, 2, 3, 4, 5]
+    _fill(pool, "a", tokens)
+    pool.free("a", _aliased(tokens, 11))
+    pool.drain_events()
+    pool.clear_cache()
+    assert [event.kind for event in pool.drain_events()] == [CLEARED]
+    assert pool.cached_partials() == []
+    pool.check_invariants()
+    # Published afresh after the clear.
+    _fill(pool, "b", tokens)
+    pool.free("b", _aliased(tokens, 11))
+    assert [event.partial_hash for event in pool.drain_events() if event.kind == STORED] == [0, 11]
+    pool.check_invariants()
+
+
+def test_invariant_checker_catches_a_stale_alias() -> None:
+    pool = BlockPool(num_blocks=4, block_size=4)
+    tokens = [1, 2, 3, 4, 5]
+    _fill(pool, "a", tokens)
+    pool.free("a", _aliased(tokens, 11))
+    pool.check_invariants()
+    (block,) = pool._alias_blocks[11]
+    pool._alias_of[block] = 12
+    with pytest.raises(PoolInvariantError):
+        pool.check_invariants()

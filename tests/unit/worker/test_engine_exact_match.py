@@ -1,6 +1,7 @@
 """The exact-match path: a prompt whose tokens a cached block already holds past its
 last full block copies that block's K/V and computes only its last position, with the
-same tokens and logits as a cold run."""
+same tokens and logits as a cold run. These tests turn the prompt-logits cache off, so
+that last position is recomputed (test_engine_prompt_logits.py covers the cache)."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ def reference(kind: str) -> torch.nn.Module:
     return reference_model(kind)
 
 
+def _engine(kind: str, **config) -> Engine:
+    return make_engine(kind, prompt_logits_cache_size=0, **config)
+
+
 def _recording_engine(kind: str, **config) -> tuple[Engine, RecordingSampler]:
-    engine = make_engine(kind, block_size=BLOCK_SIZE, **config)
+    engine = _engine(kind, block_size=BLOCK_SIZE, **config)
     recorder = RecordingSampler(engine.sampler)
     engine.sampler = recorder
     return engine, recorder
@@ -143,7 +148,7 @@ def test_prompt_differing_inside_a_full_block_reuses_the_part_before(
 
 
 def test_missing_full_block_disables_the_tail_path(kind: str) -> None:
-    engine = make_engine(kind, block_size=BLOCK_SIZE)
+    engine = _engine(kind, block_size=BLOCK_SIZE)
     driver = Driver(engine)
     prompt = prompt_of(15, 11)
     driver.run({"cold": prompt}, 1)
@@ -155,7 +160,7 @@ def test_missing_full_block_disables_the_tail_path(kind: str) -> None:
 
 def test_tail_source_survives_the_allocation_it_makes(kind: str, reference: torch.nn.Module) -> None:
     # Five blocks: the cold prompt's four, then an unrelated one; no free block is left.
-    engine = make_engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
+    engine = _engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
     driver = Driver(engine)
     prompt = prompt_of(15, 12)
     driver.run({"cold": prompt}, 1)
@@ -173,7 +178,7 @@ def test_tail_source_survives_the_allocation_it_makes(kind: str, reference: torc
 
 
 def test_prefix_caching_disabled_keeps_no_partial_blocks(kind: str) -> None:
-    engine = make_engine(kind, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    engine = _engine(kind, block_size=BLOCK_SIZE, enable_prefix_caching=False)
     driver = Driver(engine)
     prompt = prompt_of(15, 14)
     driver.run({"cold": prompt}, 1)
@@ -183,7 +188,7 @@ def test_prefix_caching_disabled_keeps_no_partial_blocks(kind: str) -> None:
 
 def test_copy_is_dropped_when_holding_its_source_would_leave_the_pool_short(
         kind: str, reference: torch.nn.Module) -> None:
-    engine = make_engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
+    engine = _engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
     driver = Driver(engine)
     cold = prompt_of(7, 21)           # one full block and a kept partial one
     driver.run({"cold": cold}, 1)

@@ -9,7 +9,8 @@ from fairserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.grpc_server import GrpcServer, check_health
-from services.kvcache.kv_types import PublishBatch, PublishResult
+from services.kvcache.kv_types import BlockStored, PublishBatch, PublishResult
+from services.kvcache.prompt_hash import prompt_hashes
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.kv_events import add_events, snapshot_source
 from services.worker.server import WorkerMetrics, WorkerService
@@ -40,7 +41,7 @@ async def _scenario() -> None:
         return PublishResult(resync_needed=False, next_seq=batch.snapshot_seq + 1 + len(batch.events)
                              if batch.full_resync else batch.events[-1].seq + 1)
 
-    publisher = KvEventPublisher("w-test", send, snapshot_source(service.snapshot_chains_async))
+    publisher = KvEventPublisher("w-test", send, snapshot_source(service.snapshot_async))
     service.on_block_events = lambda events: add_events(publisher, events)
     server = await _start(service)
     try:
@@ -76,6 +77,9 @@ async def _scenario() -> None:
         stored = [chain for batch in sent for chain in batch.snapshot] + [
             event.body for batch in sent for event in batch.events]
         assert any(len(getattr(body, "block_hashes", ())) >= 2 for body in stored)
+        # The freed prompt ends inside its kept partial block: the snapshot names it.
+        partial = prompt_hashes(prompt, 4, "gemma3")
+        assert BlockStored(partial.block_hashes[-1], (), partial.partial_hash) in snapshot.snapshot
         exported = generate_latest(registry).decode()
         assert 'fairserve_worker_kv_blocks{state="cached",worker="w-test"}' in exported
     finally:

@@ -1,0 +1,183 @@
+"""Identical prompts with their K/V and last-position logits cached skip the forward:
+the first token comes from the kept logits, the prompt's blocks are reused, and what
+follows is the same as a cold run's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.types import SamplingParams
+from services.worker.engine import Engine, NewSequence, StepBatch, WorkItem
+from services.worker.engine.prompt_logits import PromptLogitsCache, prompt_key
+from tests.unit.worker.engine_helpers import (
+    Driver,
+    RecordingSampler,
+    generate,
+    make_engine,
+    prompt_of,
+    reference_model,
+)
+
+BLOCK_SIZE = 4
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def reference(kind: str) -> torch.nn.Module:
+    return reference_model(kind)
+
+
+def _recording_engine(kind: str, **config) -> tuple[Engine, RecordingSampler]:
+    engine = make_engine(kind, block_size=BLOCK_SIZE, **config)
+    recorder = RecordingSampler(engine.sampler)
+    engine.sampler = recorder
+    return engine, recorder
+
+
+def _first_step(driver: Driver, seq_id: str, prompt: list[int],
+                sampling: SamplingParams | None = None) -> tuple[int, int, int]:
+    """(cached tokens, computed tokens, batch tokens) of a new sequence's first step."""
+    new = NewSequence(seq_id, prompt, [], sampling or SamplingParams())
+    out = driver.step(StepBatch(new_sequences=[new], work=[WorkItem(seq_id, 1024)]))
+    (result,) = out.results
+    assert result.sampled
+    return result.num_cached_tokens, result.num_computed_tokens, out.batch_tokens
+
+
+def _decode(driver: Driver, seq_id: str, new_tokens: int) -> list[int]:
+    while len(driver.outputs[seq_id]) < new_tokens:
+        driver.step(StepBatch(work=[WorkItem(seq_id, 1)]))
+    driver.step(StepBatch(free_seq_ids=[seq_id]))
+    return driver.outputs[seq_id]
+
+
+@pytest.mark.parametrize("prompt_len,cold_new_tokens", [
+    (15, 1),    # a partial last block, copied
+    (14, 6),    # the cold run's output completed the prompt's last block
+    (16, 1),    # block-aligned: every block reused by reference
+    (3, 1),     # no full block
+])
+def test_identical_prompt_computes_nothing(kind: str, reference: torch.nn.Module,
+                                           prompt_len: int, cold_new_tokens: int) -> None:
+    engine, recorder = _recording_engine(kind)
+    driver = Driver(engine)
+    prompt = prompt_of(prompt_len, prompt_len)
+    cold = driver.run({"cold": prompt}, cold_new_tokens)["cold"]
+    hits_before = engine.pool_stats().prefix_hit_tokens
+
+    assert _first_step(driver, "warm", prompt) == (prompt_len, prompt_len, 0)
+    torch.testing.assert_close(recorder.rows[cold_new_tokens][0], recorder.rows[0][0], atol=0, rtol=0)
+    warm = _decode(driver, "warm", 6)
+    assert warm[:cold_new_tokens] == cold
+    assert warm == generate(reference, prompt, 6)[:len(warm)]
+    assert engine.pool_stats().prefix_hit_tokens - hits_before == prompt_len
+    assert _first_step(driver, "third", prompt)[2] == 0
+    assert _decode(driver, "third", 6) == warm
+
+
+def test_exact_match_rides_along_a_batch_that_computes(kind: str, reference: torch.nn.Module) -> None:
+    engine, _recorder = _recording_engine(kind)
+    driver = Driver(engine)
+    prompt, other = prompt_of(11, 1), prompt_of(9, 2)
+    driver.run({"cold": prompt}, 1)
+    out = driver.step(StepBatch(new_sequences=[NewSequence("warm", prompt), NewSequence("other", other)],
+                                work=[WorkItem("warm", 64), WorkItem("other", 64)]))
+    assert out.batch_tokens == len(other)
+    assert [r.num_cached_tokens for r in out.results] == [len(prompt), 0]
+    while len(driver.outputs["warm"]) < 5 or len(driver.outputs["other"]) < 5:
+        live = [s for s in ("warm", "other") if len(driver.outputs[s]) < 5]
+        driver.step(StepBatch(work=[WorkItem(s, 1) for s in live]))
+    assert driver.outputs["warm"] == generate(reference, prompt, 5)[:len(driver.outputs["warm"])]
+    assert driver.outputs["other"] == generate(reference, other, 5)[:len(driver.outputs["other"])]
+
+
+def test_seeded_sampling_from_kept_logits_matches_the_cold_draw(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    prompt = prompt_of(13, 3)
+    params = SamplingParams(temperature=1.0, seed=1234)
+    cold = driver.run({"cold": prompt}, 6, sampling={"cold": params})["cold"]
+    assert _first_step(driver, "warm", prompt, params)[2] == 0
+    assert _decode(driver, "warm", 6) == cold
+
+
+def test_penalties_do_not_change_the_kept_logits(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    prompt = prompt_of(10, 4)
+    cold = driver.run({"cold": prompt}, 1)["cold"]
+    penalized = SamplingParams(repetition_penalty=5.0, presence_penalty=2.0)
+    assert _first_step(driver, "penalized", prompt, penalized)[2] == 0
+    driver.step(StepBatch(free_seq_ids=["penalized"]))
+    assert _first_step(driver, "greedy", prompt)[2] == 0
+    assert driver.outputs["greedy"] == cold
+
+
+def test_evicted_blocks_fall_back_to_computing(kind: str, reference: torch.nn.Module) -> None:
+    engine = make_engine(kind, num_blocks=5, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    prompt = prompt_of(15, 5)
+    driver.run({"cold": prompt}, 1)
+    driver.run({"filler": prompt_of(19, 6)}, 1)     # needs all five blocks: the prompt's are gone
+    cached, computed, batch = _first_step(driver, "again", prompt)
+    assert (cached, computed, batch) == (0, len(prompt), len(prompt))
+    assert _decode(driver, "again", 3) == generate(reference, prompt, 3)[:3]
+
+
+def test_sequence_resumed_with_output_tokens_is_computed(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK_SIZE)
+    driver = Driver(engine)
+    prompt = prompt_of(10, 7)
+    cold = driver.run({"cold": prompt}, 3)["cold"]
+    # A preempted sequence comes back with its output so far: its next token's logits
+    # are not the prompt's, so they must be computed.
+    resumed = NewSequence("resumed", prompt, cold[:2])
+    out = driver.step(StepBatch(new_sequences=[resumed], work=[WorkItem("resumed", 64)]))
+    assert out.batch_tokens >= 1
+    assert out.results[0].token_id == cold[2]
+
+
+def test_cache_disabled_with_prefix_caching(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK_SIZE, enable_prefix_caching=False)
+    assert engine.prompt_logits.capacity == 0
+    driver = Driver(engine)
+    prompt = prompt_of(10, 8)
+    driver.run({"cold": prompt}, 1)
+    assert len(engine.prompt_logits) == 0
+    assert _first_step(driver, "again", prompt)[2] == len(prompt)
+
+
+# ---- the cache itself ----------------------------------------------------------------------
+
+
+def test_cache_evicts_least_recently_used() -> None:
+    cache = PromptLogitsCache(capacity=2)
+    a, b, c = prompt_key(1, [1]), prompt_key(1, [2]), prompt_key(2, ())
+    cache.put(a, torch.zeros(4))
+    cache.put(b, torch.ones(4))
+    assert cache.get(a) is not None          # a is now the most recent
+    cache.put(c, torch.full((4,), 2.0))
+    assert cache.contains(a) and cache.contains(c) and not cache.contains(b)
+    assert len(cache) == 2 and cache.hits == 1
+
+
+def test_cache_keeps_its_own_copy() -> None:
+    cache = PromptLogitsCache(capacity=1)
+    row = torch.zeros(3)
+    cache.put(prompt_key(0, [5]), row)
+    row += 1
+    stored = cache.get(prompt_key(0, [5]))
+    assert stored is not None and stored.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_zero_capacity_keeps_nothing() -> None:
+    cache = PromptLogitsCache(capacity=0)
+    cache.put(prompt_key(0, [1]), torch.zeros(2))
+    assert len(cache) == 0
+    with pytest.raises(ValueError):
+        PromptLogitsCache(capacity=-1)
