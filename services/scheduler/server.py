@@ -8,7 +8,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -89,6 +89,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._links: dict[str, _WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None
+        self._background_tasks: set[asyncio.Task[object]] = set()
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
@@ -96,6 +97,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def close(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
+        for task in list(self._background_tasks):
+            task.cancel()
         for worker_id in list(self._links):
             await self._unlink(worker_id)
         await self._kv.close()
@@ -108,10 +111,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         spec = convert.request_spec_from_proto(request)
         hints: dict[str, int] = {}
         # Asked even with one worker: the lookups feed the index's hit rate,
-        # and they carry the request id into the kvcache service's logs.
-        if self._core.worker_ids():
-            hints = await self._kv.cached_prefix_tokens(spec.prompt_token_ids,
-                                                        trace_id or spec.request_id)
+        # and they carry the request id into the kvcache service's logs. With
+        # one worker there is nothing to route, so the request does not wait.
+        workers = self._core.worker_ids()
+        lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id)
+        if len(workers) > 1:
+            hints = await lookup
+        elif workers:
+            self._background(lookup)
+        else:
+            lookup.close()
         result = self._core.submit(spec, hints)
         if result.rejection is not None:
             log.info("request rejected", extra={"gate": result.rejection.gate.value,
@@ -142,6 +151,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not ended:  # the client went away: stop generating for it
                 log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
                 self._cancel(request_id)
+
+    def _background(self, work: Coroutine[object, object, object]) -> None:
+        task = asyncio.create_task(work)
+        self._background_tasks.add(task)    # a reference, so the task is not collected mid-flight
+        task.add_done_callback(self._background_tasks.discard)
 
     async def Cancel(self, request: scheduler_pb2.CancelRequest,
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.CancelResponse:
