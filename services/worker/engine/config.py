@@ -21,5 +21,5 @@ class EngineConfig:
     torch_threads: int = 0             # 0 = leave torch's default
     use_cuda_graphs: bool = True       # reserved for a CUDA decode fast path; CPU ignores it
     cpu_kv_bytes: int = 1 << 30        # KV pool size on CPU/MPS when num_blocks == 0
-    cpu_packed_weights: bool = True    # MKL-packed linear weights on CPU float32 (faster small decode batches)
+    cpu_packed_weights: bool = True    # pre-packed linear weights on CPU float32/bfloat16 (faster decode batches)
     cpu_max_model_len: int = 8192

@@ -21,12 +21,7 @@ from services.worker.engine import types as t
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu_linear import (
-    LM_HEAD_MAX_PACKED_ROWS,
-    PackedLinear,
-    mkl_packing_available,
-    pack_linears,
-)
+from services.worker.engine.cpu_linear import LM_HEAD_MAX_PACKED_ROWS, PackedLinear, pack_linears, packing_available
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
@@ -98,7 +93,7 @@ class Engine:
         if self._use_packed_cpu_weights():
             pack_linears(self._base)
             if isinstance(self._lm_head, torch.nn.Linear):
-                self._lm_head = PackedLinear(self._lm_head, LM_HEAD_MAX_PACKED_ROWS)
+                self._lm_head = PackedLinear(self._lm_head, LM_HEAD_MAX_PACKED_ROWS[self.dtype])
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         layer_types = getattr(self.model_config, "layer_types", None)
         self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
@@ -446,10 +441,9 @@ class Engine:
         seq.num_registered_blocks = full
 
     def _use_packed_cpu_weights(self) -> bool:
-        """MKL-packed weights on CPU float32 (cpu_linear.py): decode batches of a few
-        rows then cost about what one row does."""
-        return (self.config.cpu_packed_weights and self.device.type == "cpu" and self.dtype == torch.float32
-                and mkl_packing_available())
+        """Pre-packed weights on CPU (cpu_linear.py: MKL for float32, oneDNN for bfloat16):
+        decode batches of a few rows then cost about what one row does."""
+        return self.config.cpu_packed_weights and self.device.type == "cpu" and packing_available(self.dtype)
 
     # ---- sizing --------------------------------------------------------------------------
 
