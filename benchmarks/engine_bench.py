@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model-dir", default="", help="default: the prepared default model")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--skip-transformers", action="store_true", help="engine numbers only")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="weights and activations, for the engine and transformers alike")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = QUICK if args.quick else FULL
@@ -214,20 +216,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
+    dtype = getattr(torch, args.dtype)
+    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype))
     runner = EngineRunner(engine, sizes.token_budget)
     vocab = engine.info.vocab_size
-    longest = max(max(sizes.concurrency), max(sizes.decode_batches))
-    prompts = make_prompts(longest, sizes.prompt_len, vocab)
-    runner.end_to_end_tokens_per_s(make_prompts(1, sizes.prompt_len, vocab, seed=99), 2)   # warm-up
+    # Every measurement gets prompts of its own: with prefix caching on, prompts an
+    # earlier phase computed would skip their prefill, which transformers cannot do.
+    def fresh(count: int, seed: int) -> list[list[int]]:
+        return make_prompts(count, sizes.prompt_len, vocab, seed=seed)
+
+    runner.end_to_end_tokens_per_s(fresh(1, 99), 2)   # warm-up
 
     rows: list[tuple[str, float | None, float | None, float | None]] = []
     rows.append((f"prefill tokens/s ({sizes.prefill_prompts}×{sizes.prompt_len}, "
                  f"budget {sizes.token_budget})",
-                 runner.prefill_tokens_per_s(prompts[:sizes.prefill_prompts]), None, None))
-    decode_rates = {batch: runner.decode_tokens_per_s(prompts[:batch], sizes.decode_steps)
+                 runner.prefill_tokens_per_s(fresh(sizes.prefill_prompts, 1)), None, None))
+    decode_rates = {batch: runner.decode_tokens_per_s(fresh(batch, 10 + batch), sizes.decode_steps)
                     for batch in sizes.decode_batches}
-    e2e = {n: runner.end_to_end_tokens_per_s(prompts[:n], sizes.new_tokens) for n in sizes.concurrency}
+    e2e_prompts = {n: fresh(n, 100 + n) for n in sizes.concurrency}
+    hits_before = engine.pool_stats().prefix_hit_tokens
+    e2e = {n: runner.end_to_end_tokens_per_s(e2e_prompts[n], sizes.new_tokens) for n in sizes.concurrency}
+    e2e_hit_tokens = engine.pool_stats().prefix_hit_tokens - hits_before
     del runner, engine
 
     generate_decode = generate_rate = None
@@ -235,11 +244,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        generate_decode = generate_decode_tokens_per_s(reference, prompts[0], sizes.decode_steps)
-        generate_rate = generate_tokens_per_s(reference, prompts[:sizes.generate_prompts], sizes.new_tokens)
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        generate_decode = generate_decode_tokens_per_s(reference, fresh(1, 11)[0], sizes.decode_steps)
+        generate_rate = generate_tokens_per_s(reference, e2e_prompts[min(sizes.concurrency)][:sizes.generate_prompts],
+                                              sizes.new_tokens)
         for n in sizes.concurrency:
-            batch_rates[n] = generate_batch_tokens_per_s(reference, prompts[:n], sizes.new_tokens,
+            batch_rates[n] = generate_batch_tokens_per_s(reference, e2e_prompts[n], sizes.new_tokens,
                                                          sizes.token_budget)
 
     for batch, rate in decode_rates.items():
@@ -250,8 +260,9 @@ def main(argv: list[str] | None = None) -> None:
 
     header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
               f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads. "
-              f"Sequential generate runs {sizes.generate_prompts} prompts one after another.")
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}. "
+              f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
+              f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
     print(render(rows, header))
 
 
