@@ -128,7 +128,8 @@ WORKER_BATCH_TOKENS = _family(WORKER, "batch_tokens", GAUGE, ("worker",), "Token
 WORKER_BATCH_SEQUENCES = _family(WORKER, "batch_sequences", GAUGE, ("worker",),
                                  "Sequences in the last step (the batch size)")
 WORKER_TOKENS = _family(WORKER, "tokens_total", COUNTER, ("worker", "kind"),
-                        "Tokens by kind: computed (forward passes), sampled")
+                        "Tokens by kind: computed (forward passes), prompt (the computed ones at prompt "
+                        "positions), sampled")
 WORKER_KV_BLOCKS = _family(WORKER, "kv_blocks", GAUGE, ("worker", "state"),
                            "KV blocks by state: free, cached, used, total")
 WORKER_KV_EVICTIONS = _family(WORKER, "kv_evictions", GAUGE, ("worker",),
@@ -138,6 +139,8 @@ WORKER_PREFIX_HIT_TOKENS = _family(WORKER, "prefix_cache_hit_tokens", GAUGE, ("w
 WORKER_PREFIX_QUERY_TOKENS = _family(WORKER, "prefix_cache_query_tokens", GAUGE, ("worker",),
                                      "Prompt tokens looked up in the prefix cache since start (monotonic)")
 WORKER_RUNNING = _family(WORKER, "running_sequences", GAUGE, ("worker",), "Sequences holding KV blocks")
+WORKER_PROMPT_LOGITS_HITS = _family(WORKER, "prompt_logits_hits_total", COUNTER, ("worker",),
+                                    "Identical prompts whose first token came from kept logits, with no forward")
 
 # KV cache index: KVCACHE_METRICS_PORT (9103).
 KVCACHE_LOOKUPS = _family(KVCACHE, "lookups_total", COUNTER, (), "Prefix lookups answered")

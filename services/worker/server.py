@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 BLOCK_STATES = ("free", "cached", "used", "total")
-TOKEN_KINDS = ("computed", "sampled")
+TOKEN_KINDS = ("computed", "prompt", "sampled")
 
 
 class WorkerMetrics:
@@ -46,6 +46,7 @@ class WorkerMetrics:
         self.prefix_hit_tokens = gauge(names.WORKER_PREFIX_HIT_TOKENS).labels(worker=worker_id)
         self.prefix_query_tokens = gauge(names.WORKER_PREFIX_QUERY_TOKENS).labels(worker=worker_id)
         self.running = gauge(names.WORKER_RUNNING).labels(worker=worker_id)
+        self.prompt_logits_hits = names.counter(names.WORKER_PROMPT_LOGITS_HITS, registry).labels(worker=worker_id)
         if pool is not None:
             self.observe_pool(pool)
 
@@ -55,7 +56,9 @@ class WorkerMetrics:
         self.batch_tokens.set(output.batch_tokens)
         self.batch_sequences.set(len(batch.work))
         self.tokens["computed"].inc(output.batch_tokens)
+        self.tokens["prompt"].inc(output.prompt_tokens)
         self.tokens["sampled"].inc(sampled)
+        self.prompt_logits_hits.inc(output.prompt_logits_hits)
         self.observe_pool(output.pool)
         self.running.set(running)
 

@@ -135,7 +135,8 @@ class Engine:
             self._commit(planned, sampled, results)
         return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
                             batch_tokens=sum(p.num_tokens for p in planned),
-                            prompt_tokens=sum(p.prompt_tokens for p in planned))
+                            prompt_tokens=sum(p.prompt_tokens for p in planned),
+                            prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None))
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()

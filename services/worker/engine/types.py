@@ -91,6 +91,7 @@ class StepOutput:
     forward_ms: float = 0.0
     batch_tokens: int = 0
     prompt_tokens: int = 0      # of batch_tokens, those at prompt positions (prefill, not decode)
+    prompt_logits_hits: int = 0 # sequences that sampled from kept prompt logits, computing nothing
 
 
 @dataclass(frozen=True)

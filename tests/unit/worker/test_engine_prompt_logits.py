@@ -71,6 +71,7 @@ def test_identical_prompt_computes_nothing(kind: str, reference: torch.nn.Module
     hits_before = engine.pool_stats().prefix_hit_tokens
 
     assert _first_step(driver, "warm", prompt) == (prompt_len, prompt_len, 0)
+    assert (driver.steps[-1].prompt_logits_hits, driver.steps[-1].prompt_tokens) == (1, 0)
     torch.testing.assert_close(recorder.rows[cold_new_tokens][0], recorder.rows[0][0], atol=0, rtol=0)
     warm = _decode(driver, "warm", 6)
     assert warm[:cold_new_tokens] == cold
@@ -87,7 +88,8 @@ def test_exact_match_rides_along_a_batch_that_computes(kind: str, reference: tor
     driver.run({"cold": prompt}, 1)
     out = driver.step(StepBatch(new_sequences=[NewSequence("warm", prompt), NewSequence("other", other)],
                                 work=[WorkItem("warm", 64), WorkItem("other", 64)]))
-    assert out.batch_tokens == len(other)
+    assert out.batch_tokens == out.prompt_tokens == len(other)
+    assert out.prompt_logits_hits == 1
     assert [r.num_cached_tokens for r in out.results] == [len(prompt), 0]
     while len(driver.outputs["warm"]) < 5 or len(driver.outputs["other"]) < 5:
         live = [s for s in ("warm", "other") if len(driver.outputs[s]) < 5]
