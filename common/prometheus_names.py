@@ -99,6 +99,8 @@ SCHEDULER_FINISHED = _family(SCHEDULER, "finished_total", COUNTER, ("reason",),
                              "Requests finished, by reason: stop, length, cancelled, error")
 SCHEDULER_PREEMPTIONS = _family(SCHEDULER, "preemptions_total", COUNTER, (),
                                 "Running sequences preempted to free KV blocks")
+SCHEDULER_MIGRATIONS = _family(SCHEDULER, "migrations_total", COUNTER, (),
+                               "Running requests resumed on another worker after theirs failed")
 SCHEDULER_REJECTIONS = _family(SCHEDULER, "rejections_total", COUNTER, ("gate",),
                                "Requests rejected, by gate: queue, never_fit, timeout")
 SCHEDULER_HOLDS = _family(SCHEDULER, "holds_total", COUNTER, ("gate",),

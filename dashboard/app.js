@@ -443,9 +443,11 @@
       },
     },
     {
-      id: "pressure", title: "Evictions, preemptions, rejections", part: "scheduler", unit: "/s", kind: "line",
+      id: "pressure", title: "Evictions, preemptions, migrations, rejections", part: "scheduler", unit: "/s",
+      kind: "line",
       series: [{ key: "evictions", label: "evictions", color: "#ff8c42" },
                { key: "preemptions", label: "preemptions", color: "#f72585" },
+               { key: "migrations", label: "migrations", color: "#7209b7" },
                { key: "rejections", label: "rejections", color: "#ef476f" }],
       sample: (stats, t) => {
         const s = stats.scheduler;
@@ -455,6 +457,7 @@
         return {
           evictions: ratePerSecond("evictions", t, evictions),
           preemptions: ratePerSecond("preemptions", t, numberOrNull(s.preemptions)),
+          migrations: ratePerSecond("migrations", t, numberOrNull(s.migrations)),
           rejections: ratePerSecond("rejections", t, rejections),
         };
       },

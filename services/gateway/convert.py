@@ -117,7 +117,8 @@ def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, 
     return {
         "pending": message.pending, "prefilling": message.prefilling, "active": message.active,
         "admitted": message.admitted, "finished": message.finished,
-        "preemptions": message.preemptions, "rejections": dict(message.rejections),
+        "preemptions": message.preemptions, "migrations": message.migrations,
+        "rejections": dict(message.rejections),
         "holds": dict(message.holds), "policy": message.policy,
         "reserved_kv_tokens": message.reserved_kv_tokens,
         "workers": [{

@@ -102,7 +102,7 @@ def cached_prefix_tokens(response: kvindex_pb2.LookupResponse) -> dict[str, int]
 def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
     return scheduler_pb2.SchedulerStats(
         pending=stats.pending, prefilling=stats.prefilling, active=stats.active,
-        admitted=stats.admitted, finished=stats.finished, preemptions=stats.preemptions,
+        admitted=stats.admitted, finished=stats.finished, preemptions=stats.preemptions, migrations=stats.migrations,
         rejections=stats.rejections, holds=stats.holds,
         workers=[scheduler_pb2.WorkerSummary(
             worker_id=w.worker_id, address=w.address, healthy=w.healthy, running=w.running,

@@ -60,6 +60,9 @@ class _StatsCollector(Collector):
         preemptions = _counter(names.SCHEDULER_PREEMPTIONS)
         preemptions.add_metric([], stats.preemptions)
         yield preemptions
+        migrations = _counter(names.SCHEDULER_MIGRATIONS)
+        migrations.add_metric([], stats.migrations)
+        yield migrations
         yield _by_label(names.SCHEDULER_FINISHED,
                         _with_zeros(stats.finished_by_reason, (r.value for r in FinishReason)), CounterMetricFamily)
         yield _by_label(names.SCHEDULER_REJECTIONS,

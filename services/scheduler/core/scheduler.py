@@ -103,6 +103,7 @@ class SchedulerCore:
         self._step_ids = count(1)
         self._admitted = 0
         self._preemptions = 0
+        self._migrations = 0
         self._finished: Counter[str] = Counter()
         self._rejections: Counter[str] = Counter()
         self._holds: Counter[str] = Counter()
@@ -115,21 +116,17 @@ class SchedulerCore:
     # ---- workers ----
 
     def add_worker(self, spec: WorkerSpec) -> list[RequestUpdate]:
-        """Registers a worker. A worker that registers again has restarted:
-        what it was running is lost, what waited for it keeps waiting."""
-        updates: list[RequestUpdate] = []
-        waiting: list[RequestState] = []
+        """Registers a worker. A worker that registers again has restarted: what it
+        was running is resumed by recompute (here or on another worker), what
+        waited for it keeps waiting."""
+        stranded: tuple[list[RequestState], list[RequestState]] = ([], [])
         old = self._workers.get(spec.worker_id)
         if old is not None:
-            waiting = [r for r in old.pending if not r.admitted_once]
-            old.pending = [r for r in old.pending if r.admitted_once]
-            updates = self._drop_worker(old, f"worker {spec.worker_id} restarted; its sequences were lost")
+            stranded = self._release_worker(old)
         pool = PoolSnapshot(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
                             cached_blocks=0, used_blocks=0)
-        worker = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
-        worker.pending.extend(waiting)
-        self._workers[spec.worker_id] = worker
-        return updates
+        self._workers[spec.worker_id] = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
+        return self._rehome(*stranded, f"worker {spec.worker_id} restarted")
 
     def heartbeat(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
@@ -139,17 +136,17 @@ class SchedulerCore:
         return True
 
     def remove_worker(self, worker_id: str, message: str) -> list[RequestUpdate]:
-        """Takes a worker out of the rotation. Its in-flight requests end with
-        an error; requests that were only waiting for it move to another one."""
+        """Takes a worker out of the rotation. Its requests move to the workers that
+        are left: waiting ones as they were, running ones resumed by recompute from
+        the tokens they have streamed so far (their clients see no gap and no
+        repeat). With no worker left, running requests end with an error and waiting
+        ones are rejected."""
         worker = self._workers.get(worker_id)
         if worker is None:
             return []
-        orphans = [r for r in worker.pending if not r.admitted_once]
-        worker.pending = [r for r in worker.pending if r.admitted_once]
-        updates = self._drop_worker(worker, message)
-        for request in orphans:
-            updates.extend(self._reroute(request))
-        return updates
+        stranded = self._release_worker(worker)
+        del self._workers[worker_id]
+        return self._rehome(*stranded, message)
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)
@@ -294,7 +291,7 @@ class SchedulerCore:
             prefilling=sum(len(w.prefilling) for w in self._workers.values()),
             active=sum(len(w.active) for w in self._workers.values()),
             admitted=self._admitted, finished=sum(self._finished.values()),
-            preemptions=self._preemptions, rejections=dict(self._rejections),
+            preemptions=self._preemptions, migrations=self._migrations, rejections=dict(self._rejections),
             holds=dict(self._holds), workers=workers, clients=self._vtc.snapshot(),
             reserved_kv_tokens=sum(w.reserved_kv_tokens for w in self._workers.values()),
             finished_by_reason=dict(self._finished),
@@ -580,14 +577,44 @@ class SchedulerCore:
         self._rejections[gate.value] += 1
         return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
 
-    def _drop_worker(self, worker: WorkerState, message: str) -> list[RequestUpdate]:
-        updates = []
-        for request in [*worker.running, *worker.pending]:
-            finish = self._finish(request, FinishReason.ERROR, message)
-            updates.append(RequestUpdate(request.request_id, finish=finish))
+    def _release_worker(self, worker: WorkerState) -> tuple[list[RequestState], list[RequestState]]:
+        """Empties a worker that is gone: (its waiting requests, still counted as
+        waiting; its running ones, detached and marked to resume)."""
+        waiting, worker.pending = worker.pending, []
+        running = worker.running
+        for request in running:
+            self._detach(worker, request)
+            request.resumed = True
+        worker.frees, worker.releasing_blocks = [], 0
         self._sessions.forget_worker(worker.worker_id)
-        del self._workers[worker.worker_id]
+        return waiting, running
+
+    def _rehome(self, waiting: list[RequestState], running: list[RequestState],
+                reason: str) -> list[RequestUpdate]:
+        updates: list[RequestUpdate] = []
+        for request in running:
+            updates.extend(self._migrate(request, reason))
+        for request in waiting:
+            updates.extend(self._reroute(request))
         return updates
+
+    def _migrate(self, request: RequestState, reason: str) -> list[RequestUpdate]:
+        """Queues a running request whose worker is gone on another worker, to be
+        resumed from its prompt and the tokens it has produced."""
+        target = choose_worker(list(self._workers.values()), None, {})
+        problem = "no worker is left to resume it" if target is None else self._never_fit(
+            target.spec, len(request.prompt), request.max_tokens)
+        if problem:
+            request.worker_id = ""
+            finish = self._finish(request, FinishReason.ERROR, f"{reason}; {problem}")
+            return [RequestUpdate(request.request_id, finish=finish)]
+        assert target is not None
+        request.worker_id = target.worker_id
+        if request.spec.session_id:
+            self._sessions.remember(request.spec.session_id, target.worker_id)
+        self._enqueue(target, request)
+        self._migrations += 1
+        return []
 
     def _reroute(self, request: RequestState) -> list[RequestUpdate]:
         """Moves a request that was only waiting (already out of its old

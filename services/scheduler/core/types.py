@@ -226,6 +226,7 @@ class CoreStats:
     admitted: int
     finished: int
     preemptions: int
+    migrations: int = 0             # running requests resumed on another worker after theirs failed
     rejections: dict[str, int] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
     workers: tuple[WorkerSummary, ...] = ()

@@ -32,11 +32,13 @@ def test_a_session_sticks_to_its_worker() -> None:
     assert h.submit(PROMPT, session_id="s2", hints={"w0": 12}).worker_id == "w0"
 
 
-def test_a_silent_worker_leaves_and_its_requests_end_with_an_error() -> None:
+def test_a_silent_workers_requests_move_to_the_worker_left_and_lose_nothing() -> None:
     h = _two_workers(max_batch_size=1, heartbeat_timeout_s=5.0)
-    running = h.submit(PROMPT, max_tokens=100, hints={"w1": 12}).request_id
+    running = h.submit(PROMPT, max_tokens=6, hints={"w1": 12}, session_id="s").request_id
     waiting = h.submit(PROMPT[::-1], max_tokens=3, hints={"w1": 12}).request_id
     h.step()
+    h.step()
+    assert len(h.streams[running].token_ids) == 2
     assert h.core.worker_of(waiting) == "w1"
     h.engines.pop("w1")  # it stops stepping and heartbeating
     h.clock.advance(4.0)
@@ -47,15 +49,18 @@ def test_a_silent_worker_leaves_and_its_requests_end_with_an_error() -> None:
     outcome = h.core.expire()
     assert outcome.removed_workers == ("w1",)
     h.deliver(outcome.updates)
-    finish = h.streams[running].finish
-    assert finish is not None and finish.reason is FinishReason.ERROR
-    assert "w1" in finish.message and "heartbeat" in finish.message
-    assert finish.usage.completion_tokens == 1
-    # The request that had not started yet moves to the worker that is left.
-    assert h.core.worker_of(waiting) == "w0"
+    assert h.streams[running].finish is None
+    # The running request resumes on w0 from the two tokens it streamed; the one that
+    # had not started yet simply moves.
+    assert h.core.worker_of(running) == "w0" and h.core.worker_of(waiting) == "w0"
     h.run()
+    assert h.streams[running].token_ids == reference_output(PROMPT, 6)
+    assert h.streams[running].finish.reason is FinishReason.LENGTH
     assert h.streams[waiting].token_ids == reference_output(PROMPT[::-1], 3)
-    assert [w.worker_id for w in h.core.stats().workers] == ["w0"]
+    stats = h.core.stats()
+    assert [w.worker_id for w in stats.workers] == ["w0"] and stats.migrations == 1
+    # Its session follows it.
+    assert h.submit(PROMPT, session_id="s", hints={}).worker_id == "w0"
 
 
 def test_when_the_last_worker_leaves_waiting_requests_are_unavailable() -> None:
@@ -65,7 +70,7 @@ def test_when_the_last_worker_leaves_waiting_requests_are_unavailable() -> None:
     h.step()
     h.deliver(h.core.remove_worker("w0", "Step failed: connection refused"))
     assert h.streams[running].finish.reason is FinishReason.ERROR
-    assert h.streams[running].finish.message == "Step failed: connection refused"
+    assert h.streams[running].finish.message == "Step failed: connection refused; no worker is left to resume it"
     assert h.streams[waiting].rejection is not None
     assert h.streams[waiting].rejection.gate is Gate.NO_WORKER
     assert h.submit(PROMPT).rejection.gate is Gate.NO_WORKER
@@ -85,7 +90,7 @@ def test_a_worker_error_on_one_sequence_ends_only_that_request() -> None:
     assert h.streams[b].finish is None
 
 
-def test_a_worker_registering_again_loses_its_running_requests_but_keeps_the_waiting() -> None:
+def test_a_worker_registering_again_resumes_its_running_requests_and_keeps_the_waiting() -> None:
     h = Harness(CoreConfig(max_batch_size=1), FakeEngine())
     running = h.submit(PROMPT, max_tokens=10).request_id
     waiting = h.submit(PROMPT[::-1], max_tokens=3).request_id
@@ -93,9 +98,23 @@ def test_a_worker_registering_again_loses_its_running_requests_but_keeps_the_wai
     fresh = FakeEngine()
     h.engines["w0"] = fresh
     h.deliver(h.core.add_worker(fresh.spec("w0")))
-    assert h.streams[running].finish.reason is FinishReason.ERROR
+    assert h.streams[running].finish is None
     h.run()
+    assert h.streams[running].token_ids == reference_output(PROMPT, 10)
     assert h.streams[waiting].token_ids == reference_output(PROMPT[::-1], 3)
+    assert h.core.stats().migrations == 1
+
+
+def test_a_running_request_that_cannot_fit_the_worker_left_ends_with_an_error() -> None:
+    h = Harness(CoreConfig(max_batch_size=1), {"w0": FakeEngine(), "w1": FakeEngine(max_model_len=16)})
+    running = h.submit(PROMPT, max_tokens=10, hints={"w0": 12}).request_id
+    h.step()
+    h.engines.pop("w0")
+    h.deliver(h.core.remove_worker("w0", "w0 crashed"))
+    finish = h.streams[running].finish
+    assert finish is not None and finish.reason is FinishReason.ERROR
+    assert finish.message.startswith("w0 crashed; ") and "16" in finish.message
+    assert h.core.stats().migrations == 0
 
 
 def test_stats_report_queues_counters_and_workers() -> None:
