@@ -131,3 +131,28 @@ class Driver:
         if free_at_end:
             self.step(StepBatch(free_seq_ids=list(prompts)))
         return {seq_id: self.outputs[seq_id] for seq_id in prompts}
+
+
+def recording_engine(kind: str, block_size: int = 4, **config) -> tuple[Engine, RecordingSampler]:
+    engine = make_engine(kind, block_size=block_size, **config)
+    recorder = RecordingSampler(engine.sampler)
+    engine.sampler = recorder
+    return engine, recorder
+
+
+def first_step(driver: Driver, seq_id: str, prompt: list[int],
+               sampling: SamplingParams | None = None) -> tuple[int, int, int]:
+    """(cached tokens, computed tokens, batch tokens) of a new sequence's first step."""
+    new = NewSequence(seq_id, prompt, [], sampling or SamplingParams())
+    out = driver.step(StepBatch(new_sequences=[new], work=[WorkItem(seq_id, 1024)]))
+    (result,) = out.results
+    assert result.sampled
+    return result.num_cached_tokens, result.num_computed_tokens, out.batch_tokens
+
+
+def decode_and_free(driver: Driver, seq_id: str, new_tokens: int) -> list[int]:
+    """Decodes `seq_id` one token per step up to `new_tokens` outputs, then frees it."""
+    while len(driver.outputs[seq_id]) < new_tokens:
+        driver.step(StepBatch(work=[WorkItem(seq_id, 1)]))
+    driver.step(StepBatch(free_seq_ids=[seq_id]))
+    return driver.outputs[seq_id]

@@ -9,13 +9,16 @@ import pytest
 import torch
 
 from common.block_hash import chain_hashes
-from services.worker.engine import Engine, NewSequence, StepBatch, WorkItem
+from services.worker.engine import Engine
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,
+    decode_and_free,
+    first_step,
     generate,
     make_engine,
     prompt_of,
+    recording_engine,
     reference_model,
 )
 
@@ -38,25 +41,7 @@ def _engine(kind: str, **config) -> Engine:
 
 
 def _recording_engine(kind: str, **config) -> tuple[Engine, RecordingSampler]:
-    engine = _engine(kind, block_size=BLOCK_SIZE, **config)
-    recorder = RecordingSampler(engine.sampler)
-    engine.sampler = recorder
-    return engine, recorder
-
-
-def _first_step(driver: Driver, seq_id: str, prompt: list[int]) -> tuple[int, int, int]:
-    """(cached tokens, computed tokens, batch tokens) of a new sequence's first step."""
-    out = driver.step(StepBatch(new_sequences=[NewSequence(seq_id, prompt)], work=[WorkItem(seq_id, 1024)]))
-    (result,) = out.results
-    assert result.sampled
-    return result.num_cached_tokens, result.num_computed_tokens, out.batch_tokens
-
-
-def _decode(driver: Driver, seq_id: str, new_tokens: int) -> list[int]:
-    while len(driver.outputs[seq_id]) < new_tokens:
-        driver.step(StepBatch(work=[WorkItem(seq_id, 1)]))
-    driver.step(StepBatch(free_seq_ids=[seq_id]))
-    return driver.outputs[seq_id]
+    return recording_engine(kind, block_size=BLOCK_SIZE, prompt_logits_cache_size=0, **config)
 
 
 def _assert_rows_match(recorder: RecordingSampler, reference: torch.nn.Module, first_row: int) -> None:
@@ -82,17 +67,17 @@ def test_identical_prompt_computes_only_its_last_token(kind: str, reference: tor
     cold_logits = recorder.rows[0][0]
     hits_before = engine.pool_stats().prefix_hit_tokens
 
-    assert _first_step(driver, "warm", prompt) == (prompt_len - 1, prompt_len, 1)
+    assert first_step(driver, "warm", prompt) == (prompt_len - 1, prompt_len, 1)
     torch.testing.assert_close(recorder.rows[cold_new_tokens][0], cold_logits, atol=LOGITS_ATOL, rtol=0)
-    warm = _decode(driver, "warm", 6)
+    warm = decode_and_free(driver, "warm", 6)
     assert warm[:cold_new_tokens] == cold
     assert warm == generate(reference, prompt, 6)[:len(warm)]
     _assert_rows_match(recorder, reference, cold_new_tokens)
     assert engine.pool_stats().prefix_hit_tokens - hits_before == prompt_len - 1
 
     # The warm run left its own last block behind: a third run copies again.
-    assert _first_step(driver, "third", prompt)[0] == prompt_len - 1
-    assert _decode(driver, "third", 6) == warm
+    assert first_step(driver, "third", prompt)[0] == prompt_len - 1
+    assert decode_and_free(driver, "third", 6) == warm
 
 
 def test_prompt_made_of_an_earlier_prompt_and_its_output_reuses_the_tail(
@@ -105,8 +90,8 @@ def test_prompt_made_of_an_earlier_prompt_and_its_output_reuses_the_tail(
     # output, then a partial one holding output[2:4].
     follow_up = first + output[:4]
     rows_before = len(recorder.rows)
-    assert _first_step(driver, "follow-up", follow_up) == (13, 14, 1)
-    got = _decode(driver, "follow-up", 4)
+    assert first_step(driver, "follow-up", follow_up) == (13, 14, 1)
+    got = decode_and_free(driver, "follow-up", 4)
     assert got == generate(reference, follow_up, 4)[:len(got)]
     assert got[0] == output[4]
     _assert_rows_match(recorder, reference, rows_before)
@@ -125,9 +110,9 @@ def test_tail_that_differs_reuses_the_tokens_before_the_difference(
     driver.run({"cold": prompt}, 1)
     other = tail_of(prompt)
     rows_before = len(recorder.rows)
-    cached, computed, batch = _first_step(driver, "other", other)
+    cached, computed, batch = first_step(driver, "other", other)
     assert (cached, computed, batch) == (expected_cached, len(other), len(other) - expected_cached)
-    got = _decode(driver, "other", 4)
+    got = decode_and_free(driver, "other", 4)
     assert got == generate(reference, other, 4)[:len(got)]
     _assert_rows_match(recorder, reference, rows_before)
 
@@ -141,8 +126,8 @@ def test_prompt_differing_inside_a_full_block_reuses_the_part_before(
     # Differs at token 6, inside the second full block: one full block, then two copied slots.
     other = prompt[:6] + [token + 1 for token in prompt[6:]]
     rows_before = len(recorder.rows)
-    assert _first_step(driver, "other", other) == (6, len(other), len(other) - 6)
-    got = _decode(driver, "other", 4)
+    assert first_step(driver, "other", other) == (6, len(other), len(other) - 6)
+    got = decode_and_free(driver, "other", 4)
     assert got == generate(reference, other, 4)[:len(got)]
     _assert_rows_match(recorder, reference, rows_before)
 
@@ -155,7 +140,7 @@ def test_missing_full_block_disables_the_tail_path(kind: str) -> None:
     # Same tail tokens after a different second block: the cached partial block is not
     # its continuation, whatever its own tokens.
     changed = prompt[:4] + [token + 1 for token in prompt[4:8]] + prompt[8:]
-    assert _first_step(driver, "changed", changed)[0] == 4
+    assert first_step(driver, "changed", changed)[0] == 4
 
 
 def test_tail_source_survives_the_allocation_it_makes(kind: str, reference: torch.nn.Module) -> None:
@@ -167,14 +152,14 @@ def test_tail_source_survives_the_allocation_it_makes(kind: str, reference: torc
     filler = prompt_of(4, 13)
     driver.run({"filler": filler}, 1)
     assert engine.pool_stats().free_blocks == 1         # the partial block: it counts as free
-    assert _first_step(driver, "warm", prompt)[0] == 14
+    assert first_step(driver, "warm", prompt)[0] == 14
     # The allocation evicted the filler's block, not the partial one it copies from.
     assert engine.pool_stats().evictions == 1
     cached_hashes = {value for _parent, chain in engine.snapshot_chains() for value in chain}
     assert chain_hashes(filler, BLOCK_SIZE, kind)[0] not in cached_hashes
-    got = _decode(driver, "warm", 3)
+    got = decode_and_free(driver, "warm", 3)
     assert got == generate(reference, prompt, 3)[:len(got)]
-    assert _first_step(driver, "again", prompt)[0] == 14
+    assert first_step(driver, "again", prompt)[0] == 14
 
 
 def test_prefix_caching_disabled_keeps_no_partial_blocks(kind: str) -> None:
@@ -183,7 +168,7 @@ def test_prefix_caching_disabled_keeps_no_partial_blocks(kind: str) -> None:
     prompt = prompt_of(15, 14)
     driver.run({"cold": prompt}, 1)
     assert engine.pool_stats().free_blocks == engine.info.num_blocks
-    assert _first_step(driver, "warm", prompt)[0] == 0
+    assert first_step(driver, "warm", prompt)[0] == 0
 
 
 def test_copy_is_dropped_when_holding_its_source_would_leave_the_pool_short(
@@ -194,6 +179,6 @@ def test_copy_is_dropped_when_holding_its_source_would_leave_the_pool_short(
     driver.run({"cold": cold}, 1)
     big = cold[:6] + prompt_of(13, 22)[1:]   # 18 tokens, 20 with two new ones: all five blocks
     # Copying cold's partial block would need it held while four more are allocated.
-    assert _first_step(driver, "big", big)[0] == 4
-    got = _decode(driver, "big", 2)
+    assert first_step(driver, "big", big)[0] == 4
+    got = decode_and_free(driver, "big", 2)
     assert got == generate(reference, big, 2)[:len(got)]

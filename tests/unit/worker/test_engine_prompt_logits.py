@@ -13,9 +13,12 @@ from services.worker.engine.prompt_logits import PromptLogitsCache, prompt_key
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,
+    decode_and_free,
+    first_step,
     generate,
     make_engine,
     prompt_of,
+    recording_engine,
     reference_model,
 )
 
@@ -33,27 +36,7 @@ def reference(kind: str) -> torch.nn.Module:
 
 
 def _recording_engine(kind: str, **config) -> tuple[Engine, RecordingSampler]:
-    engine = make_engine(kind, block_size=BLOCK_SIZE, **config)
-    recorder = RecordingSampler(engine.sampler)
-    engine.sampler = recorder
-    return engine, recorder
-
-
-def _first_step(driver: Driver, seq_id: str, prompt: list[int],
-                sampling: SamplingParams | None = None) -> tuple[int, int, int]:
-    """(cached tokens, computed tokens, batch tokens) of a new sequence's first step."""
-    new = NewSequence(seq_id, prompt, [], sampling or SamplingParams())
-    out = driver.step(StepBatch(new_sequences=[new], work=[WorkItem(seq_id, 1024)]))
-    (result,) = out.results
-    assert result.sampled
-    return result.num_cached_tokens, result.num_computed_tokens, out.batch_tokens
-
-
-def _decode(driver: Driver, seq_id: str, new_tokens: int) -> list[int]:
-    while len(driver.outputs[seq_id]) < new_tokens:
-        driver.step(StepBatch(work=[WorkItem(seq_id, 1)]))
-    driver.step(StepBatch(free_seq_ids=[seq_id]))
-    return driver.outputs[seq_id]
+    return recording_engine(kind, block_size=BLOCK_SIZE, **config)
 
 
 @pytest.mark.parametrize("prompt_len,cold_new_tokens", [
@@ -70,15 +53,15 @@ def test_identical_prompt_computes_nothing(kind: str, reference: torch.nn.Module
     cold = driver.run({"cold": prompt}, cold_new_tokens)["cold"]
     hits_before = engine.pool_stats().prefix_hit_tokens
 
-    assert _first_step(driver, "warm", prompt) == (prompt_len, prompt_len, 0)
+    assert first_step(driver, "warm", prompt) == (prompt_len, prompt_len, 0)
     assert (driver.steps[-1].prompt_logits_hits, driver.steps[-1].prompt_tokens) == (1, 0)
     torch.testing.assert_close(recorder.rows[cold_new_tokens][0], recorder.rows[0][0], atol=0, rtol=0)
-    warm = _decode(driver, "warm", 6)
+    warm = decode_and_free(driver, "warm", 6)
     assert warm[:cold_new_tokens] == cold
     assert warm == generate(reference, prompt, 6)[:len(warm)]
     assert engine.pool_stats().prefix_hit_tokens - hits_before == prompt_len
-    assert _first_step(driver, "third", prompt)[2] == 0
-    assert _decode(driver, "third", 6) == warm
+    assert first_step(driver, "third", prompt)[2] == 0
+    assert decode_and_free(driver, "third", 6) == warm
 
 
 def test_exact_match_rides_along_a_batch_that_computes(kind: str, reference: torch.nn.Module) -> None:
@@ -104,8 +87,8 @@ def test_seeded_sampling_from_kept_logits_matches_the_cold_draw(kind: str) -> No
     prompt = prompt_of(13, 3)
     params = SamplingParams(temperature=1.0, seed=1234)
     cold = driver.run({"cold": prompt}, 6, sampling={"cold": params})["cold"]
-    assert _first_step(driver, "warm", prompt, params)[2] == 0
-    assert _decode(driver, "warm", 6) == cold
+    assert first_step(driver, "warm", prompt, params)[2] == 0
+    assert decode_and_free(driver, "warm", 6) == cold
 
 
 def test_penalties_do_not_change_the_kept_logits(kind: str) -> None:
@@ -114,9 +97,9 @@ def test_penalties_do_not_change_the_kept_logits(kind: str) -> None:
     prompt = prompt_of(10, 4)
     cold = driver.run({"cold": prompt}, 1)["cold"]
     penalized = SamplingParams(repetition_penalty=5.0, presence_penalty=2.0)
-    assert _first_step(driver, "penalized", prompt, penalized)[2] == 0
+    assert first_step(driver, "penalized", prompt, penalized)[2] == 0
     driver.step(StepBatch(free_seq_ids=["penalized"]))
-    assert _first_step(driver, "greedy", prompt)[2] == 0
+    assert first_step(driver, "greedy", prompt)[2] == 0
     assert driver.outputs["greedy"] == cold
 
 
@@ -126,9 +109,9 @@ def test_evicted_blocks_fall_back_to_computing(kind: str, reference: torch.nn.Mo
     prompt = prompt_of(15, 5)
     driver.run({"cold": prompt}, 1)
     driver.run({"filler": prompt_of(19, 6)}, 1)     # needs all five blocks: the prompt's are gone
-    cached, computed, batch = _first_step(driver, "again", prompt)
+    cached, computed, batch = first_step(driver, "again", prompt)
     assert (cached, computed, batch) == (0, len(prompt), len(prompt))
-    assert _decode(driver, "again", 3) == generate(reference, prompt, 3)[:3]
+    assert decode_and_free(driver, "again", 3) == generate(reference, prompt, 3)[:3]
 
 
 def test_sequence_resumed_with_output_tokens_is_computed(kind: str) -> None:
@@ -151,7 +134,7 @@ def test_cache_disabled_with_prefix_caching(kind: str) -> None:
     prompt = prompt_of(10, 8)
     driver.run({"cold": prompt}, 1)
     assert len(engine.prompt_logits) == 0
-    assert _first_step(driver, "again", prompt)[2] == len(prompt)
+    assert first_step(driver, "again", prompt)[2] == len(prompt)
 
 
 # ---- the cache itself ----------------------------------------------------------------------
