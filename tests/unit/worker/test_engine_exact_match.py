@@ -19,21 +19,10 @@ from tests.unit.worker.engine_helpers import (
     make_engine,
     prompt_of,
     recording_engine,
-    reference_model,
 )
 
 LOGITS_ATOL = 1e-4
 BLOCK_SIZE = 4
-
-
-@pytest.fixture(scope="module", params=["gemma3", "llama"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def reference(kind: str) -> torch.nn.Module:
-    return reference_model(kind)
 
 
 def _engine(kind: str, **config) -> Engine:

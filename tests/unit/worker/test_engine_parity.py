@@ -6,7 +6,6 @@ on Gemma 4 shapes."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from common.block_hash import ROOT_HASH, chain_hashes
@@ -19,20 +18,9 @@ from tests.unit.worker.engine_helpers import (
     generate,
     make_engine,
     prompt_of,
-    reference_model,
 )
 
 LOGITS_ATOL = 1e-4
-
-
-@pytest.fixture(scope="module", params=["gemma3", "llama"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def reference(kind: str) -> torch.nn.Module:
-    return reference_model(kind)
 
 
 def _expect(reference: torch.nn.Module, prompts: dict[str, list[int]], new_tokens: int) -> dict[str, list[int]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 
 from tests.unit.worker.test_engine_parity import (  # noqa: F401  (collected here with the fixture below)
-    reference,
     test_block_events_and_snapshot,
     test_chunks_on_block_boundaries_and_single_token_chunks,
     test_mixed_batch_with_chunked_prefill_matches_generate,

@@ -19,20 +19,9 @@ from tests.unit.worker.engine_helpers import (
     make_engine,
     prompt_of,
     recording_engine,
-    reference_model,
 )
 
 BLOCK_SIZE = 4
-
-
-@pytest.fixture(scope="module", params=["gemma3", "llama"])
-def kind(request: pytest.FixtureRequest) -> str:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def reference(kind: str) -> torch.nn.Module:
-    return reference_model(kind)
 
 
 def _recording_engine(kind: str, **config) -> tuple[Engine, RecordingSampler]:
