@@ -12,6 +12,10 @@
 2. Two workers, eight sessions each repeating its own long prefix (all sessions
    at once, each session's turns one after another): the fraction of the
    repeated prefix tokens served from cache (usage.cached_tokens).
+3. One worker, `n` choices of one long prompt in a single request: the prompt
+   tokens the worker computed and the time to the last choice, with followers
+   waiting for the first choice's prefill (the default) and, on a second stack,
+   with PREFIX_WAIT_MIN_TOKENS=0.
 
 Prints a markdown table.
 """
@@ -56,6 +60,7 @@ class BenchSizes:
 
 FULL = BenchSizes(prompt_tokens=1500, repeats=3, sessions=8, session_turns=3, session_prefix_tokens=512)
 QUICK = BenchSizes(prompt_tokens=120, repeats=2, sessions=8, session_turns=3, session_prefix_tokens=64)
+N_CHOICES = 4
 
 
 @dataclass
@@ -104,6 +109,27 @@ def metric_sum(text: str, family: str) -> float:
     """Sum of a histogram's `_sum` over all its label sets."""
     pattern = re.compile(rf"^{re.escape(family)}_sum(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
     return sum(float(value) for value in pattern.findall(text))
+
+
+def prompt_tokens_computed(stack: Stack) -> float:
+    """The workers' fairserve_worker_tokens_total{kind="prompt"}: prefill actually paid."""
+    pattern = re.compile(r'^fairserve_worker_tokens_total\{[^}]*kind="prompt"[^}]*\} ([0-9.eE+-]+)$', re.MULTILINE)
+    return sum(float(value) for _, port in stack.ports.workers for value in pattern.findall(scrape(port)))
+
+
+def n_choices_row(stack: Stack, tokenizer: Any, sizes: BenchSizes, label: str) -> tuple[str, str]:
+    prompt = tokenizer(long_body(tokenizer, 900 + len(label), sizes.prompt_tokens))["input_ids"]
+    before = prompt_tokens_computed(stack)
+    started = time.perf_counter()
+    reply = httpx.post(f"{stack.url}/v1/completions", timeout=600, json={
+        "prompt": prompt, "n": N_CHOICES, "max_tokens": 8, "temperature": 1.0, "seed": 1, "ignore_eos": True})
+    seconds = time.perf_counter() - started
+    reply.raise_for_status()
+    time.sleep(0.5)    # the last step's counters
+    computed = prompt_tokens_computed(stack) - before
+    return (f"n={N_CHOICES} choices of one {len(prompt):,}-token prompt, {label}",
+            f"{seconds:,.2f} s to the last choice; {computed:,.0f} prompt tokens computed "
+            f"({computed / len(prompt):.2f}× the prompt)")
 
 
 class StepClock:
@@ -248,6 +274,12 @@ def main(argv: list[str] | None = None) -> None:
         stack = start(model_dir, 1, env, logs / "ttft")
         try:
             rows = ttft_rows(stack, tokenizer, sizes)
+            rows.append(n_choices_row(stack, tokenizer, sizes, "followers wait for the first prefill"))
+        finally:
+            stack.stop()
+        stack = start(model_dir, 1, {**env, "PREFIX_WAIT_MIN_TOKENS": "0"}, logs / "no-wait")
+        try:
+            rows.append(n_choices_row(stack, tokenizer, sizes, "all admitted at once (PREFIX_WAIT_MIN_TOKENS=0)"))
         finally:
             stack.stop()
         # Two workers share the CPUs: one thread each.

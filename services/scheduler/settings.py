@@ -27,6 +27,7 @@ class SchedulerSettings:
     worker_heartbeat_timeout_s: float = 10.0
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    prefix_wait_min_tokens: int = 64
     log_level: str = "info"
 
     @classmethod
@@ -50,6 +51,7 @@ class SchedulerSettings:
                                                   cls.worker_heartbeat_timeout_s, minimum=0.001),
             vtc_input_weight=read.float("VTC_INPUT_WEIGHT", cls.vtc_input_weight, minimum=0.0),
             vtc_output_weight=read.float("VTC_OUTPUT_WEIGHT", cls.vtc_output_weight, minimum=0.0),
+            prefix_wait_min_tokens=read.int("PREFIX_WAIT_MIN_TOKENS", cls.prefix_wait_min_tokens, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
         )
 
@@ -61,6 +63,7 @@ class SchedulerSettings:
             max_queue_len=self.max_queue_len, queue_timeout_s=self.queue_timeout_s,
             heartbeat_timeout_s=self.worker_heartbeat_timeout_s,
             vtc_input_weight=self.vtc_input_weight, vtc_output_weight=self.vtc_output_weight,
+            prefix_wait_min_tokens=self.prefix_wait_min_tokens,
         )
 
     @property

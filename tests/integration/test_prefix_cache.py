@@ -201,6 +201,23 @@ def test_identical_prompt_skips_its_whole_prefill(two_worker_stack: Stack, probe
     probe.wait_quiescent()
 
 
+def test_n_choices_prefill_their_shared_prompt_once(two_worker_stack: Stack, probe: Probe) -> None:
+    """n > 1: the first choice prefills the prompt; the others go to the same worker,
+    wait for its blocks and compute only what follows the last full block."""
+    prompt = random_ids(random.Random(77), 40 * BLOCK_SIZE + 3)   # past PREFIX_WAIT_MIN_TOKENS (64)
+    before = probe.wait_quiescent()
+    reply = httpx.post(f"{two_worker_stack.url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 4, "n": 4, "temperature": 1.0, "seed": 5, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 4
+    after = probe.wait_quiescent()
+    worker = served_by(before, after)
+    hits = after[worker].pool.prefix_hit_tokens - before[worker].pool.prefix_hit_tokens
+    prefill = after[worker].total_prefill_tokens - before[worker].total_prefill_tokens
+    assert hits >= 3 * reusable_tokens(len(prompt)), (hits, prefill)
+    assert prefill <= len(prompt) + 3 * (len(prompt) - reusable_tokens(len(prompt))), (hits, prefill)
+
+
 # ---- sessions ----------------------------------------------------------------------------
 
 def test_second_turn_reuses_first_turns_prompt_and_generated_tokens(

@@ -21,6 +21,7 @@ from common.sequence_ids import sequence_id
 from common.types import SamplingParams, Usage
 
 from services.scheduler.core.policy import VirtualTokenCounter, pick_next
+from services.scheduler.core.prefix_share import shared_prefix_tokens, waits_for_leader
 from services.scheduler.core.routing import SessionMap, choose_worker
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.types import (
@@ -186,7 +187,8 @@ class SchedulerCore:
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
         session_worker = self._sessions.get(spec.session_id) if spec.session_id else None
-        worker = choose_worker(list(self._workers.values()), session_worker, cached_prefix_tokens or {})
+        hints = self._with_inflight_prefixes(spec.prompt_token_ids, cached_prefix_tokens or {})
+        worker = choose_worker(list(self._workers.values()), session_worker, hints)
         assert worker is not None
         prompt_len = len(spec.prompt_token_ids)
         max_tokens = spec.max_tokens if spec.max_tokens > 0 else worker.spec.max_model_len - prompt_len
@@ -398,8 +400,9 @@ class SchedulerCore:
         if worker.refused_allocation:
             return
         while worker.pending and plan.token_budget >= 1:
-            request = pick_next(worker.pending, config.policy, self._vtc)
-            assert request is not None
+            request = pick_next(self._admissible(worker), config.policy, self._vtc)
+            if request is None:
+                return
             if len(worker.running) >= config.max_batch_size:
                 victim = self._slot_victim(worker, plan, request)
                 if victim is None:
@@ -412,6 +415,29 @@ class SchedulerCore:
                 self._hold(request, Gate.CACHE_POOL)
                 return
             self._admit(worker, plan, request)
+
+    def _admissible(self, worker: WorkerState) -> list[RequestState]:
+        """Pending requests, less those waiting for a prefilling request to compute
+        the prefix they share with it."""
+        min_tokens = self._config.prefix_wait_min_tokens
+        if min_tokens <= 0 or not worker.prefilling:
+            return worker.pending
+        return [r for r in worker.pending
+                if not waits_for_leader(r, worker.prefilling, worker.spec.block_size, min_tokens)]
+
+    def _with_inflight_prefixes(self, prompt: tuple[int, ...],
+                                cached_prefix_tokens: Mapping[str, int]) -> dict[str, int]:
+        """The index's cached-prefix hints, raised where a worker is about to hold a
+        longer prefix: one of its queued or prefilling requests shares it."""
+        hints = dict(cached_prefix_tokens)
+        min_tokens = self._config.prefix_wait_min_tokens
+        if min_tokens <= 0:
+            return hints
+        for worker in self._workers.values():
+            shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens)
+            if shared > hints.get(worker.worker_id, 0):
+                hints[worker.worker_id] = shared
+        return hints
 
     def _slot_victim(self, worker: WorkerState, plan: _PlanBuilder,
                      candidate: RequestState) -> RequestState | None:

@@ -53,6 +53,10 @@ class CoreConfig:
     heartbeat_timeout_s: float = 10.0
     vtc_input_weight: float = 1.0
     vtc_output_weight: float = 2.0
+    # A fresh request sharing at least this many prompt tokens with one being
+    # prefilled goes to that request's worker and waits for the shared blocks
+    # (prefix_share.py); 0 turns it off.
+    prefix_wait_min_tokens: int = 64
 
 
 @dataclass(frozen=True)

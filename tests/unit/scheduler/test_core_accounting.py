@@ -103,8 +103,18 @@ WORKER_ACTIONS = st.lists(
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions=WORKER_ACTIONS)
 def test_every_request_ends_exactly_once_while_workers_come_and_go(actions) -> None:
-    h = Harness(CoreConfig(max_batch_size=3, prefill_chunk_size=8),
-                {"w0": FakeEngine(num_blocks=24), "w1": FakeEngine(num_blocks=24)})
+    _run_worker_actions(actions, CoreConfig(max_batch_size=3, prefill_chunk_size=8))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=WORKER_ACTIONS)
+def test_every_request_ends_exactly_once_while_shared_prefixes_wait_for_their_leader(actions) -> None:
+    # The generated prompts of one seed share their leading tokens.
+    _run_worker_actions(actions, CoreConfig(max_batch_size=3, prefill_chunk_size=8, prefix_wait_min_tokens=4))
+
+
+def _run_worker_actions(actions, config: CoreConfig) -> None:
+    h = Harness(config, {"w0": FakeEngine(num_blocks=24), "w1": FakeEngine(num_blocks=24)})
     prompts: dict[str, tuple[int, ...]] = {}
     for action in actions:
         if action[0] == "submit":
