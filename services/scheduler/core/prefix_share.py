@@ -30,32 +30,56 @@ def common_prefix_len(left: Sequence[int], right: Sequence[int]) -> int:
     return low
 
 
-def shared_prefix_tokens(prompt: Sequence[int], others: Iterable[RequestState], min_tokens: int) -> int:
-    """The longest prefix `prompt` shares with any of `others`' known tokens, or 0
-    when it is shorter than `min_tokens` (prefix sharing disabled when 0)."""
+# Routing compares a new prompt with at most this many queued or prefilling
+# requests per worker that start like it (the most recent first): enough to
+# find the worker that is filling the prefix, without a full scan of a long queue.
+MAX_ROUTING_CANDIDATES = 8
+
+
+def shared_prefix_tokens(prompt: tuple[int, ...], others: Sequence[RequestState], min_tokens: int) -> int:
+    """The longest prefix `prompt` shares with the most recent of `others` that
+    start with its first `min_tokens` tokens, or 0 below `min_tokens` (prefix
+    sharing disabled when 0)."""
     if min_tokens <= 0 or len(prompt) < min_tokens:
         return 0
-    best = 0
-    for other in others:
-        known = other.prompt
-        if known[:min_tokens] != tuple(prompt[:min_tokens]):
+    head = prompt[:min_tokens]
+    best = checked = 0
+    for other in reversed(others):
+        if other.prompt[:min_tokens] != head:
             continue
-        best = max(best, common_prefix_len(prompt, known))
+        best = max(best, common_prefix_len(prompt, other.prompt))
+        checked += 1
+        if checked == MAX_ROUTING_CANDIDATES:
+            break
     return best if best >= min_tokens else 0
 
 
-def waits_for_leader(request: RequestState, prefilling: Iterable[RequestState], block_size: int,
-                     min_tokens: int) -> bool:
-    """Whether a fresh request should stay queued because a request already
-    prefilling on its worker still has to compute full blocks they share."""
-    if min_tokens <= 0 or request.admitted_once or len(request.prompt) < min_tokens:
-        return False
-    for leader in prefilling:
-        if leader.phase is not Phase.PREFILLING or leader is request:
+def blocked_by_leaders(pending: Iterable[RequestState], leaders: Iterable[RequestState], block_size: int,
+                       min_tokens: int) -> set[str]:
+    """Ids of the fresh `pending` requests that should stay queued because one of
+    the prefilling `leaders` still has to compute full blocks they share with it.
+    Each (request, leader) pair costs one slice comparison."""
+    if min_tokens <= 0:
+        return set()
+    active = [leader for leader in leaders if leader.phase is Phase.PREFILLING]
+    if not active:
+        return set()
+    blocked: set[str] = set()
+    for request in pending:
+        if request.admitted_once or len(request.prompt) <= min_tokens:
             continue
-        shared = common_prefix_len(request.prompt, leader.prompt)
-        # Only full blocks are reused, and the request computes its last token itself.
-        reusable = min(shared, len(request.prompt) - 1) // block_size * block_size
-        if reusable >= min_tokens and leader.num_computed < reusable:
-            return True
-    return False
+        if any(leader is not request and _waits_for(request, leader, block_size, min_tokens) for leader in active):
+            blocked.add(request.request_id)
+    return blocked
+
+
+def _waits_for(request: RequestState, leader: RequestState, block_size: int, min_tokens: int) -> bool:
+    """Whether `request` could reuse a full block the leader has not computed yet: the
+    reusable part (shared full blocks, short of the request's last token, which it
+    computes itself) must reach `min_tokens` and go past what the leader computed.
+    Both bounds are multiples of the block size, so one comparison of the first
+    `need` tokens decides."""
+    at_least = -(-min_tokens // block_size) * block_size
+    past_computed = (leader.num_computed // block_size + 1) * block_size
+    need = max(at_least, past_computed)
+    return need <= len(request.prompt) - 1 and request.prompt[:need] == leader.prompt[:need]

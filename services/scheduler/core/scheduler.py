@@ -21,7 +21,7 @@ from common.sequence_ids import sequence_id
 from common.types import SamplingParams, Usage
 
 from services.scheduler.core.policy import VirtualTokenCounter, pick_next
-from services.scheduler.core.prefix_share import shared_prefix_tokens, waits_for_leader
+from services.scheduler.core.prefix_share import blocked_by_leaders, shared_prefix_tokens
 from services.scheduler.core.routing import SessionMap, choose_worker
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.types import (
@@ -399,8 +399,11 @@ class SchedulerCore:
         config = self._config
         if worker.refused_allocation:
             return
+        block_size, min_shared = worker.spec.block_size, config.prefix_wait_min_tokens
+        blocked = blocked_by_leaders(worker.pending, worker.prefilling, block_size, min_shared)
         while worker.pending and plan.token_budget >= 1:
-            request = pick_next(self._admissible(worker), config.policy, self._vtc)
+            candidates = [r for r in worker.pending if r.request_id not in blocked] if blocked else worker.pending
+            request = pick_next(candidates, config.policy, self._vtc)
             if request is None:
                 return
             if len(worker.running) >= config.max_batch_size:
@@ -415,15 +418,7 @@ class SchedulerCore:
                 self._hold(request, Gate.CACHE_POOL)
                 return
             self._admit(worker, plan, request)
-
-    def _admissible(self, worker: WorkerState) -> list[RequestState]:
-        """Pending requests, less those waiting for a prefilling request to compute
-        the prefix they share with it."""
-        min_tokens = self._config.prefix_wait_min_tokens
-        if min_tokens <= 0 or not worker.prefilling:
-            return worker.pending
-        return [r for r in worker.pending
-                if not waits_for_leader(r, worker.prefilling, worker.spec.block_size, min_tokens)]
+            blocked |= blocked_by_leaders(worker.pending, [request], block_size, min_shared)
 
     def _with_inflight_prefixes(self, prompt: tuple[int, ...],
                                 cached_prefix_tokens: Mapping[str, int]) -> dict[str, int]:
@@ -604,33 +599,39 @@ class SchedulerCore:
         return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
 
     def _release_worker(self, worker: WorkerState) -> tuple[list[RequestState], list[RequestState]]:
-        """Empties a worker that is gone: (its waiting requests, still counted as
-        waiting; its running ones, detached and marked to resume)."""
-        waiting, worker.pending = worker.pending, []
+        """Empties a worker that is gone: (requests that never ran, still counted as
+        waiting; requests that ran there, to resume elsewhere: the running ones,
+        detached, and preempted ones that were waiting, still counted as waiting)."""
+        fresh = [r for r in worker.pending if not r.admitted_once]
+        resumable = [r for r in worker.pending if r.admitted_once]
+        worker.pending = []
         running = worker.running
         for request in running:
             self._detach(worker, request)
             request.resumed = True
         worker.frees, worker.releasing_blocks = [], 0
         self._sessions.forget_worker(worker.worker_id)
-        return waiting, running
+        return fresh, resumable + running
 
-    def _rehome(self, waiting: list[RequestState], running: list[RequestState],
+    def _rehome(self, fresh: list[RequestState], resumable: list[RequestState],
                 reason: str) -> list[RequestUpdate]:
         updates: list[RequestUpdate] = []
-        for request in running:
+        for request in resumable:
             updates.extend(self._migrate(request, reason))
-        for request in waiting:
+        for request in fresh:
             updates.extend(self._reroute(request))
         return updates
 
     def _migrate(self, request: RequestState, reason: str) -> list[RequestUpdate]:
-        """Queues a running request whose worker is gone on another worker, to be
+        """Queues a request that ran on a worker that is gone on another worker, to be
         resumed from its prompt and the tokens it has produced."""
+        waiting = request.phase is Phase.PENDING     # preempted before: still counted as waiting
         target = choose_worker(list(self._workers.values()), None, {})
         problem = "no worker is left to resume it" if target is None else self._never_fit(
             target.spec, len(request.prompt), request.max_tokens)
         if problem:
+            if waiting:
+                self._left_queue(request.client_id)
             request.worker_id = ""
             finish = self._finish(request, FinishReason.ERROR, f"{reason}; {problem}")
             return [RequestUpdate(request.request_id, finish=finish)]
@@ -638,7 +639,10 @@ class SchedulerCore:
         request.worker_id = target.worker_id
         if request.spec.session_id:
             self._sessions.remember(request.spec.session_id, target.worker_id)
-        self._enqueue(target, request)
+        if waiting:
+            target.pending.append(request)
+        else:
+            self._enqueue(target, request)
         self._migrations += 1
         return []
 

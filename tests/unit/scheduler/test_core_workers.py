@@ -146,3 +146,35 @@ def test_cold_prompts_one_at_a_time_spread_over_idle_workers() -> None:
         h.run()  # both workers idle again before the next prompt
     # The worker that served last has fewer never-used blocks: the next cold prompt goes to the other.
     assert used == ["w0", "w1", "w0", "w1"]
+
+
+def test_a_preempted_request_waiting_on_a_failed_worker_resumes_elsewhere() -> None:
+    h = _two_workers(max_batch_size=1)
+    low = h.submit(PROMPT, max_tokens=6, hints={"w0": 12}).request_id
+    h.step()
+    h.step()
+    high = h.submit(PROMPT[::-1], max_tokens=2, priority=1, hints={"w0": 12}).request_id
+    h.step()        # high takes low's slot: low waits on w0 with two tokens streamed
+    assert len(h.streams[low].token_ids) == 2 and h.core.worker_of(low) == "w0"
+    h.engines.pop("w0")
+    h.deliver(h.core.remove_worker("w0", "w0 crashed"))
+    assert h.core.worker_of(low) == h.core.worker_of(high) == "w1"
+    h.run()
+    assert h.streams[low].token_ids == reference_output(PROMPT, 6)
+    assert h.streams[high].token_ids == reference_output(PROMPT[::-1], 2)
+    assert h.core.stats().migrations == 2
+
+
+def test_a_preempted_request_ends_with_an_error_when_no_worker_is_left() -> None:
+    h = Harness(CoreConfig(max_batch_size=1), FakeEngine())
+    low = h.submit(PROMPT, max_tokens=6).request_id
+    h.step()
+    h.step()
+    high = h.submit(PROMPT[::-1], max_tokens=6, priority=1).request_id
+    h.step()
+    h.deliver(h.core.remove_worker("w0", "w0 crashed"))
+    for request_id in (low, high):      # both have streamed tokens: an error, not a rejection
+        finish = h.streams[request_id].finish
+        assert finish is not None and finish.reason is FinishReason.ERROR
+        assert finish.message == "w0 crashed; no worker is left to resume it"
+    assert not h.core._waiting_by_client      # test-only peek: nothing left counted as waiting
