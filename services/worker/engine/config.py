@@ -11,8 +11,8 @@ class EngineConfig:
     device: str = "auto"               # auto|cpu|cuda|mps; auto = CUDA -> MPS -> CPU
     dtype: str = "auto"                # auto = float32 on CPU/MPS, bfloat16 on CUDA
     block_size: int = 16
-    num_blocks: int = 0                # 0 = size from kv_memory_fraction (CUDA) or cpu_kv_bytes
-    kv_memory_fraction: float = 0.0    # of free device memory on CUDA; 0 = 0.5
+    num_blocks: int = 0                # 0 = size from kv_memory_fraction, else 0.5 of free memory (CUDA) / cpu_kv_bytes
+    kv_memory_fraction: float = 0.0    # of free device memory (CUDA) or available host memory; 0 = default
     enable_prefix_caching: bool = True
     prompt_logits_cache_size: int = 32 # prompts whose last logits are kept (identical prompts skip the forward)
     eviction_policy: str = "lru"       # the only policy so far

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -39,7 +41,20 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def free_device_memory(device: torch.device) -> int:
+    """Bytes free for new tensors: the GPU's free memory on CUDA, the host's
+    available memory (what can be allocated without swapping) elsewhere."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
-    raise ValueError(f"free memory is only measured on CUDA, not {device.type}")
+    return available_host_memory()
+
+
+def available_host_memory() -> int:
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

@@ -450,8 +450,12 @@ class Engine:
 
     def _default_num_blocks(self, specs: list[LayerKVSpec | None]) -> int:
         per_block = PagedKVCache.bytes_per_block(specs, self.config.block_size, self.dtype)
+        fraction = self.config.kv_memory_fraction
         if self.device.type == "cuda":
-            budget = int(free_device_memory(self.device) * (self.config.kv_memory_fraction or 0.5))
+            budget = int(free_device_memory(self.device) * (fraction or 0.5))
+        elif fraction > 0:
+            # After the weights are loaded, so the fraction is of what is left.
+            budget = int(free_device_memory(self.device) * fraction)
         else:
             budget = self.config.cpu_kv_bytes
         return max(1, budget // per_block)

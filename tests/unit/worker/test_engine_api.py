@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -122,3 +123,20 @@ def test_device_and_dtype_resolution() -> None:
 def test_unknown_eviction_policy_is_rejected() -> None:
     with pytest.raises(ValueError, match="eviction policy"):
         make_engine("llama", eviction_policy="fifo")
+
+
+def test_memory_fraction_sizes_the_pool_from_available_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.worker.engine.engine as engine_module
+
+    monkeypatch.setattr(engine_module, "free_device_memory", lambda device: 64 << 20)
+    engine = make_engine("gemma3", num_blocks=0, block_size=4, kv_memory_fraction=0.25)
+    # A quarter of 64 MiB at 2 KiB per block (see above).
+    assert engine.info.num_blocks == (16 << 20) // 2048
+
+
+def test_available_host_memory_is_positive() -> None:
+    from services.worker.engine.device import available_host_memory, free_device_memory
+
+    total = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert 0 < available_host_memory() <= total
+    assert 0 < free_device_memory(torch.device("cpu")) <= total
