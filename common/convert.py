@@ -7,6 +7,8 @@ from fairserve.v1 import common_pb2
 
 from common.types import SamplingParams, TokenLogprob, TopLogprob, Usage
 
+_UINT64_MASK = (1 << 64) - 1
+
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     message = common_pb2.SamplingParams(
@@ -17,7 +19,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
     )
     if params.seed is not None:
-        message.seed = params.seed
+        # OpenAI seeds may be negative; two's complement keeps them distinct in the uint64 field.
+        message.seed = params.seed & _UINT64_MASK
     return message
 
 

@@ -6,7 +6,8 @@ from typing import Any
 
 import grpc
 
-from common.types import SamplingParams, TokenLogprob, TopLogprob, Usage
+from common.convert import logprob_from_proto, sampling_to_proto, usage_from_proto, usage_to_proto
+from common.types import Usage
 from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2, kvindex_pb2
 from services.gateway.backend import (
     BackendError,
@@ -20,36 +21,20 @@ from services.gateway.backend import (
     Unavailable,
     WorkerView,
 )
+from services.gateway.validation import SamplingInput
 
-_UINT64_MASK = (1 << 64) - 1
 DEFAULT_RETRY_AFTER_S = 1
 
 
-def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    message = common_pb2.SamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        top_k=params.top_k,
-        min_p=params.min_p,
-        repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
-        top_logprobs=params.top_logprobs,
-        logprobs=params.logprobs,
-    )
-    if params.seed is not None:
-        # OpenAI seeds may be negative; two's complement keeps them distinct.
-        message.seed = params.seed & _UINT64_MASK
-    return message
-
-
-def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
-    return SamplingParams(
+def sampling_input_from_proto(message: common_pb2.SamplingParams) -> SamplingInput:
+    """The gRPC text API's sampling fields, left for validation like the HTTP ones;
+    proto3 zeros of top_p and repetition_penalty (or values below) mean "not given"."""
+    return SamplingInput(
         temperature=message.temperature,
-        top_p=message.top_p if message.top_p > 0 else 1.0,
+        top_p=message.top_p if message.top_p > 0 else None,
         top_k=message.top_k,
         min_p=message.min_p,
-        repetition_penalty=message.repetition_penalty if message.repetition_penalty > 0 else 1.0,
+        repetition_penalty=message.repetition_penalty if message.repetition_penalty > 0 else None,
         presence_penalty=message.presence_penalty,
         frequency_penalty=message.frequency_penalty,
         seed=message.seed if message.HasField("seed") else None,
@@ -73,27 +58,9 @@ def generate_request_to_proto(request: GenerationRequest) -> scheduler_pb2.Gener
     )
 
 
-def usage_from_proto(message: common_pb2.Usage) -> Usage:
-    return Usage(prompt_tokens=message.prompt_tokens, completion_tokens=message.completion_tokens,
-                 cached_tokens=message.cached_tokens)
-
-
-def usage_to_proto(usage: Usage) -> common_pb2.Usage:
-    return common_pb2.Usage(prompt_tokens=usage.prompt_tokens,
-                            completion_tokens=usage.completion_tokens,
-                            cached_tokens=usage.cached_tokens)
-
-
-def _logprob_from_proto(event: scheduler_pb2.TokenEvent) -> TokenLogprob | None:
-    if not event.HasField("logprob"):
-        return None
-    top = tuple(TopLogprob(token_id=item.token_id, logprob=item.logprob)
-                for item in event.logprob.top)
-    return TokenLogprob(logprob=event.logprob.logprob, top=top)
-
-
 def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
-    tokens = tuple(TokenOutput(token_id=token.token_id, logprob=_logprob_from_proto(token))
+    tokens = tuple(TokenOutput(token_id=token.token_id,
+                               logprob=logprob_from_proto(token.logprob) if token.HasField("logprob") else None)
                    for token in message.tokens)
     finish = None
     if message.HasField("finish"):
@@ -172,7 +139,7 @@ def text_request_fields(message: gateway_pb2.TextRequest) -> dict[str, Any]:
     return {
         "prompt": message.prompt,
         "max_tokens": message.max_tokens or None,
-        "sampling": sampling_from_proto(message.sampling),
+        "sampling": sampling_input_from_proto(message.sampling),
         "stop": tuple(message.stop),
         "raw": message.raw,
         "session_id": message.session_id,

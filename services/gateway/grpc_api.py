@@ -21,7 +21,6 @@ from services.gateway.errors import ApiError, from_backend, unauthorized
 from services.gateway.generation import GenerationSpec
 from services.gateway.state import GatewayState, require_text, scheduler_request_id
 from services.gateway.validation import (
-    SamplingInput,
     build_sampling,
     check_min_tokens,
     check_priority,
@@ -81,13 +80,7 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
         prompt = require_text(fields["prompt"])
         builder = raw_prompt_ids if fields["raw"] else user_turn_ids
         prompt_ids = await self._state.tokenize(builder, prompt)
-        given = fields["sampling"]
-        sampling = build_sampling(SamplingInput(
-            temperature=given.temperature, top_p=given.top_p, top_k=given.top_k,
-            min_p=given.min_p, repetition_penalty=given.repetition_penalty,
-            presence_penalty=given.presence_penalty, frequency_penalty=given.frequency_penalty,
-            seed=given.seed, logprobs=given.logprobs, top_logprobs=given.top_logprobs),
-            default_temperature=0.0)
+        sampling = build_sampling(fields["sampling"], default_temperature=0.0)
         max_tokens = resolve_max_tokens(fields["max_tokens"], len(prompt_ids),
                                         self._state.settings.default_max_tokens,
                                         await self._state.max_model_len())

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ import uvicorn
 from common.grpc_server import GrpcServer
 from common.logs import configure_logging
 from common.model_store import resolve_model_dir
+from common.shutdown import on_stop_signal
 from fairserve.v1 import gateway_pb2_grpc
 from services.gateway.app import create_app
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
@@ -59,9 +59,7 @@ async def serve(settings: GatewaySettings) -> None:
         http_server.force_exit = http_server.should_exit
         http_server.should_exit = True
 
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, request_exit)
+    on_stop_signal(request_exit)
 
     await grpc_server.start()
     await grpc_server.set_serving(True)

@@ -6,12 +6,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 
 from prometheus_client import CollectorRegistry
 
 from common.logs import configure_logging
 from common.metrics import serve_metrics
+from common.shutdown import on_stop_signal
 from services.kvcache.backend import IndexBackend, MemoryBackend
 from services.kvcache.metrics import KvCacheMetrics
 from services.kvcache.redis_backend import RedisBackend
@@ -59,9 +59,7 @@ async def run(settings: KvCacheSettings, stop: asyncio.Event | None = None) -> N
     log.info("kvcache serving", extra={
         "port": server.port, "metrics_port": metrics_port, "backend": backend.name,
         "block_size": settings.block_size})
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+    on_stop_signal(stop.set)
     refresher = asyncio.create_task(refresh_metrics(service, METRICS_REFRESH_S))
     try:
         await stop.wait()

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 
 from common.logs import configure_logging
 from common.metrics import serve_metrics
+from common.shutdown import on_stop_signal
 
 from services.scheduler.server import SchedulerServer
 from services.scheduler.settings import SchedulerSettings
@@ -24,9 +24,7 @@ async def serve(settings: SchedulerSettings) -> None:
                                          "policy": settings.policy.value,
                                          "prefill_mode": settings.prefill_mode.value})
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_stop_signal(stop.set)
     await stop.wait()
     log.info("scheduler stopping")
     await server.stop()

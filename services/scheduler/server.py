@@ -114,13 +114,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # and they carry the request id into the kvcache service's logs. With
         # one worker there is nothing to route, so the request does not wait.
         workers = self._core.worker_ids()
-        lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id)
-        if len(workers) > 1:
-            hints = await lookup
-        elif workers:
-            self._background(lookup)
-        else:
-            lookup.close()
+        if workers:
+            lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id)
+            if len(workers) > 1:
+                hints = await lookup
+            else:
+                self._background(lookup)
         result = self._core.submit(spec, hints)
         if result.rejection is not None:
             log.info("request rejected", extra={"gate": result.rejection.gate.value,

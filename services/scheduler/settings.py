@@ -10,24 +10,27 @@ from common.settings import EnvReader
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 
 
+_CORE = CoreConfig()    # the scheduling defaults live with the core
+
+
 @dataclass(frozen=True)
 class SchedulerSettings:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9101
-    policy: Policy = Policy.FCFS
-    max_batch_size: int = 32
-    max_batch_tokens: int = 2048
-    max_active_kv_tokens: int = 262144
-    prefill_chunk_size: int = 512
-    prefill_mode: PrefillMode = PrefillMode.MIXED
-    max_queue_len: int = 1024
-    queue_timeout_s: float = 60.0
+    policy: Policy = _CORE.policy
+    max_batch_size: int = _CORE.max_batch_size
+    max_batch_tokens: int = _CORE.max_batch_tokens
+    max_active_kv_tokens: int = _CORE.max_active_kv_tokens
+    prefill_chunk_size: int = _CORE.prefill_chunk_size
+    prefill_mode: PrefillMode = _CORE.prefill_mode
+    max_queue_len: int = _CORE.max_queue_len
+    queue_timeout_s: float = _CORE.queue_timeout_s
     kvcache_addr: str = "127.0.0.1:50071"
-    worker_heartbeat_timeout_s: float = 10.0
-    vtc_input_weight: float = 1.0
-    vtc_output_weight: float = 2.0
-    prefix_wait_min_tokens: int = 64
+    worker_heartbeat_timeout_s: float = _CORE.heartbeat_timeout_s
+    vtc_input_weight: float = _CORE.vtc_input_weight
+    vtc_output_weight: float = _CORE.vtc_output_weight
+    prefix_wait_min_tokens: int = _CORE.prefix_wait_min_tokens
     log_level: str = "info"
 
     @classmethod

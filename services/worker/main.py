@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 
 from fairserve.v1 import worker_pb2, worker_pb2_grpc
@@ -16,6 +15,7 @@ from common.grpc_server import GrpcServer, insecure_channel
 from common.logs import configure_logging
 from common.metrics import serve_metrics
 from common.model_store import resolve_model_dir
+from common.shutdown import on_stop_signal
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.kvcache.client import KvIndexClient
@@ -61,9 +61,7 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("worker serving", extra={"address": address, "metrics_port": metrics_port})
 
     stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    on_stop_signal(stop.set)
     scheduler_channel = insecure_channel(settings.scheduler_addr)
     tasks = [
         asyncio.create_task(keep_registered(scheduler_channel, settings.worker_id, address, service,

@@ -426,7 +426,7 @@ class SchedulerCore:
         longer prefix: one of its queued or prefilling requests shares it."""
         hints = dict(cached_prefix_tokens)
         min_tokens = self._config.prefix_wait_min_tokens
-        if min_tokens <= 0:
+        if min_tokens <= 0 or len(self._workers) < 2:     # nothing to choose between
             return hints
         for worker in self._workers.values():
             shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens)
@@ -636,13 +636,7 @@ class SchedulerCore:
             finish = self._finish(request, FinishReason.ERROR, f"{reason}; {problem}")
             return [RequestUpdate(request.request_id, finish=finish)]
         assert target is not None
-        request.worker_id = target.worker_id
-        if request.spec.session_id:
-            self._sessions.remember(request.spec.session_id, target.worker_id)
-        if waiting:
-            target.pending.append(request)
-        else:
-            self._enqueue(target, request)
+        self._move_to(target, request, counted_as_waiting=waiting)
         self._migrations += 1
         return []
 
@@ -656,11 +650,18 @@ class SchedulerCore:
             self._rejections[Gate.NO_WORKER.value] += 1
             rejection = Rejection(Gate.NO_WORKER, "no worker is left to serve the request")
             return [RequestUpdate(request.request_id, rejection=rejection)]
+        self._move_to(target, request, counted_as_waiting=True)
+        return []
+
+    def _move_to(self, target: WorkerState, request: RequestState, counted_as_waiting: bool) -> None:
+        """Queues `request` on `target`; its session follows it."""
         request.worker_id = target.worker_id
         if request.spec.session_id:
             self._sessions.remember(request.spec.session_id, target.worker_id)
-        target.pending.append(request)
-        return []
+        if counted_as_waiting:
+            target.pending.append(request)
+        else:
+            self._enqueue(target, request)
 
     def _forget_idle_clients(self) -> None:
         if len(self._vtc) <= MAX_TRACKED_CLIENTS:

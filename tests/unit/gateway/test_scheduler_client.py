@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from common.convert import sampling_from_proto
 from common.grpc_server import GrpcServer
 from common.types import SamplingParams
 from fairserve.v1 import (
@@ -19,7 +20,6 @@ from fairserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
-from services.gateway import convert
 from services.gateway.backend import GenerationRequest, InvalidGeneration, Overloaded, Unavailable
 from services.gateway.scheduler_client import SchedulerClient
 
@@ -112,7 +112,7 @@ async def test_generate_streams_plain_events_with_request_id_metadata(backend: A
     sent = scheduler.requests[0]
     assert sent.client_id == "alice" and list(sent.prompt_token_ids) == [2, 5, 6]
     assert sent.sampling.seed == 2**64 - 1  # a negative seed survives as uint64
-    assert convert.sampling_from_proto(sent.sampling).temperature == pytest.approx(0.5)
+    assert sampling_from_proto(sent.sampling).temperature == pytest.approx(0.5)
 
 
 async def test_rejections_become_backend_errors(backend: Any) -> None:
