@@ -143,6 +143,8 @@ WORKER_PREFIX_QUERY_TOKENS = _family(WORKER, "prefix_cache_query_tokens", GAUGE,
 WORKER_RUNNING = _family(WORKER, "running_sequences", GAUGE, ("worker",), "Sequences holding KV blocks")
 WORKER_PROMPT_LOGITS_HITS = _family(WORKER, "prompt_logits_hits_total", COUNTER, ("worker",),
                                     "Identical prompts whose first token came from kept logits, with no forward")
+WORKER_GRAPH_STEPS = _family(WORKER, "decode_graph_steps_total", COUNTER, ("worker",),
+                             "Decode steps whose forward replayed a captured CUDA graph")
 
 # KV cache index: KVCACHE_METRICS_PORT (9103).
 KVCACHE_LOOKUPS = _family(KVCACHE, "lookups_total", COUNTER, (), "Prefix lookups answered")

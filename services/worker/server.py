@@ -47,6 +47,7 @@ class WorkerMetrics:
         self.prefix_query_tokens = gauge(names.WORKER_PREFIX_QUERY_TOKENS).labels(worker=worker_id)
         self.running = gauge(names.WORKER_RUNNING).labels(worker=worker_id)
         self.prompt_logits_hits = names.counter(names.WORKER_PROMPT_LOGITS_HITS, registry).labels(worker=worker_id)
+        self.graph_steps = names.counter(names.WORKER_GRAPH_STEPS, registry).labels(worker=worker_id)
         if pool is not None:
             self.observe_pool(pool)
 
@@ -59,6 +60,7 @@ class WorkerMetrics:
         self.tokens["prompt"].inc(output.prompt_tokens)
         self.tokens["sampled"].inc(sampled)
         self.prompt_logits_hits.inc(output.prompt_logits_hits)
+        self.graph_steps.inc(1 if output.graph_replayed else 0)
         self.observe_pool(output.pool)
         self.running.set(running)
 

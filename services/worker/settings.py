@@ -46,6 +46,7 @@ class WorkerSettings:
     max_model_len: int
     torch_threads: int
     use_cuda_graphs: bool
+    cuda_graph_max_batch: int
     scheduler_addr: str
     kvcache_addr: str
     heartbeat_interval_s: float
@@ -77,6 +78,7 @@ class WorkerSettings:
             max_model_len=read.int("MAX_MODEL_LEN", 0, minimum=0),
             torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
             use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
+            cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
             heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),

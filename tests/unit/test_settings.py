@@ -36,3 +36,12 @@ def test_worker_settings_defaults_and_errors() -> None:
         WorkerSettings.from_env({"DEVICE": "gpu"})
     with pytest.raises(SettingsError, match="EVICTION_POLICY"):
         WorkerSettings.from_env({"EVICTION_POLICY": "random"})
+
+
+def test_worker_cuda_graph_settings() -> None:
+    settings = WorkerSettings.from_env({})
+    assert settings.use_cuda_graphs and settings.cuda_graph_max_batch == 64
+    settings = WorkerSettings.from_env({"USE_CUDA_GRAPHS": "false", "CUDA_GRAPH_MAX_BATCH": "16"})
+    assert not settings.use_cuda_graphs and settings.cuda_graph_max_batch == 16
+    with pytest.raises(SettingsError, match="CUDA_GRAPH_MAX_BATCH"):
+        WorkerSettings.from_env({"CUDA_GRAPH_MAX_BATCH": "0"})

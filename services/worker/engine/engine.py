@@ -17,11 +17,13 @@ import torch
 
 from common.block_hash import ROOT_HASH, block_hash
 from services.kvcache.prompt_hash import partial_block_hash
+from services.worker.engine import decode_graphs
 from services.worker.engine import types as t
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu_linear import LM_HEAD_MAX_PACKED_ROWS, PackedLinear, pack_linears, packing_available
+from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
@@ -72,7 +74,8 @@ MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail d
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
+                 graph_capture: GraphCapture | None = None) -> None:
         self.config = config
         if config.eviction_policy != "lru":
             raise ValueError(f"unknown eviction policy {config.eviction_policy!r}; only 'lru' is supported")
@@ -101,9 +104,19 @@ class Engine:
         specs, self._cache_layer = _layer_kv_layout(self._base)
         self.block_size = config.block_size
         num_blocks = config.num_blocks or self._default_num_blocks(specs)
-        self.kv = PagedKVCache(specs, num_blocks, self.block_size, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching)
         self.max_model_len = self._max_model_len()
+        if graph_capture is None and config.use_cuda_graphs and self.device.type == "cuda":
+            graph_capture = CudaGraphCapture()
+        # Graphs' padding rows write into one scratch block past the pool's blocks.
+        scratch_blocks = 1 if graph_capture is not None else 0
+        self.kv = PagedKVCache(specs, num_blocks + scratch_blocks, self.block_size, self.dtype, self.device)
+        self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.graphs: DecodeGraphs | None = None
+        if graph_capture is not None:
+            self.graphs = DecodeGraphs(
+                self._hidden_states, self.kv, self._cache_layer, graph_capture, block_size=self.block_size,
+                scratch_block=num_blocks, max_batch=config.cuda_graph_max_batch, max_context=self.max_model_len,
+                device=self.device, min_context=decode_graphs.MIN_CONTEXT_BUCKET)
         self.sampler = Sampler(eos_token_ids=_eos_token_ids(self.model))
         self.prompt_logits = PromptLogitsCache(config.prompt_logits_cache_size
                                                if config.enable_prefix_caching else 0)
@@ -128,6 +141,7 @@ class Engine:
         results: list[t.SeqResult] = []
         planned = self._plan(batch.work, results)
         forward_ms = 0.0
+        replays = self.graphs.replays if self.graphs is not None else 0
         if planned:
             started = time.perf_counter()
             sampled = self._forward(planned)
@@ -136,7 +150,8 @@ class Engine:
         return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
                             batch_tokens=sum(p.num_tokens for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
-                            prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None))
+                            prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
+                            graph_replayed=self.graphs is not None and self.graphs.replays > replays)
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()
@@ -350,16 +365,39 @@ class Engine:
         """One packed forward over `planned`; logits only at the rows that sample."""
         # Decodes first (one row each), then prefill chunks as contiguous runs.
         order = sorted(planned, key=lambda p: p.num_tokens != 1)
-        meta, input_ids, positions, sample_rows, sample_plans = self._build_inputs(order)
-        hidden = self._base(input_ids=input_ids[None], position_ids=positions[None],
-                            attention_mask=self._mask_by_type, use_cache=False,
-                            paged_metadata=meta).last_hidden_state[0]
-        if not sample_plans:
-            return [], hidden[:0]
-        logits = self._lm_head(hidden[torch.tensor(sample_rows, device=self.device)])
+        sample_plans = order
+        rows = self._decode_with_graphs(order)
+        if rows is None:
+            meta, input_ids, positions, sample_rows, sample_plans = self._build_inputs(order)
+            hidden = self._hidden_states(input_ids, positions, meta)
+            if not sample_plans:
+                return [], hidden[:0]
+            rows = hidden[torch.tensor(sample_rows, device=self.device)]
+        logits = self._lm_head(rows)
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
         return sample_plans, logits
+
+    def _hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """The base model's last hidden states of the packed rows, [T, hidden]."""
+        return self._base(input_ids=input_ids[None], position_ids=positions[None],
+                          attention_mask=self._mask_by_type, use_cache=False,
+                          paged_metadata=meta).last_hidden_state[0]
+
+    def _decode_with_graphs(self, order: list[_Planned]) -> torch.Tensor | None:
+        """Hidden states of a decode-only step from a captured graph, or None (no graphs,
+        not decode-only, no bucket fits, or graphs turned off)."""
+        if self.graphs is None or not all(p.num_tokens == 1 and p.samples for p in order):
+            return None
+        block_size = self.block_size
+        tables = [self.pool.table(p.seq.seq_id) for p in order]
+        return self.graphs.run(DecodeRows(
+            token_ids=[p.seq.tokens[p.start] for p in order],
+            positions=[p.start for p in order],
+            slots=[table[p.start // block_size] * block_size + p.start % block_size
+                   for p, table in zip(order, tables)],
+            ctx_lens=[p.end for p in order],
+            block_tables=tables))
 
     def _keep_prompt_logits(self, sample_plans: list[_Planned], logits: torch.Tensor) -> None:
         if self.prompt_logits.capacity == 0:

@@ -92,6 +92,7 @@ class StepOutput:
     batch_tokens: int = 0
     prompt_tokens: int = 0      # of batch_tokens, those at prompt positions (prefill, not decode)
     prompt_logits_hits: int = 0 # sequences that sampled from kept prompt logits, computing nothing
+    graph_replayed: bool = False  # the forward replayed a captured decode graph
 
 
 @dataclass(frozen=True)

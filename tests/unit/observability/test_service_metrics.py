@@ -10,7 +10,7 @@ from common.grafana import exported_series_names
 from services.gateway.metrics import GatewayMetrics
 from services.kvcache.kv_types import IndexStats
 from services.kvcache.metrics import KvCacheMetrics
-from services.worker.engine.types import PoolStats
+from services.worker.engine.types import PoolStats, StepBatch, StepOutput
 from services.worker.server import WorkerMetrics
 
 
@@ -67,6 +67,16 @@ def test_the_worker_exports_every_family_and_block_state_from_the_start() -> Non
     assert 'fairserve_worker_kv_blocks{state="total",worker="worker-7"} 64.0' in text
     assert 'fairserve_worker_kv_blocks{state="free",worker="worker-7"} 64.0' in text
     assert 'fairserve_worker_tokens_total{kind="sampled",worker="worker-7"} 0.0' in text
+
+
+def test_the_worker_counts_decode_steps_replayed_from_graphs() -> None:
+    pool = PoolStats(total_blocks=8, free_blocks=8, cached_blocks=0, used_blocks=0, evictions=0,
+                     prefix_hit_tokens=0, prefix_query_tokens=0)
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "worker-7", pool)
+    for replayed in (True, False, True):
+        metrics.observe(StepBatch(), StepOutput(results=[], pool=pool, graph_replayed=replayed), running=0)
+    assert 'fairserve_worker_decode_graph_steps_total{worker="worker-7"} 2.0' in scrape(registry)
 
 
 def test_the_kvcache_exports_its_families_and_a_token_hit_rate() -> None:

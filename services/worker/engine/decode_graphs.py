@@ -1,0 +1,245 @@
+"""Decode steps replayed from captured graphs (CUDA graphs on CUDA).
+
+At small batch sizes a GPU decode step is launch-bound: each layer is dozens
+of small kernels issued one by one from Python. A decode-only step has the
+same shapes every time for a given (batch, context) bucket, so the base
+model's forward for that bucket is captured once into a graph and replayed:
+
+* inputs are copied into the graph's static buffers; rows past the real batch
+  are padding that writes its K/V into a scratch block no sequence owns and
+  attends only to it;
+* context is gathered for a fixed `context` positions per sequence with a
+  mask (the decode attention path with `decode_ctx_range = (0, context)`),
+  so no shape depends on the step's actual lengths;
+* the LM head runs outside the graph on the real rows only, so a graph's
+  persistent output is `batch x hidden`, not `batch x vocab`.
+
+Buckets are captured lazily, the first time a step needs one. Each capture is
+checked once: replaying it must reproduce the eager forward it was captured
+from. A capture that raises (e.g. a host sync inside the model) or does not
+reproduce turns graphs off for the rest of the process and the step runs
+eagerly, so a model the graphs cannot handle still serves correctly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from services.worker.engine.attention import StepMetadata
+from services.worker.engine.block_pool import PagedKVCache
+
+log = logging.getLogger("worker.engine")
+
+# hidden states of the packed rows: (input_ids [T], positions [T], metadata) -> [T, hidden]
+BaseForward = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]
+
+MIN_CONTEXT_BUCKET = 256
+
+
+class GraphCapture(Protocol):
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        """Records `fn` (which reads and writes only tensors that outlive it) and returns
+        a callable that replays it and returns the tensor `fn` returned."""
+        ...
+
+
+class CudaGraphCapture:
+    """torch.cuda.CUDAGraph capture; all graphs share one memory pool (they never run at once)."""
+
+    def __init__(self, warmup_runs: int = 2) -> None:
+        self.warmup_runs = warmup_runs
+        self._pool: object | None = None
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        # Warm-up on a side stream first, as CUDA graph capture requires (lazy inits, autotuning).
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup_runs):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = fn()
+        if self._pool is None:
+            self._pool = graph.pool()
+
+        def replay() -> torch.Tensor:
+            graph.replay()
+            return output
+
+        return replay
+
+
+class EagerCapture:
+    """Replays by running the function again: the capture contract (static buffers,
+    padding rows, the scratch block, bucketed shapes) without a GPU."""
+
+    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        return fn
+
+
+@dataclass
+class _Graph:
+    batch: int
+    context: int
+    input_ids: torch.Tensor      # [batch]
+    positions: torch.Tensor      # [batch]
+    slot_mapping: torch.Tensor   # [batch]
+    ctx_lens: torch.Tensor       # [batch]
+    block_tables: torch.Tensor   # [batch, context // block_size]
+    replay: Callable[[], torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A decode-only step's rows as plain values, one entry per sequence."""
+    token_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    ctx_lens: list[int]          # context length including the decoded token
+    block_tables: list[list[int]]
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    small = [size for size in (1, 2, 4) if size < max_batch]
+    return small + list(range(8, max_batch, 8)) + [max_batch]
+
+
+def context_buckets(max_context: int, block_size: int, smallest: int = MIN_CONTEXT_BUCKET) -> list[int]:
+    """Powers of two from `smallest` up to `max_context`, each rounded up to whole blocks."""
+    buckets: list[int] = []
+    size = max(1, smallest)
+    while True:
+        rounded = min(-(-size // block_size), -(-max_context // block_size)) * block_size
+        if not buckets or rounded > buckets[-1]:
+            buckets.append(rounded)
+        if size >= max_context:
+            return buckets
+        size *= 2
+
+
+class DecodeGraphs:
+    """Captured decode forwards by (batch, context) bucket. `run` returns the hidden
+    states of the real rows, or None when the step does not fit a bucket or graphs
+    are off, in which case the caller runs the forward eagerly."""
+
+    def __init__(self, forward: BaseForward, kv: PagedKVCache, cache_layer: list[int], capture: GraphCapture,
+                 *, block_size: int, scratch_block: int, max_batch: int, max_context: int,
+                 device: torch.device, min_context: int = MIN_CONTEXT_BUCKET,
+                 atol: float = 1e-3, rtol: float = 1e-2) -> None:
+        if max_batch <= 0:
+            raise ValueError("max_batch must be positive")
+        self._forward = forward
+        self._kv = kv
+        self._cache_layer = cache_layer
+        self._capture = capture
+        self.block_size = block_size
+        self.scratch_block = scratch_block
+        self.device = device
+        self.atol = atol
+        self.rtol = rtol
+        self.batch_buckets = batch_buckets(max_batch)
+        self.context_buckets = context_buckets(max_context, block_size, min_context)
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.enabled = True
+        self.replays = 0
+        self.failure = ""
+
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
+    def bucket(self, num_rows: int, longest_context: int) -> tuple[int, int] | None:
+        batch = next((size for size in self.batch_buckets if size >= num_rows), None)
+        context = next((size for size in self.context_buckets if size >= longest_context), None)
+        return None if batch is None or context is None else (batch, context)
+
+    def run(self, rows: DecodeRows) -> torch.Tensor | None:
+        if not self.enabled or not rows.token_ids:
+            return None
+        key = self.bucket(len(rows.token_ids), max(rows.ctx_lens))
+        if key is None:
+            return None
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._new_graph(*key)
+            self._fill(graph, rows)
+            if not self._capture_checked(graph):
+                return None
+            self._graphs[key] = graph
+        else:
+            self._fill(graph, rows)
+        assert graph.replay is not None
+        self.replays += 1
+        return graph.replay()[:len(rows.token_ids)]
+
+    # ---- capture ---------------------------------------------------------------------------
+
+    def _new_graph(self, batch: int, context: int) -> _Graph:
+        def buffer(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=self.device)
+
+        return _Graph(batch, context, buffer(batch), buffer(batch), buffer(batch), buffer(batch),
+                      buffer(batch, context // self.block_size))
+
+    def _body(self, graph: _Graph) -> Callable[[], torch.Tensor]:
+        def forward() -> torch.Tensor:
+            # Built inside the captured function: its derived tensors (slots, masks) are
+            # recomputed from the static buffers on every replay.
+            meta = StepMetadata(
+                kv=self._kv, cache_layer=self._cache_layer, block_size=self.block_size,
+                slot_mapping=graph.slot_mapping, num_decodes=graph.batch, decode_ctx_lens=graph.ctx_lens,
+                decode_block_tables=graph.block_tables, decode_ctx_range=(0, graph.context),
+                prefills=[], num_tokens=graph.batch)
+            return self._forward(graph.input_ids, graph.positions, meta)
+
+        return forward
+
+    def _capture_checked(self, graph: _Graph) -> bool:
+        body = self._body(graph)
+        try:
+            # Rewriting the real rows' K/V with the same values is harmless.
+            expected = body().clone()
+            graph.replay = self._capture.capture(body)
+            replayed = graph.replay()
+        except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
+            self._disable(f"capturing batch {graph.batch} x context {graph.context} failed: {error!r}")
+            return False
+        if replayed.shape != expected.shape or not torch.allclose(
+                replayed.float(), expected.float(), atol=self.atol, rtol=self.rtol):
+            difference = (replayed.float() - expected.float()).abs().max().item() \
+                if replayed.shape == expected.shape else float("nan")
+            self._disable(f"replay of batch {graph.batch} x context {graph.context} differs from the eager "
+                          f"forward (max abs difference {difference:.3g})")
+            return False
+        return True
+
+    def _disable(self, reason: str) -> None:
+        self.enabled = False
+        self.failure = reason
+        self._graphs.clear()
+        log.warning("decode graphs turned off; decode steps run eagerly", extra={"reason": reason})
+
+    # ---- inputs ----------------------------------------------------------------------------
+
+    def _fill(self, graph: _Graph, rows: DecodeRows) -> None:
+        pad = graph.batch - len(rows.token_ids)
+        width = graph.context // self.block_size
+        scratch_slot = self.scratch_block * self.block_size
+        tables = [table[:width] + [self.scratch_block] * (width - len(table[:width])) for table in rows.block_tables]
+        tables += [[self.scratch_block] * width] * pad
+        # Padding rows: token 0 at position 0, its K/V into the scratch block, a context of one.
+        host = torch.tensor([rows.token_ids + [0] * pad, rows.positions + [0] * pad,
+                             rows.slots + [scratch_slot] * pad, rows.ctx_lens + [1] * pad], dtype=torch.long)
+        graph.input_ids.copy_(host[0], non_blocking=True)
+        graph.positions.copy_(host[1], non_blocking=True)
+        graph.slot_mapping.copy_(host[2], non_blocking=True)
+        graph.ctx_lens.copy_(host[3], non_blocking=True)
+        graph.block_tables.copy_(torch.tensor(tables, dtype=torch.long).reshape(graph.batch, width),
+                                 non_blocking=True)
