@@ -36,7 +36,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         prompt_logits_cache_size=settings.prompt_logits_cache_size,
         max_model_len=settings.max_model_len, model_key=settings.model_key,
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
-        cuda_graph_max_batch=settings.cuda_graph_max_batch,
+        cuda_graph_max_batch=settings.cuda_graph_max_batch, attention_backend=settings.attention_backend,
     )
 
 
@@ -45,7 +45,8 @@ async def serve(settings: WorkerSettings) -> None:
     engine = Engine(engine_config(settings, model_dir))
     log.info("engine ready", extra={"model_dir": str(model_dir), "device": engine.info.device,
                                     "num_blocks": engine.info.num_blocks,
-                                    "decode_graphs": engine.graphs is not None})
+                                    "decode_graphs": engine.graphs is not None,
+                                    "prefill_attention": engine.attention_kernel})
     registry = CollectorRegistry()
     metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr)

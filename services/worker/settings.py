@@ -13,6 +13,7 @@ from common.settings import EnvReader
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru",)
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/varlen_attention.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -47,6 +48,7 @@ class WorkerSettings:
     torch_threads: int
     use_cuda_graphs: bool
     cuda_graph_max_batch: int
+    attention_backend: str
     scheduler_addr: str
     kvcache_addr: str
     heartbeat_interval_s: float
@@ -79,6 +81,7 @@ class WorkerSettings:
             torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
             use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
             cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
+            attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
             heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),

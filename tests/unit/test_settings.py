@@ -45,3 +45,10 @@ def test_worker_cuda_graph_settings() -> None:
     assert not settings.use_cuda_graphs and settings.cuda_graph_max_batch == 16
     with pytest.raises(SettingsError, match="CUDA_GRAPH_MAX_BATCH"):
         WorkerSettings.from_env({"CUDA_GRAPH_MAX_BATCH": "0"})
+
+
+def test_worker_attention_backend_setting() -> None:
+    assert WorkerSettings.from_env({}).attention_backend == "auto"
+    assert WorkerSettings.from_env({"ATTENTION_BACKEND": "sdpa"}).attention_backend == "sdpa"
+    with pytest.raises(SettingsError, match="ATTENTION_BACKEND"):
+        WorkerSettings.from_env({"ATTENTION_BACKEND": "xformers"})

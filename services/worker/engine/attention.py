@@ -8,18 +8,21 @@ through block tables. Per-step metadata rides along in the forward kwargs
 
 The packed batch is [1, T]: first the decodes (one token each), then prefill
 chunks (contiguous runs of rows). Decodes are attended to together with a
-right-aligned, padded gather; each prefill chunk runs its own SDPA call.
+right-aligned, padded gather; the prefill chunks go to one fused varlen call
+when a kernel is loaded (varlen_attention.py), else each runs its own SDPA call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from services.worker.engine.block_pool import PagedKVCache
+from services.worker.engine.varlen_attention import VarlenKernel
 
 ATTENTION_NAME = "fairserve_paged"
 
@@ -44,6 +47,8 @@ class StepMetadata:
     decode_ctx_range: tuple[int, int]  # (shortest, longest) context among decodes, known on the host
     prefills: list[PrefillChunk]
     num_tokens: int
+    varlen: VarlenKernel | None = None   # fused kernel for the prefill chunks, if loaded
+    _varlen_inputs: dict[int | None, tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=dict)
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     _prefill_views: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
@@ -68,6 +73,19 @@ class StepMetadata:
         slots = blocks * self.block_size + positions % self.block_size
         return slots, mask
 
+    def varlen_inputs(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k) of the prefill chunks, each
+        chunk's keys being its context from `first_key_position(chunk, window)` on."""
+        inputs = self._varlen_inputs.get(window)
+        if inputs is None:
+            lens_q = [chunk.num_tokens for chunk in self.prefills]
+            lens_k = [chunk.start_pos + chunk.num_tokens - first_key_position(chunk, window)
+                      for chunk in self.prefills]
+            device = self.slot_mapping.device
+            inputs = (_cumulative(lens_q, device), _cumulative(lens_k, device), max(lens_q), max(lens_k))
+            self._varlen_inputs[window] = inputs
+        return inputs
+
     def prefill_view(self, index: int, window: int | None) -> tuple[int, torch.Tensor | None]:
         """(first key position, bool mask [n, L] or None for plain causal) of prefill chunk `index`."""
         key = (index, window)
@@ -80,7 +98,7 @@ class StepMetadata:
     @staticmethod
     def _build_prefill_view(chunk: PrefillChunk, window: int | None) -> tuple[int, torch.Tensor | None]:
         end = chunk.start_pos + chunk.num_tokens
-        first = 0 if window is None else max(0, chunk.start_pos - window + 1)
+        first = first_key_position(chunk, window)
         device = chunk.context_slots.device
         if first == 0 and chunk.start_pos == 0 and (window is None or window >= chunk.num_tokens):
             return 0, None
@@ -90,6 +108,15 @@ class StepMetadata:
         if window is not None:
             mask &= key_pos > query_pos - window
         return first, mask
+
+
+def _cumulative(lengths: list[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor([0, *accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def first_key_position(chunk: PrefillChunk, window: int | None) -> int:
+    """The earliest position any query of `chunk` attends to."""
+    return 0 if window is None else max(0, chunk.start_pos - window + 1)
 
 
 def _layer_window(module: torch.nn.Module, sliding_window: int | None) -> int | None:
@@ -137,6 +164,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
         out[:decodes] = attn.reshape(decodes, num_heads, -1)
 
+    if meta.prefills and meta.varlen is not None and meta.varlen.supports(head_dim, value.shape[-1]):
+        _varlen_prefill(meta, meta.varlen, query, key, value, k_cache, v_cache, window, scaling, out)
+        return out.unsqueeze(0), None
     for index, chunk in enumerate(meta.prefills):
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
         first, mask = meta.prefill_view(index, window)
@@ -151,6 +181,29 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                                               scale=scaling, enable_gqa=num_heads != num_kv_heads)
         out[rows] = attn[0].transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _varlen_prefill(meta: StepMetadata, kernel: VarlenKernel, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
+                    scaling: float | None, out: torch.Tensor) -> None:
+    """All prefill chunks of the step in one fused call; writes their rows of `out`."""
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    for chunk in meta.prefills:
+        if chunk.start_pos == 0:
+            rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
+            keys.append(key[0, :, rows].transpose(0, 1))
+            values.append(value[0, :, rows].transpose(0, 1))
+        else:
+            slots = chunk.context_slots[first_key_position(chunk, window):]
+            keys.append(_gather(k_cache, slots))
+            values.append(_gather(v_cache, slots))
+    cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = meta.varlen_inputs(window)
+    first_row = meta.prefills[0].row_start
+    out[first_row:] = kernel.function(
+        query[0, :, first_row:].transpose(0, 1), torch.cat(keys), torch.cat(values), cu_seqlens_q, cu_seqlens_k,
+        max_seqlen_q, max_seqlen_k, softmax_scale=scaling, causal=True,
+        window_size=(window - 1, 0) if window is not None else (-1, -1))
 
 
 AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

@@ -27,6 +27,7 @@ from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs,
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
+from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
 @dataclass
@@ -101,6 +102,7 @@ class Engine:
         layer_types = getattr(self.model_config, "layer_types", None)
         self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
 
+        self._varlen = load_varlen_kernel(config.attention_backend, self.device, self.dtype)
         specs, self._cache_layer = _layer_kv_layout(self._base)
         self.block_size = config.block_size
         num_blocks = config.num_blocks or self._default_num_blocks(specs)
@@ -128,6 +130,11 @@ class Engine:
             eos_token_ids=_eos_token_ids(self.model), vocab_size=int(self.model_config.vocab_size))
 
     # ---- public API ----------------------------------------------------------------------
+
+    @property
+    def attention_kernel(self) -> str:
+        """What runs the prefill chunks' attention: a fused varlen kernel's name, or sdpa."""
+        return self._varlen.name if self._varlen is not None else "sdpa"
 
     @property
     def info(self) -> t.EngineInfo:
@@ -446,7 +453,7 @@ class Engine:
             decode_ctx_lens=torch.tensor(decode_ctx, dtype=torch.long, device=device),
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
             decode_ctx_range=(min(decode_ctx, default=0), max(decode_ctx, default=0)),
-            prefills=prefills, num_tokens=len(ids))
+            prefills=prefills, num_tokens=len(ids), varlen=self._varlen)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         return meta, input_ids, position_tensor, sample_rows, sample_plans
