@@ -17,8 +17,9 @@ model's forward for that bucket is captured once into a graph and replayed:
 Buckets are captured lazily, the first time a step needs one. Each capture is
 checked once: replaying it must reproduce the eager forward it was captured
 from. A capture that raises (e.g. a host sync inside the model) or does not
-reproduce turns graphs off for the rest of the process and the step runs
-eagerly, so a model the graphs cannot handle still serves correctly.
+reproduce, or a replay that raises, turns graphs off for the rest of the
+process and the step runs eagerly, so a model the graphs cannot handle still
+serves correctly.
 """
 
 from __future__ import annotations
@@ -170,14 +171,20 @@ class DecodeGraphs:
         if graph is None:
             graph = self._new_graph(*key)
             self._fill(graph, rows)
-            if not self._capture_checked(graph):
+            hidden = self._capture_checked(graph)
+            if hidden is None:
                 return None
             self._graphs[key] = graph
         else:
             self._fill(graph, rows)
-        assert graph.replay is not None
+            assert graph.replay is not None
+            try:
+                hidden = graph.replay()
+            except Exception as error:  # noqa: BLE001 - the step reruns eagerly
+                self._disable(f"replaying batch {graph.batch} x context {graph.context} failed: {error!r}")
+                return None
         self.replays += 1
-        return graph.replay()[:len(rows.token_ids)]
+        return hidden[:len(rows.token_ids)]
 
     # ---- capture ---------------------------------------------------------------------------
 
@@ -201,7 +208,9 @@ class DecodeGraphs:
 
         return forward
 
-    def _capture_checked(self, graph: _Graph) -> bool:
+    def _capture_checked(self, graph: _Graph) -> torch.Tensor | None:
+        """Captures `graph` from its filled buffers. Returns its first replay's output, or
+        None (graphs turned off) when capturing fails or the replay differs from eager."""
         body = self._body(graph)
         try:
             # Rewriting the real rows' K/V with the same values is harmless.
@@ -210,15 +219,15 @@ class DecodeGraphs:
             replayed = graph.replay()
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
             self._disable(f"capturing batch {graph.batch} x context {graph.context} failed: {error!r}")
-            return False
+            return None
         if replayed.shape != expected.shape or not torch.allclose(
                 replayed.float(), expected.float(), atol=self.atol, rtol=self.rtol):
             difference = (replayed.float() - expected.float()).abs().max().item() \
                 if replayed.shape == expected.shape else float("nan")
             self._disable(f"replay of batch {graph.batch} x context {graph.context} differs from the eager "
                           f"forward (max abs difference {difference:.3g})")
-            return False
-        return True
+            return None
+        return replayed
 
     def _disable(self, reason: str) -> None:
         self.enabled = False

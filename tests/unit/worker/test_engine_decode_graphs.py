@@ -60,6 +60,21 @@ class FailingCapture:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
+class BreaksAfterCheckCapture:
+    """Passes the capture check, then every later replay raises."""
+
+    def capture(self, fn):
+        replays = []
+
+        def replay():
+            replays.append(1)
+            if len(replays) > 1:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return fn()
+
+        return replay
+
+
 def graph_engine(kind: str, capture=None, num_blocks: int = 128, block_size: int = 4, **config) -> Engine:
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
     return Engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=block_size, model_key=kind,
@@ -149,15 +164,18 @@ def test_only_decode_only_steps_replay_and_large_batches_run_eagerly() -> None:
     assert graphs.replays == 1
 
 
-@pytest.mark.parametrize("capture, reason", [(CorruptingCapture(), "differs from the eager forward"),
-                                              (FailingCapture(), "failed")])
-def test_a_capture_that_fails_or_does_not_reproduce_turns_graphs_off(capture, reason: str) -> None:
+@pytest.mark.parametrize("capture, reason, replays", [
+    (CorruptingCapture(), "differs from the eager forward", 0),
+    (FailingCapture(), "capturing batch", 0),
+    (BreaksAfterCheckCapture(), "replaying batch", 1),
+])
+def test_a_capture_that_fails_or_does_not_reproduce_turns_graphs_off(capture, reason: str, replays: int) -> None:
     engine = graph_engine("gemma3", capture)
     got = Driver(engine).run(PROMPTS, 8, CHUNKS)
     graphs = engine.graphs
     assert graphs is not None
     assert not graphs.enabled and reason in graphs.failure
-    assert graphs.replays == 0 and graphs.captured == 0
+    assert graphs.replays == replays and graphs.captured == 0
     reference = reference_model("gemma3")
     for seq_id, prompt in PROMPTS.items():
         expected = generate(reference, prompt, 8)
