@@ -76,6 +76,22 @@ def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> 
     return output[0, len(prompt):].tolist()
 
 
+def assert_greedy_matches(reference: torch.nn.Module, prompts: dict[str, list[int]],
+                          got: dict[str, list[int]], new_tokens: int) -> None:
+    """Every sequence's tokens equal `generate`'s (which may stop early on EOS)."""
+    for seq_id, prompt in prompts.items():
+        expected = generate(reference, prompt, new_tokens)
+        assert got[seq_id][:len(expected)] == expected, seq_id
+
+
+def assert_rows_match(reference: torch.nn.Module, recorder: "RecordingSampler", atol: float) -> None:
+    """Every recorded logits row equals a full forward over what its sequence had seen."""
+    assert recorder.rows
+    with torch.no_grad():
+        for logits, seen in recorder.rows:
+            torch.testing.assert_close(logits, reference(torch.tensor([seen])).logits[0, -1], atol=atol, rtol=0)
+
+
 def prompt_of(length: int, salt: int = 0) -> list[int]:
     return [2] + [(7 * i + 13 * salt) % 370 + 10 for i in range(length - 1)]
 

@@ -23,7 +23,16 @@ from services.worker.engine.decode_graphs import (
     context_buckets,
 )
 from tests.fixtures.tiny_model import build_model
-from tests.unit.worker.engine_helpers import CONFIGS, Driver, RecordingSampler, generate, prompt_of, reference_model
+from tests.unit.worker.engine_helpers import (
+    CONFIGS,
+    Driver,
+    RecordingSampler,
+    assert_greedy_matches,
+    assert_rows_match,
+    generate,
+    prompt_of,
+    reference_model,
+)
 
 LOGITS_ATOL = 1e-4
 
@@ -92,13 +101,8 @@ def test_greedy_tokens_and_logits_match_transformers(kind: str) -> None:
     engine.sampler = recorder
     got = Driver(engine).run(PROMPTS, 14, CHUNKS)
     reference = reference_model(kind)
-    for seq_id, prompt in PROMPTS.items():
-        expected = generate(reference, prompt, 14)
-        assert got[seq_id][:len(expected)] == expected, seq_id
-    with torch.no_grad():
-        for logits, seen in recorder.rows:
-            torch.testing.assert_close(logits, reference(torch.tensor([seen])).logits[0, -1],
-                                       atol=LOGITS_ATOL, rtol=0)
+    assert_greedy_matches(reference, PROMPTS, got, 14)
+    assert_rows_match(reference, recorder, LOGITS_ATOL)
     graphs = engine.graphs
     assert graphs is not None and graphs.enabled and graphs.failure == ""
     assert graphs.replays > 10
@@ -176,10 +180,7 @@ def test_a_capture_that_fails_or_does_not_reproduce_turns_graphs_off(capture, re
     assert graphs is not None
     assert not graphs.enabled and reason in graphs.failure
     assert graphs.replays == replays and graphs.captured == 0
-    reference = reference_model("gemma3")
-    for seq_id, prompt in PROMPTS.items():
-        expected = generate(reference, prompt, 8)
-        assert got[seq_id][:len(expected)] == expected
+    assert_greedy_matches(reference_model("gemma3"), PROMPTS, got, 8)
 
 
 def test_cpu_ignores_use_cuda_graphs() -> None:
@@ -217,9 +218,6 @@ def test_cuda_graphs_match_transformers_on_a_gpu() -> None:
                                      model_key=kind), model=model)
         assert isinstance(engine.graphs._capture, CudaGraphCapture)  # type: ignore[union-attr]
         got = Driver(engine).run(PROMPTS, 14, CHUNKS)
-        reference = reference_model(kind)
-        for seq_id, prompt in PROMPTS.items():
-            expected = generate(reference, prompt, 14)
-            assert got[seq_id][:len(expected)] == expected, (kind, seq_id)
+        assert_greedy_matches(reference_model(kind), PROMPTS, got, 14)
         assert engine.graphs.enabled, engine.graphs.failure  # type: ignore[union-attr]
         assert engine.graphs.replays > 10  # type: ignore[union-attr]

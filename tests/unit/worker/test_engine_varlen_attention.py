@@ -14,7 +14,16 @@ from services.worker.engine import engine as engine_module
 from services.worker.engine import varlen_attention
 from services.worker.engine.varlen_attention import VarlenKernel, load_varlen_kernel, reference_varlen_attention
 from tests.fixtures.tiny_model import build_model
-from tests.unit.worker.engine_helpers import CONFIGS, Driver, RecordingSampler, generate, prompt_of, reference_model
+from tests.unit.worker.engine_helpers import (
+    CONFIGS,
+    Driver,
+    RecordingSampler,
+    assert_greedy_matches,
+    assert_rows_match,
+    generate,
+    prompt_of,
+    reference_model,
+)
 
 LOGITS_ATOL = 1e-4
 
@@ -131,13 +140,8 @@ def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(
     prompts = {"short": prompt_of(3, 1), "mid": prompt_of(9, 2), "long": prompt_of(30, 3), "odd": prompt_of(17, 4)}
     got = Driver(engine).run(prompts, 8, {"short": 64, "mid": 4, "long": 11, "odd": 5})
     reference = reference_model(kind)
-    for seq_id, prompt in prompts.items():
-        expected = generate(reference, prompt, 8)
-        assert got[seq_id][:len(expected)] == expected, seq_id
-    with torch.no_grad():
-        for logits, seen in recorder.rows:
-            torch.testing.assert_close(logits, reference(torch.tensor([seen])).logits[0, -1],
-                                       atol=LOGITS_ATOL, rtol=0)
+    assert_greedy_matches(reference, prompts, got, 8)
+    assert_rows_match(reference, recorder, LOGITS_ATOL)
     # One call per layer per step with prefill chunks, carrying all of them.
     assert max(kernel.calls) >= 3
 
@@ -160,10 +164,7 @@ def test_layers_the_kernel_cannot_take_fall_back_to_sdpa(monkeypatch: pytest.Mon
     engine = varlen_engine("gemma4", monkeypatch, kernel, max_head_dim=16)
     prompts = {"a": prompt_of(12, 1), "b": prompt_of(20, 2)}
     got = Driver(engine).run(prompts, 6, {"a": 5, "b": 7})
-    reference = reference_model("gemma4")
-    for seq_id, prompt in prompts.items():
-        expected = generate(reference, prompt, 6)
-        assert got[seq_id][:len(expected)] == expected
+    assert_greedy_matches(reference_model("gemma4"), prompts, got, 6)
     assert kernel.calls
 
 
