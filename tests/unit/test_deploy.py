@@ -1,0 +1,63 @@
+"""The container files, read statically (no Docker here): every variable the
+compose files set is one a service reads, and the GPU overlay only swaps the
+worker's image and device."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+FAIRSERVE_SERVICES = ("kvcache", "scheduler", "worker", "gateway")
+
+
+def _compose(name: str) -> dict:
+    return yaml.safe_load((DEPLOY / name).read_text())
+
+
+def _variables_read_by_settings() -> set[str]:
+    names: set[str] = set()
+    for path in [ROOT / "common" / "settings.py", *ROOT.glob("services/*/settings.py")]:
+        names.update(re.findall(r'"([A-Z][A-Z0-9_]+)"', path.read_text()))
+    return names
+
+
+def test_every_service_runs_a_module_that_exists() -> None:
+    services = _compose("compose.yaml")["services"]
+    for name in FAIRSERVE_SERVICES:
+        command = services[name]["command"]
+        assert command[:2] == ["python", "-m"]
+        assert (ROOT / (command[2].replace(".", "/") + ".py")).is_file(), command
+
+
+def test_compose_files_set_only_variables_the_services_read() -> None:
+    known = _variables_read_by_settings()
+    for name in ("compose.yaml", "compose.gpu.yaml"):
+        for service, spec in _compose(name)["services"].items():
+            if service not in FAIRSERVE_SERVICES:
+                continue
+            unknown = set(spec.get("environment", {})) - known
+            assert not unknown, (name, service, unknown)
+
+
+def test_gpu_overlay_swaps_the_worker_image_and_device_only() -> None:
+    base = _compose("compose.yaml")["services"]
+    overlay = _compose("compose.gpu.yaml")["services"]
+    assert set(overlay) == {"worker"}
+    worker = overlay["worker"]
+    assert worker["build"]["dockerfile"] == "deploy/Dockerfile"
+    assert worker["build"]["args"]["TORCH_INDEX_URL"] == ""
+    assert worker["image"] != base["gateway"]["image"]      # the other services keep the CPU image
+    assert worker["environment"]["DEVICE"] == "cuda"
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_dockerfile_defaults_to_the_cpu_torch_and_takes_the_build_args() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
+    assert '${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}' in dockerfile
+    assert "ARG EXTRA_PIP_PACKAGES" in dockerfile and "$EXTRA_PIP_PACKAGES" in dockerfile
