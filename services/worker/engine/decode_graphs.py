@@ -40,6 +40,9 @@ log = logging.getLogger("worker.engine")
 BaseForward = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]
 
 MIN_CONTEXT_BUCKET = 256
+# A replay may differ from eager by kernel choice (rounding), not by content: a row
+# read from the wrong slots is off by order 1, bfloat16 rounding by under 1 %.
+REPLAY_TOLERANCE = 0.02
 
 
 class GraphCapture(Protocol):
@@ -107,6 +110,15 @@ class DecodeRows:
     block_tables: list[list[int]]
 
 
+def row_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest per-row ||got - expected|| / ||expected||; inf when the shapes differ."""
+    if got.shape != expected.shape:
+        return float("inf")
+    got, expected = got.float().flatten(1), expected.float().flatten(1)
+    norms = expected.norm(dim=1).clamp_min(1e-6)
+    return float(((got - expected).norm(dim=1) / norms).max())
+
+
 def batch_buckets(max_batch: int) -> list[int]:
     small = [size for size in (1, 2, 4) if size < max_batch]
     return small + list(range(8, max_batch, 8)) + [max_batch]
@@ -133,7 +145,7 @@ class DecodeGraphs:
     def __init__(self, forward: BaseForward, kv: PagedKVCache, cache_layer: list[int], capture: GraphCapture,
                  *, block_size: int, scratch_block: int, max_batch: int, max_context: int,
                  device: torch.device, min_context: int = MIN_CONTEXT_BUCKET,
-                 atol: float = 1e-3, rtol: float = 1e-2) -> None:
+                 tolerance: float = REPLAY_TOLERANCE) -> None:
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self._forward = forward
@@ -143,8 +155,7 @@ class DecodeGraphs:
         self.block_size = block_size
         self.scratch_block = scratch_block
         self.device = device
-        self.atol = atol
-        self.rtol = rtol
+        self.tolerance = tolerance
         self.batch_buckets = batch_buckets(max_batch)
         self.context_buckets = context_buckets(max_context, block_size, min_context)
         self._graphs: dict[tuple[int, int], _Graph] = {}
@@ -220,12 +231,10 @@ class DecodeGraphs:
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
             self._disable(f"capturing batch {graph.batch} x context {graph.context} failed: {error!r}")
             return None
-        if replayed.shape != expected.shape or not torch.allclose(
-                replayed.float(), expected.float(), atol=self.atol, rtol=self.rtol):
-            difference = (replayed.float() - expected.float()).abs().max().item() \
-                if replayed.shape == expected.shape else float("nan")
+        difference = row_relative_error(replayed, expected)
+        if difference > self.tolerance:
             self._disable(f"replay of batch {graph.batch} x context {graph.context} differs from the eager "
-                          f"forward (max abs difference {difference:.3g})")
+                          f"forward (largest row relative error {difference:.3g})")
             return None
         return replayed
 

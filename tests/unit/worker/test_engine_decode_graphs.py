@@ -21,6 +21,7 @@ from services.worker.engine.decode_graphs import (
     EagerCapture,
     batch_buckets,
     context_buckets,
+    row_relative_error,
 )
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (
@@ -221,3 +222,14 @@ def test_cuda_graphs_match_transformers_on_a_gpu() -> None:
         assert_greedy_matches(reference_model(kind), PROMPTS, got, 14)
         assert engine.graphs.enabled, engine.graphs.failure  # type: ignore[union-attr]
         assert engine.graphs.replays > 10  # type: ignore[union-attr]
+
+
+def test_row_relative_error_tolerates_rounding_but_not_a_wrong_row() -> None:
+    torch.manual_seed(0)
+    expected = torch.randn(4, 64) * 50
+    rounded = expected.to(torch.bfloat16).float()
+    assert row_relative_error(rounded, expected) < 0.01
+    wrong_row = expected.clone()
+    wrong_row[2] = torch.randn(64) * 50
+    assert row_relative_error(wrong_row, expected) > 0.5
+    assert row_relative_error(expected[:3], expected) == float("inf")
