@@ -36,7 +36,8 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         prompt_logits_cache_size=settings.prompt_logits_cache_size,
         max_model_len=settings.max_model_len, model_key=settings.model_key,
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
-        cuda_graph_max_batch=settings.cuda_graph_max_batch, attention_backend=settings.attention_backend,
+        cuda_graph_max_batch=settings.cuda_graph_max_batch, cuda_graph_max_context=settings.cuda_graph_max_context,
+        attention_backend=settings.attention_backend,
     )
 
 

@@ -48,6 +48,7 @@ class WorkerSettings:
     torch_threads: int
     use_cuda_graphs: bool
     cuda_graph_max_batch: int
+    cuda_graph_max_context: int
     attention_backend: str
     scheduler_addr: str
     kvcache_addr: str
@@ -81,6 +82,7 @@ class WorkerSettings:
             torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
             use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
             cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
+            cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
             attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),

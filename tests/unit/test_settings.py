@@ -41,6 +41,7 @@ def test_worker_settings_defaults_and_errors() -> None:
 def test_worker_cuda_graph_settings() -> None:
     settings = WorkerSettings.from_env({})
     assert settings.use_cuda_graphs and settings.cuda_graph_max_batch == 64
+    assert settings.cuda_graph_max_context == 8192
     settings = WorkerSettings.from_env({"USE_CUDA_GRAPHS": "false", "CUDA_GRAPH_MAX_BATCH": "16"})
     assert not settings.use_cuda_graphs and settings.cuda_graph_max_batch == 16
     with pytest.raises(SettingsError, match="CUDA_GRAPH_MAX_BATCH"):

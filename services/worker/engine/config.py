@@ -21,6 +21,7 @@ class EngineConfig:
     torch_threads: int = 0             # 0 = leave torch's default
     use_cuda_graphs: bool = True       # decode-only steps replay captured CUDA graphs; CPU ignores it
     cuda_graph_max_batch: int = 64     # largest decode batch replayed from a graph; larger ones run eagerly
+    cuda_graph_max_context: int = 8192 # longest context replayed from a graph; longer ones run eagerly
     attention_backend: str = "auto"    # prefill chunks: auto (flash-attn on CUDA when installed) | sdpa | flash_attn
     cpu_kv_bytes: int = 1 << 30        # KV pool size on CPU/MPS when num_blocks == 0
     cpu_packed_weights: bool = True    # pre-packed linear weights on CPU float32/bfloat16 (faster decode batches)

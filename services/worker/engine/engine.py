@@ -117,7 +117,8 @@ class Engine:
         if graph_capture is not None:
             self.graphs = DecodeGraphs(
                 self._hidden_states, self.kv, self._cache_layer, graph_capture, block_size=self.block_size,
-                scratch_block=num_blocks, max_batch=config.cuda_graph_max_batch, max_context=self.max_model_len,
+                scratch_block=num_blocks, max_batch=config.cuda_graph_max_batch,
+                max_context=min(self.max_model_len, config.cuda_graph_max_context),
                 device=self.device, min_context=decode_graphs.MIN_CONTEXT_BUCKET)
         self.sampler = Sampler(eos_token_ids=_eos_token_ids(self.model))
         self.prompt_logits = PromptLogitsCache(config.prompt_logits_cache_size

@@ -233,3 +233,14 @@ def test_row_relative_error_tolerates_rounding_but_not_a_wrong_row() -> None:
     wrong_row[2] = torch.randn(64) * 50
     assert row_relative_error(wrong_row, expected) > 0.5
     assert row_relative_error(expected[:3], expected) == float("inf")
+
+
+def test_contexts_past_the_graph_limit_run_eagerly() -> None:
+    engine = graph_engine("llama", cuda_graph_max_context=16)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.context_buckets == [8, 16]
+    prompt = prompt_of(14, 3)
+    got = Driver(engine).run({"a": prompt}, 8)
+    assert got["a"] == generate(reference_model("llama"), prompt, 8)
+    # Contexts 15 and 16 replay; from 17 on the steps run eagerly.
+    assert graphs.replays == 2 and graphs.enabled
