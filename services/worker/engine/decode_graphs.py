@@ -15,9 +15,11 @@ model's forward for that bucket is captured once into a graph and replayed:
   persistent output is `batch x hidden`, not `batch x vocab`.
 
 Buckets are captured lazily, the first time a step needs one. Each capture is
-checked once: replaying it must reproduce the eager forward it was captured
-from. A capture that raises (e.g. a host sync inside the model) or does not
-reproduce, or a replay that raises, turns graphs off for the rest of the
+checked twice: its first replay must reproduce the eager forward it was
+captured from, and its next replay, on new inputs, an eager forward of those
+(a graph that froze something of its first inputs fails there). A capture
+that raises (e.g. a host sync inside the model), a replay that does not
+reproduce, or a replay that raises turns graphs off for the rest of the
 process and the step runs eagerly, so a model the graphs cannot handle still
 serves correctly.
 """
@@ -98,6 +100,7 @@ class _Graph:
     ctx_lens: torch.Tensor       # [batch]
     block_tables: torch.Tensor   # [batch, context // block_size]
     replay: Callable[[], torch.Tensor] | None = None
+    rechecked: bool = False      # a replay on inputs other than the captured ones matched eager
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,9 @@ class DecodeGraphs:
             except Exception as error:  # noqa: BLE001 - the step reruns eagerly
                 self._disable(f"replaying batch {graph.batch} x context {graph.context} failed: {error!r}")
                 return None
+            if not graph.rechecked and not self._matches_eager(graph, hidden, "on new inputs "):
+                return None
+            graph.rechecked = True
         self.replays += 1
         return hidden[:len(rows.token_ids)]
 
@@ -231,12 +237,21 @@ class DecodeGraphs:
         except Exception as error:  # noqa: BLE001 - any capture failure falls back to eager
             self._disable(f"capturing batch {graph.batch} x context {graph.context} failed: {error!r}")
             return None
+        return replayed if self._matches_eager(graph, replayed, "", expected) else None
+
+    def _matches_eager(self, graph: _Graph, replayed: torch.Tensor, when: str,
+                       expected: torch.Tensor | None = None) -> bool:
+        """Whether `replayed` matches an eager forward of the graph's current inputs; turns
+        graphs off when not. The second check, on the first replay after the capture step,
+        catches anything the capture froze from the inputs it was recorded with."""
+        if expected is None:
+            expected = self._body(graph)()
         difference = row_relative_error(replayed, expected)
-        if difference > self.tolerance:
-            self._disable(f"replay of batch {graph.batch} x context {graph.context} differs from the eager "
-                          f"forward (largest row relative error {difference:.3g})")
-            return None
-        return replayed
+        if difference <= self.tolerance:
+            return True
+        self._disable(f"replay of batch {graph.batch} x context {graph.context} {when}differs from the eager "
+                      f"forward (largest row relative error {difference:.3g})")
+        return False
 
     def _disable(self, reason: str) -> None:
         self.enabled = False

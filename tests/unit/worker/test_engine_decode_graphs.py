@@ -70,6 +70,15 @@ class FailingCapture:
         raise RuntimeError("operation not permitted when stream is capturing")
 
 
+class FreezingCapture:
+    """Replays the output of the inputs it was captured with, whatever the buffers hold
+    now: what a graph that baked in a host-side value of its first inputs would do."""
+
+    def capture(self, fn):
+        frozen = fn().clone()
+        return lambda: frozen
+
+
 class BreaksAfterCheckCapture:
     """Passes the capture check, then every later replay raises."""
 
@@ -173,6 +182,7 @@ def test_only_decode_only_steps_replay_and_large_batches_run_eagerly() -> None:
     (CorruptingCapture(), "differs from the eager forward", 0),
     (FailingCapture(), "capturing batch", 0),
     (BreaksAfterCheckCapture(), "replaying batch", 1),
+    (FreezingCapture(), "on new inputs differs from the eager forward", 1),
 ])
 def test_a_capture_that_fails_or_does_not_reproduce_turns_graphs_off(capture, reason: str, replays: int) -> None:
     engine = graph_engine("gemma3", capture)
