@@ -143,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and args.dtype in ("bfloat16", "float16") and import_flash_attn() is not None:
         flash = make_engine(model, args, graphs=False, backend="flash_attn")
         prefill_run(flash, prompts(2, sizes.prompt_len, sizes.vocab, seed=98), args.device)
-        flash_rate = f"{prefill_run(flash, batch, args.device):,.1f}"
-        ratio = f"{float(flash_rate.replace(',', '')) / sdpa_rate:.2f}×"
+        rate = prefill_run(flash, batch, args.device)
+        flash_rate, ratio = f"{rate:,.1f}", f"{rate / sdpa_rate:.2f}×"
     else:
         flash_rate, ratio = "no flash-attn", "—"
     lines.append(f"| prefill tokens/s, {len(batch)} prompts in one step, flash-attn varlen | {sdpa_rate:,.1f} | "

@@ -397,15 +397,17 @@ class Engine:
         not decode-only, no bucket fits, or graphs turned off)."""
         if self.graphs is None or not all(p.num_tokens == 1 and p.samples for p in order):
             return None
-        block_size = self.block_size
         tables = [self.pool.table(p.seq.seq_id) for p in order]
         return self.graphs.run(DecodeRows(
             token_ids=[p.seq.tokens[p.start] for p in order],
             positions=[p.start for p in order],
-            slots=[table[p.start // block_size] * block_size + p.start % block_size
-                   for p, table in zip(order, tables)],
+            slots=[self._slot(table, p.start) for p, table in zip(order, tables)],
             ctx_lens=[p.end for p in order],
             block_tables=tables))
+
+    def _slot(self, table: list[int], position: int) -> int:
+        """The KV slot of `position` in a sequence with block table `table`."""
+        return table[position // self.block_size] * self.block_size + position % self.block_size
 
     def _keep_prompt_logits(self, sample_plans: list[_Planned], logits: torch.Tensor) -> None:
         if self.prompt_logits.capacity == 0:
@@ -432,7 +434,7 @@ class Engine:
             ids.extend(plan.seq.tokens[plan.start:plan.end])
             positions.extend(range(plan.start, plan.end))
             if plan.num_tokens == 1 and not prefills:
-                slots.append(table[plan.start // block_size] * block_size + plan.start % block_size)
+                slots.append(self._slot(table, plan.start))
                 decode_ctx.append(plan.end)
                 decode_tables.append(table)
             else:
