@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine unit integration clean
+.PHONY: run test install proto prepare-model bench-engine loadsim unit integration clean
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ integration: install
 
 bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench
+
+# Simulated users against a running gateway (`make run` in another shell):
+#   make loadsim ARGS="--users 16 --duration 120"   or   ARGS="--rates 0.5,1,2 --requests 40"
+loadsim: install
+	$(PY) -m loadsim $(ARGS)
 
 clean:
 	rm -rf gen $(VENV)

@@ -9,6 +9,8 @@ from pathlib import Path
 
 import yaml
 
+from loadsim.__main__ import parse_args
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 FAIRSERVE_SERVICES = ("kvcache", "scheduler", "worker", "gateway")
@@ -61,3 +63,16 @@ def test_dockerfile_defaults_to_the_cpu_torch_and_takes_the_build_args() -> None
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in dockerfile
     assert '${TORCH_INDEX_URL:+--extra-index-url "$TORCH_INDEX_URL"}' in dockerfile
     assert "ARG EXTRA_PIP_PACKAGES" in dockerfile and "$EXTRA_PIP_PACKAGES" in dockerfile
+
+
+def test_the_load_simulator_runs_only_with_its_profile_against_the_gateway() -> None:
+    services = _compose("compose.yaml")["services"]
+    loadsim = services["loadsim"]
+    assert loadsim["profiles"] == ["load"] and loadsim["restart"] == "no"
+    command = loadsim["command"]
+    assert command[:3] == ["python", "-m", "loadsim"] and (ROOT / "loadsim" / "__main__.py").is_file()
+    gateway_port = services["gateway"]["ports"][0].split(":")[1]
+    assert command[command.index("--url") + 1] == f"http://gateway:{gateway_port}"
+    assert "--wait" in command and loadsim["depends_on"] == ["gateway"]
+    args = parse_args(command[3:])
+    assert args.wait > 0 and args.users > 0
