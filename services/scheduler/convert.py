@@ -53,6 +53,7 @@ def step_request_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
                        for n in plan.new_sequences],
         work=[worker_pb2.WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in plan.work],
         free_seq_ids=plan.free_seq_ids,
+        after_step_id=plan.after_step_id,
     )
 
 

@@ -8,8 +8,10 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
@@ -66,6 +68,12 @@ class KvIndexRouter:
     async def close(self) -> None:
         if self._channel is not None:
             await self._channel.close()
+
+
+@dataclass
+class _SentStep:
+    call: asyncio.Future[Any]   # the Step RPC
+    sent_at: float
 
 
 @dataclass(eq=False)
@@ -197,30 +205,58 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # ---- the per-worker step loop ----
 
     async def _run_worker(self, link: _WorkerLink) -> None:
+        """Plans, sends and applies this worker's steps. With async scheduling
+        (max_steps_in_flight 2) the next step is planned and sent while the
+        current one runs, so the worker starts it as soon as the current one
+        ends instead of waiting a round trip and a planning pass."""
         worker_id = link.worker_id
+        depth = self._core.config.max_steps_in_flight
+        sent: deque[_SentStep] = deque()
         try:
             while self._links.get(worker_id) is link and self._core.has_worker(worker_id):
                 link.wake.clear()
-                plan = self._core.plan_step(worker_id)
-                self._metrics.observe_queue_waits(self._core.drain_queue_waits())
-                if plan is None:
+                if len(sent) < depth:
+                    plan = self._core.plan_step(worker_id)
+                    self._metrics.observe_queue_waits(self._core.drain_queue_waits())
+                    if plan is not None:
+                        self._log_plan(worker_id, plan)
+                        call = asyncio.ensure_future(link.stub.Step(convert.step_request_to_proto(plan),
+                                                                    timeout=STEP_TIMEOUT_S))
+                        sent.append(_SentStep(call, time.perf_counter()))
+                        continue
+                if not sent:
                     await link.wake.wait()
                     continue
-                self._log_plan(worker_id, plan)
-                started = time.perf_counter()
+                oldest = sent[0]
+                if len(sent) < depth and not await self._reply_or_wake(oldest.call, link.wake):
+                    continue   # new work arrived: plan it before the reply
                 try:
-                    reply = await link.stub.Step(convert.step_request_to_proto(plan), timeout=STEP_TIMEOUT_S)
+                    reply = await oldest.call
                 except grpc.aio.AioRpcError as error:
                     await self._drop_worker(worker_id, f"worker {worker_id} failed a step: "
                                                        f"{error.code().name} {error.details()}")
                     return
-                self._metrics.observe_step(worker_id, time.perf_counter() - started)
+                sent.popleft()
+                self._metrics.observe_step(worker_id, time.perf_counter() - oldest.sent_at)
                 self._deliver(self._core.apply_step(worker_id, convert.step_outcome_from_proto(reply)))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # a bug must not leave this worker's requests hanging
             log.exception("worker loop failed", extra={"worker_id": worker_id})
             await self._drop_worker(worker_id, f"scheduler loop for worker {worker_id} failed: {error!r}")
+        finally:
+            for step in sent:
+                step.call.cancel()
+
+    @staticmethod
+    async def _reply_or_wake(call: asyncio.Future[Any], wake: asyncio.Event) -> bool:
+        """Waits for the step's reply or a wake-up; True when the reply is in."""
+        woken = asyncio.ensure_future(wake.wait())
+        try:
+            await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+        return call.done()
 
     async def _drop_worker(self, worker_id: str, message: str) -> None:
         log.warning("worker left the rotation", extra={"worker_id": worker_id, "reason": message})

@@ -31,6 +31,7 @@ class SchedulerSettings:
     vtc_input_weight: float = _CORE.vtc_input_weight
     vtc_output_weight: float = _CORE.vtc_output_weight
     prefix_wait_min_tokens: int = _CORE.prefix_wait_min_tokens
+    async_scheduling: bool = True
     log_level: str = "info"
 
     @classmethod
@@ -55,6 +56,7 @@ class SchedulerSettings:
             vtc_input_weight=read.float("VTC_INPUT_WEIGHT", cls.vtc_input_weight, minimum=0.0),
             vtc_output_weight=read.float("VTC_OUTPUT_WEIGHT", cls.vtc_output_weight, minimum=0.0),
             prefix_wait_min_tokens=read.int("PREFIX_WAIT_MIN_TOKENS", cls.prefix_wait_min_tokens, minimum=0),
+            async_scheduling=read.bool("ASYNC_SCHEDULING", cls.async_scheduling),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
         )
 
@@ -67,6 +69,7 @@ class SchedulerSettings:
             heartbeat_timeout_s=self.worker_heartbeat_timeout_s,
             vtc_input_weight=self.vtc_input_weight, vtc_output_weight=self.vtc_output_weight,
             prefix_wait_min_tokens=self.prefix_wait_min_tokens,
+            max_steps_in_flight=2 if self.async_scheduling else 1,
         )
 
     @property

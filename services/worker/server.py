@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Gauge
 from common import prometheus_names as names
 from common.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
+from common.step_order import StepOrder
 from services.worker import convert
 from services.worker.engine.engine import Engine
 from services.worker.engine.types import BlockEvent, PoolStats, StepBatch, StepOutput
@@ -93,6 +94,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._worker_id = worker_id
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        self._order = StepOrder()   # pipelined steps run in the order the scheduler planned them
         self.on_block_events = on_block_events
         self.counters = StepCounters()
         self.last_pool = engine.pool_stats()
@@ -106,7 +108,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         batch = convert.step_batch_from_proto(request)
         loop = asyncio.get_running_loop()
         try:
-            output, events, running = await loop.run_in_executor(self._executor, self._run_step, batch)
+            async with self._order.turn(request.step_id, request.after_step_id):
+                output, events, running = await loop.run_in_executor(self._executor, self._run_step, batch)
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._record(batch, output, running)

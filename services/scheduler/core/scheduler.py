@@ -23,7 +23,7 @@ from common.types import SamplingParams, Usage
 from services.scheduler.core.policy import VirtualTokenCounter, pick_next
 from services.scheduler.core.prefix_share import blocked_by_leaders, shared_prefix_tokens
 from services.scheduler.core.routing import SessionMap, choose_worker
-from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
+from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.types import (
     OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate,
     NewSequence, Policy, PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult,
@@ -78,13 +78,13 @@ class _PlanBuilder:
     def has_decode(self) -> bool:
         return any(is_decode for _, _, is_decode in self._work.values())
 
-    def build(self) -> StepPlan | None:
+    def build(self, after_step_id: int = 0) -> StepPlan | None:
         if not (self._work or self.frees or self.new_sequences):
             return None
         return StepPlan(
             step_id=self.step_id, new_sequences=tuple(self.new_sequences),
             work=tuple(WorkItem(seq_id, tokens) for seq_id, (tokens, _, _) in self._work.items()),
-            free_seq_ids=tuple(self.frees),
+            free_seq_ids=tuple(self.frees), after_step_id=after_step_id,
         )
 
 
@@ -222,12 +222,13 @@ class SchedulerCore:
     # ---- steps ----
 
     def plan_step(self, worker_id: str) -> StepPlan | None:
-        """The next step for a worker, or None when it has nothing to do."""
+        """The next step for a worker, or None when it has nothing to do. With a
+        step in flight (async scheduling) the plan assumes that step runs as
+        planned: its chunks computed, its samples taken."""
         worker = self._workers[worker_id]
-        if worker.in_flight is not None:
-            raise RuntimeError(f"worker {worker_id} already has step {worker.in_flight.step_id} in flight")
-        plan = _PlanBuilder(next(self._step_ids),
-                            worker.pool.available_blocks + worker.releasing_blocks,
+        if len(worker.in_flight) >= self._config.max_steps_in_flight:
+            raise RuntimeError(f"worker {worker_id} already has {len(worker.in_flight)} step(s) in flight")
+        plan = _PlanBuilder(next(self._step_ids), worker.available_blocks() + worker.releasing_blocks,
                             self._config.max_batch_tokens, worker.frees)
         worker.frees, worker.releasing_blocks = [], 0
         prefill_turn = self._prefill_turn(worker)
@@ -241,8 +242,9 @@ class SchedulerCore:
         else:
             self._plan_decodes(worker, plan)
         worker.last_step_was_prefill = plan.has_prefill and not plan.has_decode
-        step = plan.build()
-        worker.in_flight = step
+        step = plan.build(after_step_id=worker.in_flight[-1].plan.step_id if worker.in_flight else 0)
+        if step is not None:
+            worker.in_flight.append(InFlightStep(step, plan.available_blocks, self._dispatch(step)))
         return step
 
     def apply_step(self, worker_id: str, outcome: StepOutcome) -> list[RequestUpdate]:
@@ -250,24 +252,46 @@ class SchedulerCore:
         worker = self._workers.get(worker_id)
         if worker is None:
             return []
-        plan = worker.in_flight
-        if plan is None or plan.step_id != outcome.step_id:
+        if not worker.in_flight or worker.in_flight[0].plan.step_id != outcome.step_id:
             return []  # a step of an earlier registration of this worker
-        worker.in_flight = None
-        worker.refused_allocation = False
+        done = worker.in_flight.pop(0)
+        # A step planned before the last refusal was known repeats it; one planned
+        # after it that ran lifts it.
+        echoes_refusal = worker.refused_allocation and done.plan.step_id <= worker.refusal_seen_by_step
+        if not echoes_refusal:
+            worker.refused_allocation = False
+        # Later plans started from this one's estimate of the pool: correct them.
+        surprise = outcome.pool.available_blocks - done.available_after
+        worker.in_flight = [replace(step, available_after=step.available_after + surprise)
+                            for step in worker.in_flight]
         worker.pool = outcome.pool
         worker.steps += 1
         worker.last_step_ms = outcome.forward_ms
-        worker.last_batch_size = len(plan.work)
+        worker.last_batch_size = len(done.plan.work)
+        for seq_id in done.sampling:
+            request = self._by_seq.get(seq_id)
+            if request is not None and request.worker_id == worker_id:
+                request.inflight_samples -= 1
         updates: list[RequestUpdate] = []
         for result in outcome.results:
             request = self._by_seq.get(result.seq_id)
             if request is None or request.worker_id != worker_id:
                 continue  # cancelled, finished or preempted while the step ran
-            update = self._apply_result(worker, request, result)
+            update = self._apply_result(worker, request, result, echoes_refusal)
             if update is not None:
                 updates.append(update)
         return updates
+
+    def _dispatch(self, step: StepPlan) -> frozenset[str]:
+        """Counts a planned step's work as done; returns the sequences it should sample."""
+        sampling = set()
+        for item in step.work:
+            request = self._by_seq[item.seq_id]
+            request.num_computed += item.max_tokens
+            if request.num_computed >= request.worker_tokens:
+                request.inflight_samples += 1
+                sampling.add(item.seq_id)
+        return frozenset(sampling)
 
     # ---- statistics ----
 
@@ -357,6 +381,8 @@ class SchedulerCore:
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
+            if not request.wants_more:
+                continue  # its last token is being sampled in a step in flight
             if plan.token_budget < 1:
                 return
             needed = blocks_for(request.num_computed + 1, block_size) - worker.blocks_held(request)
@@ -374,9 +400,10 @@ class SchedulerCore:
         self._plan_admissions(worker, plan)
 
     def _plan_chunk(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState) -> None:
-        wanted = min(request.known_tokens - request.num_computed,
+        # Once its last chunk is in flight, the next "chunk" is its first decode.
+        wanted = min(request.worker_tokens - request.num_computed,
                      self._config.prefill_chunk_size, plan.token_budget)
-        if wanted <= 0:
+        if wanted <= 0 or not request.wants_more:
             return
         tokens = self._tokens_that_fit(worker, plan, request, wanted)
         if tokens == 0:
@@ -496,17 +523,27 @@ class SchedulerCore:
     # ---- results ----
 
     def _apply_result(self, worker: WorkerState, request: RequestState,
-                      result: SeqResult) -> RequestUpdate | None:
+                      result: SeqResult, echoes_refusal: bool = False) -> RequestUpdate | None:
+        # What the worker holds now, plus what the steps still in flight add; they
+        # never compute past the tokens the worker will hold (the cap matters when
+        # a prefix-cache hit computed more than was planned).
+        holds = request.worker_tokens + (1 if result.sampled and not result.error else 0)
+        request.num_computed = min(result.num_computed_tokens + worker.tokens_in_flight(request.seq_id or ""),
+                                   holds)
         if result.error == OUT_OF_BLOCKS:
-            # Nothing changed on the worker; make room for the next step.
+            # Nothing changed on the worker; make room for the next step. Steps
+            # already in flight were planned without knowing: their refusals are
+            # echoes of this one and make no more room, and they do not lift it.
+            if echoes_refusal:
+                return None
             worker.refused_allocation = True
+            worker.refusal_seen_by_step = worker.in_flight[-1].plan.step_id if worker.in_flight else 0
             self._preempt(worker, max(worker.running, key=lambda r: r.running_key))
             return None
         if result.error:
             finish = self._finish(request, FinishReason.ERROR,
                                   f"worker {worker.worker_id} failed the sequence: {result.error}")
             return RequestUpdate(request.request_id, finish=finish)
-        request.num_computed = result.num_computed_tokens
         if request.cached_tokens is None:
             request.cached_tokens = min(result.num_cached_tokens, len(request.prompt))
         if not result.sampled:
@@ -571,7 +608,7 @@ class SchedulerCore:
             else:
                 worker.frees.append(seq_id)
                 worker.releasing_blocks += blocks
-        request.seq_id, request.num_computed = None, 0
+        request.seq_id, request.num_computed, request.inflight_samples = None, 0, 0
 
     def _preempt(self, worker: WorkerState, request: RequestState,
                  plan: _PlanBuilder | None = None) -> None:

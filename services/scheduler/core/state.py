@@ -36,6 +36,9 @@ class RequestState:
     queue_wait_s: float | None = None  # arrival to first admission, once admitted
     admitted_once: bool = False
     resumed: bool = False           # preempted: goes to the front of its queue
+    # Steps in flight expected to end with a sample for this request: the worker
+    # holds those tokens, the scheduler does not know them yet.
+    inflight_samples: int = 0
     held_by: set[Gate] = field(default_factory=set)
 
     @property
@@ -59,6 +62,17 @@ class RequestState:
         return len(self.spec.prompt_token_ids) + len(self.output)
 
     @property
+    def worker_tokens(self) -> int:
+        """Tokens the worker will hold once the steps in flight have run."""
+        return self.known_tokens + self.inflight_samples
+
+    @property
+    def wants_more(self) -> bool:
+        """Whether one more sampled token stays within max_tokens, counting the
+        samples still in flight."""
+        return len(self.output) + self.inflight_samples < self.max_tokens
+
+    @property
     def kv_reservation(self) -> int:
         """Tokens counted against the active-KV gate while admitted."""
         return len(self.spec.prompt_token_ids) + self.max_tokens
@@ -67,6 +81,13 @@ class RequestState:
     def running_key(self) -> tuple[int, int]:
         """Ascending: served first; the largest key is the first to be preempted."""
         return (-self.spec.priority, self.arrival_order)
+
+
+@dataclass(frozen=True)
+class InFlightStep:
+    plan: StepPlan
+    available_after: int          # pool blocks the plan expects to be left once it has run
+    sampling: frozenset[str]      # sequences the plan expects to sample
 
 
 @dataclass(eq=False)
@@ -81,11 +102,14 @@ class WorkerState:
     frees: list[str] = field(default_factory=list)
     releasing_blocks: int = 0
     reserved_kv_tokens: int = 0
-    in_flight: StepPlan | None = None
+    # Sent and not yet applied, oldest first. Planning counts their work as done
+    # (num_computed of their requests already includes it).
+    in_flight: list[InFlightStep] = field(default_factory=list)
     last_step_was_prefill: bool = False
     # The worker refused an allocation in its last step: our estimate of its
     # pool was too optimistic, so nothing is admitted until a step succeeds.
     refused_allocation: bool = False
+    refusal_seen_by_step: int = 0   # only a step planned after this one can lift the refusal
     steps: int = 0
     last_step_ms: float = 0.0
     last_batch_size: int = 0
@@ -104,3 +128,10 @@ class WorkerState:
 
     def blocks_held(self, request: RequestState) -> int:
         return blocks_for(request.num_computed, self.spec.block_size)
+
+    def available_blocks(self) -> int:
+        """Free and evictable blocks once the steps in flight have run (estimate)."""
+        return self.in_flight[-1].available_after if self.in_flight else self.pool.available_blocks
+
+    def tokens_in_flight(self, seq_id: str) -> int:
+        return sum(item.max_tokens for step in self.in_flight for item in step.plan.work if item.seq_id == seq_id)

@@ -57,6 +57,9 @@ class CoreConfig:
     # prefilled goes to that request's worker and waits for the shared blocks
     # (prefix_share.py); 0 turns it off.
     prefix_wait_min_tokens: int = 64
+    # Steps a worker may have in flight: 2 plans the next step while the worker
+    # computes the current one (async scheduling), 1 waits for each result.
+    max_steps_in_flight: int = 1
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,7 @@ class StepPlan:
     new_sequences: tuple[NewSequence, ...]
     work: tuple[WorkItem, ...]
     free_seq_ids: tuple[str, ...]
+    after_step_id: int = 0  # the worker runs this step only after that one (0: no step in flight)
 
     @property
     def num_tokens(self) -> int:

@@ -9,6 +9,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 
 from common.convert import logprob_to_proto, sampling_from_proto
 from common.grpc_server import GrpcServer, insecure_channel
+from common.step_order import StepOrder
 
 from services.scheduler.core import NewSequence, StepPlan, WorkItem
 
@@ -23,7 +24,7 @@ def plan_from_proto(message: worker_pb2.StepRequest) -> StepPlan:
                                         sampling=sampling_from_proto(n.sampling))
                             for n in message.new_sequences),
         work=tuple(WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in message.work),
-        free_seq_ids=tuple(message.free_seq_ids),
+        free_seq_ids=tuple(message.free_seq_ids), after_step_id=message.after_step_id,
     )
 
 
@@ -34,12 +35,16 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.step_delay_s = step_delay_s
         self.running = asyncio.Event()  # cleared: Step blocks, as a hung worker would
         self.running.set()
+        self.order = StepOrder()
+        self.executed: list[tuple[int, int]] = []   # (step_id, after_step_id) in the order steps ran
 
     async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
-        await self.running.wait()
-        if self.step_delay_s:
-            await asyncio.sleep(self.step_delay_s)
-        outcome = self.engine.step(plan_from_proto(request))
+        async with self.order.turn(request.step_id, request.after_step_id):
+            self.executed.append((request.step_id, request.after_step_id))
+            await self.running.wait()
+            if self.step_delay_s:
+                await asyncio.sleep(self.step_delay_s)
+            outcome = self.engine.step(plan_from_proto(request))
         reply = worker_pb2.StepResponse(step_id=outcome.step_id, forward_ms=outcome.forward_ms)
         for result in outcome.results:
             item = reply.results.add(seq_id=result.seq_id, num_computed_tokens=result.num_computed_tokens,

@@ -59,6 +59,10 @@ class Harness:
         self.step_s = step_s
         self.streams: dict[str, Stream] = {}
         self.plans: dict[str, list[StepPlan]] = {w: [] for w in self.engines}
+        # Sent and not yet run, per worker: with config.max_steps_in_flight 2 the next
+        # step is planned before the current one's outcome is applied, as the
+        # transport does with async scheduling.
+        self.sent: dict[str, list[StepPlan]] = {w: [] for w in self.engines}
         self.steps = 0
 
     def submit(self, prompt: Iterable[int], max_tokens: int = 8, request_id: str = "",
@@ -80,13 +84,19 @@ class Harness:
         ran = False
         for worker_id, engine in self.engines.items():
             if not self.core.has_worker(worker_id):
+                self.sent[worker_id] = []
                 continue
-            plan = self.core.plan_step(worker_id)
-            if plan is None:
+            sent = self.sent.setdefault(worker_id, [])
+            while len(sent) < self.core.config.max_steps_in_flight:
+                plan = self.core.plan_step(worker_id)
+                if plan is None:
+                    break
+                self.plans[worker_id].append(plan)
+                sent.append(plan)
+            if not sent:
                 continue
             ran = True
-            self.plans[worker_id].append(plan)
-            self.deliver(self.core.apply_step(worker_id, engine.step(plan)))
+            self.deliver(self.core.apply_step(worker_id, engine.step(sent.pop(0))))
         for worker_id in self.engines:
             self.core.heartbeat(worker_id)
         self.clock.advance(self.step_s)

@@ -23,16 +23,16 @@ ACTIONS = st.lists(
 )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=160, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(actions=ACTIONS, policy=st.sampled_from(list(Policy)), mode=st.sampled_from(list(PrefillMode)),
        num_blocks=st.integers(15, 30), overstate=st.sampled_from([0, 0, 3]),
-       prefix_caching=st.booleans())
+       prefix_caching=st.booleans(), steps_in_flight=st.sampled_from([1, 2]))
 def test_block_accounting_survives_random_arrivals_cancels_and_preemptions(
-        actions, policy, mode, num_blocks, overstate, prefix_caching) -> None:
+        actions, policy, mode, num_blocks, overstate, prefix_caching, steps_in_flight) -> None:
     engine = FakeEngine(num_blocks=num_blocks, block_size=4, max_model_len=64,
                         prefix_caching=prefix_caching, overstate_free_blocks=overstate)
     config = CoreConfig(policy=policy, prefill_mode=mode, max_batch_size=4, max_batch_tokens=24,
-                        prefill_chunk_size=8, max_queue_len=20)
+                        prefill_chunk_size=8, max_queue_len=20, max_steps_in_flight=steps_in_flight)
     h = Harness(config, engine)
     prompts: dict[str, tuple[int, ...]] = {}
     cancelled: set[str] = set()
@@ -100,17 +100,19 @@ WORKER_ACTIONS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(actions=WORKER_ACTIONS)
-def test_every_request_ends_exactly_once_while_workers_come_and_go(actions) -> None:
-    _run_worker_actions(actions, CoreConfig(max_batch_size=3, prefill_chunk_size=8))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=WORKER_ACTIONS, steps_in_flight=st.sampled_from([1, 2]))
+def test_every_request_ends_exactly_once_while_workers_come_and_go(actions, steps_in_flight) -> None:
+    _run_worker_actions(actions, CoreConfig(max_batch_size=3, prefill_chunk_size=8,
+                                            max_steps_in_flight=steps_in_flight))
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(actions=WORKER_ACTIONS)
-def test_every_request_ends_exactly_once_while_shared_prefixes_wait_for_their_leader(actions) -> None:
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(actions=WORKER_ACTIONS, steps_in_flight=st.sampled_from([1, 2]))
+def test_every_request_ends_exactly_once_while_shared_prefixes_wait_for_their_leader(actions, steps_in_flight) -> None:
     # The generated prompts of one seed share their leading tokens.
-    _run_worker_actions(actions, CoreConfig(max_batch_size=3, prefill_chunk_size=8, prefix_wait_min_tokens=4))
+    _run_worker_actions(actions, CoreConfig(max_batch_size=3, prefill_chunk_size=8, prefix_wait_min_tokens=4,
+                                            max_steps_in_flight=steps_in_flight))
 
 
 def _run_worker_actions(actions, config: CoreConfig) -> None:
@@ -130,10 +132,12 @@ def _run_worker_actions(actions, config: CoreConfig) -> None:
                 h.step()
         elif action[0] == "remove":
             h.engines.pop(action[1], None)
+            h.sent[action[1]] = []        # the transport drops the worker's calls in flight
             h.deliver(h.core.remove_worker(action[1], f"{action[1]} went away"))
         elif action[0] == "restart":
             engine = FakeEngine(num_blocks=24)
             h.engines[action[1]] = engine
+            h.sent[action[1]] = []
             h.deliver(h.core.add_worker(engine.spec(action[1])))
     h.run()  # the harness asserts that nothing arrives after a stream ended
     for rid, prompt in prompts.items():

@@ -69,6 +69,8 @@ def test_settings_defaults_and_env() -> None:
     assert (defaults.prefill_chunk_size, defaults.max_queue_len, defaults.queue_timeout_s) == (512, 1024, 60.0)
     assert (defaults.kvcache_addr, defaults.worker_heartbeat_timeout_s) == ("127.0.0.1:50071", 10.0)
     assert (defaults.vtc_input_weight, defaults.vtc_output_weight, defaults.log_level) == (1.0, 2.0, "info")
+    assert defaults.async_scheduling and defaults.core_config().max_steps_in_flight == 2
+    assert SchedulerSettings.from_env({"ASYNC_SCHEDULING": "false"}).core_config().max_steps_in_flight == 1
     custom = SchedulerSettings.from_env({
         "SCHEDULING_POLICY": "VTC", "PREFILL_MODE": "alternating", "MAX_BATCH_SIZE": "8",
         "QUEUE_TIMEOUT_S": "2.5", "WORKER_HEARTBEAT_TIMEOUT_S": "3", "VTC_OUTPUT_WEIGHT": "4",
@@ -82,6 +84,7 @@ def test_settings_defaults_and_env() -> None:
 @pytest.mark.parametrize("name, value", [
     ("SCHEDULING_POLICY", "lottery"), ("PREFILL_MODE", "sometimes"), ("MAX_BATCH_SIZE", "0"),
     ("MAX_BATCH_TOKENS", "many"), ("QUEUE_TIMEOUT_S", "-1"), ("SCHEDULER_PORT", "70000"),
+    ("ASYNC_SCHEDULING", "sometimes"),
 ])
 def test_invalid_settings_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(SettingsError, match=name):

@@ -216,3 +216,30 @@ async def test_two_workers_share_the_load(make_stack) -> None:
 
 async def _collect(call) -> list[scheduler_pb2.GenerateEvent]:
     return [e async for e in call]
+
+
+async def _generate_three(stack: Stack) -> None:
+    calls = [stack.stub.Generate(_request(f"r{n}", max_tokens=6 + n), timeout=10) for n in range(3)]
+    for n, call in enumerate(calls):
+        events = [e async for e in call]
+        assert [e.tokens[0].token_id for e in events] == reference_output(PROMPT, 6 + n)
+
+
+async def test_async_scheduling_sends_the_next_step_while_one_runs(make_stack) -> None:
+    stack = await make_stack()          # ASYNC_SCHEDULING defaults to on
+    worker = await stack.add_worker(step_delay_s=0.01)
+    await _generate_three(stack)
+    executed = worker.servicer.executed
+    assert [step for step, _ in executed] == sorted(step for step, _ in executed)
+    pipelined = [after for _, after in executed if after]
+    assert len(pipelined) >= len(executed) // 2, executed   # most steps were sent before the last one ended
+    for (previous, _), (_, after) in zip(executed, executed[1:]):
+        assert after in (0, previous)                       # each runs right after the one it names
+    await _eventually(lambda: not worker.engine.seqs)
+
+
+async def test_sync_scheduling_waits_for_each_step(make_stack) -> None:
+    stack = await make_stack(async_scheduling=False)
+    worker = await stack.add_worker(step_delay_s=0.005)
+    await _generate_three(stack)
+    assert worker.servicer.executed and all(after == 0 for _, after in worker.servicer.executed)
