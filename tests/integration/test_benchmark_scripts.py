@@ -1,0 +1,15 @@
+"""Benchmark scripts in their quick mode, so that they keep working (no timing is checked)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import async_scheduling_bench
+
+
+def test_async_scheduling_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    async_scheduling_bench.main(["--quick"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and "| false |" in rows[0] and "| true |" in rows[1]
+    assert "async on over off" in out
