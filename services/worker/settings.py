@@ -12,7 +12,7 @@ from common.settings import EnvReader
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "lfu")   # services/worker/engine/eviction.py
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/varlen_attention.py
 
 

@@ -36,6 +36,8 @@ def test_worker_settings_defaults_and_errors() -> None:
         WorkerSettings.from_env({"DEVICE": "gpu"})
     with pytest.raises(SettingsError, match="EVICTION_POLICY"):
         WorkerSettings.from_env({"EVICTION_POLICY": "random"})
+    assert settings.eviction_policy == "lru"
+    assert WorkerSettings.from_env({"EVICTION_POLICY": "lfu"}).eviction_policy == "lfu"
 
 
 def test_worker_cuda_graph_settings() -> None:

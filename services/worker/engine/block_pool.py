@@ -16,20 +16,20 @@ as soon as its parent's full-block hash is: the index only keeps a partial
 block under a parent the worker holds. Entries without an alias are never
 published. Several entries may carry one alias: the same prompt, continued
 differently.
-Cached blocks are evicted least-recently-freed first. A sequence frees its
-blocks tail first, so a child block always sits ahead of its parent in the
-eviction order: leaves go before the prefixes they extend.
+Which cached block is evicted is the eviction policy's choice (eviction.py:
+least recently released, or fewest reuses); under either, leaves go before the
+prefixes they extend.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from common.block_hash import ROOT_HASH
+from services.worker.engine.eviction import make_eviction_policy
 from services.worker.engine.types import BlockEvent, PoolStats
 
 
@@ -91,7 +91,8 @@ class BlockPool:
     """Block ownership, reference counts and the prefix cache. Pure bookkeeping:
     it never touches tensors, so it is cheap to test exhaustively."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 eviction_policy: str = "lru") -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError("num_blocks and block_size must be positive")
         self.num_blocks = num_blocks
@@ -109,7 +110,7 @@ class BlockPool:
         self._alias_blocks: dict[int, dict[int, None]] = {}         # alias -> partial blocks carrying it
         self._aliases_under: dict[int, set[int]] = {}               # parent hash (not the root) -> aliases
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
-        self._evictable: OrderedDict[int, None] = OrderedDict()      # cached blocks, oldest first
+        self._evictable = make_eviction_policy(eviction_policy, num_blocks)   # cached blocks
         self._tables: dict[str, list[int]] = {}
         self._events: list[BlockEvent] = []
         self.evictions = 0
@@ -191,6 +192,7 @@ class BlockPool:
             return False
         table = self._tables.setdefault(seq_id, [])
         for block in cached_blocks:
+            self._evictable.record_reuse(block)
             self._take(block)
             table.append(block)
         removed: list[int] = []
@@ -227,7 +229,7 @@ class BlockPool:
             if self._block_tokens[block] is None:
                 self._free.append(block)
             else:
-                self._evictable[block] = None
+                self._evictable.add(block)
 
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         self.prefix_query_tokens += query_tokens
@@ -405,14 +407,14 @@ class BlockPool:
 
     def _take(self, block: int) -> None:
         if self._refcount[block] == 0 and block in self._evictable:
-            del self._evictable[block]
+            self._evictable.remove(block)
         self._refcount[block] += 1
 
     def _pop_free_block(self, removed: list[int]) -> int:
         if self._free:
             return self._free.pop()
-        block = next(b for b in self._evictable if b not in self._held)
-        del self._evictable[block]
+        block = self._evictable.victim(self._held)
+        self._evictable.remove(block)
         value = self._block_hash[block]
         if value is not None:
             removed.append(value)
@@ -491,6 +493,7 @@ class BlockPool:
         if removed is not None:
             removed.extend(withdrawn)
         self._partials.discard(block)
+        self._evictable.forget(block)
         self._block_hash[block] = None
         self._block_tokens[block] = None
         self._parent_hash[block] = ROOT_HASH

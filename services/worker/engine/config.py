@@ -15,7 +15,7 @@ class EngineConfig:
     kv_memory_fraction: float = 0.0    # of free device memory (CUDA) or available host memory; 0 = default
     enable_prefix_caching: bool = True
     prompt_logits_cache_size: int = 32 # prompts whose last logits are kept (identical prompts skip the forward)
-    eviction_policy: str = "lru"       # the only policy so far
+    eviction_policy: str = "lru"       # lru | lfu (eviction.py)
     max_model_len: int = 0             # 0 = from the model config (capped at cpu_max_model_len on CPU)
     model_key: str = ""                # mixed into block hashes (use the model name)
     torch_threads: int = 0             # 0 = leave torch's default

@@ -25,6 +25,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu_linear import LM_HEAD_MAX_PACKED_ROWS, PackedLinear, pack_linears, packing_available
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
+from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
 from services.worker.engine.varlen_attention import load_varlen_kernel
@@ -78,8 +79,9 @@ class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
                  graph_capture: GraphCapture | None = None) -> None:
         self.config = config
-        if config.eviction_policy != "lru":
-            raise ValueError(f"unknown eviction policy {config.eviction_policy!r}; only 'lru' is supported")
+        if config.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"unknown eviction policy {config.eviction_policy!r}; "
+                             f"expected one of {', '.join(EVICTION_POLICIES)}")
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
@@ -112,7 +114,7 @@ class Engine:
         # Graphs' padding rows write into one scratch block past the pool's blocks.
         scratch_blocks = 1 if graph_capture is not None else 0
         self.kv = PagedKVCache(specs, num_blocks + scratch_blocks, self.block_size, self.dtype, self.device)
-        self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching)
+        self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching, config.eviction_policy)
         self.graphs: DecodeGraphs | None = None
         if graph_capture is not None:
             self.graphs = DecodeGraphs(

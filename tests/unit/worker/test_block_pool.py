@@ -281,9 +281,9 @@ def _churn_tokens(variant: int, amount: int) -> list[int]:
 
 
 @settings(max_examples=150, deadline=None)
-@given(_operations)
-def test_random_churn_keeps_invariants(operations: list[tuple[str, int, int, int]]) -> None:
-    pool = BlockPool(num_blocks=12, block_size=4)
+@given(_operations, st.sampled_from(["lru", "lfu"]))
+def test_random_churn_keeps_invariants(operations: list[tuple[str, int, int, int]], policy: str) -> None:
+    pool = BlockPool(num_blocks=12, block_size=4, eviction_policy=policy)
     index = RadixIndex()
     live: dict[str, list[int]] = {}     # every allocated sequence's tokens
     freed: list[list[int]] = []
@@ -505,3 +505,31 @@ def test_invariant_checker_catches_a_stale_alias() -> None:
     pool._alias_of[block] = 12
     with pytest.raises(PoolInvariantError):
         pool.check_invariants()
+
+
+def _hot_prefix_hits(policy: str) -> list[int]:
+    """A shared 8-block system prompt, one request per turn, with one-off 6-block prompts
+    between turns: 2 per turn at first (they fit beside it), then 6 (more than the pool
+    holds). Returns the prompt tokens each turn found in the cache."""
+    pool = BlockPool(num_blocks=32, block_size=4, eviction_policy=policy)
+    system = list(range(1000, 1032))
+    hits = []
+    for turn in range(12):
+        tokens = system + [turn, turn + 1]
+        hashes = chain_hashes(tokens, 4)
+        cached = pool.find_cached_prefix(hashes[:len(tokens) // 4])
+        hits.append(len(cached) * 4)
+        assert pool.allocate(f"hot{turn}", len(tokens), cached)
+        pool.cache_full_blocks(f"hot{turn}", len(cached), hashes[len(cached):],
+                               hashes[len(cached) - 1] if cached else ROOT_HASH, tokens)
+        pool.free(f"hot{turn}")
+        for one_off in range(2 if turn < 3 else 6):
+            _fill(pool, f"scan{turn}-{one_off}", [turn * 100 + one_off * 10 + 5000 + i for i in range(24)])
+            pool.free(f"scan{turn}-{one_off}")
+        pool.check_invariants()
+    return hits
+
+
+def test_lfu_keeps_a_reused_prefix_through_floods_of_one_off_prompts() -> None:
+    assert _hot_prefix_hits("lru") == [0, 32, 32, 32] + [0] * 8    # each big flood pushed it out
+    assert _hot_prefix_hits("lfu") == [0] + [32] * 11
