@@ -100,6 +100,9 @@ class HttpTransport:
         except httpx.HTTPError as error:
             record.outcome = TRANSPORT_ERROR
             record.error = f"{type(error).__name__}: {error}"
+        except (ValueError, TypeError, AttributeError) as error:   # a chunk that is not what the API promises
+            record.outcome = STREAM_ERROR
+            record.error = f"malformed stream: {type(error).__name__}: {error}"
         record.latency_s = self._clock() - sent
         return record
 

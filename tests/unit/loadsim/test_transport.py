@@ -83,6 +83,8 @@ async def test_error_answers_are_classified_with_their_message(status: int, outc
     (sse(chat_chunk("a"), {"error": {"message": "worker lost"}}), "worker lost"),
     (sse(chat_chunk("a"), done=False), "without [DONE]"),
     (sse("{broken"), "not JSON"),
+    (sse({"choices": [], "usage": {"completion_tokens": "many"}}), "malformed stream"),
+    (sse({"choices": "nope"}), "malformed stream"),
 ])
 async def test_broken_streams_are_stream_errors(body: bytes, message: str) -> None:
     record = await send(lambda req: httpx.Response(200, content=body), request())
