@@ -108,7 +108,7 @@ class HttpTransport:
 
     async def _read_stream(self, response: httpx.Response, request: PlannedRequest,
                            record: RequestRecord, sent: float) -> None:
-        done = False
+        done = finished = False
         async for line in response.aiter_lines():
             if not line.startswith("data:"):
                 continue
@@ -130,6 +130,7 @@ class HttpTransport:
                 return
             if event.get("usage"):
                 apply_usage(record, event["usage"])
+            finished = finished or any(choice.get("finish_reason") for choice in event.get("choices") or [])
             if chunk_text(event):
                 now = self._clock() - sent
                 record.chunk_times_s.append(now)
@@ -138,8 +139,8 @@ class HttpTransport:
                     if request.disconnect_after_first_token:
                         record.outcome = DISCONNECTED
                         return
-        if not done:
+        if not (done or finished):    # some servers end a finished stream without [DONE]
             record.outcome = STREAM_ERROR
-            record.error = "the stream ended without [DONE]"
+            record.error = "the stream ended without [DONE] or a finish_reason"
         elif not record.completion_tokens:
             record.completion_tokens = len(record.chunk_times_s)

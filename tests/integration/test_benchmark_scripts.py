@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import async_scheduling_bench
+from benchmarks import async_scheduling_bench, serving_bench
 
 
 def test_async_scheduling_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
@@ -13,3 +13,13 @@ def test_async_scheduling_bench_quick(capsys: pytest.CaptureFixture[str]) -> Non
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "| false |" in rows[0] and "| true |" in rows[1]
     assert "async on over off" in out
+
+
+def test_serving_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    serving_bench.main(["--quick"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2 and "| fairserve |" in rows[0] and "| transformers |" in rows[1]
+    for row in rows:
+        ok, sent = row.split("|")[3].split("/")
+        assert int(ok) == int(sent) > 0, row          # every request of both servers succeeded

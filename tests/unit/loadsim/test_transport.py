@@ -66,6 +66,13 @@ async def test_a_streamed_answer_is_timed_and_counted() -> None:
     assert record.chunk_times_s == sorted(record.chunk_times_s) and record.latency_s > record.chunk_times_s[-1]
 
 
+async def test_a_finished_stream_without_done_is_ok() -> None:
+    body = sse(chat_chunk("a"), {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+                                 "usage": USAGE["usage"]}, done=False)
+    record = await send(lambda req: httpx.Response(200, content=body), request())
+    assert record.outcome == t.OK and record.completion_tokens == 3
+
+
 async def test_completion_text_counts_chunks_without_usage() -> None:
     body = sse({"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "b"}]})
     record = await send(lambda req: httpx.Response(200, content=body), request(path="/v1/completions"))
