@@ -28,11 +28,8 @@ from pathlib import Path
 import httpx
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from loadsim.__main__ import first_model
-from loadsim.runner import RunLimits, run_closed_loop
+from loadsim.drive import drive_closed_loop
 from loadsim.stats import summarize
-from loadsim.transport import HttpTransport
-from loadsim.users import make_users
 from loadsim.workload import parse_workload
 from scripts.stack import Stack, StackPorts
 
@@ -61,13 +58,7 @@ def worker_step_totals(metrics_url: str) -> tuple[float, float]:
 
 
 async def drive(url: str, users: int, seconds: float, seed: int) -> tuple[float, float | None, float]:
-    model = await first_model(url, None)
-    transport = HttpTransport(url)
-    try:
-        result = await run_closed_loop(make_users(WORKLOAD, users, seed, model), transport,
-                                       RunLimits(duration_s=seconds))
-    finally:
-        await transport.close()
+    result = await drive_closed_loop(url, WORKLOAD, users, seconds, seed)
     summary = summarize(result.records, result.duration_s)
     failed = summary.requests - summary.outcomes.get("ok", 0)
     if failed:

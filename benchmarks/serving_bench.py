@@ -35,13 +35,10 @@ from pathlib import Path
 import httpx
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from loadsim.__main__ import first_model
-from loadsim.runner import RunLimits, run_closed_loop
-from loadsim.stats import Summary, summarize
-from loadsim.transport import HttpTransport
-from loadsim.users import make_users
-from loadsim.workload import Workload, parse_workload
 from loadsim import default_texts
+from loadsim.drive import drive_closed_loop
+from loadsim.stats import Summary, summarize
+from loadsim.workload import Workload, parse_workload
 from scripts.stack import Stack, StackPorts, free_port
 
 SERVERS = ("fairserve", "transformers")
@@ -120,13 +117,7 @@ def transformers_serve(model_dir: Path, log_dir: Path, num_blocks: int, max_batc
 
 async def drive(url: str, model: str | None, workload: Workload, users: int, seconds: float,
                 seed: int) -> Summary:
-    model = model or await first_model(url, None)
-    transport = HttpTransport(url)
-    try:
-        result = await run_closed_loop(make_users(workload, users, seed, model), transport,
-                                       RunLimits(duration_s=seconds))
-    finally:
-        await transport.close()
+    result = await drive_closed_loop(url, workload, users, seconds, seed, model=model)
     for problem in sorted({f"{r.outcome}: {r.error}" for r in result.records if r.error})[:5]:
         print(f"  {url}: {problem}", file=sys.stderr)
     return summarize(result.records, result.duration_s)
