@@ -69,10 +69,8 @@ class Run:
 
 
 @contextmanager
-def fairserve(model_dir: Path, log_dir: Path, quick: bool) -> Iterator[str]:
-    env = {"MODEL_NAME": str(model_dir), "LOG_LEVEL": "warning"}
-    if quick:
-        env["TORCH_THREADS"] = "1"
+def fairserve(model_dir: Path, log_dir: Path) -> Iterator[str]:
+    env = {"MODEL_NAME": str(model_dir), "LOG_LEVEL": "warning"}   # torch threads: the default, as for transformers
     stack = Stack(ports=StackPorts.free(1), env=env, log_dir=log_dir).start(timeout_s=600)
     try:
         yield stack.url
@@ -127,7 +125,7 @@ def one_run(server: str, model_dir: Path, args: argparse.Namespace, round_index:
     log_dir = scratch / f"logs-{server}-{round_index}"
     workload = completion_workload(long_prompts=not args.quick)   # the tiny model holds 1024 tokens
     if server == "fairserve":
-        context, model = fairserve(model_dir, log_dir, args.quick), None
+        context, model = fairserve(model_dir, log_dir), None
     else:
         context, model = transformers_serve(model_dir, log_dir, args.cb_num_blocks, args.max_batch_tokens), str(model_dir)
     with context as url:
