@@ -86,3 +86,26 @@ def test_unreachable_gateway_and_bad_workload_fail_clearly(tmp_path: Path,
     assert "cannot drive http://127.0.0.1:9" in capsys.readouterr().err
     assert main(["--url", "http://127.0.0.1:9", "--requests", "1", "--wait", "1"]) == 1
     assert "not ready after 1 s" in capsys.readouterr().err
+
+
+def test_an_overload_shows_up_as_rejections_and_everything_admitted_completes(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.integration.conftest import start_stack
+
+    stack = start_stack(tmp_path, tiny_model_dir, extra_env={"MAX_QUEUE_LEN": "2", "MAX_BATCH_SIZE": "1"})
+    try:
+        out = tmp_path / "overload.json"
+        code = main(["--url", stack.url, "--rate", "200", "--requests", "30", "--users", "6",
+                     "--workload", str(write_workload(tmp_path / "w.json")), "--json", str(out)])
+        assert code == 0
+        result = json.loads(out.read_text())
+        outcomes = result["summary"]["outcomes"]
+        assert outcomes.get("rejected", 0) > 0 and outcomes.get("ok", 0) > 0
+        assert set(outcomes) <= {"ok", "rejected"}              # nothing admitted was lost
+        rejected = [r for r in result["records"] if r["outcome"] == "rejected"]
+        assert all(r["status"] == 429 for r in rejected)
+        answer = httpx.post(f"{stack.url}/v1/completions",
+                            json={"prompt": "Hello", "max_tokens": 4, "temperature": 0}, timeout=60)
+        assert answer.status_code == 200
+    finally:
+        stack.stop()
