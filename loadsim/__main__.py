@@ -6,13 +6,12 @@ import argparse
 import asyncio
 import json
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from loadsim.drive import first_model, wait_ready
 from loadsim.report import render_summary, render_sweep, summary_json
 from loadsim.runner import RunLimits, RunResult, run_closed_loop, run_open_loop
 from loadsim.stats import summarize
@@ -80,35 +79,6 @@ def _rates(text: str) -> list[float]:
     if not rates or not all(rate > 0 for rate in rates):
         raise problem
     return rates
-
-
-async def first_model(url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with httpx.AsyncClient(timeout=10.0) as client:
-        response = await client.get(url.rstrip("/") + "/v1/models", headers=headers)
-        response.raise_for_status()
-        models = response.json().get("data") or []
-    if not models:
-        raise RuntimeError("the gateway lists no models")
-    return str(models[0]["id"])
-
-
-async def wait_ready(url: str, timeout_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-    """Polls /ready until it answers 200; raises RuntimeError after `timeout_s`."""
-    deadline = clock() + timeout_s
-    last = "no answer"
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        while True:
-            try:
-                response = await client.get(url.rstrip("/") + "/ready")
-                if response.status_code == 200:
-                    return
-                last = f"HTTP {response.status_code}: {response.text[:200]}"
-            except httpx.HTTPError as error:
-                last = f"{type(error).__name__}: {error}"
-            if clock() >= deadline:
-                raise RuntimeError(f"not ready after {timeout_s:g} s ({last})")
-            await asyncio.sleep(1.0)
 
 
 async def run(args: argparse.Namespace, workload: Workload) -> dict[str, Any]:

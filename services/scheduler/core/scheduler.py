@@ -272,12 +272,13 @@ class SchedulerCore:
             request = self._by_seq.get(seq_id)
             if request is not None and request.worker_id == worker_id:
                 request.inflight_samples -= 1
+        later_tokens = worker.tokens_in_flight()
         updates: list[RequestUpdate] = []
         for result in outcome.results:
             request = self._by_seq.get(result.seq_id)
             if request is None or request.worker_id != worker_id:
                 continue  # cancelled, finished or preempted while the step ran
-            update = self._apply_result(worker, request, result, echoes_refusal)
+            update = self._apply_result(worker, request, result, later_tokens[result.seq_id], echoes_refusal)
             if update is not None:
                 updates.append(update)
         return updates
@@ -522,14 +523,13 @@ class SchedulerCore:
 
     # ---- results ----
 
-    def _apply_result(self, worker: WorkerState, request: RequestState,
-                      result: SeqResult, echoes_refusal: bool = False) -> RequestUpdate | None:
-        # What the worker holds now, plus what the steps still in flight add; they
-        # never compute past the tokens the worker will hold (the cap matters when
-        # a prefix-cache hit computed more than was planned).
+    def _apply_result(self, worker: WorkerState, request: RequestState, result: SeqResult,
+                      later_tokens: int, echoes_refusal: bool) -> RequestUpdate | None:
+        # What the worker holds now, plus what the steps still in flight add
+        # (`later_tokens`); they never compute past the tokens the worker will hold
+        # (the cap matters when a prefix-cache hit computed more than was planned).
         holds = request.worker_tokens + (1 if result.sampled and not result.error else 0)
-        request.num_computed = min(result.num_computed_tokens + worker.tokens_in_flight(request.seq_id or ""),
-                                   holds)
+        request.num_computed = min(result.num_computed_tokens + later_tokens, holds)
         if result.error == OUT_OF_BLOCKS:
             # Nothing changed on the worker; make room for the next step. Steps
             # already in flight were planned without knowing: their refusals are

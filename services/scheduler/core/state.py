@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -133,5 +134,10 @@ class WorkerState:
         """Free and evictable blocks once the steps in flight have run (estimate)."""
         return self.in_flight[-1].available_after if self.in_flight else self.pool.available_blocks
 
-    def tokens_in_flight(self, seq_id: str) -> int:
-        return sum(item.max_tokens for step in self.in_flight for item in step.plan.work if item.seq_id == seq_id)
+    def tokens_in_flight(self) -> Counter[str]:
+        """Tokens per sequence that the steps in flight will compute."""
+        counts: Counter[str] = Counter()
+        for step in self.in_flight:
+            for item in step.plan.work:
+                counts[item.seq_id] += item.max_tokens
+        return counts
