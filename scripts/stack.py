@@ -3,6 +3,7 @@ until the gateway is ready. Used by `make run` and by the integration tests."""
 
 from __future__ import annotations
 
+import http.client
 import os
 import signal
 import socket
@@ -11,16 +12,25 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports that are free now. All are bound at once: ports probed one
+    after another can repeat, and two services handed one port collide."""
+    with ExitStack() as sockets:
+        bound = [sockets.enter_context(socket.socket()) for _ in range(count)]
+        for sock in bound:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in bound]
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -35,9 +45,11 @@ class StackPorts:
 
     @classmethod
     def free(cls, num_workers: int = 1) -> "StackPorts":
-        return cls(gateway=free_port(), gateway_grpc=free_port(), scheduler=free_port(),
-                   scheduler_metrics=free_port(), kvcache=free_port(), kvcache_metrics=free_port(),
-                   workers=[(free_port(), free_port()) for _ in range(num_workers)])
+        gateway, gateway_grpc, scheduler, scheduler_metrics, kvcache, kvcache_metrics, *workers = \
+            free_ports(6 + 2 * num_workers)
+        return cls(gateway=gateway, gateway_grpc=gateway_grpc, scheduler=scheduler,
+                   scheduler_metrics=scheduler_metrics, kvcache=kvcache, kvcache_metrics=kvcache_metrics,
+                   workers=list(zip(workers[::2], workers[1::2])))
 
 
 @dataclass
@@ -109,8 +121,8 @@ class Stack:
                         return
             except urllib.error.HTTPError as error:
                 reason = error.read().decode(errors="replace")
-            except (urllib.error.URLError, OSError) as error:
-                reason = str(error)
+            except (urllib.error.URLError, OSError, http.client.HTTPException) as error:
+                reason = str(error)   # not up yet, or something else answers on the port
             time.sleep(0.25)
         raise TimeoutError(f"gateway not ready after {timeout_s}s: {reason}")
 

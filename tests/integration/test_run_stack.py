@@ -12,17 +12,16 @@ from pathlib import Path
 import httpx
 import psutil
 
-from scripts.stack import ROOT, free_port
+from scripts.stack import ROOT, free_ports
 from tests.integration.conftest import TINY_ENV
 
 
 def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> None:
-    gateway = free_port()
-    env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path),
-           "GATEWAY_PORT": str(gateway), "GATEWAY_GRPC_PORT": str(free_port()),
-           "SCHEDULER_PORT": str(free_port()), "SCHEDULER_METRICS_PORT": str(free_port()),
-           "KVCACHE_PORT": str(free_port()), "KVCACHE_METRICS_PORT": str(free_port()),
-           "WORKER_PORT": str(free_port()), "WORKER_METRICS_PORT": str(free_port())}
+    names = ("GATEWAY_PORT", "GATEWAY_GRPC_PORT", "SCHEDULER_PORT", "SCHEDULER_METRICS_PORT",
+             "KVCACHE_PORT", "KVCACHE_METRICS_PORT", "WORKER_PORT", "WORKER_METRICS_PORT")
+    ports = dict(zip(names, map(str, free_ports(len(names)))))
+    gateway = int(ports["GATEWAY_PORT"])
+    env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path), **ports}
     launcher = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
