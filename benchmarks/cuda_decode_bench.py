@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import argparse
 import copy
-import platform
 import time
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.machine import cpu_name
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
 from services.worker.engine.decode_graphs import EagerCapture
 from services.worker.engine.varlen_attention import import_flash_attn
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     sizes = QUICK if args.quick else FULL
     model = gemma3_270m_shaped(sizes)
-    name = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or platform.machine()
+    name = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
 
     lines = [f"CUDA decode benchmark ({'quick' if args.quick else 'full'}): {name}, torch {torch.__version__}, "
              f"{args.dtype}, Gemma 3 270M-shaped random model ({sizes.layers} layers), "

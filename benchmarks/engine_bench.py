@@ -16,13 +16,13 @@ import argparse
 import logging
 import math
 import os
-import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
 
@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--skip-transformers", action="store_true", help="engine numbers only")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="weights and activations, for the engine and transformers alike")
+    parser.add_argument("--linear-kernel", default="auto", choices=("auto", "mkl", "onednn"),
+                        help="the engine's packed CPU kernel (CPU_LINEAR_KERNEL)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = QUICK if args.quick else FULL
@@ -217,7 +219,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     dtype = getattr(torch, args.dtype)
-    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype))
+    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
+                                 cpu_linear_kernel=args.linear_kernel))
     runner = EngineRunner(engine, sizes.token_budget)
     vocab = engine.info.vocab_size
     # Every measurement gets prompts of its own: with prefix caching on, prompts an
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> None:
     hits_before = engine.pool_stats().prefix_hit_tokens
     e2e = {n: runner.end_to_end_tokens_per_s(e2e_prompts[n], sizes.new_tokens) for n in sizes.concurrency}
     e2e_hit_tokens = engine.pool_stats().prefix_hit_tokens - hits_before
+    linear_kernel = engine.linear_kernel.kernel if engine.linear_kernel is not None else "plain"
     del runner, engine
 
     generate_decode = generate_rate = None
@@ -259,8 +263,9 @@ def main(argv: list[str] | None = None) -> None:
                      f"{sizes.new_tokens} new", rate, generate_rate, batch_rates[n]))
 
     header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
-              f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}. "
+              f"{cpu_name()}, {os.cpu_count()} CPUs, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+              f"engine linear kernel {linear_kernel}. "
               f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
               f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
     print(render(rows, header))

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import tempfile
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from scripts.stack import Stack, StackPorts
 
@@ -125,7 +125,7 @@ def main() -> None:
             rows.append((f"{policy}, heavy client {load.heavy_in_flight} in flight", ttfts, heavy_done))
     idle_median = statistics.median(idle)
     print(f"\nmodel: {'tiny' if args.quick else 'gemma-3-270m'}; MAX_BATCH_SIZE=8; prompts ~"
-          f"{load.prompt_words} words, {load.max_tokens} new tokens; {platform.processor() or platform.machine()}")
+          f"{load.prompt_words} words, {load.max_tokens} new tokens; {cpu_name()}")
     print("\n| setting | light client TTFT median (s) | p90 (s) | × idle median | heavy requests done |")
     print("|---|---|---|---|---|")
     for name, ttfts, heavy_done in rows:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import signal
@@ -41,6 +40,7 @@ from typing import Any
 
 import httpx
 
+from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from scripts.stack import Stack, StackPorts
 
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> None:
             stack.stop()
 
     header = (f"Model {model_dir.name}, through the gateway (`/generate` raw, streamed, max_tokens 1 for "
-              f"TTFT; median of {sizes.repeats}); {platform.processor() or platform.machine()}, "
+              f"TTFT; median of {sizes.repeats}); {cpu_name()}, "
               f"{os.cpu_count()} CPUs.")
     print(render(rows, header))
 

@@ -38,6 +38,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
         cuda_graph_max_batch=settings.cuda_graph_max_batch, cuda_graph_max_context=settings.cuda_graph_max_context,
         attention_backend=settings.attention_backend,
+        cpu_linear_kernel=settings.cpu_linear_kernel,
     )
 
 
@@ -47,7 +48,9 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("engine ready", extra={"model_dir": str(model_dir), "device": engine.info.device,
                                     "num_blocks": engine.info.num_blocks,
                                     "decode_graphs": engine.graphs is not None,
-                                    "prefill_attention": engine.attention_kernel})
+                                    "prefill_attention": engine.attention_kernel,
+                                    "cpu_linear_kernel": engine.linear_kernel.kernel
+                                    if engine.linear_kernel is not None else "none"})
     registry = CollectorRegistry()
     metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr)

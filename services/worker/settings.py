@@ -14,6 +14,7 @@ DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")   # services/worker/engine/eviction.py
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/varlen_attention.py
+CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/cpu_linear.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -50,6 +51,7 @@ class WorkerSettings:
     cuda_graph_max_batch: int
     cuda_graph_max_context: int
     attention_backend: str
+    cpu_linear_kernel: str
     scheduler_addr: str
     kvcache_addr: str
     heartbeat_interval_s: float
@@ -84,6 +86,7 @@ class WorkerSettings:
             cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
             cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
             attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
+            cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
             heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),

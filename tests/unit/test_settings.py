@@ -55,3 +55,10 @@ def test_worker_attention_backend_setting() -> None:
     assert WorkerSettings.from_env({"ATTENTION_BACKEND": "sdpa"}).attention_backend == "sdpa"
     with pytest.raises(SettingsError, match="ATTENTION_BACKEND"):
         WorkerSettings.from_env({"ATTENTION_BACKEND": "xformers"})
+
+
+def test_worker_cpu_linear_kernel_setting() -> None:
+    assert WorkerSettings.from_env({}).cpu_linear_kernel == "auto"
+    assert WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "onednn"}).cpu_linear_kernel == "onednn"
+    with pytest.raises(SettingsError, match="CPU_LINEAR_KERNEL"):
+        WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})

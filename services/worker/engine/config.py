@@ -25,4 +25,5 @@ class EngineConfig:
     attention_backend: str = "auto"    # prefill chunks: auto (flash-attn on CUDA when installed) | sdpa | flash_attn
     cpu_kv_bytes: int = 1 << 30        # KV pool size on CPU/MPS when num_blocks == 0
     cpu_packed_weights: bool = True    # pre-packed linear weights on CPU float32/bfloat16 (faster decode batches)
+    cpu_linear_kernel: str = "auto"    # packed kernel: auto (float32: the faster on this CPU) | mkl | onednn
     cpu_max_model_len: int = 8192

@@ -1,65 +1,171 @@
 """Linear layers with pre-packed weights, for CPU decode batches.
 
-float32 (MKL): sgemm repacks the weight matrix on every call. For the few-row
-inputs of decode steps that packing costs more than the multiply itself; with
-the weight packed once, 8 rows cost little more than one row. The packed layout
-does not depend on the row count, so one pack serves every batch size. Where it
-stops paying off depends on the shape (measured on the default model, 2
-threads): the layers' 640x2048-sized weights run 1.1-3x faster packed up to 32
-rows and break even near 64; the 262k x 640 LM head is 2.4x faster packed at 8
-rows but slower from 16 rows on. So layers take the packed kernel up to 32
-rows, the LM head up to 8, and larger inputs take the plain kernel.
+Two packed float32 kernels, and which one is faster depends on the CPU:
 
-bfloat16 (oneDNN, AMX or AVX512-BF16 where the CPU has them): a weight reordered
-once into oneDNN's blocked layout skips the per-call reorder; 1-32 rows run
-1.3-2.4x faster on the layers' shapes and the LM head at 32 rows 1.6x faster,
-while 512-row prefill chunks are faster with the plain kernel. Both kinds keep
-the original weight (shared, e.g. a tied embedding) beside the pack, which costs
-one more copy of the weights in memory.
+* MKL (`mkl`): sgemm repacks the weight matrix on every call; for the few-row
+  inputs of decode steps that costs more than the multiply itself, so the weight
+  is packed once. On Intel Xeons (AVX-512, 2 threads, default model) the layers'
+  640x2048-sized weights run 1.1-3x faster packed up to 32 rows and break even
+  near 64; the 262k x 640 LM head is 2.4x faster packed at 8 rows but slower
+  from 16 rows on. So layers take it up to 32 rows, the LM head up to 8, and
+  larger inputs the plain kernel.
+* oneDNN (`onednn`): the weight reordered once into oneDNN's blocked layout.
+  On AMD EPYC (AVX2) MKL's few-row sgemm is slow whether packed or not (the LM
+  head at 8 rows: 185 ms packed, 285 ms plain), and oneDNN's is 2.4x faster
+  there (76 ms), 2x faster on the layers' shapes at 8-32 rows and ~15 % faster
+  at 512-row prefill chunks, so it takes every row count.
+
+`choose_float32_kernel` times both on this CPU once per process (`auto`).
+bfloat16 has one packed kernel, oneDNN's (AMX or AVX512-BF16 where the CPU has
+them): 1-32 rows run 1.3-2.4x faster on the layers' shapes and the LM head at
+32 rows 1.6x faster, while 512-row chunks are faster with the plain kernel.
+Every kind keeps the original weight (shared, e.g. a tied embedding) beside the
+pack, which costs one more copy of the weights in memory.
 """
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+log = logging.getLogger(__name__)
+
 PACK_ROWS_HINT = 8     # the pack's size and layout are the same for any row count
-MAX_PACKED_ROWS = 32       # layer weights, either dtype
-LM_HEAD_MAX_PACKED_ROWS = {torch.float32: 8, torch.bfloat16: 32}
+MAX_PACKED_ROWS = 32       # MKL-packed layer weights, and oneDNN-packed bfloat16 ones
+MKL_LM_HEAD_MAX_PACKED_ROWS = 8
+ALL_ROWS = 1 << 62
+
+KERNEL_CHOICES = ("auto", "mkl", "onednn")   # CPU_LINEAR_KERNEL
+# What the calibration times: a layer-sized weight and a slice of a large vocabulary's
+# LM head (bigger than the caches, as the whole head is), at decode-sized row counts.
+CALIBRATION_SHAPES = ((2048, 640), (32768, 640))
+CALIBRATION_ROWS = (1, 8, 32)
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Which packed kernel a dtype's linears use, and up to how many rows
+    (layers and LM head); larger inputs take the plain kernel."""
+    kernel: str                 # "mkl" | "onednn"
+    layer_max_rows: int
+    lm_head_max_rows: int
 
 
 def mkl_packing_available() -> bool:
     return hasattr(torch.ops, "mkl") and hasattr(torch.ops.mkl, "_mkl_linear") and torch.backends.mkl.is_available()
 
 
-def onednn_bf16_packing_available() -> bool:
+def _onednn_ops_available() -> bool:
     mkldnn = getattr(torch.ops, "mkldnn", None)
     return (torch.backends.mkldnn.is_available() and mkldnn is not None
-            and hasattr(mkldnn, "_linear_pointwise") and hasattr(mkldnn, "_reorder_linear_weight")
-            and bool(mkldnn._is_mkldnn_bf16_supported()))
+            and hasattr(mkldnn, "_linear_pointwise") and hasattr(mkldnn, "_reorder_linear_weight"))
 
 
-def packing_available(dtype: torch.dtype) -> bool:
+def onednn_bf16_packing_available() -> bool:
+    return _onednn_ops_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def kernel_available(kernel: str, dtype: torch.dtype) -> bool:
     if dtype == torch.float32:
-        return mkl_packing_available()
+        return mkl_packing_available() if kernel == "mkl" else kernel == "onednn" and _onednn_ops_available()
     if dtype == torch.bfloat16:
-        return onednn_bf16_packing_available()
+        return kernel == "onednn" and onednn_bf16_packing_available()
     return False
 
 
+def packing_available(dtype: torch.dtype) -> bool:
+    return any(kernel_available(kernel, dtype) for kernel in ("mkl", "onednn"))
+
+
+def kernel_plan(kernel: str, dtype: torch.dtype) -> KernelPlan:
+    """The row limits each kernel is worth using for (see the module docstring)."""
+    if not kernel_available(kernel, dtype):
+        raise ValueError(f"CPU linear kernel {kernel!r}: no packed {kernel} kernel for {dtype} on this CPU")
+    if kernel == "mkl":
+        return KernelPlan("mkl", MAX_PACKED_ROWS, MKL_LM_HEAD_MAX_PACKED_ROWS)
+    if dtype == torch.float32:
+        return KernelPlan("onednn", ALL_ROWS, ALL_ROWS)
+    return KernelPlan("onednn", MAX_PACKED_ROWS, MAX_PACKED_ROWS)
+
+
+def resolve_kernel_plan(choice: str, dtype: torch.dtype,
+                        timer: Callable[[str], float] | None = None) -> KernelPlan | None:
+    """The plan for `choice` (CPU_LINEAR_KERNEL), or None when `dtype` has no packed
+    kernel here. `auto` takes bfloat16's only kernel, and for float32 the faster one
+    on this CPU (`timer(kernel)` -> seconds; by default a measurement, once per process)."""
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"unknown CPU linear kernel {choice!r}; expected one of {', '.join(KERNEL_CHOICES)}")
+    if choice != "auto":
+        return kernel_plan(choice, dtype)
+    available = [kernel for kernel in ("mkl", "onednn") if kernel_available(kernel, dtype)]
+    if not available:
+        return None
+    if len(available) == 1:
+        return kernel_plan(available[0], dtype)
+    return kernel_plan(choose_float32_kernel(timer), dtype)
+
+
+_chosen_float32_kernel: str | None = None
+
+
+def choose_float32_kernel(timer: Callable[[str], float] | None = None) -> str:
+    """The packed float32 kernel that runs the calibration shapes faster here. The
+    measured choice is kept for the process: every engine in it shares the CPU."""
+    global _chosen_float32_kernel
+    if timer is None and _chosen_float32_kernel is not None:
+        return _chosen_float32_kernel
+    seconds = {kernel: (timer or _time_kernel)(kernel) for kernel in ("mkl", "onednn")}
+    chosen = min(seconds, key=seconds.__getitem__)
+    log.info("packed float32 linear kernel: %s (calibration: %s)", chosen,
+             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
+    if timer is None:
+        _chosen_float32_kernel = chosen
+    return chosen
+
+
+def _time_kernel(kernel: str, repeats: int = 3) -> float:
+    """Sum over the calibration shapes and row counts of the best of `repeats` calls."""
+    generator = torch.Generator().manual_seed(0)
+    total = 0.0
+    with torch.inference_mode():
+        for out_features, in_features in CALIBRATION_SHAPES:
+            linear = torch.nn.Linear(in_features, out_features, bias=False)
+            torch.nn.init.normal_(linear.weight, generator=generator)
+            packed = PackedLinear(linear, kernel_plan(kernel, torch.float32).layer_max_rows, kernel)
+            for rows in CALIBRATION_ROWS:
+                x = torch.randn(rows, in_features, generator=generator)
+                packed(x)   # warm-up
+                best = float("inf")
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    packed(x)
+                    best = min(best, time.perf_counter() - started)
+                total += best
+    return total
+
+
 class PackedLinear(torch.nn.Module):
-    def __init__(self, linear: torch.nn.Linear, max_packed_rows: int = MAX_PACKED_ROWS) -> None:
+    def __init__(self, linear: torch.nn.Linear, max_packed_rows: int = MAX_PACKED_ROWS,
+                 kernel: str | None = None) -> None:
         super().__init__()
+        dtype = linear.weight.dtype
+        if kernel is None:
+            kernel = "mkl" if dtype == torch.float32 and mkl_packing_available() else "onednn"
+        if not kernel_available(kernel, dtype):
+            raise ValueError(f"no packed kernel for {dtype} ({kernel}) on this CPU")
+        self.kernel = kernel
         self.max_packed_rows = max_packed_rows
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.weight = linear.weight          # kept (shared, e.g. a tied embedding); the pack is extra
         self.bias = linear.bias
-        self._mkl = self.weight.dtype == torch.float32
-        if not self._mkl and self.weight.dtype != torch.bfloat16:
-            raise ValueError(f"no packed kernel for {self.weight.dtype}")
         with torch.no_grad():
             weight = self.weight.detach()
-            packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT) if self._mkl
+            packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT) if kernel == "mkl"
                       else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
             self.register_buffer("packed", packed, persistent=False)
 
@@ -67,21 +173,31 @@ class PackedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] > self.max_packed_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
-        if self._mkl:
+        if self.kernel == "mkl":
             out = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, self.bias, rows.shape[0])
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def pack_linears(module: torch.nn.Module, max_packed_rows: int = MAX_PACKED_ROWS) -> int:
-    """Replaces every nn.Linear under `module` whose dtype has a packed kernel here
-    by a PackedLinear; returns how many."""
+def pack_linears(module: torch.nn.Module, plans: dict[torch.dtype, KernelPlan] | None = None) -> int:
+    """Replaces every nn.Linear under `module` whose dtype has a plan (by default: a
+    packed kernel here) by a PackedLinear; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
-        if isinstance(child, torch.nn.Linear) and packing_available(child.weight.dtype):
-            setattr(module, name, PackedLinear(child, max_packed_rows))
-            count += 1
+        if isinstance(child, torch.nn.Linear):
+            plan = _plan_for(child.weight.dtype, plans)
+            if plan is not None:
+                setattr(module, name, PackedLinear(child, plan.layer_max_rows, plan.kernel))
+                count += 1
         else:
-            count += pack_linears(child, max_packed_rows)
+            count += pack_linears(child, plans)
     return count
+
+
+def _plan_for(dtype: torch.dtype, plans: dict[torch.dtype, KernelPlan] | None) -> KernelPlan | None:
+    if plans is not None:
+        return plans.get(dtype)
+    if dtype == torch.float32 and mkl_packing_available():
+        return kernel_plan("mkl", dtype)
+    return kernel_plan("onednn", dtype) if kernel_available("onednn", dtype) else None

@@ -22,7 +22,7 @@ from services.worker.engine import types as t
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu_linear import LM_HEAD_MAX_PACKED_ROWS, PackedLinear, pack_linears, packing_available
+from services.worker.engine.cpu_linear import KernelPlan, PackedLinear, pack_linears, resolve_kernel_plan
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
@@ -96,10 +96,12 @@ class Engine:
         base = self.model.base_model
         self._base = getattr(base, "language_model", base)
         self._lm_head = self.model.get_output_embeddings()
-        if self._use_packed_cpu_weights():
-            pack_linears(self._base)
+        self.linear_kernel = self._packed_kernel_plan()
+        if self.linear_kernel is not None:
+            pack_linears(self._base, {self.dtype: self.linear_kernel})
             if isinstance(self._lm_head, torch.nn.Linear):
-                self._lm_head = PackedLinear(self._lm_head, LM_HEAD_MAX_PACKED_ROWS[self.dtype])
+                self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
+                                             self.linear_kernel.kernel)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         layer_types = getattr(self.model_config, "layer_types", None)
         self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
@@ -491,10 +493,13 @@ class Engine:
         self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent, seq.tokens)
         seq.num_registered_blocks = full
 
-    def _use_packed_cpu_weights(self) -> bool:
-        """Pre-packed weights on CPU (cpu_linear.py: MKL for float32, oneDNN for bfloat16):
-        decode batches of a few rows then cost about what one row does."""
-        return self.config.cpu_packed_weights and self.device.type == "cpu" and packing_available(self.dtype)
+    def _packed_kernel_plan(self) -> KernelPlan | None:
+        """Pre-packed weights on CPU (cpu_linear.py: MKL or oneDNN for float32, whichever
+        is faster on this CPU, oneDNN for bfloat16): decode batches of a few rows then
+        cost about what one row does. None: plain linears."""
+        if not self.config.cpu_packed_weights or self.device.type != "cpu":
+            return None
+        return resolve_kernel_plan(self.config.cpu_linear_kernel, self.dtype)
 
     # ---- sizing --------------------------------------------------------------------------
 

@@ -1,34 +1,88 @@
-"""PackedLinear computes what nn.Linear computes, for every row count and packed dtype."""
+"""PackedLinear computes what nn.Linear computes, for every row count, kernel and
+packed dtype; the float32 kernel is the faster one on this CPU, or the one asked for."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.engine.cpu_linear import MAX_PACKED_ROWS, PackedLinear, pack_linears, packing_available
+from services.worker.engine import cpu_linear
+from services.worker.engine.cpu_linear import (
+    ALL_ROWS, MAX_PACKED_ROWS, KernelPlan, PackedLinear, kernel_available, kernel_plan, pack_linears,
+    packing_available, resolve_kernel_plan,
+)
 
 # bfloat16 rounds each product's inputs, and the packed and plain kernels sum in different orders.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
-def _dtypes() -> list[object]:
-    return [pytest.param(dtype, marks=pytest.mark.skipif(not packing_available(dtype),
-                                                         reason=f"no packed kernel for {dtype} on this CPU"))
-            for dtype in (torch.float32, torch.bfloat16)]
+def _kernels() -> list[object]:
+    return [pytest.param(kernel, dtype, marks=pytest.mark.skipif(
+                not kernel_available(kernel, dtype), reason=f"no {kernel} kernel for {dtype} on this CPU"))
+            for kernel, dtype in (("mkl", torch.float32), ("onednn", torch.float32), ("onednn", torch.bfloat16))]
 
 
-@pytest.mark.parametrize("dtype", _dtypes())
+@pytest.mark.parametrize("kernel,dtype", _kernels())
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear_for_any_row_count(dtype: torch.dtype, bias: bool) -> None:
+def test_packed_linear_matches_linear_for_any_row_count(kernel: str, dtype: torch.dtype, bias: bool) -> None:
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 72, bias=bias).to(dtype)
-    packed = PackedLinear(linear)
-    for rows in (1, 2, 5, 8, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 64):
+    packed = PackedLinear(linear, kernel_plan(kernel, dtype).layer_max_rows, kernel)
+    for rows in (1, 2, 5, 8, MAX_PACKED_ROWS, MAX_PACKED_ROWS + 1, 64, 300):
         x = torch.randn(1, rows, 48, dtype=dtype)
         with torch.inference_mode():
             got, expected = packed(x), linear(x)
         assert got.dtype == dtype and got.shape == expected.shape
         torch.testing.assert_close(got.float(), expected.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+def test_kernel_plans_keep_each_kernel_where_it_pays() -> None:
+    if kernel_available("mkl", torch.float32):
+        assert kernel_plan("mkl", torch.float32) == KernelPlan("mkl", 32, 8)
+    if kernel_available("onednn", torch.float32):
+        assert kernel_plan("onednn", torch.float32) == KernelPlan("onednn", ALL_ROWS, ALL_ROWS)
+    if kernel_available("onednn", torch.bfloat16):
+        assert kernel_plan("onednn", torch.bfloat16) == KernelPlan("onednn", 32, 32)
+    with pytest.raises(ValueError, match="no packed mkl kernel for torch.bfloat16"):
+        kernel_plan("mkl", torch.bfloat16)
+
+
+@pytest.mark.skipif(not (kernel_available("mkl", torch.float32) and kernel_available("onednn", torch.float32)),
+                    reason="needs both float32 kernels")
+@pytest.mark.parametrize("faster", ["mkl", "onednn"])
+def test_auto_takes_the_kernel_that_times_faster(faster: str) -> None:
+    timings = {"mkl": 2.0, "onednn": 1.0} if faster == "onednn" else {"mkl": 1.0, "onednn": 2.0}
+    plan = resolve_kernel_plan("auto", torch.float32, timer=timings.__getitem__)
+    assert plan is not None and plan.kernel == faster
+
+
+def test_auto_measures_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not (kernel_available("mkl", torch.float32) and kernel_available("onednn", torch.float32)):
+        pytest.skip("needs both float32 kernels")
+    calls: list[str] = []
+
+    def fake_time(kernel: str, repeats: int = 3) -> float:
+        calls.append(kernel)
+        return 1.0 if kernel == "onednn" else 2.0
+
+    monkeypatch.setattr(cpu_linear, "_chosen_float32_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_time_kernel", fake_time)
+    assert resolve_kernel_plan("auto", torch.float32).kernel == "onednn"
+    assert resolve_kernel_plan("auto", torch.float32).kernel == "onednn"
+    assert sorted(calls) == ["mkl", "onednn"]
+
+
+def test_calibration_times_real_kernels() -> None:
+    for kernel in ("mkl", "onednn"):
+        if kernel_available(kernel, torch.float32):
+            assert 0.0 < cpu_linear._time_kernel(kernel, repeats=1) < 60.0
+
+
+def test_explicit_and_unknown_choices() -> None:
+    assert resolve_kernel_plan("onednn", torch.float32) == kernel_plan("onednn", torch.float32)
+    assert resolve_kernel_plan("auto", torch.float16) is None        # no packed kernel: plain linears
+    with pytest.raises(ValueError, match="unknown CPU linear kernel 'blas'"):
+        resolve_kernel_plan("blas", torch.float32)
 
 
 def test_pack_linears_replaces_nested_linears_it_has_a_kernel_for_and_shares_weights() -> None:
@@ -44,6 +98,17 @@ def test_pack_linears_replaces_nested_linears_it_has_a_kernel_for_and_shares_wei
     assert model[0].weight is first_weight
 
 
+def test_pack_linears_follows_the_given_plans() -> None:
+    if not kernel_available("onednn", torch.float32):
+        pytest.skip("needs the oneDNN float32 kernel")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    plan = kernel_plan("onednn", torch.float32)
+    assert pack_linears(model, {torch.float32: plan}) == 1
+    assert isinstance(model[0], PackedLinear) and model[0].kernel == "onednn"
+    assert model[0].max_packed_rows == ALL_ROWS
+    assert isinstance(model[1], torch.nn.Linear)      # no plan for bfloat16
+
+
 def test_packed_linear_refuses_a_dtype_without_a_kernel() -> None:
-    with pytest.raises(ValueError, match="no packed kernel"):
+    with pytest.raises(ValueError, match="no packed"):
         PackedLinear(torch.nn.Linear(4, 4).to(torch.float16))
