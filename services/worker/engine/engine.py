@@ -26,6 +26,7 @@ from services.worker.engine.cpu_linear import KernelPlan, PackedLinear, pack_lin
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
+from services.worker.engine.host_memory import keep_freed_host_memory
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
 from services.worker.engine.varlen_attention import load_varlen_kernel
@@ -86,6 +87,8 @@ class Engine:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
         self.model = model if model is not None else _load_model(config.model_dir, self.dtype)
         self.model.to(device=self.device, dtype=self.dtype).eval()
         self.model.set_attn_implementation(ATTENTION_NAME)
