@@ -118,7 +118,11 @@ def choose_float32_kernel(timer: Callable[[str], float] | None = None) -> str:
     global _chosen_float32_kernel
     if timer is None and _chosen_float32_kernel is not None:
         return _chosen_float32_kernel
-    seconds = {kernel: (timer or _time_kernel)(kernel) for kernel in ("mkl", "onednn")}
+    if timer is None:
+        linears = _calibration_linears()
+        seconds = {kernel: _time_kernel(kernel, linears) for kernel in ("mkl", "onednn")}
+    else:
+        seconds = {kernel: timer(kernel) for kernel in ("mkl", "onednn")}
     chosen = min(seconds, key=seconds.__getitem__)
     log.info("packed float32 linear kernel: %s (calibration: %s)", chosen,
              ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
@@ -127,17 +131,26 @@ def choose_float32_kernel(timer: Callable[[str], float] | None = None) -> str:
     return chosen
 
 
-def _time_kernel(kernel: str, repeats: int = 3) -> float:
-    """Sum over the calibration shapes and row counts of the best of `repeats` calls."""
+def _calibration_linears() -> list[torch.nn.Linear]:
     generator = torch.Generator().manual_seed(0)
+    linears = []
+    for out_features, in_features in CALIBRATION_SHAPES:
+        linear = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False)
+        with torch.no_grad():
+            linear.weight.uniform_(-0.05, 0.05, generator=generator)
+        linears.append(linear)
+    return linears
+
+
+def _time_kernel(kernel: str, linears: list[torch.nn.Linear], repeats: int = 2) -> float:
+    """Sum over the calibration linears and row counts of the best of `repeats` calls."""
+    generator = torch.Generator().manual_seed(1)
     total = 0.0
     with torch.inference_mode():
-        for out_features, in_features in CALIBRATION_SHAPES:
-            linear = torch.nn.Linear(in_features, out_features, bias=False)
-            torch.nn.init.normal_(linear.weight, generator=generator)
+        for linear in linears:
             packed = PackedLinear(linear, kernel_plan(kernel, torch.float32).layer_max_rows, kernel)
             for rows in CALIBRATION_ROWS:
-                x = torch.randn(rows, in_features, generator=generator)
+                x = torch.rand(rows, linear.in_features, generator=generator)
                 packed(x)   # warm-up
                 best = float("inf")
                 for _ in range(repeats):

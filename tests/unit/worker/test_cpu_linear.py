@@ -61,21 +61,24 @@ def test_auto_measures_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None
         pytest.skip("needs both float32 kernels")
     calls: list[str] = []
 
-    def fake_time(kernel: str, repeats: int = 3) -> float:
+    def fake_time(kernel: str, linears: list[torch.nn.Linear], repeats: int = 3) -> float:
         calls.append(kernel)
         return 1.0 if kernel == "onednn" else 2.0
 
     monkeypatch.setattr(cpu_linear, "_chosen_float32_kernel", None)
     monkeypatch.setattr(cpu_linear, "_time_kernel", fake_time)
+    monkeypatch.setattr(cpu_linear, "_calibration_linears", lambda: [])
     assert resolve_kernel_plan("auto", torch.float32).kernel == "onednn"
     assert resolve_kernel_plan("auto", torch.float32).kernel == "onednn"
     assert sorted(calls) == ["mkl", "onednn"]
 
 
 def test_calibration_times_real_kernels() -> None:
+    linears = cpu_linear._calibration_linears()
+    assert [(linear.out_features, linear.in_features) for linear in linears] == list(cpu_linear.CALIBRATION_SHAPES)
     for kernel in ("mkl", "onednn"):
         if kernel_available(kernel, torch.float32):
-            assert 0.0 < cpu_linear._time_kernel(kernel, repeats=1) < 60.0
+            assert 0.0 < cpu_linear._time_kernel(kernel, linears, repeats=1) < 60.0
 
 
 def test_explicit_and_unknown_choices() -> None:
