@@ -45,17 +45,16 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
 async def serve(settings: WorkerSettings) -> None:
     model_dir = resolve_model_dir(settings.model_name, Path(settings.model_cache_dir))
     engine = Engine(engine_config(settings, model_dir))
-    log.info("engine ready", extra={"model_dir": str(model_dir), "device": engine.info.device,
-                                    "num_blocks": engine.info.num_blocks,
-                                    "decode_graphs": engine.graphs is not None,
-                                    "prefill_attention": engine.attention_kernel,
-                                    "cpu_linear_kernel": engine.linear_kernel.kernel
-                                    if engine.linear_kernel is not None else "none"})
+    engine_labels = {"device": engine.info.device, "dtype": engine.info.dtype,
+                     "linear_kernel": engine.linear_kernel.kernel if engine.linear_kernel is not None else "none",
+                     "prefill_attention": engine.attention_kernel}
+    log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
+                                    "decode_graphs": engine.graphs is not None, **engine_labels})
     registry = CollectorRegistry()
     metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr)
     service = WorkerService(engine, settings.worker_id, WorkerMetrics(registry, settings.worker_id,
-                                                                     engine.pool_stats()))
+                                                                     engine.pool_stats(), engine_labels))
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish,
                                  snapshot_source(service.snapshot_async))
     service.on_block_events = lambda events: add_events(publisher, events)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -26,13 +26,15 @@ log = logging.getLogger(__name__)
 
 BLOCK_STATES = ("free", "cached", "used", "total")
 TOKEN_KINDS = ("computed", "prompt", "sampled")
+ENGINE_LABELS = ("device", "dtype", "linear_kernel", "prefill_attention")
 
 
 class WorkerMetrics:
     """The worker families of common.prometheus_names, all labelled with this
     worker's id and exported from the start (block states from the empty pool)."""
 
-    def __init__(self, registry: CollectorRegistry, worker_id: str, pool: PoolStats | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, worker_id: str, pool: PoolStats | None = None,
+                 engine_labels: Mapping[str, str] | None = None) -> None:
         def gauge(family: names.MetricFamily) -> Gauge:
             return names.gauge(family, registry)
 
@@ -49,6 +51,8 @@ class WorkerMetrics:
         self.running = gauge(names.WORKER_RUNNING).labels(worker=worker_id)
         self.prompt_logits_hits = names.counter(names.WORKER_PROMPT_LOGITS_HITS, registry).labels(worker=worker_id)
         self.graph_steps = names.counter(names.WORKER_GRAPH_STEPS, registry).labels(worker=worker_id)
+        labels = {label: (engine_labels or {}).get(label, "") for label in ENGINE_LABELS}
+        gauge(names.WORKER_ENGINE_INFO).labels(worker=worker_id, **labels).set(1)
         if pool is not None:
             self.observe_pool(pool)
 

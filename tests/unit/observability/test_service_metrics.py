@@ -69,6 +69,14 @@ def test_the_worker_exports_every_family_and_block_state_from_the_start() -> Non
     assert 'fairserve_worker_tokens_total{kind="sampled",worker="worker-7"} 0.0' in text
 
 
+def test_the_worker_names_its_engine_in_an_info_series() -> None:
+    registry = CollectorRegistry()
+    WorkerMetrics(registry, "worker-7", engine_labels={"device": "cpu", "dtype": "float32",
+                                                       "linear_kernel": "onednn", "prefill_attention": "sdpa"})
+    assert ('fairserve_worker_engine_info{device="cpu",dtype="float32",linear_kernel="onednn",'
+            'prefill_attention="sdpa",worker="worker-7"} 1.0') in scrape(registry)
+
+
 def test_the_worker_counts_decode_steps_replayed_from_graphs() -> None:
     pool = PoolStats(total_blocks=8, free_blocks=8, cached_blocks=0, used_blocks=0, evictions=0,
                      prefix_hit_tokens=0, prefix_query_tokens=0)
