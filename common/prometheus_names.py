@@ -145,6 +145,8 @@ WORKER_PROMPT_LOGITS_HITS = _family(WORKER, "prompt_logits_hits_total", COUNTER,
                                     "Identical prompts whose first token came from kept logits, with no forward")
 WORKER_GRAPH_STEPS = _family(WORKER, "decode_graph_steps_total", COUNTER, ("worker",),
                              "Decode steps whose forward replayed a captured CUDA graph")
+WORKER_SPECULATIVE_TOKENS = _family(WORKER, "speculative_tokens_total", COUNTER, ("worker", "kind"),
+                                    "Speculative (n-gram) draft tokens verified (drafted) and kept (accepted)")
 WORKER_ENGINE_INFO = _family(WORKER, "engine_info", GAUGE,
                              ("worker", "device", "dtype", "linear_kernel", "prefill_attention"),
                              "Always 1; the labels name the engine's device, dtype and kernels")

@@ -51,7 +51,8 @@ def step_request_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
                                               output_token_ids=n.output_token_ids,
                                               sampling=sampling_to_proto(n.sampling))
                        for n in plan.new_sequences],
-        work=[worker_pb2.WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in plan.work],
+        work=[worker_pb2.WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens, draft_tokens=w.draft_tokens)
+              for w in plan.work],
         free_seq_ids=plan.free_seq_ids,
         after_step_id=plan.after_step_id,
     )
@@ -69,7 +70,8 @@ def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
         num_cached_tokens=message.num_cached_tokens, sampled=message.sampled,
         token_id=message.token_id,
         logprob=logprob_from_proto(message.logprob) if message.HasField("logprob") else None,
-        error=message.error,
+        error=message.error, more_token_ids=tuple(message.more_token_ids),
+        more_logprobs=tuple(logprob_from_proto(logprob) for logprob in message.more_logprobs),
     )
 
 

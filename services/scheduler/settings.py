@@ -32,6 +32,8 @@ class SchedulerSettings:
     vtc_output_weight: float = _CORE.vtc_output_weight
     prefix_wait_min_tokens: int = _CORE.prefix_wait_min_tokens
     async_scheduling: bool = True
+    speculative_tokens: int = 0
+    speculative_max_batch: int = 8
     log_level: str = "info"
 
     @classmethod
@@ -57,6 +59,8 @@ class SchedulerSettings:
             vtc_output_weight=read.float("VTC_OUTPUT_WEIGHT", cls.vtc_output_weight, minimum=0.0),
             prefix_wait_min_tokens=read.int("PREFIX_WAIT_MIN_TOKENS", cls.prefix_wait_min_tokens, minimum=0),
             async_scheduling=read.bool("ASYNC_SCHEDULING", cls.async_scheduling),
+            speculative_tokens=read.int("SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0, maximum=64),
+            speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
         )
 
@@ -70,6 +74,7 @@ class SchedulerSettings:
             vtc_input_weight=self.vtc_input_weight, vtc_output_weight=self.vtc_output_weight,
             prefix_wait_min_tokens=self.prefix_wait_min_tokens,
             max_steps_in_flight=2 if self.async_scheduling else 1,
+            speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
         )
 
     @property

@@ -17,7 +17,8 @@ def step_batch_from_proto(request: worker_pb2.StepRequest) -> StepBatch:
                         output_token_ids=list(s.output_token_ids), sampling=sampling_from_proto(s.sampling))
             for s in request.new_sequences
         ],
-        work=[WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in request.work],
+        work=[WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens, draft_tokens=w.draft_tokens)
+              for w in request.work],
         free_seq_ids=list(request.free_seq_ids),
     )
 
@@ -38,6 +39,9 @@ def seq_result_to_proto(result: SeqResult) -> worker_pb2.SeqResult:
     )
     if result.logprob is not None:
         message.logprob.CopyFrom(logprob_to_proto(result.logprob))
+    message.more_token_ids.extend(result.more_token_ids)
+    if result.more_logprobs and all(logprob is not None for logprob in result.more_logprobs):
+        message.more_logprobs.extend(logprob_to_proto(logprob) for logprob in result.more_logprobs)
     return message
 
 

@@ -26,6 +26,7 @@ log = logging.getLogger(__name__)
 
 BLOCK_STATES = ("free", "cached", "used", "total")
 TOKEN_KINDS = ("computed", "prompt", "sampled")
+SPECULATIVE_KINDS = ("drafted", "accepted")
 ENGINE_LABELS = ("device", "dtype", "linear_kernel", "prefill_attention")
 
 
@@ -51,13 +52,15 @@ class WorkerMetrics:
         self.running = gauge(names.WORKER_RUNNING).labels(worker=worker_id)
         self.prompt_logits_hits = names.counter(names.WORKER_PROMPT_LOGITS_HITS, registry).labels(worker=worker_id)
         self.graph_steps = names.counter(names.WORKER_GRAPH_STEPS, registry).labels(worker=worker_id)
+        speculative = names.counter(names.WORKER_SPECULATIVE_TOKENS, registry)
+        self.speculative = {kind: speculative.labels(worker=worker_id, kind=kind) for kind in SPECULATIVE_KINDS}
         labels = {label: (engine_labels or {}).get(label, "") for label in ENGINE_LABELS}
         gauge(names.WORKER_ENGINE_INFO).labels(worker=worker_id, **labels).set(1)
         if pool is not None:
             self.observe_pool(pool)
 
     def observe(self, batch: StepBatch, output: StepOutput, running: int) -> None:
-        sampled = sum(1 for r in output.results if r.sampled)
+        sampled = sum(len(r.token_ids) for r in output.results)
         self.step_seconds.observe(output.forward_ms / 1000.0)
         self.batch_tokens.set(output.batch_tokens)
         self.batch_sequences.set(len(batch.work))
@@ -66,6 +69,8 @@ class WorkerMetrics:
         self.tokens["sampled"].inc(sampled)
         self.prompt_logits_hits.inc(output.prompt_logits_hits)
         self.graph_steps.inc(1 if output.graph_replayed else 0)
+        self.speculative["drafted"].inc(output.draft_tokens)
+        self.speculative["accepted"].inc(output.accepted_tokens)
         self.observe_pool(output.pool)
         self.running.set(running)
 
@@ -146,7 +151,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         counters.last_batch_tokens = output.batch_tokens
         counters.computed_tokens += output.batch_tokens
         counters.prompt_tokens += output.prompt_tokens
-        counters.sampled_tokens += sum(1 for r in output.results if r.sampled)
+        counters.sampled_tokens += sum(len(r.token_ids) for r in output.results)
         self.last_pool = output.pool
         self._metrics.observe(batch, output, running)
 

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.model_store import default_cache_dir
-from common.settings import EnvReader
+from common.settings import EnvReader, SettingsError
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -52,6 +52,8 @@ class WorkerSettings:
     cuda_graph_max_context: int
     attention_backend: str
     cpu_linear_kernel: str
+    speculative_ngram_min: int
+    speculative_ngram_max: int
     scheduler_addr: str
     kvcache_addr: str
     heartbeat_interval_s: float
@@ -64,7 +66,7 @@ class WorkerSettings:
         read = EnvReader(env)
         port = read.port("WORKER_PORT", 50061)
         host = read.str("WORKER_HOST", "127.0.0.1")
-        return cls(
+        settings = cls(
             host=host,
             port=port,
             advertise_host=read.str("WORKER_ADVERTISE_HOST", default_advertise_host(host)),
@@ -87,6 +89,8 @@ class WorkerSettings:
             cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
             attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
             cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
+            speculative_ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
+            speculative_ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
             heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),
@@ -94,3 +98,7 @@ class WorkerSettings:
             model_key=read.str("MODEL_KEY", ""),
             log_level=read.str("LOG_LEVEL", "info"),
         )
+        if settings.speculative_ngram_min > settings.speculative_ngram_max:
+            raise SettingsError(f"SPECULATIVE_NGRAM_MIN={settings.speculative_ngram_min} is invalid: "
+                                f"must be at most SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
+        return settings

@@ -6,6 +6,7 @@ import pytest
 
 from common.settings import EnvReader, SettingsError
 from services.worker.settings import WorkerSettings
+from services.scheduler.settings import SchedulerSettings
 
 
 def test_reader_names_the_variable() -> None:
@@ -62,3 +63,16 @@ def test_worker_cpu_linear_kernel_setting() -> None:
     assert WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "onednn"}).cpu_linear_kernel == "onednn"
     with pytest.raises(SettingsError, match="CPU_LINEAR_KERNEL"):
         WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})
+
+
+def test_speculative_decoding_settings() -> None:
+    scheduler = SchedulerSettings.from_env({})
+    assert scheduler.speculative_tokens == 0 and scheduler.core_config().speculative_tokens == 0
+    scheduler = SchedulerSettings.from_env({"SPECULATIVE_TOKENS": "4", "SPECULATIVE_MAX_BATCH": "2"})
+    assert (scheduler.core_config().speculative_tokens, scheduler.core_config().speculative_max_batch) == (4, 2)
+    with pytest.raises(SettingsError, match="SPECULATIVE_TOKENS"):
+        SchedulerSettings.from_env({"SPECULATIVE_TOKENS": "-1"})
+    worker = WorkerSettings.from_env({"SPECULATIVE_NGRAM_MIN": "1", "SPECULATIVE_NGRAM_MAX": "3"})
+    assert (worker.speculative_ngram_min, worker.speculative_ngram_max) == (1, 3)
+    with pytest.raises(SettingsError, match="SPECULATIVE_NGRAM_MIN=5 is invalid"):
+        WorkerSettings.from_env({"SPECULATIVE_NGRAM_MIN": "5"})

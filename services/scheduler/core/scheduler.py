@@ -54,16 +54,17 @@ class _PlanBuilder:
         self.token_budget = token_budget
         self.frees = frees
         self.new_sequences: list[NewSequence] = []
-        self._work: dict[str, tuple[int, int, bool]] = {}  # seq_id -> tokens, blocks, is_decode
+        # seq_id -> tokens, blocks, is_decode, draft tokens (which count against the token budget)
+        self._work: dict[str, tuple[int, int, bool, int]] = {}
 
-    def add(self, seq_id: str, tokens: int, blocks: int, is_decode: bool) -> None:
-        self._work[seq_id] = (tokens, blocks, is_decode)
-        self.token_budget -= tokens
+    def add(self, seq_id: str, tokens: int, blocks: int, is_decode: bool, drafts: int = 0) -> None:
+        self._work[seq_id] = (tokens, blocks, is_decode, drafts)
+        self.token_budget -= tokens + drafts
         self.available_blocks -= blocks
 
     def drop(self, seq_id: str) -> None:
-        tokens, blocks, _ = self._work.pop(seq_id, (0, 0, False))
-        self.token_budget += tokens
+        tokens, blocks, _, drafts = self._work.pop(seq_id, (0, 0, False, 0))
+        self.token_budget += tokens + drafts
         self.available_blocks += blocks
 
     @property
@@ -72,18 +73,18 @@ class _PlanBuilder:
 
     @property
     def has_prefill(self) -> bool:
-        return any(not is_decode for _, _, is_decode in self._work.values())
+        return any(not is_decode for _, _, is_decode, _ in self._work.values())
 
     @property
     def has_decode(self) -> bool:
-        return any(is_decode for _, _, is_decode in self._work.values())
+        return any(is_decode for _, _, is_decode, _ in self._work.values())
 
     def build(self, after_step_id: int = 0) -> StepPlan | None:
         if not (self._work or self.frees or self.new_sequences):
             return None
         return StepPlan(
             step_id=self.step_id, new_sequences=tuple(self.new_sequences),
-            work=tuple(WorkItem(seq_id, tokens) for seq_id, (tokens, _, _) in self._work.items()),
+            work=tuple(WorkItem(seq_id, tokens, drafts) for seq_id, (tokens, _, _, drafts) in self._work.items()),
             free_seq_ids=tuple(self.frees), after_step_id=after_step_id,
         )
 
@@ -272,6 +273,10 @@ class SchedulerCore:
             request = self._by_seq.get(seq_id)
             if request is not None and request.worker_id == worker_id:
                 request.inflight_samples -= 1
+        for item in done.plan.work:
+            request = self._by_seq.get(item.seq_id)
+            if item.draft_tokens and request is not None and request.worker_id == worker_id:
+                request.inflight_drafts -= item.draft_tokens
         later_tokens = worker.tokens_in_flight()
         updates: list[RequestUpdate] = []
         for result in outcome.results:
@@ -289,6 +294,7 @@ class SchedulerCore:
         for item in step.work:
             request = self._by_seq[item.seq_id]
             request.num_computed += item.max_tokens
+            request.inflight_drafts += item.draft_tokens
             if request.num_computed >= request.worker_tokens:
                 request.inflight_samples += 1
                 sampling.add(item.seq_id)
@@ -379,17 +385,39 @@ class SchedulerCore:
 
     def _plan_decodes(self, worker: WorkerState, plan: _PlanBuilder) -> None:
         block_size = worker.spec.block_size
+        config = self._config
+        speculating = config.speculative_tokens > 0 and (
+            config.speculative_max_batch <= 0 or len(worker.active) <= config.speculative_max_batch)
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
             if not request.wants_more:
                 continue  # its last token is being sampled in a step in flight
+            if len(request.output) + request.inflight_samples + request.inflight_drafts >= request.max_tokens:
+                continue  # drafts in flight may bring its last tokens: wait for them
             if plan.token_budget < 1:
                 return
             needed = blocks_for(request.num_computed + 1, block_size) - worker.blocks_held(request)
             if self._make_room(worker, plan, request, needed):
                 assert request.seq_id is not None
-                plan.add(request.seq_id, 1, needed, is_decode=True)
+                drafts, extra = self._draft_allowance(worker, plan, request, needed) if speculating else (0, 0)
+                plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
+
+    def _draft_allowance(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState,
+                         needed: int) -> tuple[int, int]:
+        """(speculative tokens, extra blocks for their slots) a decode may verify: within
+        max_tokens even if every draft in flight is kept, the step's token budget, and
+        the blocks left without evicting anything for it."""
+        block_size = worker.spec.block_size
+        left = (request.max_tokens - len(request.output) - request.inflight_samples
+                - request.inflight_drafts - 1)
+        drafts = min(self._config.speculative_tokens, left, plan.token_budget - 1)
+        held = worker.blocks_held(request) + needed
+        capacity = (held + max(plan.available_blocks - needed, 0)) * block_size - (request.num_computed + 1)
+        drafts = min(drafts, capacity)
+        if drafts <= 0:
+            return 0, 0
+        return drafts, blocks_for(request.num_computed + 1 + drafts, block_size) - held
 
     def _plan_prefill(self, worker: WorkerState, plan: _PlanBuilder) -> None:
         for request in sorted(worker.prefilling, key=lambda r: r.running_key):
@@ -528,7 +556,8 @@ class SchedulerCore:
         # What the worker holds now, plus what the steps still in flight add
         # (`later_tokens`); they never compute past the tokens the worker will hold
         # (the cap matters when a prefix-cache hit computed more than was planned).
-        holds = request.worker_tokens + (1 if result.sampled and not result.error else 0)
+        tokens = (result.token_id, *result.more_token_ids) if result.sampled and not result.error else ()
+        holds = request.worker_tokens + len(tokens)
         request.num_computed = min(result.num_computed_tokens + later_tokens, holds)
         if result.error == OUT_OF_BLOCKS:
             # Nothing changed on the worker; make room for the next step. Steps
@@ -546,18 +575,25 @@ class SchedulerCore:
             return RequestUpdate(request.request_id, finish=finish)
         if request.cached_tokens is None:
             request.cached_tokens = min(result.num_cached_tokens, len(request.prompt))
-        if not result.sampled:
+        if not tokens:
             return None
-        request.output.append(result.token_id)
-        self._vtc.charge_output(request.client_id)
         if request.phase is Phase.PREFILLING:
             worker.prefilling.remove(request)
             worker.active.append(request)
             request.phase = Phase.ACTIVE
-        token = TokenOut(token_id=result.token_id, logprob=result.logprob)
-        reason = self._finish_reason(worker, request, result.token_id)
-        finish = self._finish(request, reason) if reason is not None else None
-        return RequestUpdate(request.request_id, tokens=(token,), finish=finish)
+        logprobs = (result.logprob, *result.more_logprobs)
+        out: list[TokenOut] = []
+        finish = None
+        for index, token_id in enumerate(tokens):
+            request.output.append(token_id)
+            self._vtc.charge_output(request.client_id)
+            out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
+            reason = self._finish_reason(worker, request, token_id)
+            if reason is not None:
+                # Speculative tokens past a stop or max_tokens are dropped.
+                finish = self._finish(request, reason)
+                break
+        return RequestUpdate(request.request_id, tokens=tuple(out), finish=finish)
 
     @staticmethod
     def _finish_reason(worker: WorkerState, request: RequestState, token_id: int) -> FinishReason | None:
@@ -609,6 +645,7 @@ class SchedulerCore:
                 worker.frees.append(seq_id)
                 worker.releasing_blocks += blocks
         request.seq_id, request.num_computed, request.inflight_samples = None, 0, 0
+        request.inflight_drafts = 0
 
     def _preempt(self, worker: WorkerState, request: RequestState,
                  plan: _PlanBuilder | None = None) -> None:

@@ -40,6 +40,9 @@ class RequestState:
     # Steps in flight expected to end with a sample for this request: the worker
     # holds those tokens, the scheduler does not know them yet.
     inflight_samples: int = 0
+    # Speculative tokens granted to the steps in flight: at most that many more
+    # tokens than inflight_samples may come back.
+    inflight_drafts: int = 0
     held_by: set[Gate] = field(default_factory=set)
 
     @property

@@ -60,6 +60,11 @@ class CoreConfig:
     # Steps a worker may have in flight: 2 plans the next step while the worker
     # computes the current one (async scheduling), 1 waits for each result.
     max_steps_in_flight: int = 1
+    # Speculative decoding: each decode may verify up to this many n-gram draft
+    # tokens the worker proposes (0 turns it off) while at most
+    # speculative_max_batch requests decode on the worker (0: any number).
+    speculative_tokens: int = 0
+    speculative_max_batch: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,7 @@ class NewSequence:
 class WorkItem:
     seq_id: str
     max_tokens: int
+    draft_tokens: int = 0   # a decode may verify up to this many speculative tokens
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,9 @@ class SeqResult:
     token_id: int = 0
     logprob: TokenLogprob | None = None
     error: str = ""
+    # Accepted speculative tokens and the token sampled after them, after token_id.
+    more_token_ids: tuple[int, ...] = ()
+    more_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -223,13 +223,27 @@ class BlockPool:
         if partial is not None:
             self._keep_partial(table, partial)
         for block in reversed(table):   # tail first: children become evictable before parents
-            self._refcount[block] -= 1
-            if self._refcount[block] > 0:
-                continue
-            if self._block_tokens[block] is None:
-                self._free.append(block)
-            else:
-                self._evictable.add(block)
+            self._unref(block)
+
+    def shrink(self, seq_id: str, num_tokens: int) -> None:
+        """Drops `seq_id`'s blocks past the ones covering `num_tokens` tokens (slots that
+        were reserved for speculative tokens and then rejected)."""
+        table = self._tables.get(seq_id)
+        if not table:
+            return
+        keep = self.blocks_for(num_tokens)
+        for block in reversed(table[keep:]):
+            self._unref(block)
+        del table[keep:]
+
+    def _unref(self, block: int) -> None:
+        self._refcount[block] -= 1
+        if self._refcount[block] > 0:
+            return
+        if self._block_tokens[block] is None:
+            self._free.append(block)
+        else:
+            self._evictable.add(block)
 
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         self.prefix_query_tokens += query_tokens

@@ -29,6 +29,7 @@ from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.host_memory import keep_freed_host_memory
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
+from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -41,6 +42,7 @@ class _Sequence:
     num_registered_blocks: int = 0      # leading full blocks whose hashes the pool knows
     hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks of `tokens`
     started: bool = False
+    ngrams: NgramIndex | None = None    # built on the first speculative decode
 
     def full_block_hashes(self, block_size: int, model_key: str) -> list[int]:
         parent = self.hashes[-1] if self.hashes else ROOT_HASH
@@ -58,10 +60,16 @@ class _Planned:
     cached_tokens: int
     result_index: int
     cached_logits: torch.Tensor | None = None   # exact match: sample from these, compute nothing
+    drafts: list[int] = field(default_factory=list)   # speculative tokens verified after a decode
 
     @property
     def end(self) -> int:
         return self.start + self.num_tokens
+
+    @property
+    def rows(self) -> int:
+        """Rows of the packed batch: the chunk's tokens, then any drafts."""
+        return self.num_tokens + len(self.drafts)
 
     @property
     def prompt_tokens(self) -> int:
@@ -157,16 +165,18 @@ class Engine:
         planned = self._plan(batch.work, results)
         forward_ms = 0.0
         replays = self.graphs.replays if self.graphs is not None else 0
+        accepted = 0
         if planned:
             started = time.perf_counter()
             sampled = self._forward(planned)
             forward_ms = (time.perf_counter() - started) * 1000.0
-            self._commit(planned, sampled, results)
+            accepted = self._commit(planned, sampled, results)
         return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
-                            batch_tokens=sum(p.num_tokens for p in planned),
+                            batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
-                            graph_replayed=self.graphs is not None and self.graphs.replays > replays)
+                            graph_replayed=self.graphs is not None and self.graphs.replays > replays,
+                            draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=accepted)
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()
@@ -232,7 +242,7 @@ class Engine:
                 results.append(t.SeqResult(item.seq_id, computed, error=error))
                 continue
             assert seq is not None
-            plan = self._plan_one(seq, item.max_tokens, len(results))
+            plan = self._plan_one(seq, item.max_tokens, len(results), item.draft_tokens)
             if plan is None:
                 results.append(t.SeqResult(item.seq_id, seq.num_computed, error=t.OUT_OF_BLOCKS))
                 continue
@@ -253,7 +263,12 @@ class Engine:
             return t.EXCEEDS_MAX_MODEL_LEN
         return ""
 
-    def _plan_one(self, seq: _Sequence, max_tokens: int, result_index: int) -> _Planned | None:
+    def _plan_one(self, seq: _Sequence, max_tokens: int, result_index: int,
+                  draft_tokens: int = 0) -> _Planned | None:
+        if seq.started and draft_tokens > 0 and len(seq.tokens) - seq.num_computed == 1:
+            speculative = self._plan_speculative(seq, draft_tokens, result_index)
+            if speculative is not None:
+                return speculative
         if not seq.started and self.pool.enable_prefix_caching:
             exact = self._plan_exact(seq, result_index)
             if exact is not None:
@@ -290,6 +305,18 @@ class Engine:
             seq.num_registered_blocks = len(cached_blocks)
             self.pool.record_prefix_query(len(seq.tokens), cached_tokens)
         return _Planned(seq, start, num_tokens, cached_tokens, result_index)
+
+    def _plan_speculative(self, seq: _Sequence, draft_tokens: int, result_index: int) -> _Planned | None:
+        """A decode that also verifies n-gram drafts, or None (no draft, or no room for
+        their slots: the plain decode is planned instead)."""
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.config.ngram_min, self.config.ngram_max)
+        # Every verified row stays inside the model's context.
+        limit = min(draft_tokens, self.max_model_len - len(seq.tokens))
+        drafts = seq.ngrams.propose(seq.tokens, limit)
+        if not drafts or not self.pool.allocate(seq.seq_id, len(seq.tokens) + len(drafts)):
+            return None
+        return _Planned(seq, seq.num_computed, 1, 0, result_index, drafts=drafts)
 
     def _plan_exact(self, seq: _Sequence, result_index: int) -> _Planned | None:
         """An identical prompt whose last-position logits and every token's K/V are cached:
@@ -357,7 +384,8 @@ class Engine:
         return allocated
 
     @torch.inference_mode()
-    def _forward(self, planned: list[_Planned]) -> list[tuple[_Planned, SampledToken]]:
+    def _forward(self, planned: list[_Planned]) -> list[tuple[_Planned, list[SampledToken]]]:
+        """Samples of every plan that samples: one token, or one per verified row."""
         computed = [p for p in planned if p.num_tokens]
         sample_plans: list[_Planned] = []
         rows: list[torch.Tensor] = []
@@ -373,13 +401,22 @@ class Engine:
         if not sample_plans:
             return []
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
-        sampled = self.sampler.sample(logits, [p.seq.request for p in sample_plans])
-        return list(zip(sample_plans, sampled))
+        requests: list[SampleRequest] = []
+        row_index: dict[int, int] = {}
+        for plan in sample_plans:
+            index = row_index.get(id(plan), 0)
+            row_index[id(plan)] = index + 1
+            requests.append(_row_request(plan.seq.request, plan.drafts[:index]))
+        sampled = self.sampler.sample(logits, requests)
+        by_plan: dict[int, tuple[_Planned, list[SampledToken]]] = {}
+        for plan, token in zip(sample_plans, sampled):
+            by_plan.setdefault(id(plan), (plan, []))[1].append(token)
+        return list(by_plan.values())
 
     def _compute_logits(self, planned: list[_Planned]) -> tuple[list[_Planned], torch.Tensor]:
         """One packed forward over `planned`; logits only at the rows that sample."""
-        # Decodes first (one row each), then prefill chunks as contiguous runs.
-        order = sorted(planned, key=lambda p: p.num_tokens != 1)
+        # Decodes first (one row each), then prefill chunks and verified drafts as contiguous runs.
+        order = sorted(planned, key=lambda p: p.rows != 1)
         sample_plans = order
         rows = self._decode_with_graphs(order)
         if rows is None:
@@ -402,7 +439,7 @@ class Engine:
     def _decode_with_graphs(self, order: list[_Planned]) -> torch.Tensor | None:
         """Hidden states of a decode-only step from a captured graph, or None (no graphs,
         not decode-only, no bucket fits, or graphs turned off)."""
-        if self.graphs is None or not all(p.num_tokens == 1 and p.samples for p in order):
+        if self.graphs is None or not all(p.rows == 1 and p.samples for p in order):
             return None
         tables = [self.pool.table(p.seq.seq_id) for p in order]
         return self.graphs.run(DecodeRows(
@@ -438,21 +475,24 @@ class Engine:
         for plan in order:
             table = self.pool.table(plan.seq.seq_id)
             row = len(ids)
+            end = plan.end + len(plan.drafts)
             ids.extend(plan.seq.tokens[plan.start:plan.end])
-            positions.extend(range(plan.start, plan.end))
-            if plan.num_tokens == 1 and not prefills:
+            ids.extend(plan.drafts)
+            positions.extend(range(plan.start, end))
+            if plan.rows == 1 and not prefills:
                 slots.append(self._slot(table, plan.start))
                 decode_ctx.append(plan.end)
                 decode_tables.append(table)
             else:
-                table_tensor = torch.tensor(table[:self.pool.blocks_for(plan.end)], dtype=torch.long)
-                context = torch.arange(plan.end)
+                table_tensor = torch.tensor(table[:self.pool.blocks_for(end)], dtype=torch.long)
+                context = torch.arange(end)
                 context_slots = table_tensor[context // block_size] * block_size + context % block_size
                 slots.extend(context_slots[plan.start:].tolist())
-                prefills.append(PrefillChunk(row, plan.num_tokens, plan.start, context_slots.to(self.device)))
+                prefills.append(PrefillChunk(row, plan.rows, plan.start, context_slots.to(self.device)))
             if plan.samples:
-                sample_rows.append(len(ids) - 1)
-                sample_plans.append(plan)
+                # The last computed token's row, then one row per draft.
+                sample_rows.extend(range(len(ids) - 1 - len(plan.drafts), len(ids)))
+                sample_plans.extend([plan] * (1 + len(plan.drafts)))
         width = max((len(table) for table in decode_tables), default=0)
         padded = [table + [0] * (width - len(table)) for table in decode_tables]
         device = self.device
@@ -468,21 +508,37 @@ class Engine:
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         return meta, input_ids, position_tensor, sample_rows, sample_plans
 
-    def _commit(self, planned: list[_Planned], sampled: list[tuple[_Planned, SampledToken]],
-                results: list[t.SeqResult]) -> None:
+    def _commit(self, planned: list[_Planned], sampled: list[tuple[_Planned, list[SampledToken]]],
+                results: list[t.SeqResult]) -> int:
+        """Applies the step to the sequences and results; returns the drafts accepted."""
+        accepted = 0
+        emitted_by_plan: dict[int, list[SampledToken]] = {}
+        for plan, tokens in sampled:
+            kept = accepted_prefix(plan.drafts, [token.token_id for token in tokens])
+            emitted_by_plan[id(plan)] = tokens[:len(kept)]
+            accepted += len(kept) - 1
         for plan in planned:
             seq = plan.seq
-            seq.num_computed = plan.end
+            emitted = emitted_by_plan.get(id(plan), [])
+            # Verified rows past the last kept draft were computed for nothing.
+            seq.num_computed = plan.end + (max(0, len(emitted) - 1) if plan.drafts else 0)
+            if plan.drafts:
+                self.pool.shrink(seq.seq_id, seq.num_computed)
+                results[plan.result_index].num_computed_tokens = seq.num_computed
             self._register_full_blocks(seq)
-        for plan, token in sampled:
-            seq = plan.seq
-            seq.tokens.append(token.token_id)
-            seq.request.output_token_ids.append(token.token_id)
-            seq.request.num_sampled += 1
+            if not emitted:
+                continue
+            token_ids = [token.token_id for token in emitted]
+            seq.tokens.extend(token_ids)
+            seq.request.output_token_ids.extend(token_ids)
+            seq.request.num_sampled += len(token_ids)
             result = results[plan.result_index]
             result.sampled = True
-            result.token_id = token.token_id
-            result.logprob = token.logprob
+            result.token_id = token_ids[0]
+            result.logprob = emitted[0].logprob
+            result.more_token_ids = token_ids[1:]
+            result.more_logprobs = [token.logprob for token in emitted[1:]]
+        return accepted
 
     def _register_full_blocks(self, seq: _Sequence) -> None:
         if not self.pool.enable_prefix_caching:
@@ -525,6 +581,16 @@ class Engine:
         if self.device.type != "cuda":
             limit = min(limit, self.config.cpu_max_model_len)
         return limit
+
+
+def _row_request(request: SampleRequest, drafts: list[int]) -> SampleRequest:
+    """What sampling the row after `drafts` sees: the request as if they were already
+    its output (penalties, min_tokens and the seeded draw index follow them)."""
+    if not drafts:
+        return request
+    return SampleRequest(params=request.params, prompt_token_ids=request.prompt_token_ids,
+                         output_token_ids=[*request.output_token_ids, *drafts],
+                         num_sampled=request.num_sampled + len(drafts))
 
 
 def _load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:

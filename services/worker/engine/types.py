@@ -19,6 +19,7 @@ class NewSequence:
 class WorkItem:
     seq_id: str
     max_tokens: int     # compute at most this many not-yet-computed tokens
+    draft_tokens: int = 0  # a decode may also verify up to this many speculative tokens
 
 
 @dataclass
@@ -46,6 +47,14 @@ class SeqResult:
     token_id: int = -1
     logprob: TokenLogprob | None = None
     error: str = ""
+    # Accepted speculative tokens and the one sampled after them, following token_id.
+    more_token_ids: list[int] = field(default_factory=list)
+    more_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token this result sampled, in order."""
+        return [self.token_id, *self.more_token_ids] if self.sampled else []
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,8 @@ class StepOutput:
     prompt_tokens: int = 0      # of batch_tokens, those at prompt positions (prefill, not decode)
     prompt_logits_hits: int = 0 # sequences that sampled from kept prompt logits, computing nothing
     graph_replayed: bool = False  # the forward replayed a captured decode graph
+    draft_tokens: int = 0       # speculative tokens verified
+    accepted_tokens: int = 0    # of those, the ones kept
 
 
 @dataclass(frozen=True)

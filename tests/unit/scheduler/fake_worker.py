@@ -48,7 +48,8 @@ class FakeSequence:
 class FakeEngine:
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 4096,
                  next_token: Callable[[Sequence[int]], int] = hashed_next_token,
-                 prefix_caching: bool = True, overstate_free_blocks: int = 0) -> None:
+                 prefix_caching: bool = True, overstate_free_blocks: int = 0,
+                 accepted_drafts: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -57,6 +58,9 @@ class FakeEngine:
         # Makes the reported pool look bigger than it is, so that the
         # scheduler's estimate is wrong and the worker answers out_of_blocks.
         self.overstate_free_blocks = overstate_free_blocks
+        # Speculation: of the drafts a decode may verify, this many are "accepted"
+        # (they are the true next tokens, so outputs do not change).
+        self.accepted_drafts = accepted_drafts
         self.refcount = [0] * num_blocks
         self.block_key: list[tuple[int, ...] | None] = [None] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
@@ -80,7 +84,7 @@ class FakeEngine:
         for new in plan.new_sequences:
             self._register(new.seq_id, [*new.prompt_token_ids, *new.output_token_ids],
                            new.sampling.logprobs)
-        results = tuple(self._work(item.seq_id, item.max_tokens) for item in plan.work)
+        results = tuple(self._work(item.seq_id, item.max_tokens, item.draft_tokens) for item in plan.work)
         self.check_invariants()
         return StepOutcome(step_id=plan.step_id, results=results, pool=self.pool(), forward_ms=1.0)
 
@@ -107,7 +111,7 @@ class FakeEngine:
             seq.computed = seq.cached_tokens = len(seq.blocks) * self.block_size
         self.seqs[seq_id] = seq
 
-    def _work(self, seq_id: str, max_tokens: int) -> SeqResult:
+    def _work(self, seq_id: str, max_tokens: int, draft_tokens: int = 0) -> SeqResult:
         seq = self.seqs.get(seq_id)
         if seq is None:
             return SeqResult(seq_id=seq_id, error="unknown_sequence")
@@ -118,9 +122,18 @@ class FakeEngine:
         if needed > len(self.free_blocks) + len(self.cached_blocks):
             self.out_of_blocks_errors += 1
             return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, error="out_of_blocks")
-        for _ in range(needed):
+        drafts = min(draft_tokens, self.accepted_drafts) if len(seq.tokens) - seq.computed == 1 else 0
+        extra = -(-(seq.computed + count + drafts) // self.block_size) - len(seq.blocks) - needed
+        if drafts and needed + extra > len(self.free_blocks) + len(self.cached_blocks):
+            drafts, extra = 0, 0
+        for _ in range(needed + extra):
             seq.blocks.append(self._allocate())
         seq.computed += count
+        more: list[int] = []
+        for _ in range(drafts):
+            more.append(self.next_token(seq.tokens + more))
+        seq.tokens.extend(more)
+        seq.computed += drafts
         self._publish_full_blocks(seq)
         cached = 0 if seq.reported else seq.cached_tokens
         seq.reported = True
@@ -129,8 +142,11 @@ class FakeEngine:
         token = self.next_token(seq.tokens)
         seq.tokens.append(token)
         logprob = TokenLogprob(logprob=-0.5) if seq.want_logprobs else None
+        emitted = [*more, token]
         return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, num_cached_tokens=cached,
-                         sampled=True, token_id=token, logprob=logprob)
+                         sampled=True, token_id=emitted[0], logprob=logprob,
+                         more_token_ids=tuple(emitted[1:]),
+                         more_logprobs=tuple(logprob for _ in emitted[1:]) if logprob is not None else ())
 
     def _publish_full_blocks(self, seq: FakeSequence) -> None:
         if not self.prefix_caching:

@@ -127,11 +127,12 @@ class Driver:
             if result.num_cached_tokens:
                 self.cached[result.seq_id] = result.num_cached_tokens
             if result.sampled:
-                self.outputs.setdefault(result.seq_id, []).append(result.token_id)
+                self.outputs.setdefault(result.seq_id, []).extend(result.token_ids)
         return out
 
     def run(self, prompts: dict[str, list[int]], max_new_tokens: int, chunk: dict[str, int] | None = None,
-            sampling: dict[str, SamplingParams] | None = None, free_at_end: bool = True) -> dict[str, list[int]]:
+            sampling: dict[str, SamplingParams] | None = None, free_at_end: bool = True,
+            draft_tokens: int = 0) -> dict[str, list[int]]:
         chunk = chunk or {}
         sampling = sampling or {}
         new = [NewSequence(seq_id, prompt, [], sampling.get(seq_id, SamplingParams()))
@@ -142,7 +143,8 @@ class Driver:
             live = [seq_id for seq_id in prompts if len(self.outputs[seq_id]) < max_new_tokens]
             if not live:
                 break
-            self.step(StepBatch(new_sequences=new, work=[WorkItem(s, chunk.get(s, 1024)) for s in live]))
+            self.step(StepBatch(new_sequences=new, work=[WorkItem(s, chunk.get(s, 1024), draft_tokens)
+                                                         for s in live]))
             new = []
         if free_at_end:
             self.step(StepBatch(free_seq_ids=list(prompts)))
