@@ -64,9 +64,10 @@ def timed(fn: Callable[[], object]) -> tuple[float, object]:
 
 
 class EngineRunner:
-    def __init__(self, engine: Engine, token_budget: int) -> None:
+    def __init__(self, engine: Engine, token_budget: int, draft_tokens: int = 0) -> None:
         self.engine = engine
         self.token_budget = token_budget
+        self.draft_tokens = draft_tokens     # n-gram speculative tokens each decode may verify
         self._next_id = 0
 
     def _ids(self, count: int) -> list[str]:
@@ -83,10 +84,10 @@ class EngineRunner:
     def decode_tokens_per_s(self, prompts: list[list[int]], steps: int) -> float:
         seq_ids = self._ids(len(prompts))
         self._serve(seq_ids, prompts, new_tokens=1, free=False)
-        work = StepBatch(work=[WorkItem(seq_id, 1) for seq_id in seq_ids])
-        seconds, _ = timed(lambda: [self.engine.step(work) for _ in range(steps)])
+        work = StepBatch(work=[WorkItem(seq_id, 1, self.draft_tokens) for seq_id in seq_ids])
+        seconds, outputs = timed(lambda: [self.engine.step(work) for _ in range(steps)])
         self.engine.step(StepBatch(free_seq_ids=seq_ids))
-        return len(prompts) * steps / seconds
+        return sum(len(r.token_ids) for out in outputs for r in out.results) / seconds
 
     def end_to_end_tokens_per_s(self, prompts: list[list[int]], new_tokens: int) -> float:
         seq_ids = self._ids(len(prompts))
@@ -104,8 +105,9 @@ class EngineRunner:
             work: list[WorkItem] = []
             for seq_id in seq_ids:
                 if remaining_prompt[seq_id] == 0 and produced[seq_id] < new_tokens:
-                    work.append(WorkItem(seq_id, 1))
-                    budget -= 1
+                    drafts = max(0, min(self.draft_tokens, new_tokens - produced[seq_id] - 1, budget - 1))
+                    work.append(WorkItem(seq_id, 1, drafts))
+                    budget -= 1 + drafts
             for seq_id in seq_ids:
                 if budget <= 0:
                     break
@@ -122,7 +124,7 @@ class EngineRunner:
                     prompt_len = len(prompts[seq_ids.index(result.seq_id)])
                     remaining_prompt[result.seq_id] = max(0, prompt_len - result.num_computed_tokens)
                 if result.sampled:
-                    produced[result.seq_id] += 1
+                    produced[result.seq_id] = min(new_tokens, produced[result.seq_id] + len(result.token_ids))
         if free:
             self.engine.step(StepBatch(free_seq_ids=seq_ids))
         return sum(produced.values())
@@ -209,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="weights and activations, for the engine and transformers alike")
     parser.add_argument("--linear-kernel", default="auto", choices=("auto", "mkl", "onednn"),
                         help="the engine's packed CPU kernel (CPU_LINEAR_KERNEL)")
+    parser.add_argument("--speculative-tokens", type=int, default=0,
+                        help="n-gram draft tokens each engine decode may verify (SPECULATIVE_TOKENS)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = QUICK if args.quick else FULL
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, args.dtype)
     engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
                                  cpu_linear_kernel=args.linear_kernel))
-    runner = EngineRunner(engine, sizes.token_budget)
+    runner = EngineRunner(engine, sizes.token_budget, args.speculative_tokens)
     vocab = engine.info.vocab_size
     # Every measurement gets prompts of its own: with prefix caching on, prompts an
     # earlier phase computed would skip their prefill, which transformers cannot do.
@@ -265,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
               f"{cpu_name()}, {os.cpu_count()} CPUs, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-              f"engine linear kernel {linear_kernel}. "
+              f"engine linear kernel {linear_kernel}, speculative tokens {args.speculative_tokens}. "
               f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
               f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
     print(render(rows, header))
