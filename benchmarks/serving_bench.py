@@ -69,8 +69,9 @@ class Run:
 
 
 @contextmanager
-def fairserve(model_dir: Path, log_dir: Path) -> Iterator[str]:
-    env = {"MODEL_NAME": str(model_dir), "LOG_LEVEL": "warning"}   # torch threads: the default, as for transformers
+def fairserve(model_dir: Path, log_dir: Path, settings: dict[str, str] | None = None) -> Iterator[str]:
+    # Torch threads: the default, as for transformers.
+    env = {"MODEL_NAME": str(model_dir), "LOG_LEVEL": "warning", **(settings or {})}
     stack = Stack(ports=StackPorts.free(1), env=env, log_dir=log_dir).start(timeout_s=600)
     try:
         yield stack.url
@@ -125,13 +126,24 @@ def one_run(server: str, model_dir: Path, args: argparse.Namespace, round_index:
     log_dir = scratch / f"logs-{server}-{round_index}"
     workload = completion_workload(long_prompts=not args.quick)   # the tiny model holds 1024 tokens
     if server == "fairserve":
-        context, model = fairserve(model_dir, log_dir), None
+        context, model = fairserve(model_dir, log_dir, fairserve_settings(args.env)), None
     else:
         context, model = transformers_serve(model_dir, log_dir, args.cb_num_blocks, args.max_batch_tokens), str(model_dir)
     with context as url:
         asyncio.run(drive(url, model, workload, args.users, min(args.seconds, 5.0), seed=999))   # warm-up
         summary = asyncio.run(drive(url, model, workload, args.users, args.seconds, seed=round_index))
     return Run(server, summary)
+
+
+def fairserve_settings(pairs: list[str]) -> dict[str, str]:
+    """--env NAME=VALUE options -> settings for the fairserve stack."""
+    settings = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--env expects NAME=VALUE, got {pair!r}")
+        settings[name] = value
+    return settings
 
 
 def _ms(value: float | None) -> str:
@@ -165,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="transformers' KV pages of 256 tokens (on CPU it sizes its cache from RAM otherwise)")
     parser.add_argument("--max-batch-tokens", type=int, default=2048,
                         help="transformers' tokens per step (fairserve's MAX_BATCH_TOKENS default)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for the fairserve stack, e.g. SPECULATIVE_TOKENS=4 (repeatable)")
     parser.add_argument("--quick", action="store_true", help="tiny random model, one short round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -180,8 +194,9 @@ def main(argv: list[str] | None = None) -> None:
                 raise SystemExit("default model not prepared: run `make prepare-model` first")
         runs = [one_run(server, model_dir, args, round_index, scratch)
                 for round_index in range(args.rounds) for server in SERVERS]
+    settings = f", fairserve with {' '.join(args.env)}" if args.env else ""
     header = (f"Serving benchmark ({'quick' if args.quick else 'full'}): {model_dir.name}, /v1/completions, "
-              f"{args.users} users with no think time, {args.seconds:g} s per run, {os.cpu_count()} CPUs.")
+              f"{args.users} users with no think time, {args.seconds:g} s per run, {os.cpu_count()} CPUs{settings}.")
     print(render(runs, header))
 
 

@@ -16,8 +16,9 @@ def test_async_scheduling_bench_quick(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_serving_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
-    serving_bench.main(["--quick"])
+    serving_bench.main(["--quick", "--env", "SPECULATIVE_TOKENS=2"])
     out = capsys.readouterr().out
+    assert "fairserve with SPECULATIVE_TOKENS=2" in out
     rows = [line for line in out.splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
     assert len(rows) == 2 and "| fairserve |" in rows[0] and "| transformers |" in rows[1]
     for row in rows:
