@@ -391,10 +391,8 @@ class SchedulerCore:
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
-            if not request.wants_more:
-                continue  # its last token is being sampled in a step in flight
-            if len(request.output) + request.inflight_samples + request.inflight_drafts >= request.max_tokens:
-                continue  # drafts in flight may bring its last tokens: wait for them
+            if request.outputs_if_drafts_kept >= request.max_tokens:
+                continue  # its last tokens are (or, as drafts, may be) sampled in a step in flight
             if plan.token_budget < 1:
                 return
             needed = blocks_for(request.num_computed + 1, block_size) - worker.blocks_held(request)
@@ -409,8 +407,7 @@ class SchedulerCore:
         max_tokens even if every draft in flight is kept, the step's token budget, and
         the blocks left without evicting anything for it."""
         block_size = worker.spec.block_size
-        left = (request.max_tokens - len(request.output) - request.inflight_samples
-                - request.inflight_drafts - 1)
+        left = request.max_tokens - request.outputs_if_drafts_kept - 1
         drafts = min(self._config.speculative_tokens, left, plan.token_budget - 1)
         held = worker.blocks_held(request) + needed
         capacity = (held + max(plan.available_blocks - needed, 0)) * block_size - (request.num_computed + 1)

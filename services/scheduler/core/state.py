@@ -77,6 +77,11 @@ class RequestState:
         return len(self.output) + self.inflight_samples < self.max_tokens
 
     @property
+    def outputs_if_drafts_kept(self) -> int:
+        """Output tokens once the steps in flight have run, if every draft in them is kept."""
+        return len(self.output) + self.inflight_samples + self.inflight_drafts
+
+    @property
     def kv_reservation(self) -> int:
         """Tokens counted against the active-KV gate while admitted."""
         return len(self.spec.prompt_token_ids) + self.max_tokens

@@ -116,17 +116,17 @@ def choose_float32_kernel(timer: Callable[[str], float] | None = None) -> str:
     """The packed float32 kernel that runs the calibration shapes faster here. The
     measured choice is kept for the process: every engine in it shares the CPU."""
     global _chosen_float32_kernel
-    if timer is None and _chosen_float32_kernel is not None:
+    measured = timer is None
+    if measured and _chosen_float32_kernel is not None:
         return _chosen_float32_kernel
     if timer is None:
         linears = _calibration_linears()
-        seconds = {kernel: _time_kernel(kernel, linears) for kernel in ("mkl", "onednn")}
-    else:
-        seconds = {kernel: timer(kernel) for kernel in ("mkl", "onednn")}
+        timer = lambda kernel: _time_kernel(kernel, linears)  # noqa: E731
+    seconds = {kernel: timer(kernel) for kernel in ("mkl", "onednn")}
     chosen = min(seconds, key=seconds.__getitem__)
     log.info("packed float32 linear kernel: %s (calibration: %s)", chosen,
              ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
-    if timer is None:
+    if measured:
         _chosen_float32_kernel = chosen
     return chosen
 
@@ -166,8 +166,7 @@ class PackedLinear(torch.nn.Module):
                  kernel: str | None = None) -> None:
         super().__init__()
         dtype = linear.weight.dtype
-        if kernel is None:
-            kernel = "mkl" if dtype == torch.float32 and mkl_packing_available() else "onednn"
+        kernel = kernel or _default_kernel(dtype) or "onednn"
         if not kernel_available(kernel, dtype):
             raise ValueError(f"no packed kernel for {dtype} ({kernel}) on this CPU")
         self.kernel = kernel
@@ -211,6 +210,11 @@ def pack_linears(module: torch.nn.Module, plans: dict[torch.dtype, KernelPlan] |
 def _plan_for(dtype: torch.dtype, plans: dict[torch.dtype, KernelPlan] | None) -> KernelPlan | None:
     if plans is not None:
         return plans.get(dtype)
-    if dtype == torch.float32 and mkl_packing_available():
-        return kernel_plan("mkl", dtype)
-    return kernel_plan("onednn", dtype) if kernel_available("onednn", dtype) else None
+    kernel = _default_kernel(dtype)
+    return kernel_plan(kernel, dtype) if kernel is not None else None
+
+
+def _default_kernel(dtype: torch.dtype) -> str | None:
+    """The packed kernel used without a measured choice: MKL for float32 where it is
+    available, else oneDNN; None where `dtype` has neither."""
+    return next((kernel for kernel in ("mkl", "onednn") if kernel_available(kernel, dtype)), None)

@@ -520,9 +520,10 @@ class Engine:
         for plan in planned:
             seq = plan.seq
             emitted = emitted_by_plan.get(id(plan), [])
-            # Verified rows past the last kept draft were computed for nothing.
-            seq.num_computed = plan.end + (max(0, len(emitted) - 1) if plan.drafts else 0)
+            seq.num_computed = plan.end
             if plan.drafts:
+                # Kept drafts are computed; rows past the last kept one were computed for nothing.
+                seq.num_computed += len(emitted) - 1
                 self.pool.shrink(seq.seq_id, seq.num_computed)
                 results[plan.result_index].num_computed_tokens = seq.num_computed
             self._register_full_blocks(seq)
