@@ -99,10 +99,36 @@ class Sampler:
                                                requests[row].params.top_logprobs)
         return [SampledToken(token, logprobs.get(row)) for row, token in enumerate(token_list)]
 
+    def adjusted_token_ids(self, request: SampleRequest) -> set[int]:
+        """Tokens whose logits this request's penalties or min_tokens ban change; every
+        other token's logit reaches the draw as the model computed it."""
+        params = request.params
+        ids: set[int] = set()
+        if params.repetition_penalty != 1.0:
+            ids.update(request.prompt_token_ids)
+            ids.update(request.output_token_ids)
+        if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
+            ids.update(request.output_token_ids)
+        if _below_min_tokens(request):
+            ids.update(self._eos_token_ids)
+            ids.update(params.stop_token_ids)
+        return ids
+
     def _uniform(self, request: SampleRequest) -> float:
         if request.params.seed is not None:
             return seeded_uniform(request.params.seed, request.num_sampled)
         return float(torch.rand(1, generator=self._rng, dtype=torch.float64))
+
+
+def tokens_drawn_from(params: SamplingParams) -> int | None:
+    """How many of a row's most likely tokens (after its penalties) its draw can pick
+    from: 1 for greedy, top_k for top-k sampling; None when it needs the whole row
+    (plain temperature or top-p sampling, or logprobs, which normalize over it)."""
+    if _wants_logprobs(params):
+        return None
+    if params.is_greedy:
+        return 1
+    return params.top_k if params.top_k > 0 else None
 
 
 def _rows(matrix: torch.Tensor, rows: list[int]) -> torch.Tensor:

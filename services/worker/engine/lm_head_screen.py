@@ -1,0 +1,216 @@
+"""Exact greedy and top-k logits without the whole float32 LM head (CPU).
+
+A CPU decode step streams every weight of the LM head (671 MB in float32 on
+Gemma 3's 262k x 640 head) to pick one token per row. The screen first gives
+every token an approximate logit from an int8 copy of the head (per-row scale,
+one fbgemm call, a quarter of the bytes) together with a guaranteed bound on
+its error,
+
+    |x.w_r - approx_r| <= |x| * |w_r - q(w_r)| + |x - q(x)| * |q(w_r)| + slack
+
+(Cauchy-Schwarz on the weight and the activation rounding). A token whose
+upper bound is below the k-th best exact logit cannot be among the k best, so
+only the others (a handful for greedy rows, a few hundred for top-64) get
+exact float32 logits; every other entry of the returned row is -inf. Greedy and
+top-k sampling over that row pick exactly what they pick over the full row.
+Tokens whose logits the sampler changes (penalties, min_tokens bans) are given
+exact logits always, and are left out of the thresholds.
+
+Activations: fbgemm quantizes its input per tensor to 7 bits (`reduce_range`;
+AVX2's pairwise int16 sums would saturate with 8), far too coarse for Gemma's
+hidden states, where a few dimensions are 50x the rest. So each row is scaled
+to [-63, 63] and split into two rows of integers, the rounded row and its
+rounding residual x126, on a grid the op keeps exactly: one extra row holds -64
+and 63, so the op's scale is 1 and its zero point 64. The rounding left after
+the second row is below 1/252 of a row's largest entry. `create` checks the op
+against a float64 reference before the screen is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+log = logging.getLogger(__name__)
+
+GRID = 63                   # activation rows are integers in [-GRID, GRID]
+FINE = 2 * GRID             # the residual row carries (residual * FINE)
+QUANTIZE_CHUNK_ROWS = 16384
+# Rounding of the int8 op's float output, the exact logits and the bound itself,
+# relative to |x| * max |q(w_r)|; the op is within ~1e-8 of float64 (checked at create).
+RELATIVE_SLACK = 1e-5
+NORM_MARGIN = 1e-3
+CHECK_ROWS = 4096           # vocabulary rows the check at create compares
+
+
+def screening_available() -> bool:
+    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+
+
+class LMHeadScreen:
+    MAX_TOP_K = 64                  # top-k rows screened up to this k (Gemma's default top_k is 64)
+    MAX_ADJUSTED_TOKENS = 4096      # rows whose sampler adjusts more tokens take the full head
+    MAX_CANDIDATES = 32768          # exact logits per call at most (1/8 of Gemma 3's vocabulary)
+
+    def __init__(self, weight: torch.Tensor, softcap: float | None = None) -> None:
+        """`weight`: the float32 LM head [vocab, hidden] (kept by reference, not copied)."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("the LM head screen needs a float32 CPU weight")
+        self.weight = weight.detach()
+        self.softcap = softcap
+        vocab, hidden = self.weight.shape
+        scales = torch.empty(vocab, dtype=torch.float64)
+        error_norms = torch.empty(vocab, dtype=torch.float32)
+        quant_norms = torch.empty(vocab, dtype=torch.float32)
+        quantized = torch.empty(vocab, hidden, dtype=torch.int8)
+        with torch.inference_mode():
+            for start in range(0, vocab, QUANTIZE_CHUNK_ROWS):
+                chunk = slice(start, start + QUANTIZE_CHUNK_ROWS)
+                rows = self.weight[chunk]
+                scale = (rows.abs().amax(dim=1) / 127).clamp_min(1e-30)
+                q = (rows / scale[:, None]).round_().clamp_(-127, 127)
+                dequantized = q * scale[:, None]
+                scales[chunk] = scale
+                quantized[chunk] = q
+                # Float32 norms, widened by far more than their rounding so the bound never shrinks.
+                error_norms[chunk] = (rows - dequantized).norm(dim=1) * (1 + NORM_MARGIN)
+                quant_norms[chunk] = dequantized.norm(dim=1) * (1 + NORM_MARGIN)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)   # quantized tensors' deprecation notice
+            qweight = torch._make_per_channel_quantized_tensor(quantized, scales,
+                                                               torch.zeros(vocab, dtype=torch.long), 0)
+        self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self._error_norms = error_norms
+        self._quant_norms = quant_norms
+        self._max_error_norm = float(error_norms.max())
+        self._max_quant_norm = float(quant_norms.max())
+        ends = torch.zeros(1, hidden)
+        ends[0, 0], ends[0, 1] = -GRID - 1, GRID
+        self._ends = ends
+        self._check: tuple[torch.Tensor, torch.Tensor] | None
+        check_rows = min(vocab, CHECK_ROWS)
+        self._check = (quantized[:check_rows].clone(), scales[:check_rows].clone())
+
+    @classmethod
+    def create(cls, weight: torch.Tensor, softcap: float | None = None) -> LMHeadScreen | None:
+        """A screen for `weight`, or None where the int8 op is missing or fails its check."""
+        if not screening_available() or weight.shape[1] < 2:
+            return None
+        screen = cls(weight, softcap)
+        passed = screen.self_check()
+        screen._check = None
+        if not passed:
+            log.warning("LM head screen disabled: the int8 op does not match its float64 reference here")
+            return None
+        return screen
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    def self_check(self) -> bool:
+        """The op on grid rows of extreme and random integers equals the float64 product
+        of the dequantized weights to within its float32 rounding."""
+        assert self._check is not None, "checked once, at create"
+        quantized, scales = self._check
+        weights = quantized.double() * scales[:, None]
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randint(-GRID, GRID + 1, (3, weights.shape[1]), generator=generator).float()
+        rows[0] = GRID
+        rows[1] = -GRID
+        grid = torch.cat([rows, self._ends])
+        with torch.inference_mode():
+            out = torch.ops.quantized.linear_dynamic(grid, self._packed, True)[:3, :len(weights)]
+        reference = rows.double() @ weights.T
+        magnitude = rows.double().abs() @ weights.abs().T
+        return bool(((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-6).all())
+
+    def logits(self, hidden: torch.Tensor, top_counts: Sequence[int],
+               adjusted: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """hidden [B, H] final hidden states -> [B, vocab] logits, exact (softcapped if the
+        model caps them) at every token that can be among row b's `top_counts[b]` best
+        once the sampler has adjusted the tokens `adjusted[b]`, and at those tokens;
+        -inf elsewhere. None when screening would not pay: non-finite hidden states, or
+        more candidates than MAX_CANDIDATES (the bound is loose for this input)."""
+        x = hidden.float()
+        if not bool(torch.isfinite(x).all()):
+            return None
+        rows = x.shape[0]
+        vocab = self.vocab_size
+        approx, activation_error = self._approximate(x)
+        norms = x.norm(dim=1)
+        slack = self._slack(norms)
+
+        # Exact logits of the best approximate tokens give each row a threshold: the
+        # top_counts[b]-th best exact logit among tokens the sampler leaves alone.
+        widest = max(count + len(ids) for count, ids in zip(top_counts, adjusted))
+        best_ids = approx.topk(min(widest, vocab), dim=1).indices
+        best_exact = self._exact(x, torch.arange(rows)[:, None].expand_as(best_ids), best_ids)
+        thresholds = torch.empty(rows)
+        for row, (count, ids) in enumerate(zip(top_counts, adjusted)):
+            values = best_exact[row]
+            if ids:
+                values = values[~torch.isin(best_ids[row], torch.tensor(list(ids), dtype=torch.long))]
+            # Fewer left alone than asked for (a tiny vocabulary): every token is a candidate.
+            thresholds[row] = values.topk(count).values[-1] if count <= len(values) else float("-inf")
+
+        # Candidates: first against the widest bound any token has, then each its own.
+        widest_bound = norms * self._max_error_norm + activation_error * self._max_quant_norm + slack
+        cand_rows, cand_ids = torch.nonzero(approx >= (thresholds - widest_bound)[:, None], as_tuple=True)
+        upper = (approx[cand_rows, cand_ids] + norms[cand_rows] * self._error_norms[cand_ids]
+                 + activation_error[cand_rows] * self._quant_norms[cand_ids] + slack[cand_rows])
+        keep = upper >= thresholds[cand_rows]
+        cand_rows, cand_ids = cand_rows[keep], cand_ids[keep]
+        if len(cand_ids) > self.MAX_CANDIDATES:
+            return None
+
+        extra_rows = [torch.full((len(ids),), row, dtype=torch.long) for row, ids in enumerate(adjusted) if ids]
+        extra_ids = [torch.tensor(list(ids), dtype=torch.long) for ids in adjusted if ids]
+        all_rows = torch.cat([cand_rows, *extra_rows])
+        all_ids = torch.cat([cand_ids, *extra_ids])
+        out = torch.full((rows, vocab), float("-inf"))
+        out[all_rows, all_ids] = self._capped(self._exact(x, all_rows, all_ids))
+        out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
+        return out
+
+    def approximate_with_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(approximate logits [B, vocab], a bound on each one's error [B, vocab]): what
+        `logits` screens with, written out for the whole vocabulary."""
+        x = x.float()
+        approx, activation_error = self._approximate(x)
+        norms = x.norm(dim=1)
+        bound = (norms[:, None] * self._error_norms + activation_error[:, None] * self._quant_norms
+                 + self._slack(norms)[:, None])
+        return approx, bound
+
+    def _slack(self, norms: torch.Tensor) -> torch.Tensor:
+        return RELATIVE_SLACK * norms * self._max_quant_norm
+
+    def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(approximate logits [B, vocab], |x - q(x)| per row) from one int8 call over
+        each row's coarse and residual grid rows."""
+        rows = x.shape[0]
+        scale = (x.abs().amax(dim=1, keepdim=True) / GRID).clamp_min(1e-30)
+        scaled = x / scale
+        coarse = scaled.round()
+        fine = ((scaled - coarse) * FINE).round()
+        residual = (scaled - coarse - fine / FINE) * scale
+        grid = torch.cat([coarse, fine, self._ends])
+        out = torch.ops.quantized.linear_dynamic(grid, self._packed, True)
+        approx = torch.add(out[:rows], out[rows:2 * rows], alpha=1.0 / FINE).mul_(scale)
+        # Computed in float32: a relative margin covers its rounding.
+        return approx, residual.norm(dim=1) * (1 + 1e-4) + 1e-30
+
+    def _exact(self, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of token ids[i] for row rows[i], before any softcap (the bounds
+        and thresholds live there; the cap is monotone, so it keeps their order)."""
+        return (self.weight[ids.reshape(-1)] * x[rows.reshape(-1)]).sum(dim=-1).view(ids.shape)
+
+    def _capped(self, values: torch.Tensor) -> torch.Tensor:
+        if not self.softcap:
+            return values
+        return torch.tanh(values / self.softcap) * self.softcap
+

@@ -1,0 +1,167 @@
+"""The LM head screen: its error bound holds, and greedy / top-k draws over its rows
+pick exactly what they pick over the full float32 logits, penalties included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.types import SamplingParams
+from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
+from services.worker.engine.sampler import SampleRequest, Sampler, tokens_drawn_from
+
+pytestmark = pytest.mark.skipif(not screening_available(), reason="no fbgemm int8 kernel on this CPU")
+
+VOCAB, HIDDEN = 6000, 64
+
+
+def lm_head(seed: int = 0, near_duplicates: int = 200) -> torch.Tensor:
+    """Embedding-like rows, with some rows nearly copying others so their logits nearly tie."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(VOCAB, HIDDEN, generator=generator) * 0.05
+    weight[1:near_duplicates + 1] = weight[0] + torch.randn(near_duplicates, HIDDEN, generator=generator) * 1e-4
+    return weight
+
+
+def hidden_states(rows: int, seed: int = 1, massive: float = 50.0) -> torch.Tensor:
+    """Final hidden states with a few dimensions far larger than the rest, as Gemma's are."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, HIDDEN, generator=generator) * 3
+    x[:, :3] *= massive
+    return x
+
+
+@pytest.fixture(scope="module")
+def weight() -> torch.Tensor:
+    return lm_head()
+
+
+@pytest.fixture(scope="module")
+def screen(weight: torch.Tensor) -> LMHeadScreen:
+    built = LMHeadScreen.create(weight)
+    assert built is not None, "the int8 op failed its check against float64"
+    return built
+
+
+def test_every_approximate_logit_is_within_its_bound(screen: LMHeadScreen, weight: torch.Tensor) -> None:
+    for massive in (1.0, 50.0, 500.0):
+        x = hidden_states(16, seed=int(massive), massive=massive)
+        approx, bound = screen.approximate_with_bound(x)
+        exact = x.double() @ weight.double().T
+        assert ((exact - approx.double()).abs() <= bound.double()).all()
+        # Not vacuous: the bound is far below the spread of the logits.
+        assert float(bound.median()) < 0.05 * float(exact.std())
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_picks_the_argmax_of_the_full_logits(screen: LMHeadScreen, weight: torch.Tensor, seed: int) -> None:
+    x = hidden_states(8, seed=seed)
+    x[0] = weight[0] * 40        # its best tokens are the near-duplicate rows: near ties
+    out = screen.logits(x, [1] * 8, [[]] * 8)
+    assert out is not None
+    full = x @ weight.T
+    assert torch.equal(out.argmax(dim=1), full.argmax(dim=1))
+    finite = torch.isfinite(out)
+    torch.testing.assert_close(out[finite], full[finite], rtol=0, atol=1e-4)
+    assert int(finite[0].sum()) > 100, "row 0's near ties were decided by exact logits"
+    assert int(finite.sum(dim=1).max()) < VOCAB // 4, "the screen kept most of the vocabulary"
+
+
+def test_top_k_rows_get_the_exact_k_best(screen: LMHeadScreen, weight: torch.Tensor) -> None:
+    x = hidden_states(6, seed=7)
+    counts = [1, 5, 64, 64, 20, 2]
+    out = screen.logits(x, counts, [[]] * 6)
+    assert out is not None
+    full = x @ weight.T
+    for row, count in enumerate(counts):
+        expected = full[row].topk(count)
+        got = out[row].topk(count)
+        assert set(got.indices.tolist()) == set(expected.indices.tolist())
+        torch.testing.assert_close(got.values, expected.values, rtol=0, atol=1e-4)
+
+
+def request(params: SamplingParams, prompt: list[int], output: list[int]) -> SampleRequest:
+    return SampleRequest(params=params, prompt_token_ids=prompt, output_token_ids=output, num_sampled=len(output))
+
+
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(repetition_penalty=1.3),
+    SamplingParams(presence_penalty=1.5, frequency_penalty=0.5),
+    SamplingParams(min_tokens=10),
+    SamplingParams(temperature=0.8, top_k=40, seed=3),
+    SamplingParams(temperature=1.2, top_k=64, top_p=0.9, min_p=0.05, repetition_penalty=1.2, seed=11),
+]
+
+
+def test_draws_over_screened_rows_equal_draws_over_full_rows(screen: LMHeadScreen, weight: torch.Tensor) -> None:
+    sampler = Sampler(seed=0, eos_token_ids=[1])
+    x = hidden_states(len(PARAMS), seed=3)
+    full = x @ weight.T
+    for trial in range(5):
+        # Histories built from each row's own best tokens, so penalties change the winner.
+        requests = [request(params, prompt=full[row].topk(3).indices.tolist(),
+                            output=full[row].topk(2 + trial).indices.tolist()[1:])
+                    for row, params in enumerate(PARAMS)]
+        adjusted = [sorted(sampler.adjusted_token_ids(r)) for r in requests]
+        counts = [tokens_drawn_from(r.params) for r in requests]
+        assert all(count is not None for count in counts)
+        out = screen.logits(x, counts, adjusted)
+        assert out is not None
+        for row, ids in enumerate(adjusted):
+            torch.testing.assert_close(out[row, ids], full[row, ids], rtol=0, atol=1e-4)
+        got = [t.token_id for t in sampler.sample(out, requests)]
+        expected = [t.token_id for t in sampler.sample(full, requests)]
+        assert got == expected
+
+
+def test_adjusted_tokens_cover_what_the_sampler_changes() -> None:
+    sampler = Sampler(eos_token_ids=[1, 106])
+    plain = request(SamplingParams(), [5, 6], [7])
+    assert sampler.adjusted_token_ids(plain) == set()
+    repetition = request(SamplingParams(repetition_penalty=1.1), [5, 6], [7])
+    assert sampler.adjusted_token_ids(repetition) == {5, 6, 7}
+    presence = request(SamplingParams(presence_penalty=0.5), [5, 6], [7, 8])
+    assert sampler.adjusted_token_ids(presence) == {7, 8}
+    banned = request(SamplingParams(min_tokens=3, stop_token_ids=(42,)), [5], [7])
+    assert sampler.adjusted_token_ids(banned) == {1, 106, 42}
+    assert sampler.adjusted_token_ids(request(SamplingParams(min_tokens=1), [5], [7])) == set()
+
+
+def test_rows_that_need_the_whole_distribution_are_not_screened() -> None:
+    assert tokens_drawn_from(SamplingParams()) == 1
+    assert tokens_drawn_from(SamplingParams(temperature=0.7, top_k=50)) == 50
+    assert tokens_drawn_from(SamplingParams(temperature=0.7)) is None
+    assert tokens_drawn_from(SamplingParams(temperature=0.7, top_p=0.9)) is None
+    assert tokens_drawn_from(SamplingParams(logprobs=True)) is None
+    assert tokens_drawn_from(SamplingParams(top_logprobs=3)) is None
+
+
+def test_softcapped_models_get_capped_values_and_the_same_winner(weight: torch.Tensor) -> None:
+    capped = LMHeadScreen.create(weight, softcap=30.0)
+    assert capped is not None
+    x = hidden_states(4, seed=5)
+    out = capped.logits(x, [1, 1, 8, 8], [[]] * 4)
+    assert out is not None
+    full = torch.tanh((x @ weight.T) / 30.0) * 30.0
+    assert torch.equal(out.argmax(dim=1), full.argmax(dim=1))
+    finite = torch.isfinite(out)
+    torch.testing.assert_close(out[finite], full[finite], rtol=0, atol=1e-4)
+
+
+def test_non_finite_hidden_states_fall_back_to_the_full_head(screen: LMHeadScreen) -> None:
+    x = hidden_states(2)
+    x[1, 4] = float("nan")
+    assert screen.logits(x, [1, 1], [[], []]) is None
+
+
+def test_a_zero_hidden_state_keeps_every_tied_token(screen: LMHeadScreen, weight: torch.Tensor) -> None:
+    x = torch.zeros(1, HIDDEN)
+    out = screen.logits(x, [1], [[]])
+    assert out is not None
+    assert int(out.argmax()) == int((x @ weight.T).argmax())
+
+
+def test_the_weight_is_not_copied(weight: torch.Tensor, screen: LMHeadScreen) -> None:
+    assert screen.weight.data_ptr() == weight.data_ptr()
+    assert screen.vocab_size == VOCAB
