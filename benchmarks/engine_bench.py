@@ -211,6 +211,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="weights and activations, for the engine and transformers alike")
     parser.add_argument("--linear-kernel", default="auto", choices=("auto", "mkl", "onednn"),
                         help="the engine's packed CPU kernel (CPU_LINEAR_KERNEL)")
+    parser.add_argument("--lm-head-screen", default="auto", choices=("auto", "on", "off"),
+                        help="the engine's int8 LM head screen for greedy rows (LM_HEAD_SCREEN)")
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="n-gram draft tokens each engine decode may verify (SPECULATIVE_TOKENS)")
     args = parser.parse_args(argv)
@@ -224,7 +226,8 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = getattr(torch, args.dtype)
     engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
-                                 cpu_linear_kernel=args.linear_kernel))
+                                 cpu_linear_kernel=args.linear_kernel, lm_head_screen=args.lm_head_screen))
+    engine.wait_for_screen()       # `auto` builds it in the background; measure the steady state
     runner = EngineRunner(engine, sizes.token_budget, args.speculative_tokens)
     vocab = engine.info.vocab_size
     # Every measurement gets prompts of its own: with prefix caching on, prompts an
@@ -245,6 +248,7 @@ def main(argv: list[str] | None = None) -> None:
     e2e = {n: runner.end_to_end_tokens_per_s(e2e_prompts[n], sizes.new_tokens) for n in sizes.concurrency}
     e2e_hit_tokens = engine.pool_stats().prefix_hit_tokens - hits_before
     linear_kernel = engine.linear_kernel.kernel if engine.linear_kernel is not None else "plain"
+    screened = "on" if engine.lm_head_screened else "off"
     del runner, engine
 
     generate_decode = generate_rate = None
@@ -269,7 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
               f"{cpu_name()}, {os.cpu_count()} CPUs, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-              f"engine linear kernel {linear_kernel}, speculative tokens {args.speculative_tokens}. "
+              f"engine linear kernel {linear_kernel}, LM head screen {screened}, "
+              f"speculative tokens {args.speculative_tokens}. "
               f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
               f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
     print(render(rows, header))

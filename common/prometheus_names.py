@@ -147,6 +147,9 @@ WORKER_GRAPH_STEPS = _family(WORKER, "decode_graph_steps_total", COUNTER, ("work
                              "Decode steps whose forward replayed a captured CUDA graph")
 WORKER_SPECULATIVE_TOKENS = _family(WORKER, "speculative_tokens_total", COUNTER, ("worker", "kind"),
                                     "Speculative (n-gram) draft tokens verified (drafted) and kept (accepted)")
+WORKER_LOGITS_ROWS = _family(WORKER, "logits_rows_total", COUNTER, ("worker", "path"),
+                             "Sampled rows by how their logits were computed: screened (int8 screen, "
+                             "exact where greedy/top-k can land) or full (the whole LM head)")
 WORKER_ENGINE_INFO = _family(WORKER, "engine_info", GAUGE,
                              ("worker", "device", "dtype", "linear_kernel", "prefill_attention"),
                              "Always 1; the labels name the engine's device, dtype and kernels")

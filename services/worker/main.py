@@ -39,6 +39,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         cuda_graph_max_batch=settings.cuda_graph_max_batch, cuda_graph_max_context=settings.cuda_graph_max_context,
         attention_backend=settings.attention_backend,
         cpu_linear_kernel=settings.cpu_linear_kernel,
+        lm_head_screen=settings.lm_head_screen, lm_head_screen_max_rows=settings.lm_head_screen_max_rows,
         ngram_min=settings.speculative_ngram_min, ngram_max=settings.speculative_ngram_max,
     )
 

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 BLOCK_STATES = ("free", "cached", "used", "total")
 TOKEN_KINDS = ("computed", "prompt", "sampled")
 SPECULATIVE_KINDS = ("drafted", "accepted")
+LOGITS_PATHS = ("screened", "full")
 ENGINE_LABELS = ("device", "dtype", "linear_kernel", "prefill_attention")
 
 
@@ -54,6 +55,8 @@ class WorkerMetrics:
         self.graph_steps = names.counter(names.WORKER_GRAPH_STEPS, registry).labels(worker=worker_id)
         speculative = names.counter(names.WORKER_SPECULATIVE_TOKENS, registry)
         self.speculative = {kind: speculative.labels(worker=worker_id, kind=kind) for kind in SPECULATIVE_KINDS}
+        logits_rows = names.counter(names.WORKER_LOGITS_ROWS, registry)
+        self.logits_rows = {path: logits_rows.labels(worker=worker_id, path=path) for path in LOGITS_PATHS}
         labels = {label: (engine_labels or {}).get(label, "") for label in ENGINE_LABELS}
         gauge(names.WORKER_ENGINE_INFO).labels(worker=worker_id, **labels).set(1)
         if pool is not None:
@@ -71,6 +74,8 @@ class WorkerMetrics:
         self.graph_steps.inc(1 if output.graph_replayed else 0)
         self.speculative["drafted"].inc(output.draft_tokens)
         self.speculative["accepted"].inc(output.accepted_tokens)
+        self.logits_rows["screened"].inc(output.screened_rows)
+        self.logits_rows["full"].inc(output.full_rows)
         self.observe_pool(output.pool)
         self.running.set(running)
 

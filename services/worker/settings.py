@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")   # services/worker/engine/eviction.py
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/varlen_attention.py
 CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/cpu_linear.py
+LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/lm_head_screen.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -52,6 +53,8 @@ class WorkerSettings:
     cuda_graph_max_context: int
     attention_backend: str
     cpu_linear_kernel: str
+    lm_head_screen: str
+    lm_head_screen_max_rows: int
     speculative_ngram_min: int
     speculative_ngram_max: int
     scheduler_addr: str
@@ -89,6 +92,8 @@ class WorkerSettings:
             cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
             attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
             cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
+            lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
+            lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 8, minimum=1, maximum=1024),
             speculative_ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
             speculative_ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),

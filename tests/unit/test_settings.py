@@ -65,6 +65,16 @@ def test_worker_cpu_linear_kernel_setting() -> None:
         WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})
 
 
+def test_worker_lm_head_screen_settings() -> None:
+    assert WorkerSettings.from_env({}).lm_head_screen == "auto"
+    assert WorkerSettings.from_env({"LM_HEAD_SCREEN": "off"}).lm_head_screen == "off"
+    with pytest.raises(SettingsError, match="LM_HEAD_SCREEN"):
+        WorkerSettings.from_env({"LM_HEAD_SCREEN": "maybe"})
+    assert WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "12"}).lm_head_screen_max_rows == 12
+    with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_MAX_ROWS"):
+        WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "0"})
+
+
 def test_speculative_decoding_settings() -> None:
     scheduler = SchedulerSettings.from_env({})
     assert scheduler.speculative_tokens == 0 and scheduler.core_config().speculative_tokens == 0

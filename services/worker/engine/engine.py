@@ -9,6 +9,8 @@ allocated fails with "out_of_blocks" and changes nothing.
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,8 +29,9 @@ from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs,
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.host_memory import keep_freed_host_memory
+from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
-from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler
+from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler, tokens_drawn_from
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
@@ -81,7 +84,17 @@ class _Planned:
         return self.end == len(self.seq.tokens)
 
 
+@dataclass
+class _LogitsRows:
+    screened: int = 0
+    full: int = 0
+
+
 MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
+LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
+MIN_SCREENED_VOCAB = 32768   # `auto` screens vocabularies this large, where the LM head dominates a decode
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -114,6 +127,9 @@ class Engine:
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
+        self._screen: LMHeadScreen | None = None
+        self._screen_ready = threading.Event()
+        self._start_screen()
         layer_types = getattr(self.model_config, "layer_types", None)
         self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
 
@@ -166,9 +182,10 @@ class Engine:
         forward_ms = 0.0
         replays = self.graphs.replays if self.graphs is not None else 0
         accepted = 0
+        logits_rows = _LogitsRows()
         if planned:
             started = time.perf_counter()
-            sampled = self._forward(planned)
+            sampled = self._forward(planned, logits_rows)
             forward_ms = (time.perf_counter() - started) * 1000.0
             accepted = self._commit(planned, sampled, results)
         return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
@@ -176,7 +193,8 @@ class Engine:
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
                             graph_replayed=self.graphs is not None and self.graphs.replays > replays,
-                            draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=accepted)
+                            draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=accepted,
+                            screened_rows=logits_rows.screened, full_rows=logits_rows.full)
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()
@@ -384,51 +402,101 @@ class Engine:
         return allocated
 
     @torch.inference_mode()
-    def _forward(self, planned: list[_Planned]) -> list[tuple[_Planned, list[SampledToken]]]:
-        """Samples of every plan that samples: one token, or one per verified row."""
+    def _forward(self, planned: list[_Planned], logits_rows: _LogitsRows
+                 ) -> list[tuple[_Planned, list[SampledToken]]]:
+        """Samples of every plan that samples: one token, or one per verified row. Counts
+        the computed logits rows by path into `logits_rows`."""
         computed = [p for p in planned if p.num_tokens]
         sample_plans: list[_Planned] = []
+        requests: list[SampleRequest] = []
         rows: list[torch.Tensor] = []
         if computed:
-            sample_plans, logits = self._compute_logits(computed)
+            sample_plans, hidden = self._sampling_hidden_states(computed)
             if sample_plans:
-                rows.append(logits.float())
-                self._keep_prompt_logits(sample_plans, rows[0])
+                requests = self._row_requests(sample_plans)
+                logits, complete = self._logits(hidden, requests)
+                logits_rows.screened = complete.count(False)
+                logits_rows.full = len(complete) - logits_rows.screened
+                rows.append(logits)
+                self._keep_prompt_logits(sample_plans, logits, complete)
         reused = [p for p in planned if p.cached_logits is not None]
         if reused:
             sample_plans += reused
+            requests += [p.seq.request for p in reused]
             rows.append(torch.stack([p.cached_logits for p in reused]))
         if not sample_plans:
             return []
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
-        requests: list[SampleRequest] = []
-        row_index: dict[int, int] = {}
-        for plan in sample_plans:
-            index = row_index.get(id(plan), 0)
-            row_index[id(plan)] = index + 1
-            requests.append(_row_request(plan.seq.request, plan.drafts[:index]))
         sampled = self.sampler.sample(logits, requests)
         by_plan: dict[int, tuple[_Planned, list[SampledToken]]] = {}
         for plan, token in zip(sample_plans, sampled):
             by_plan.setdefault(id(plan), (plan, []))[1].append(token)
         return list(by_plan.values())
 
-    def _compute_logits(self, planned: list[_Planned]) -> tuple[list[_Planned], torch.Tensor]:
-        """One packed forward over `planned`; logits only at the rows that sample."""
+    @staticmethod
+    def _row_requests(sample_plans: list[_Planned]) -> list[SampleRequest]:
+        """What each sampled row's draw sees; a plan's rows after the first come after its drafts."""
+        requests: list[SampleRequest] = []
+        row_index: dict[int, int] = {}
+        for plan in sample_plans:
+            index = row_index.get(id(plan), 0)
+            row_index[id(plan)] = index + 1
+            requests.append(_row_request(plan.seq.request, plan.drafts[:index]))
+        return requests
+
+    def _sampling_hidden_states(self, planned: list[_Planned]) -> tuple[list[_Planned], torch.Tensor]:
+        """One packed forward over `planned`; the final hidden states of the rows that sample."""
         # Decodes first (one row each), then prefill chunks and verified drafts as contiguous runs.
         order = sorted(planned, key=lambda p: p.rows != 1)
-        sample_plans = order
         rows = self._decode_with_graphs(order)
-        if rows is None:
-            meta, input_ids, positions, sample_rows, sample_plans = self._build_inputs(order)
-            hidden = self._hidden_states(input_ids, positions, meta)
-            if not sample_plans:
-                return [], hidden[:0]
-            rows = hidden[torch.tensor(sample_rows, device=self.device)]
-        logits = self._lm_head(rows)
+        if rows is not None:
+            return order, rows
+        meta, input_ids, positions, sample_rows, sample_plans = self._build_inputs(order)
+        hidden = self._hidden_states(input_ids, positions, meta)
+        if not sample_plans:
+            return [], hidden[:0]
+        return sample_plans, hidden[torch.tensor(sample_rows, device=self.device)]
+
+    def _logits(self, hidden: torch.Tensor, requests: list[SampleRequest]) -> tuple[torch.Tensor, list[bool]]:
+        """Float32 logits [rows, vocab] of the sampling rows, and which rows are complete.
+        Greedy and top-k rows may come from the screen (lm_head_screen.py): exact where
+        their draw can land, -inf elsewhere, which is all such a draw reads."""
+        screen = self._screen
+        picks = [self._screen_pick(screen, request) for request in requests] if screen is not None else []
+        screened = [row for row, pick in enumerate(picks) if pick is not None]
+        if not screened or len(screened) > self.config.lm_head_screen_max_rows:
+            return self._full_logits(hidden), [True] * len(requests)
+        assert screen is not None
+        chosen = [pick for pick in picks if pick is not None]
+        screened_logits = screen.logits(hidden[screened] if len(screened) < len(requests) else hidden,
+                                        [count for count, _ in chosen], [ids for _, ids in chosen])
+        if screened_logits is None:
+            return self._full_logits(hidden), [True] * len(requests)
+        complete = [pick is None for pick in picks]
+        if len(screened) == len(requests):
+            return screened_logits, complete
+        logits = torch.empty(len(requests), screen.vocab_size, device=hidden.device)
+        logits[screened] = screened_logits
+        full = [row for row, pick in enumerate(picks) if pick is None]
+        logits[full] = self._full_logits(hidden[full])
+        return logits, complete
+
+    def _screen_pick(self, screen: LMHeadScreen, request: SampleRequest) -> tuple[int, list[int]] | None:
+        """(how many best tokens the row's draw reads, tokens its sampler adjusts), or None
+        when the row needs its full logits."""
+        count = tokens_drawn_from(request.params)
+        if count is None or count > LMHeadScreen.MAX_TOP_K or count >= screen.vocab_size:
+            return None
+        adjusted = self.sampler.adjusted_token_ids(request)
+        if len(adjusted) > LMHeadScreen.MAX_ADJUSTED_TOKENS:
+            return None
+        return count, sorted(i for i in adjusted if 0 <= i < screen.vocab_size)
+
+    def _full_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self._lm_head(hidden)
         if self._softcap:
             logits = torch.tanh(logits / self._softcap) * self._softcap
-        return sample_plans, logits
+        return logits.float()
 
     def _hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """The base model's last hidden states of the packed rows, [T, hidden]."""
@@ -453,10 +521,15 @@ class Engine:
         """The KV slot of `position` in a sequence with block table `table`."""
         return table[position // self.block_size] * self.block_size + position % self.block_size
 
-    def _keep_prompt_logits(self, sample_plans: list[_Planned], logits: torch.Tensor) -> None:
+    def _keep_prompt_logits(self, sample_plans: list[_Planned], logits: torch.Tensor,
+                            complete: list[bool]) -> None:
+        """Keeps complete rows only: a screened row serves its own request's draw, not
+        a later identical prompt that may sample differently or want logprobs."""
         if self.prompt_logits.capacity == 0:
             return
         for row, plan in enumerate(sample_plans):
+            if not complete[row]:
+                continue
             key = self._prompt_key(plan.seq)
             if key is not None:
                 self.prompt_logits.put(key, logits[row])
@@ -552,6 +625,46 @@ class Engine:
         parent = hashes[first - 1] if first else ROOT_HASH
         self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent, seq.tokens)
         seq.num_registered_blocks = full
+
+    def _start_screen(self) -> None:
+        """The LM head screen for float32 CPU engines: built now (`on`), or for large
+        vocabularies in the background (`auto`: packing the int8 head takes seconds;
+        steps use the full head until it is ready)."""
+        mode = self.config.lm_head_screen
+        if mode not in LM_HEAD_SCREEN_MODES:
+            raise ValueError(f"unknown LM head screen mode {mode!r}; expected one of {', '.join(LM_HEAD_SCREEN_MODES)}")
+        if self.config.lm_head_screen_max_rows < 1:
+            raise ValueError("lm_head_screen_max_rows must be >= 1")
+        weight = getattr(self.model.get_output_embeddings(), "weight", None)
+        if (mode == "off" or self.device.type != "cpu" or self.dtype != torch.float32
+                or weight is None or not screening_available()):
+            self._screen_ready.set()
+            return
+        if mode == "on":
+            self._build_screen(weight)
+        elif weight.shape[0] >= MIN_SCREENED_VOCAB:
+            threading.Thread(target=self._build_screen, args=(weight,), name="lm-head-screen", daemon=True).start()
+        else:
+            self._screen_ready.set()
+
+    def _build_screen(self, weight: torch.Tensor) -> None:
+        try:
+            started = time.perf_counter()
+            self._screen = LMHeadScreen.create(weight, self._softcap)
+            if self._screen is not None:
+                log.info("LM head screen ready in %.1f s", time.perf_counter() - started)
+        except Exception:   # the full head keeps serving; the failure is only logged
+            log.exception("LM head screen could not be built; the full LM head serves every row")
+        finally:
+            self._screen_ready.set()
+
+    def wait_for_screen(self, timeout: float | None = None) -> bool:
+        """Blocks until the screen is built or known not to be (benchmarks, tests)."""
+        return self._screen_ready.wait(timeout)
+
+    @property
+    def lm_head_screened(self) -> bool:
+        return self._screen is not None
 
     def _packed_kernel_plan(self) -> KernelPlan | None:
         """Pre-packed weights on CPU (cpu_linear.py: MKL or oneDNN for float32, whichever

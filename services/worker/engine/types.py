@@ -104,6 +104,8 @@ class StepOutput:
     graph_replayed: bool = False  # the forward replayed a captured decode graph
     draft_tokens: int = 0       # speculative tokens verified
     accepted_tokens: int = 0    # of those, the ones kept
+    screened_rows: int = 0      # sampled rows whose logits came from the LM head screen
+    full_rows: int = 0          # sampled rows whose logits came from the full LM head
 
 
 @dataclass(frozen=True)

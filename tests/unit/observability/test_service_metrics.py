@@ -87,6 +87,18 @@ def test_the_worker_counts_decode_steps_replayed_from_graphs() -> None:
     assert 'fairserve_worker_decode_graph_steps_total{worker="worker-7"} 2.0' in scrape(registry)
 
 
+def test_the_worker_counts_logits_rows_by_path() -> None:
+    pool = PoolStats(total_blocks=8, free_blocks=8, cached_blocks=0, used_blocks=0, evictions=0,
+                     prefix_hit_tokens=0, prefix_query_tokens=0)
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "worker-7", pool)
+    metrics.observe(StepBatch(), StepOutput(results=[], pool=pool, screened_rows=5, full_rows=1), running=0)
+    metrics.observe(StepBatch(), StepOutput(results=[], pool=pool, screened_rows=2), running=0)
+    text = scrape(registry)
+    assert 'fairserve_worker_logits_rows_total{path="screened",worker="worker-7"} 7.0' in text
+    assert 'fairserve_worker_logits_rows_total{path="full",worker="worker-7"} 1.0' in text
+
+
 def test_the_kvcache_exports_its_families_and_a_token_hit_rate() -> None:
     metrics = KvCacheMetrics()
     assert 'fairserve_kvcache_hit_rate 0.0' in scrape(metrics.registry)

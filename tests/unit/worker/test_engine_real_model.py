@@ -7,6 +7,7 @@ import torch
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.lm_head_screen import screening_available
 from tests.unit.worker.engine_helpers import Driver
 
 PROMPTS = {
@@ -18,7 +19,8 @@ NEW_TOKENS = 20
 
 
 @pytest.mark.slow
-def test_real_model_greedy_matches_generate() -> None:
+@pytest.mark.parametrize("lm_head_screen", ["off", "on"])
+def test_real_model_greedy_matches_generate(lm_head_screen: str) -> None:
     model_dir = default_model_dir(default_cache_dir())
     if not is_prepared(model_dir):
         pytest.skip("default model not prepared (run `make prepare-model`)")
@@ -26,9 +28,13 @@ def test_real_model_greedy_matches_generate() -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = {key: tokenizer(text).input_ids for key, text in PROMPTS.items()}
-    engine = Engine(EngineConfig(model_dir=str(model_dir), num_blocks=256, model_key="gemma-3-270m"))
+    engine = Engine(EngineConfig(model_dir=str(model_dir), num_blocks=256, model_key="gemma-3-270m",
+                                 lm_head_screen=lm_head_screen))
+    driver = Driver(engine)
     # The code prompt prefills in chunks while the others already decode.
-    got = Driver(engine).run(prompts, NEW_TOKENS, chunk={"code": 3})
+    got = driver.run(prompts, NEW_TOKENS, chunk={"code": 3})
+    screened = sum(step.screened_rows for step in driver.steps)
+    assert (screened > 0) == (lm_head_screen == "on" and screening_available())
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for key, prompt in prompts.items():

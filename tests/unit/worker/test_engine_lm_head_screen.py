@@ -1,0 +1,91 @@
+"""The engine with its LM head screen on: the same tokens as with the full head (and as
+transformers' generate), for every kind of row the screen serves or passes over."""
+
+from __future__ import annotations
+
+import pytest
+
+from common.types import SamplingParams
+from services.worker.engine import NewSequence, StepBatch, WorkItem
+from services.worker.engine.lm_head_screen import screening_available
+from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model
+from tests.unit.worker.test_engine_speculation import repetitive_prompt
+
+pytestmark = pytest.mark.skipif(not screening_available(), reason="no fbgemm int8 kernel on this CPU")
+
+
+def screened_rows(driver: Driver) -> tuple[int, int]:
+    return sum(s.screened_rows for s in driver.steps), sum(s.full_rows for s in driver.steps)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llama", "gemma4"])
+def test_greedy_with_the_screen_equals_generate(kind: str) -> None:
+    prompts = {"a": prompt_of(5), "b": prompt_of(13, salt=1), "c": prompt_of(21, salt=2)}
+    engine = make_engine(kind, lm_head_screen="on")
+    assert engine.lm_head_screened
+    driver = Driver(engine)
+    got = driver.run(prompts, 12, chunk={"c": 6})         # mixed lengths, one prompt in chunks
+    assert_greedy_matches(reference_model(kind), prompts, got, 12)
+    screened, full = screened_rows(driver)
+    assert screened > 0 and full == 0
+
+
+def test_every_sampling_kind_gives_the_tokens_of_the_full_head() -> None:
+    prompts = {name: prompt_of(9 + i, salt=i) for i, name in enumerate("abcdef")}
+    sampling = {"a": SamplingParams(),
+                "b": SamplingParams(temperature=0.7, top_k=20, seed=5),
+                "c": SamplingParams(temperature=0.9, seed=6),                       # needs the whole row
+                "d": SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, min_tokens=6),
+                "e": SamplingParams(logprobs=True, top_logprobs=2),                 # needs the whole row
+                "f": SamplingParams(temperature=1.1, top_k=64, top_p=0.8, min_p=0.02, seed=9)}
+    full = Driver(make_engine("gemma3", lm_head_screen="off"))
+    expected = full.run(prompts, 10, sampling=sampling)
+    screened = Driver(make_engine("gemma3", lm_head_screen="on"))
+    assert screened.run(prompts, 10, sampling=sampling) == expected
+    rows, full_rows = screened_rows(screened)
+    assert rows > 0 and full_rows > 0
+    assert screened_rows(full) == (0, sum(s.full_rows for s in full.steps))
+
+
+def test_more_rows_than_the_limit_take_the_full_head() -> None:
+    prompts = {f"s{i}": prompt_of(6, salt=i) for i in range(4)}
+    driver = Driver(make_engine("gemma3", lm_head_screen="on", lm_head_screen_max_rows=3))
+    got = driver.run(prompts, 6)
+    assert_greedy_matches(reference_model("gemma3"), prompts, got, 6)
+    assert all(step.screened_rows == 0 for step in driver.steps if step.full_rows >= 4)
+    assert any(step.full_rows == 4 for step in driver.steps)
+
+
+def test_speculative_rows_are_screened_and_greedy_still_equals_generate() -> None:
+    prompts = {"a": repetitive_prompt(6, 4), "b": repetitive_prompt(5, 5, salt=1)}
+    driver = Driver(make_engine("gemma3", lm_head_screen="on"))
+    got = driver.run(prompts, 20, draft_tokens=3)
+    assert_greedy_matches(reference_model("gemma3"), prompts, got, 20)
+    assert sum(step.accepted_tokens for step in driver.steps) > 0
+    assert screened_rows(driver)[0] > 0
+
+
+def test_a_screened_row_is_not_kept_for_an_identical_prompt() -> None:
+    prompt = prompt_of(11)
+    engine = make_engine("gemma3", lm_head_screen="on")
+    engine.step(StepBatch(new_sequences=[NewSequence("greedy", prompt)], work=[WorkItem("greedy", 1024)]))
+    wants_logprobs = SamplingParams(logprobs=True, top_logprobs=3)
+    out = engine.step(StepBatch(new_sequences=[NewSequence("again", prompt, [], wants_logprobs)],
+                                work=[WorkItem("again", 1024)]))
+    assert out.prompt_logits_hits == 0 and out.full_rows == 1
+    reference = make_engine("gemma3", lm_head_screen="off")
+    expected = reference.step(StepBatch(new_sequences=[NewSequence("x", prompt, [], wants_logprobs)],
+                                        work=[WorkItem("x", 1024)]))
+    got, want = out.results[0].logprob, expected.results[0].logprob
+    assert got is not None and want is not None
+    assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
+    assert [top.token_id for top in got.top] == [top.token_id for top in want.top]
+    assert [top.logprob for top in got.top] == pytest.approx([top.logprob for top in want.top], abs=1e-5)
+
+
+def test_auto_leaves_small_vocabularies_to_the_full_head() -> None:
+    engine = make_engine("gemma3")          # auto; the tiny model's vocabulary is 384
+    assert engine.wait_for_screen(timeout=5)
+    assert not engine.lm_head_screened
+    with pytest.raises(ValueError, match="LM head screen mode"):
+        make_engine("gemma3", lm_head_screen="sometimes")
