@@ -28,6 +28,7 @@ from services.worker.engine.cpu_linear import KernelPlan, PackedLinear, pack_lin
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
+from services.worker.engine.fused_norms import fuse_rms_norms
 from services.worker.engine.host_memory import keep_freed_host_memory
 from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
@@ -120,6 +121,7 @@ class Engine:
         base = self.model.base_model
         self._base = getattr(base, "language_model", base)
         self._lm_head = self.model.get_output_embeddings()
+        self.fused_norms = fuse_rms_norms(self._base)
         self.linear_kernel = self._packed_kernel_plan()
         if self.linear_kernel is not None:
             pack_linears(self._base, {self.dtype: self.linear_kernel})

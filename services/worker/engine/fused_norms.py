@@ -1,0 +1,71 @@
+"""Model RMSNorm modules replaced by torch's fused `rms_norm` where it computes the same.
+
+transformers' RMSNorm classes spell the norm out in Python (cast, pow, mean,
+add, rsqrt, mul, the weight, cast back): about ten small ops, ~70 us each time
+on CPU, and a Gemma 3 decode step runs 109 of them (four per layer, the q/k
+norms, the final one). `torch.nn.functional.rms_norm` does the same in one call
+(~30 us). Each norm is replaced only if a probe shows the fused form giving
+bitwise the same output for one of the two weight conventions (`w * x_hat`,
+Llama; `(1 + w) * x_hat`, Gemma), in the model's own dtype and device, so
+models whose norms compute anything else keep theirs untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+PROBE_ROWS = 64
+
+
+class FusedRMSNorm(torch.nn.Module):
+    def __init__(self, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.register_buffer("scale", weight, persistent=False)   # None: no learned scale
+        self.eps = eps
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.rms_norm(x.float(), (x.shape[-1],), self.scale, self.eps)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
+
+
+def fused_equivalent(norm: torch.nn.Module) -> FusedRMSNorm | None:
+    """A FusedRMSNorm that gives `norm`'s output bitwise on a probe, or None."""
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    weight = getattr(norm, "weight", None)
+    if not isinstance(eps, float) or (weight is not None and weight.dim() != 1):
+        return None
+    width = weight.shape[0] if weight is not None else getattr(norm, "dim", None)
+    if not isinstance(width, int) or width < 1:
+        return None
+    candidates: list[torch.Tensor | None] = [None]
+    if weight is not None:
+        scale = weight.detach().float()
+        candidates = [scale, 1.0 + scale]
+    dtype, device = (weight.dtype, weight.device) if weight is not None else (torch.float32, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    probe = (torch.randn(PROBE_ROWS, width, generator=generator) * torch.logspace(-2, 2, PROBE_ROWS)[:, None])
+    probe = probe.to(device=device, dtype=dtype)
+    with torch.no_grad():
+        expected = norm(probe)
+        for candidate in candidates:
+            fused = FusedRMSNorm(candidate, eps, dtype)
+            if expected.shape == probe.shape and torch.equal(fused(probe), expected):
+                return fused
+    return None
+
+
+def fuse_rms_norms(module: torch.nn.Module) -> int:
+    """Replaces every *RMSNorm under `module` that has a bitwise-equal fused form;
+    returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if type(child).__name__.endswith("RMSNorm"):
+            fused = fused_equivalent(child)
+            if fused is not None:
+                setattr(module, name, fused)
+                count += 1
+        else:
+            count += fuse_rms_norms(child)
+    return count
