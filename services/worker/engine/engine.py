@@ -637,9 +637,10 @@ class Engine:
             raise ValueError(f"unknown LM head screen mode {mode!r}; expected one of {', '.join(LM_HEAD_SCREEN_MODES)}")
         if self.config.lm_head_screen_max_rows < 1:
             raise ValueError("lm_head_screen_max_rows must be >= 1")
-        weight = getattr(self.model.get_output_embeddings(), "weight", None)
+        head = self.model.get_output_embeddings()
+        weight = getattr(head, "weight", None)
         if (mode == "off" or self.device.type != "cpu" or self.dtype != torch.float32
-                or weight is None or not screening_available()):
+                or weight is None or getattr(head, "bias", None) is not None or not screening_available()):
             self._screen_ready.set()
             return
         if mode == "on":

@@ -4,10 +4,13 @@ transformers' generate), for every kind of row the screen serves or passes over.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
-from services.worker.engine.lm_head_screen import screening_available
+from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import MIN_SCREENED_VOCAB
+from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
+from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model
 from tests.unit.worker.test_engine_speculation import repetitive_prompt
 
@@ -81,6 +84,38 @@ def test_a_screened_row_is_not_kept_for_an_identical_prompt() -> None:
     assert got.logprob == pytest.approx(want.logprob, abs=1e-5)
     assert [top.token_id for top in got.top] == [top.token_id for top in want.top]
     assert [top.logprob for top in got.top] == pytest.approx([top.logprob for top in want.top], abs=1e-5)
+
+
+def test_auto_builds_the_screen_in_the_background_for_a_large_vocabulary() -> None:
+    model = build_model(gemma3_config(vocab_size=MIN_SCREENED_VOCAB))
+    engine = Engine(EngineConfig(model_dir="", num_blocks=64, block_size=4), model=model)
+    assert engine.wait_for_screen(timeout=60)
+    assert engine.lm_head_screened
+    out = engine.step(StepBatch(new_sequences=[NewSequence("a", prompt_of(9))], work=[WorkItem("a", 1024)]))
+    assert out.results[0].sampled and out.screened_rows == 1
+
+
+def test_a_screen_that_fails_to_build_leaves_the_full_head_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(cls, *args, **kwargs):
+        raise RuntimeError("packing failed")
+
+    monkeypatch.setattr(LMHeadScreen, "create", classmethod(broken))
+    engine = make_engine("gemma3", lm_head_screen="on")
+    assert engine.wait_for_screen(timeout=5) and not engine.lm_head_screened
+    prompts = {"a": prompt_of(7)}
+    got = Driver(engine).run(prompts, 5)
+    assert_greedy_matches(reference_model("gemma3"), prompts, got, 5)
+
+
+def test_an_lm_head_with_a_bias_is_not_screened() -> None:
+    model = build_model(llama_config())
+    biased = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(model.lm_head.weight)
+        biased.bias.normal_()
+    model.lm_head = biased
+    engine = Engine(EngineConfig(model_dir="", num_blocks=64, block_size=4, lm_head_screen="on"), model=model)
+    assert not engine.lm_head_screened
 
 
 def test_auto_leaves_small_vocabularies_to_the_full_head() -> None:
