@@ -127,8 +127,9 @@ def _engine_and_tokenizer(model_dir: str, quick: bool):
         return engine, tokenizer
     from transformers import AutoTokenizer
 
-    return (Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir))),
-            AutoTokenizer.from_pretrained(model_dir))
+    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
+    engine.wait_for_screen()     # the LM head screen is built in the background; measure with it
+    return engine, AutoTokenizer.from_pretrained(model_dir)
 
 
 if __name__ == "__main__":
