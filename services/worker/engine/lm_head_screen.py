@@ -39,9 +39,11 @@ log = logging.getLogger(__name__)
 GRID = 63                   # activation rows are integers in [-GRID, GRID]
 FINE = 2 * GRID             # the residual row carries (residual * FINE)
 QUANTIZE_CHUNK_ROWS = 16384
-# Rounding of the int8 op's float output, the exact logits and the bound itself,
-# relative to |x| * max |q(w_r)|; the op is within ~1e-8 of float64 (checked at create).
-RELATIVE_SLACK = 1e-5
+# Rounding, relative to |x| * max |q(w_r)|: the int8 op's float output (within ~1e-8 of
+# float64, checked at create) and the bound's own arithmetic take OP_SLACK; the float32
+# dot products of the exact logits (the threshold's and a candidate's) take the
+# worst-case summation error of `hidden` terms, 2 * hidden * 2^-24 (slack_per_norm).
+OP_SLACK = 1e-5
 NORM_MARGIN = 1e-3
 CHECK_ROWS = 4096           # vocabulary rows the check at create compares
 
@@ -87,6 +89,7 @@ class LMHeadScreen:
         self._quant_norms = quant_norms
         self._max_error_norm = float(error_norms.max())
         self._max_quant_norm = float(quant_norms.max())
+        self._slack_per_norm = (OP_SLACK + 2 * hidden * 2.0 ** -24) * self._max_quant_norm
         ends = torch.zeros(1, hidden)
         ends[0, 0], ends[0, 1] = -GRID - 1, GRID
         self._ends = ends
@@ -187,7 +190,7 @@ class LMHeadScreen:
         return approx, bound
 
     def _slack(self, norms: torch.Tensor) -> torch.Tensor:
-        return RELATIVE_SLACK * norms * self._max_quant_norm
+        return self._slack_per_norm * norms
 
     def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(approximate logits [B, vocab], |x - q(x)| per row) from one int8 call over
