@@ -466,12 +466,11 @@ class Engine:
         screen = self._screen
         picks = [self._screen_pick(screen, request) for request in requests] if screen is not None else []
         screened = [row for row, pick in enumerate(picks) if pick is not None]
-        if not screened or len(screened) > self.config.lm_head_screen_max_rows:
-            return self._full_logits(hidden), [True] * len(requests)
-        assert screen is not None
-        chosen = [pick for pick in picks if pick is not None]
-        screened_logits = screen.logits(hidden[screened] if len(screened) < len(requests) else hidden,
-                                        [count for count, _ in chosen], [ids for _, ids in chosen])
+        screened_logits = None
+        if screen is not None and 0 < len(screened) <= self.config.lm_head_screen_max_rows:
+            chosen = [pick for pick in picks if pick is not None]
+            screened_logits = screen.logits(hidden[screened] if len(screened) < len(requests) else hidden,
+                                            [count for count, _ in chosen], [ids for _, ids in chosen])
         if screened_logits is None:
             return self._full_logits(hidden), [True] * len(requests)
         complete = [pick is None for pick in picks]

@@ -19,11 +19,10 @@ PROBE_ROWS = 64
 
 
 class FusedRMSNorm(torch.nn.Module):
-    def __init__(self, weight: torch.Tensor | None, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, weight: torch.Tensor | None, eps: float) -> None:
         super().__init__()
         self.register_buffer("scale", weight, persistent=False)   # None: no learned scale
         self.eps = eps
-        self.dtype = dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.rms_norm(x.float(), (x.shape[-1],), self.scale, self.eps)
@@ -50,7 +49,7 @@ def fused_equivalent(norm: torch.nn.Module) -> FusedRMSNorm | None:
     with torch.no_grad():
         expected = norm(probe)
         for candidate in candidates:
-            fused = FusedRMSNorm(candidate, eps, dtype)
+            fused = FusedRMSNorm(candidate, eps)
             if expected.shape == probe.shape and torch.equal(fused(probe), expected):
                 return fused
     return None

@@ -145,35 +145,34 @@ class LMHeadScreen:
         vocab = self.vocab_size
         approx, activation_error = self._approximate(x)
         norms = x.norm(dim=1)
-        slack = self._slack(norms)
 
         # Exact logits of the best approximate tokens give each row a threshold: the
         # top_counts[b]-th best exact logit among tokens the sampler leaves alone.
-        widest = max(count + len(ids) for count, ids in zip(top_counts, adjusted))
+        adjusted_ids = [torch.tensor(list(ids), dtype=torch.long) for ids in adjusted]
+        widest = max(count + len(ids) for count, ids in zip(top_counts, adjusted_ids))
         best_ids = approx.topk(min(widest, vocab), dim=1).indices
         best_exact = self._exact(x, torch.arange(rows)[:, None].expand_as(best_ids), best_ids)
         thresholds = torch.empty(rows)
-        for row, (count, ids) in enumerate(zip(top_counts, adjusted)):
+        for row, (count, ids) in enumerate(zip(top_counts, adjusted_ids)):
             values = best_exact[row]
-            if ids:
-                values = values[~torch.isin(best_ids[row], torch.tensor(list(ids), dtype=torch.long))]
+            if len(ids):
+                values = values[~torch.isin(best_ids[row], ids)]
             # Fewer left alone than asked for (a tiny vocabulary): every token is a candidate.
             thresholds[row] = values.topk(count).values[-1] if count <= len(values) else float("-inf")
 
         # Candidates: first against the widest bound any token has, then each its own.
-        widest_bound = norms * self._max_error_norm + activation_error * self._max_quant_norm + slack
+        widest_bound = self._bound(norms, activation_error, self._max_error_norm, self._max_quant_norm)
         cand_rows, cand_ids = torch.nonzero(approx >= (thresholds - widest_bound)[:, None], as_tuple=True)
-        upper = (approx[cand_rows, cand_ids] + norms[cand_rows] * self._error_norms[cand_ids]
-                 + activation_error[cand_rows] * self._quant_norms[cand_ids] + slack[cand_rows])
+        upper = approx[cand_rows, cand_ids] + self._bound(norms[cand_rows], activation_error[cand_rows],
+                                                          self._error_norms[cand_ids], self._quant_norms[cand_ids])
         keep = upper >= thresholds[cand_rows]
         cand_rows, cand_ids = cand_rows[keep], cand_ids[keep]
         if len(cand_ids) > self.MAX_CANDIDATES:
             return None
 
-        extra_rows = [torch.full((len(ids),), row, dtype=torch.long) for row, ids in enumerate(adjusted) if ids]
-        extra_ids = [torch.tensor(list(ids), dtype=torch.long) for ids in adjusted if ids]
+        extra_rows = [torch.full((len(ids),), row, dtype=torch.long) for row, ids in enumerate(adjusted_ids)]
         all_rows = torch.cat([cand_rows, *extra_rows])
-        all_ids = torch.cat([cand_ids, *extra_ids])
+        all_ids = torch.cat([cand_ids, *adjusted_ids])
         out = torch.full((rows, vocab), float("-inf"))
         out[all_rows, all_ids] = self._capped(self._exact(x, all_rows, all_ids))
         out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
@@ -185,12 +184,12 @@ class LMHeadScreen:
         x = x.float()
         approx, activation_error = self._approximate(x)
         norms = x.norm(dim=1)
-        bound = (norms[:, None] * self._error_norms + activation_error[:, None] * self._quant_norms
-                 + self._slack(norms)[:, None])
-        return approx, bound
+        return approx, self._bound(norms[:, None], activation_error[:, None], self._error_norms, self._quant_norms)
 
-    def _slack(self, norms: torch.Tensor) -> torch.Tensor:
-        return self._slack_per_norm * norms
+    def _bound(self, norms: torch.Tensor, activation_error: torch.Tensor,
+               error_norms: torch.Tensor | float, quant_norms: torch.Tensor | float) -> torch.Tensor:
+        """|x| * |w - q(w)| + |x - q(x)| * |q(w)| + slack, elementwise over broadcast operands."""
+        return norms * (error_norms + self._slack_per_norm) + activation_error * quant_norms
 
     def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(approximate logits [B, vocab], |x - q(x)| per row) from one int8 call over

@@ -75,7 +75,7 @@ class Sampler:
             for row in penalized:
                 _apply_penalties(logits[row], requests[row])
             for row in banned:
-                ids = set(self._eos_token_ids) | set(requests[row].params.stop_token_ids)
+                ids = self._banned_token_ids(requests[row].params)
                 logits[row, [i for i in ids if 0 <= i < logits.shape[-1]]] = float("-inf")
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
@@ -110,9 +110,12 @@ class Sampler:
         if params.presence_penalty != 0.0 or params.frequency_penalty != 0.0:
             ids.update(request.output_token_ids)
         if _below_min_tokens(request):
-            ids.update(self._eos_token_ids)
-            ids.update(params.stop_token_ids)
+            ids.update(self._banned_token_ids(params))
         return ids
+
+    def _banned_token_ids(self, params: SamplingParams) -> set[int]:
+        """What min_tokens bans until it is reached: EOS and the request's stop tokens."""
+        return set(self._eos_token_ids) | set(params.stop_token_ids)
 
     def _uniform(self, request: SampleRequest) -> float:
         if request.params.seed is not None:
