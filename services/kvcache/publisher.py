@@ -86,6 +86,12 @@ class KvEventPublisher:
             return len(self._pending)
 
     @property
+    def unacknowledged(self) -> int:
+        """Events the index has not acknowledged yet; a resync still due counts as one."""
+        with self._lock:
+            return len(self._pending) + (1 if self._needs_resync else 0)
+
+    @property
     def next_seq(self) -> int:
         with self._lock:
             return self._next_seq

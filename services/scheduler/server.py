@@ -34,36 +34,57 @@ INFO_TIMEOUT_S = 10.0
 STEP_TIMEOUT_S = 300.0
 KV_LOOKUP_TIMEOUT_S = 0.25
 KV_RETRY_AFTER_S = 5.0
+KV_MISSED_DEADLINES_BEFORE_PAUSE = 3
 MAX_REAPER_INTERVAL_S = 0.25
 
 
 class KvIndexRouter:
-    """Asks the KV index which worker holds the longest cached prefix. When
-    the index is unreachable routing goes on without it, and the index is
-    left alone for a while."""
+    """Asks the KV index which worker holds the longest cached prefix. A lookup
+    that fails routes its request without the index. An unreachable index, or
+    several lookups in a row past their deadline, is left alone for a while; one
+    slow lookup (a pause on a busy host) is not, so that it does not turn off
+    cache-aware routing for everything that follows."""
 
-    def __init__(self, address: str, clock: Callable[[], float]) -> None:
+    def __init__(self, address: str, clock: Callable[[], float],
+                 stub: kvindex_pb2_grpc.KvIndexStub | None = None) -> None:
         self._address = address
         self._clock = clock
         self._channel: grpc.aio.Channel | None = None
+        self._stub = stub
         self._skip_until = 0.0
+        self._missed_deadlines = 0
 
     async def cached_prefix_tokens(self, token_ids: Sequence[int],
                                    request_id: str | None = None) -> dict[str, int]:
         if self._clock() < self._skip_until:
             return {}
-        if self._channel is None:
-            self._channel = insecure_channel(self._address)
-        stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
         try:
-            reply = await stub.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids),
-                                      timeout=KV_LOOKUP_TIMEOUT_S, metadata=request_metadata(request_id))
+            reply = await self._lookup_stub().Lookup(
+                kvindex_pb2.LookupRequest(token_ids=token_ids), timeout=KV_LOOKUP_TIMEOUT_S,
+                metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
-            self._skip_until = self._clock() + KV_RETRY_AFTER_S
-            log.warning("kv index lookup failed; routing without it",
-                        extra={"kvcache_addr": self._address, "code": error.code().name})
+            self._on_failure(error.code())
             return {}
+        self._missed_deadlines = 0
         return convert.cached_prefix_tokens(reply)
+
+    def _lookup_stub(self) -> kvindex_pb2_grpc.KvIndexStub:
+        if self._stub is None:
+            self._channel = insecure_channel(self._address)
+            self._stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
+        return self._stub
+
+    def _on_failure(self, code: grpc.StatusCode) -> None:
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self._missed_deadlines += 1
+            if self._missed_deadlines < KV_MISSED_DEADLINES_BEFORE_PAUSE:
+                log.info("kv index lookup timed out; routing this request without it",
+                         extra={"kvcache_addr": self._address})
+                return
+        self._missed_deadlines = 0
+        self._skip_until = self._clock() + KV_RETRY_AFTER_S
+        log.warning("kv index lookups failing; routing without the index for a while",
+                    extra={"kvcache_addr": self._address, "code": code.name, "pause_s": KV_RETRY_AFTER_S})
 
     async def close(self) -> None:
         if self._channel is not None:

@@ -60,6 +60,7 @@ async def serve(settings: WorkerSettings) -> None:
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish,
                                  snapshot_source(service.snapshot_async))
     service.on_block_events = lambda events: add_events(publisher, events)
+    service.kv_events_unacknowledged = lambda: publisher.unacknowledged
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                         settings.host, settings.port)

@@ -103,19 +103,26 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     not thread-safe, and torch releases the GIL while it computes)."""
 
     def __init__(self, engine: Engine, worker_id: str, metrics: WorkerMetrics,
-                 on_block_events: Callable[[list[BlockEvent]], None] | None = None) -> None:
+                 on_block_events: Callable[[list[BlockEvent]], None] | None = None,
+                 kv_events_unacknowledged: Callable[[], int] | None = None) -> None:
         self._engine = engine
         self._worker_id = worker_id
         self._metrics = metrics
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._order = StepOrder()   # pipelined steps run in the order the scheduler planned them
+        # Called on the engine's thread right after each step, so that a Stats call
+        # (queued on the same thread) sees every earlier step's events handed over.
         self.on_block_events = on_block_events
+        self.kv_events_unacknowledged = kv_events_unacknowledged
         self.counters = StepCounters()
         self.last_pool = engine.pool_stats()
 
-    def _run_step(self, batch: StepBatch) -> tuple[StepOutput, list[BlockEvent], int]:
+    def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
         output = self._engine.step(batch)
-        return output, self._engine.drain_events(), self._engine.running_sequences()
+        events = self._engine.drain_events()
+        if events and self.on_block_events is not None:
+            self.on_block_events(events)
+        return output, self._engine.running_sequences()
 
     async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext):
         request_id_from(context)
@@ -123,13 +130,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         loop = asyncio.get_running_loop()
         try:
             async with self._order.turn(request.step_id, request.after_step_id):
-                output, events, running = await loop.run_in_executor(self._executor, self._run_step, batch)
+                output, running = await loop.run_in_executor(self._executor, self._run_step, batch)
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._record(batch, output, running)
         self._log_step(batch, output)
-        if events and self.on_block_events is not None:
-            self.on_block_events(events)
         return convert.step_response_to_proto(request.step_id, output)
 
     def _log_step(self, batch: StepBatch, output: StepOutput) -> None:
@@ -168,11 +173,12 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         pool, running = await loop.run_in_executor(
             self._executor, lambda: (self._engine.pool_stats(), self._engine.running_sequences()))
         counters = self.counters
+        unacknowledged = self.kv_events_unacknowledged() if self.kv_events_unacknowledged else 0
         return worker_pb2.WorkerStats(
             pool=convert.pool_to_proto(pool), running_sequences=running, steps=counters.steps,
             last_forward_ms=counters.last_forward_ms, last_batch_tokens=counters.last_batch_tokens,
             total_prefill_tokens=counters.prompt_tokens,
-            total_decode_tokens=counters.sampled_tokens,
+            total_decode_tokens=counters.sampled_tokens, kv_events_unacknowledged=unacknowledged,
         )
 
     async def snapshot_async(self) -> tuple[list[tuple[int, list[int]]], list[tuple[int, int]]]:

@@ -58,16 +58,21 @@ class Probe:
         return {match.worker_id for match in reply.matches if match.exact}
 
     def wait_quiescent(self, timeout_s: float = 15.0) -> dict[str, worker_pb2.WorkerStats]:
-        """Waits until no worker runs a sequence and the index holds, for every
-        worker, as many blocks as the worker has cached (publishing lags a step)."""
+        """Waits until no worker runs a sequence, the index has acknowledged every
+        worker's block events (publishing lags a step, and equal block counts alone can
+        hide an eviction and a store both still unpublished), and it holds, for every
+        worker, as many blocks as the worker has cached."""
         deadline = time.monotonic() + timeout_s
         while True:
             workers = self.worker_stats()
             index = dict(self.index_stats().blocks_by_worker)
             idle = all(stats.running_sequences == 0 for stats in workers.values())
+            published = all(stats.kv_events_unacknowledged == 0 for stats in workers.values())
             agree = all(index.get(w, 0) == stats.pool.cached_blocks for w, stats in workers.items())
-            if (idle and agree) or time.monotonic() > deadline:
+            if idle and published and agree:
                 return workers
+            assert time.monotonic() < deadline, (
+                f"workers never settled: idle={idle} published={published} agree={agree}")
             time.sleep(0.1)
 
     def close(self) -> None:

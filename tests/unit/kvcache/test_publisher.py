@@ -118,11 +118,23 @@ async def test_transport_error_keeps_events_for_the_next_flush(
     transport.fail_next = 1
     with pytest.raises(ConnectionError):
         await publisher.flush()
-    assert publisher.pending == 1
+    assert publisher.pending == 1 and publisher.unacknowledged == 1
     cache.evict(publisher, blocks[1:])
     assert await publisher.flush()
     assert [e.seq for e in transport.batches[-1].events] == [1, 2]
     assert indexed(transport) == {blocks[0]}
+    assert publisher.unacknowledged == 0
+
+
+async def test_a_due_resync_counts_as_unacknowledged(transport: RecordingTransport,
+                                                     cache: FakeWorkerCache) -> None:
+    publisher = make_publisher(transport, cache)
+    cache.store(publisher, [1, 2])
+    assert publisher.unacknowledged == 1   # the first flush sends a snapshot, not events
+    assert await publisher.flush()
+    assert publisher.unacknowledged == 0
+    publisher.request_resync()
+    assert publisher.unacknowledged == 1
 
 
 async def test_index_restart_triggers_a_resync_in_the_same_flush(

@@ -43,6 +43,7 @@ async def _scenario() -> None:
 
     publisher = KvEventPublisher("w-test", send, snapshot_source(service.snapshot_async))
     service.on_block_events = lambda events: add_events(publisher, events)
+    service.kv_events_unacknowledged = lambda: publisher.unacknowledged
     server = await _start(service)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -70,6 +71,15 @@ async def _scenario() -> None:
             stats = await stub.Stats(common_pb2.StatsRequest())
             assert stats.running_sequences == 0 and stats.steps == 4
             assert stats.pool.used_blocks == 0 and stats.pool.cached_blocks >= 2
+            assert stats.kv_events_unacknowledged == 1   # the first flush (a resync) is still due
+            assert await publisher.flush()
+            stats = await stub.Stats(common_pb2.StatsRequest())
+            assert stats.kv_events_unacknowledged == 0
+            await stub.Step(worker_pb2.StepRequest(
+                step_id=5, new_sequences=[_new("b", list(range(20, 29)))],
+                work=[worker_pb2.WorkItem(seq_id="b", max_tokens=64)]))
+            stats = await stub.Stats(common_pb2.StatsRequest())
+            assert stats.kv_events_unacknowledged == publisher.unacknowledged > 0
 
         assert await publisher.flush()
         snapshot = sent[0]
