@@ -151,7 +151,8 @@ WORKER_LOGITS_ROWS = _family(WORKER, "logits_rows_total", COUNTER, ("worker", "p
                              "Sampled rows by how their logits were computed: screened (int8 screen, "
                              "exact where greedy/top-k can land) or full (the whole LM head)")
 WORKER_ENGINE_INFO = _family(WORKER, "engine_info", GAUGE,
-                             ("worker", "device", "dtype", "linear_kernel", "prefill_attention"),
+                             ("worker", "device", "dtype", "linear_kernel", "prefill_attention",
+                              "decode_attention"),
                              "Always 1; the labels name the engine's device, dtype and kernels")
 
 # KV cache index: KVCACHE_METRICS_PORT (9103).

@@ -37,7 +37,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         max_model_len=settings.max_model_len, model_key=settings.model_key,
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
         cuda_graph_max_batch=settings.cuda_graph_max_batch, cuda_graph_max_context=settings.cuda_graph_max_context,
-        attention_backend=settings.attention_backend,
+        attention_backend=settings.attention_backend, decode_attention=settings.decode_attention,
         cpu_linear_kernel=settings.cpu_linear_kernel,
         lm_head_screen=settings.lm_head_screen, lm_head_screen_max_rows=settings.lm_head_screen_max_rows,
         ngram_min=settings.speculative_ngram_min, ngram_max=settings.speculative_ngram_max,
@@ -49,7 +49,7 @@ async def serve(settings: WorkerSettings) -> None:
     engine = Engine(engine_config(settings, model_dir))
     engine_labels = {"device": engine.info.device, "dtype": engine.info.dtype,
                      "linear_kernel": engine.linear_kernel.kernel if engine.linear_kernel is not None else "none",
-                     "prefill_attention": engine.attention_kernel}
+                     "prefill_attention": engine.attention_kernel, "decode_attention": engine.decode_attention}
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
                                     "decode_graphs": engine.graphs is not None, **engine_labels})
     registry = CollectorRegistry()

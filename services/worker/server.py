@@ -28,7 +28,7 @@ BLOCK_STATES = ("free", "cached", "used", "total")
 TOKEN_KINDS = ("computed", "prompt", "sampled")
 SPECULATIVE_KINDS = ("drafted", "accepted")
 LOGITS_PATHS = ("screened", "full")
-ENGINE_LABELS = ("device", "dtype", "linear_kernel", "prefill_attention")
+ENGINE_LABELS = ("device", "dtype", "linear_kernel", "prefill_attention", "decode_attention")
 
 
 class WorkerMetrics:

@@ -65,6 +65,13 @@ def test_worker_cpu_linear_kernel_setting() -> None:
         WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})
 
 
+def test_worker_decode_attention_setting() -> None:
+    assert WorkerSettings.from_env({}).decode_attention == "auto"
+    assert WorkerSettings.from_env({"DECODE_ATTENTION": "sdpa"}).decode_attention == "sdpa"
+    with pytest.raises(SettingsError, match="DECODE_ATTENTION"):
+        WorkerSettings.from_env({"DECODE_ATTENTION": "paged"})
+
+
 def test_worker_lm_head_screen_settings() -> None:
     assert WorkerSettings.from_env({}).lm_head_screen == "auto"
     assert WorkerSettings.from_env({"LM_HEAD_SCREEN": "off"}).lm_head_screen == "off"

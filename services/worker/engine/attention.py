@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from services.worker.engine.block_pool import PagedKVCache
+from services.worker.engine.native_decode import NativeDecodeAttention
 from services.worker.engine.varlen_attention import VarlenKernel
 
 ATTENTION_NAME = "fairserve_paged"
@@ -48,6 +49,7 @@ class StepMetadata:
     prefills: list[PrefillChunk]
     num_tokens: int
     varlen: VarlenKernel | None = None   # fused kernel for the prefill chunks, if loaded
+    decode_kernel: NativeDecodeAttention | None = None   # decodes read K/V through the block tables
     _varlen_inputs: dict[int | None, tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=dict)
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     _prefill_views: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
@@ -154,7 +156,13 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     num_kv_heads = k_cache.shape[1]
     out = query.new_empty((meta.num_tokens, num_heads, value.shape[-1]))
 
-    if meta.num_decodes:
+    if meta.num_decodes and meta.decode_kernel is not None and meta.decode_kernel.supports(query, k_cache, v_cache):
+        decodes = meta.num_decodes
+        meta.decode_kernel(query[0, :, :decodes].transpose(0, 1).contiguous(), k_cache, v_cache,
+                           meta.decode_block_tables, meta.decode_ctx_lens, meta.block_size,
+                           meta.decode_ctx_range[1], window,
+                           scaling if scaling is not None else head_dim ** -0.5, out[:decodes])
+    elif meta.num_decodes:
         decodes = meta.num_decodes
         slots, mask = meta.decode_view(window)
         # Heads sharing a KV head ride as extra query rows, so K/V are never repeated.

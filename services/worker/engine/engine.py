@@ -34,6 +34,7 @@ from services.worker.engine.lm_head_screen import LMHeadScreen, screening_availa
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler, tokens_drawn_from
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
+from services.worker.engine.native_decode import load_decode_kernel
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -136,8 +137,11 @@ class Engine:
         self._mask_by_type = {kind: None for kind in set(layer_types)} if layer_types else None
 
         self._varlen = load_varlen_kernel(config.attention_backend, self.device, self.dtype)
-        specs, self._cache_layer = _layer_kv_layout(self._base)
         self.block_size = config.block_size
+        self._decode_kernel = load_decode_kernel(
+            config.decode_attention, self.device, self.dtype, self.block_size,
+            Path(config.kernel_cache_dir) if config.kernel_cache_dir else None)
+        specs, self._cache_layer = _layer_kv_layout(self._base)
         num_blocks = config.num_blocks or self._default_num_blocks(specs)
         self.max_model_len = self._max_model_len()
         if graph_capture is None and config.use_cuda_graphs and self.device.type == "cuda":
@@ -169,6 +173,11 @@ class Engine:
     def attention_kernel(self) -> str:
         """What runs the prefill chunks' attention: a fused varlen kernel's name, or sdpa."""
         return self._varlen.name if self._varlen is not None else "sdpa"
+
+    @property
+    def decode_attention(self) -> str:
+        """What runs the decodes' attention: native (through the block tables) or sdpa (gathered)."""
+        return self._decode_kernel.name if self._decode_kernel is not None else "sdpa"
 
     @property
     def info(self) -> t.EngineInfo:
@@ -577,7 +586,8 @@ class Engine:
             decode_ctx_lens=torch.tensor(decode_ctx, dtype=torch.long, device=device),
             decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
             decode_ctx_range=(min(decode_ctx, default=0), max(decode_ctx, default=0)),
-            prefills=prefills, num_tokens=len(ids), varlen=self._varlen)
+            prefills=prefills, num_tokens=len(ids), varlen=self._varlen,
+            decode_kernel=self._decode_kernel)
         input_ids = torch.tensor(ids, dtype=torch.long, device=device)
         position_tensor = torch.tensor(positions, dtype=torch.long, device=device)
         return meta, input_ids, position_tensor, sample_rows, sample_plans

@@ -72,9 +72,10 @@ def test_the_worker_exports_every_family_and_block_state_from_the_start() -> Non
 def test_the_worker_names_its_engine_in_an_info_series() -> None:
     registry = CollectorRegistry()
     WorkerMetrics(registry, "worker-7", engine_labels={"device": "cpu", "dtype": "float32",
-                                                       "linear_kernel": "onednn", "prefill_attention": "sdpa"})
-    assert ('fairserve_worker_engine_info{device="cpu",dtype="float32",linear_kernel="onednn",'
-            'prefill_attention="sdpa",worker="worker-7"} 1.0') in scrape(registry)
+                                                       "linear_kernel": "onednn", "prefill_attention": "sdpa",
+                                                       "decode_attention": "native"})
+    assert ('fairserve_worker_engine_info{decode_attention="native",device="cpu",dtype="float32",'
+            'linear_kernel="onednn",prefill_attention="sdpa",worker="worker-7"} 1.0') in scrape(registry)
 
 
 def test_the_worker_counts_decode_steps_replayed_from_graphs() -> None:
