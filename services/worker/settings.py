@@ -96,7 +96,7 @@ class WorkerSettings:
             decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
             cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
             lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
-            lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 8, minimum=1, maximum=1024),
+            lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
             speculative_ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
             speculative_ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),

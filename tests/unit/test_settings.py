@@ -78,8 +78,9 @@ def test_worker_lm_head_screen_settings() -> None:
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN"):
         WorkerSettings.from_env({"LM_HEAD_SCREEN": "maybe"})
     assert WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "12"}).lm_head_screen_max_rows == 12
+    assert WorkerSettings.from_env({}).lm_head_screen_max_rows == 0      # by the screen's kernel
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_MAX_ROWS"):
-        WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "0"})
+        WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "-1"})
 
 
 def test_speculative_decoding_settings() -> None:

@@ -30,6 +30,6 @@ class EngineConfig:
     cpu_linear_kernel: str = "auto"    # packed kernel: auto (float32: the faster on this CPU) | mkl | onednn
     cpu_max_model_len: int = 8192
     lm_head_screen: str = "auto"       # CPU float32 greedy/top-k rows: auto (built in the background, large vocabularies) | on | off
-    lm_head_screen_max_rows: int = 8   # screened rows per step at most; more take the full LM head
+    lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head
     ngram_min: int = 2                 # speculation: shortest suffix looked up earlier in the sequence
     ngram_max: int = 4                 # speculation: longest suffix looked up

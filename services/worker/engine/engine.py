@@ -30,10 +30,11 @@ from services.worker.engine.device import dtype_name, free_device_memory, resolv
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.fused_norms import fuse_rms_norms
 from services.worker.engine.host_memory import keep_freed_host_memory
-from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
+from services.worker.engine.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler, tokens_drawn_from
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
+from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
@@ -95,6 +96,9 @@ class _LogitsRows:
 MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
 MIN_SCREENED_VOCAB = 32768   # `auto` screens vocabularies this large, where the LM head dominates a decode
+# Screened rows per step at most when LM_HEAD_SCREEN_MAX_ROWS is 0, by the screen's kernel: past
+# these the full head was faster on a 2-core AMD EPYC (fbgemm's op costs two rows per row).
+DEFAULT_SCREEN_MAX_ROWS = {"native": 32, "fbgemm": 8}
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +134,7 @@ class Engine:
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
+        self._kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
         self._screen: LMHeadScreen | None = None
         self._screen_ready = threading.Event()
         self._start_screen()
@@ -138,9 +143,8 @@ class Engine:
 
         self._varlen = load_varlen_kernel(config.attention_backend, self.device, self.dtype)
         self.block_size = config.block_size
-        self._decode_kernel = load_decode_kernel(
-            config.decode_attention, self.device, self.dtype, self.block_size,
-            Path(config.kernel_cache_dir) if config.kernel_cache_dir else None)
+        self._decode_kernel = load_decode_kernel(config.decode_attention, self.device, self.dtype,
+                                                 self.block_size, self._kernel_cache_dir)
         specs, self._cache_layer = _layer_kv_layout(self._base)
         num_blocks = config.num_blocks or self._default_num_blocks(specs)
         self.max_model_len = self._max_model_len()
@@ -476,7 +480,7 @@ class Engine:
         picks = [self._screen_pick(screen, request) for request in requests] if screen is not None else []
         screened = [row for row, pick in enumerate(picks) if pick is not None]
         screened_logits = None
-        if screen is not None and 0 < len(screened) <= self.config.lm_head_screen_max_rows:
+        if screen is not None and 0 < len(screened) <= self._screen_max_rows(screen):
             chosen = [pick for pick in picks if pick is not None]
             screened_logits = screen.logits(hidden[screened] if len(screened) < len(requests) else hidden,
                                             [count for count, _ in chosen], [ids for _, ids in chosen])
@@ -490,6 +494,10 @@ class Engine:
         full = [row for row, pick in enumerate(picks) if pick is None]
         logits[full] = self._full_logits(hidden[full])
         return logits, complete
+
+    def _screen_max_rows(self, screen: LMHeadScreen) -> int:
+        """Screened rows per step at most: the setting, or past where the full head is faster."""
+        return self.config.lm_head_screen_max_rows or DEFAULT_SCREEN_MAX_ROWS[screen.kernel]
 
     def _screen_pick(self, screen: LMHeadScreen, request: SampleRequest) -> tuple[int, list[int]] | None:
         """(how many best tokens the row's draw reads, tokens its sampler adjusts), or None
@@ -644,12 +652,12 @@ class Engine:
         mode = self.config.lm_head_screen
         if mode not in LM_HEAD_SCREEN_MODES:
             raise ValueError(f"unknown LM head screen mode {mode!r}; expected one of {', '.join(LM_HEAD_SCREEN_MODES)}")
-        if self.config.lm_head_screen_max_rows < 1:
-            raise ValueError("lm_head_screen_max_rows must be >= 1")
+        if self.config.lm_head_screen_max_rows < 0:
+            raise ValueError("lm_head_screen_max_rows must be >= 0 (0: by the screen's kernel)")
         head = self.model.get_output_embeddings()
         weight = getattr(head, "weight", None)
         if (mode == "off" or self.device.type != "cpu" or self.dtype != torch.float32
-                or weight is None or getattr(head, "bias", None) is not None or not screening_available()):
+                or weight is None or getattr(head, "bias", None) is not None):
             self._screen_ready.set()
             return
         if mode == "on":
@@ -662,9 +670,13 @@ class Engine:
     def _build_screen(self, weight: torch.Tensor) -> None:
         try:
             started = time.perf_counter()
-            self._screen = LMHeadScreen.create(weight, self._softcap)
+            native = load_native_matmul(self._kernel_cache_dir)
+            if native is None and not screening_available():
+                return
+            self._screen = LMHeadScreen.create(weight, self._softcap, native)
             if self._screen is not None:
-                log.info("LM head screen ready in %.1f s", time.perf_counter() - started)
+                log.info("LM head screen ready in %.1f s (%s kernel)", time.perf_counter() - started,
+                         self._screen.kernel)
         except Exception:   # the full head keeps serving; the failure is only logged
             log.exception("LM head screen could not be built; the full LM head serves every row")
         finally:

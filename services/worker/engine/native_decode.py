@@ -9,9 +9,8 @@ reading each K and V row once for all the query heads that share it, and
 splits long contexts across threads when there are fewer sequences than
 threads.
 
-It is compiled once per machine with the system C compiler (`cc`, with
-`-march=native` and OpenMP) into a cache directory keyed by the source, the
-flags and the CPU, and loaded with ctypes. `DECODE_ATTENTION` picks it:
+It is compiled once per machine (`native_build.py`) and loaded with ctypes.
+`DECODE_ATTENTION` picks it:
 `auto` uses it when it builds and its start-up check against a float64
 reference passes, `native` requires it, `sdpa` never uses it.
 """
@@ -20,33 +19,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from services.worker.engine.native_build import NativeBuildError, default_cache_dir, load_library
+
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "native", "sdpa")
-SOURCE = Path(__file__).parent / "native" / "paged_decode.c"
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-COMPILE_TIMEOUT_S = 120
 # Contexts shorter than this are never split across threads (the merge would cost more).
 MIN_SPLIT_CONTEXT = 512
 # The kernel works on 8 floats at a time: head dimensions must be multiples of it.
 VECTOR_WIDTH = 8
 # A check mismatch beyond this relative error disables the kernel.
 CHECK_TOLERANCE = 1e-4
-
-
-def default_cache_dir() -> Path:
-    return Path(os.path.expanduser("~/.cache/fairserve/kernels"))
 
 
 class NativeDecodeAttention:
@@ -117,52 +105,11 @@ def load_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype, b
 def _load_checked(cache_dir: Path, block_size: int) -> tuple[NativeDecodeAttention | None, str | None]:
     """(kernel, None), or (None, why not); once per process for each cache dir and block size."""
     try:
-        kernel = NativeDecodeAttention(ctypes.CDLL(str(build(cache_dir))))
-        problem = check(kernel, block_size)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+        kernel = NativeDecodeAttention(load_library("paged_decode", cache_dir))
+    except NativeBuildError as error:
         return None, str(error)
+    problem = check(kernel, block_size)
     return (kernel, None) if problem is None else (None, problem)
-
-
-def build(cache_dir: Path) -> Path:
-    """The compiled library for this source, flags, compiler and CPU; compiled on first use.
-    Raises RuntimeError when there is no C compiler or it fails."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc) on PATH")
-    source = SOURCE.read_bytes()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=COMPILE_TIMEOUT_S).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(COMPILE_FLAGS).encode(), version.encode(),
-                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
-    target = cache_dir / f"paged_decode-{key}.so"
-    if target.is_file():
-        return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    # Compile beside the target and rename: workers starting together never load a half-written file.
-    handle, partial = tempfile.mkstemp(prefix=target.name, suffix=".tmp", dir=cache_dir)
-    os.close(handle)
-    try:
-        result = subprocess.run([compiler, *COMPILE_FLAGS, "-o", partial, str(SOURCE), "-lm"],
-                                capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
-        if result.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-    return target
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith(("flags", "Features", "model name")):
-                    return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def reference_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

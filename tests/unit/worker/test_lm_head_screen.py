@@ -1,5 +1,6 @@
 """The LM head screen: its error bound holds, and greedy / top-k draws over its rows
-pick exactly what they pick over the full float32 logits, penalties included."""
+pick exactly what they pick over the full float32 logits, penalties included; with the
+C kernel's int16 activation rows and with fbgemm's two 7-bit grid rows alike."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
+from services.worker.engine.lm_head_screen import (
+    NATIVE_TILE, LMHeadScreen, NativeInt8Matmul, load_native_matmul, screening_available,
+)
+from services.worker.engine.native_build import default_cache_dir
 from services.worker.engine.sampler import SampleRequest, Sampler, tokens_drawn_from
-
-pytestmark = pytest.mark.skipif(not screening_available(), reason="no fbgemm int8 kernel on this CPU")
 
 VOCAB, HIDDEN = 6000, 64
 
@@ -36,10 +38,23 @@ def weight() -> torch.Tensor:
     return lm_head()
 
 
+@pytest.fixture(scope="module", params=["native", "fbgemm"])
+def native(request: pytest.FixtureRequest) -> NativeInt8Matmul | None:
+    """The screen's kernel: the C kernel, or None for fbgemm's op."""
+    if request.param == "fbgemm":
+        if not screening_available():
+            pytest.skip("no fbgemm int8 kernel on this CPU")
+        return None
+    kernel = load_native_matmul(default_cache_dir())
+    assert kernel is not None, "the C kernel did not build (is there a C compiler?)"
+    return kernel
+
+
 @pytest.fixture(scope="module")
-def screen(weight: torch.Tensor) -> LMHeadScreen:
-    built = LMHeadScreen.create(weight)
+def screen(weight: torch.Tensor, native: NativeInt8Matmul | None) -> LMHeadScreen:
+    built = LMHeadScreen.create(weight, native=native)
     assert built is not None, "the int8 op failed its check against float64"
+    assert built.kernel == ("native" if native is not None else "fbgemm")
     return built
 
 
@@ -137,8 +152,9 @@ def test_rows_that_need_the_whole_distribution_are_not_screened() -> None:
     assert tokens_drawn_from(SamplingParams(top_logprobs=3)) is None
 
 
-def test_softcapped_models_get_capped_values_and_the_same_winner(weight: torch.Tensor) -> None:
-    capped = LMHeadScreen.create(weight, softcap=30.0)
+def test_softcapped_models_get_capped_values_and_the_same_winner(weight: torch.Tensor,
+                                                                native: NativeInt8Matmul | None) -> None:
+    capped = LMHeadScreen.create(weight, softcap=30.0, native=native)
     assert capped is not None
     x = hidden_states(4, seed=5)
     out = capped.logits(x, [1, 1, 8, 8], [[]] * 4)
@@ -165,3 +181,39 @@ def test_a_zero_hidden_state_keeps_every_tied_token(screen: LMHeadScreen, weight
 def test_the_weight_is_not_copied(weight: torch.Tensor, screen: LMHeadScreen) -> None:
     assert screen.weight.data_ptr() == weight.data_ptr()
     assert screen.vocab_size == VOCAB
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, NATIVE_TILE, NATIVE_TILE + 1, 2 * NATIVE_TILE + 3])
+def test_the_c_kernel_is_exact_for_every_tile_shape(rows: int) -> None:
+    kernel = load_native_matmul(default_cache_dir())
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(rows)
+    hidden = 72                                        # not a multiple of 16: a scalar tail
+    weight = torch.randint(-127, 128, (301, hidden), generator=generator, dtype=torch.int8)
+    w_scale = torch.rand(301, generator=generator)
+    padded = -(-rows // NATIVE_TILE) * NATIVE_TILE
+    x = torch.zeros(padded, hidden, dtype=torch.int16)
+    x[:rows] = torch.randint(-16383, 16384, (rows, hidden), generator=generator, dtype=torch.int16)
+    x_scale = torch.rand(padded, generator=generator)
+    out = kernel(weight, w_scale, x, x_scale, rows)
+    sums = x[:rows].long() @ weight.long().T           # exact integers
+    expected = sums.double() * x_scale[:rows, None].double() * w_scale.double()
+    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_the_c_kernel_wants_activation_rows_padded_to_a_tile() -> None:
+    kernel = load_native_matmul(default_cache_dir())
+    assert kernel is not None
+    weight = torch.zeros(4, 16, dtype=torch.int8)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        kernel(weight, torch.ones(4), torch.zeros(3, 16, dtype=torch.int16), torch.ones(3), 3)
+
+
+def test_a_wide_hidden_size_keeps_the_integer_sums_exact() -> None:
+    # 127 * hidden * grid must stay below 2^31: wide models get a coarser activation grid.
+    screen = LMHeadScreen(torch.randn(16, 5376) * 0.02, native=load_native_matmul(default_cache_dir()))
+    assert 127 * 5376 * screen._int16_grid < 2 ** 31
+    x = torch.randn(3, 5376)
+    approx, bound = screen.approximate_with_bound(x)
+    exact = x.double() @ screen.weight.double().T
+    assert ((exact - approx.double()).abs() <= bound.double()).all()

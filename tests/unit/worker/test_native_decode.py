@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import native_decode
+from services.worker.engine import native_build, native_decode
+from services.worker.engine.native_build import build
 from services.worker.engine.native_decode import (
-    MIN_SPLIT_CONTEXT, NativeDecodeAttention, build, load_decode_kernel, reference_decode_attention,
+    MIN_SPLIT_CONTEXT, NativeDecodeAttention, load_decode_kernel, reference_decode_attention,
 )
 
 BLOCK_SIZE = 16
@@ -114,9 +115,9 @@ def test_rejects_what_it_cannot_compute(kernel: NativeDecodeAttention) -> None:
 
 
 def test_the_build_is_cached_per_source_and_machine(tmp_path: Path) -> None:
-    first = build(tmp_path)
+    first = build("paged_decode", tmp_path)
     stamp = first.stat().st_mtime_ns
-    assert build(tmp_path) == first and first.stat().st_mtime_ns == stamp
+    assert build("paged_decode", tmp_path) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in tmp_path.iterdir()] == [first.name]   # no temporary files left
 
 
@@ -130,7 +131,7 @@ def test_the_backend_setting(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         load_decode_kernel("native", CPU, torch.bfloat16, BLOCK_SIZE, tmp_path)
 
     # Without a C compiler: `auto` falls back to SDPA and says why; `native` refuses.
-    monkeypatch.setattr(native_decode.shutil, "which", lambda name: None)
+    monkeypatch.setattr(native_build.shutil, "which", lambda name: None)
     missing = tmp_path / "elsewhere"
     with caplog.at_level(logging.WARNING, logger=native_decode.__name__):
         assert load_decode_kernel("auto", CPU, torch.float32, BLOCK_SIZE, missing) is None

@@ -1,0 +1,103 @@
+/* Approximate LM head logits: int8 weight rows times int16 activation rows (CPU).
+ *
+ *   out[m, v] = (sum_e x[m, e] * w[v, e]) * x_scale[m] * w_scale[v]
+ *
+ * The sums are exact int32 (the caller keeps |x| * 127 * hidden below 2^31), so the only
+ * rounding is the final float conversion and two multiplications. The weight (the bulk of
+ * the bytes) is streamed once: each weight row is multiplied with every activation row
+ * while it is in cache, up to eight activation rows at a time held in registers (tiles
+ * of 1, 2, 4 or 8 rows: a tile of 3 computes a zero padding row).
+ *
+ * Layouts (all contiguous):
+ *   weight  [V, H] int8, w_scale [V] float
+ *   x       [R, H] int16 with R a multiple of 8 (rows past `rows` are zero padding)
+ *   x_scale [R] float
+ *   out     [rows, V] float
+ */
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define TILE 8           /* activation rows per pass */
+#define BLOCK_ROWS 64    /* weight rows per block: re-read from cache by every tile after the first */
+
+static void scalar_row(const int8_t *w, const int16_t *x, int64_t hidden, int64_t from, int live,
+                       int32_t *sums) {
+    for (int r = 0; r < live; r++) {
+        int32_t total = 0;
+        for (int64_t e = from; e < hidden; e++) total += (int32_t)w[e] * (int32_t)x[r * hidden + e];
+        sums[r] += total;
+    }
+}
+
+#if defined(__AVX2__)
+static inline int32_t sum_one(__m256i v) {
+    const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    const __m128i quarter = _mm_add_epi32(half, _mm_shuffle_epi32(half, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xb1)));
+}
+
+/* Sums of `live` (1, 2, 4 or 8) activation rows against one weight row; with `live`
+ * a constant at each call site, the accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, const int16_t *x, int64_t hidden,
+                                                            const int live, int32_t *sums) {
+    __m256i acc[TILE];
+    for (int r = 0; r < live; r++) acc[r] = _mm256_setzero_si256();
+    int64_t e = 0;
+    for (; e + 16 <= hidden; e += 16) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + e)));
+        for (int r = 0; r < live; r++)
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));
+    }
+    if (live == TILE) {
+        const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+        const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
+        _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                                                              _mm256_permute2x128_si256(s0, s1, 0x31)));
+    } else {
+        for (int r = 0; r < live; r++) sums[r] = sum_one(acc[r]);
+    }
+    if (e < hidden) scalar_row(w, x, hidden, e, live, sums);
+}
+
+static void tile_row(const int8_t *w, const int16_t *x, int64_t hidden, int live, int32_t *sums) {
+    switch (live) {
+        case 1: tile_rows(w, x, hidden, 1, sums); break;
+        case 2: tile_rows(w, x, hidden, 2, sums); break;
+        case 3: case 4: tile_rows(w, x, hidden, 4, sums); break;
+        default: tile_rows(w, x, hidden, TILE, sums); break;
+    }
+}
+#else
+static void tile_row(const int8_t *w, const int16_t *x, int64_t hidden, int live, int32_t *sums) {
+    memset(sums, 0, sizeof(int32_t) * TILE);
+    scalar_row(w, x, hidden, 0, live, sums);
+}
+#endif
+
+int fairserve_int8_matmul(const int8_t *weight, const float *w_scale, const int16_t *x, const float *x_scale,
+                          float *out, int64_t vocab, int64_t hidden, int64_t rows, int64_t padded_rows,
+                          int64_t num_threads) {
+    if (padded_rows % TILE || padded_rows < rows) return 1;
+    const int64_t blocks = (vocab + BLOCK_ROWS - 1) / BLOCK_ROWS;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t block = 0; block < blocks; block++) {
+        const int64_t first = block * BLOCK_ROWS;
+        const int64_t last = first + BLOCK_ROWS < vocab ? first + BLOCK_ROWS : vocab;
+        for (int64_t tile = 0; tile < padded_rows; tile += TILE) {
+            const int64_t live = rows - tile < TILE ? rows - tile : TILE;
+            if (live <= 0) break;
+            for (int64_t v = first; v < last; v++) {
+                int32_t sums[TILE];
+                tile_row(weight + v * hidden, x + tile * hidden, hidden, (int)live, sums);
+                for (int64_t r = 0; r < live; r++)
+                    out[(tile + r) * vocab + v] = (float)sums[r] * x_scale[tile + r] * w_scale[v];
+            }
+        }
+    }
+    return 0;
+}
