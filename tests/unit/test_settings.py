@@ -65,6 +65,13 @@ def test_worker_cpu_linear_kernel_setting() -> None:
         WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})
 
 
+def test_worker_cpu_fused_ops_setting() -> None:
+    assert WorkerSettings.from_env({}).cpu_fused_ops == "auto"
+    assert WorkerSettings.from_env({"CPU_FUSED_OPS": "off"}).cpu_fused_ops == "off"
+    with pytest.raises(SettingsError, match="CPU_FUSED_OPS"):
+        WorkerSettings.from_env({"CPU_FUSED_OPS": "on"})
+
+
 def test_worker_decode_attention_setting() -> None:
     assert WorkerSettings.from_env({}).decode_attention == "auto"
     assert WorkerSettings.from_env({"DECODE_ATTENTION": "sdpa"}).decode_attention == "sdpa"

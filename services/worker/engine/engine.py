@@ -28,6 +28,7 @@ from services.worker.engine.cpu_linear import KernelPlan, PackedLinear, pack_lin
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
+from services.worker.engine.fused_mlp import fuse_gated_mlps
 from services.worker.engine.fused_norms import fuse_rms_norms
 from services.worker.engine.host_memory import keep_freed_host_memory
 from services.worker.engine.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
@@ -36,6 +37,7 @@ from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler,
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
+from services.worker.engine.native_ops import NativeElementwise, load_elementwise
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -95,6 +97,7 @@ class _LogitsRows:
 
 MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
+CPU_FUSED_OPS_MODES = ("auto", "off")
 MIN_SCREENED_VOCAB = 32768   # `auto` screens vocabularies this large, where the LM head dominates a decode
 # Screened rows per step at most when LM_HEAD_SCREEN_MAX_ROWS is 0, by the screen's kernel: past
 # these the full head was faster on a 2-core AMD EPYC (fbgemm's op costs two rows per row).
@@ -126,7 +129,10 @@ class Engine:
         base = self.model.base_model
         self._base = getattr(base, "language_model", base)
         self._lm_head = self.model.get_output_embeddings()
-        self.fused_norms = fuse_rms_norms(self._base)
+        self._kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
+        native_ops = self._native_elementwise()
+        self.fused_norms = fuse_rms_norms(self._base, native_ops)
+        self.fused_mlps = fuse_gated_mlps(self._base, native_ops) if native_ops is not None else 0
         self.linear_kernel = self._packed_kernel_plan()
         if self.linear_kernel is not None:
             pack_linears(self._base, {self.dtype: self.linear_kernel})
@@ -134,7 +140,6 @@ class Engine:
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
-        self._kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
         self._screen: LMHeadScreen | None = None
         self._screen_ready = threading.Event()
         self._start_screen()
@@ -689,6 +694,15 @@ class Engine:
     @property
     def lm_head_screened(self) -> bool:
         return self._screen is not None
+
+    def _native_elementwise(self) -> NativeElementwise | None:
+        """The C RMSNorm and gated activation (CPU float32, CPU_FUSED_OPS=auto), or None."""
+        if self.config.cpu_fused_ops not in CPU_FUSED_OPS_MODES:
+            raise ValueError(f"unknown CPU fused ops mode {self.config.cpu_fused_ops!r}; "
+                             f"expected one of {', '.join(CPU_FUSED_OPS_MODES)}")
+        if self.config.cpu_fused_ops == "off" or self.device.type != "cpu" or self.dtype != torch.float32:
+            return None
+        return load_elementwise(self._kernel_cache_dir)
 
     def _packed_kernel_plan(self) -> KernelPlan | None:
         """Pre-packed weights on CPU (cpu_linear.py: MKL or oneDNN for float32, whichever

@@ -8,6 +8,8 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 from services.worker.engine.fused_norms import FusedRMSNorm, fuse_rms_norms, fused_equivalent
+from services.worker.engine.native_build import default_cache_dir
+from services.worker.engine.native_ops import load_elementwise
 from tests.unit.worker.engine_helpers import make_engine
 
 
@@ -56,3 +58,23 @@ def test_the_engine_fuses_every_norm_of_these_models(kind: str) -> None:
     remaining = [name for name, module in engine.model.named_modules() if type(module).__name__.endswith("RMSNorm")
                  and not isinstance(module, FusedRMSNorm)]
     assert engine.fused_norms > 0 and remaining == []
+
+
+@pytest.mark.parametrize("norm_class", [Gemma3RMSNorm, LlamaRMSNorm])
+def test_with_the_c_ops_the_norm_agrees_to_float32_rounding(norm_class: type) -> None:
+    native = load_elementwise(default_cache_dir())
+    assert native is not None
+    norm = with_random_weight(norm_class(72, eps=1e-6))           # 72: a tail past the vector loop
+    fused = fused_equivalent(norm, native)
+    assert isinstance(fused, FusedRMSNorm) and fused.native is native
+    for shape in [(1, 72), (9, 72), (3, 300, 72)]:                # the last runs on both threads
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 30
+        torch.testing.assert_close(fused(x), norm(x), rtol=1e-5, atol=1e-6)
+
+
+def test_the_c_norm_is_not_used_where_it_disagrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    native = load_elementwise(default_cache_dir())
+    assert native is not None
+    monkeypatch.setattr(native, "rms_norm", lambda x, scale, eps: torch.zeros_like(x))
+    fused = fused_equivalent(with_random_weight(LlamaRMSNorm(16)), native)
+    assert isinstance(fused, FusedRMSNorm) and fused.native is None

@@ -1,0 +1,62 @@
+"""ctypes bindings of `native/elementwise.c`: a fused RMSNorm and a fused gated activation
+(GELU-tanh or SiLU of the gate times the up projection), CPU float32, one pass each."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.native_build import NativeBuildError, load_library
+
+log = logging.getLogger(__name__)
+
+ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
+
+
+class NativeElementwise:
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._rms_norm = library.fairserve_rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_float, ctypes.c_int64]
+        self._act_mul = library.fairserve_act_mul
+        self._act_mul.restype = None
+        self._act_mul.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                                  + [ctypes.c_int64] * 4)
+
+    @staticmethod
+    def accepts(*tensors: torch.Tensor) -> bool:
+        return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+    def rms_norm(self, x: torch.Tensor, scale: torch.Tensor | None, eps: float) -> torch.Tensor:
+        """(x * rsqrt(mean(x^2, -1) + eps)) * scale over the last dimension; float32 CPU."""
+        x = x.contiguous()
+        dim = x.shape[-1]
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), scale.data_ptr() if scale is not None else None, out.data_ptr(),
+                       x.numel() // dim if dim else 0, dim, eps, torch.get_num_threads())
+        return out
+
+    def act_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+        """activation(gate) * up, both [..., dim] with unit stride in the last dimension."""
+        if gate.shape != up.shape:
+            raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        dim = gate.shape[-1]
+        gate2, up2 = gate.reshape(-1, dim), up.reshape(-1, dim)
+        if gate2.stride(-1) != 1 or up2.stride(-1) != 1:
+            gate2, up2 = gate2.contiguous(), up2.contiguous()
+        out = torch.empty(gate.shape, dtype=torch.float32)
+        self._act_mul(gate2.data_ptr(), gate2.stride(0), up2.data_ptr(), up2.stride(0), out.data_ptr(),
+                      gate2.shape[0], dim, ACTIVATIONS[activation], torch.get_num_threads())
+        return out
+
+
+def load_elementwise(cache_dir: Path) -> NativeElementwise | None:
+    """The compiled ops, or None (no compiler, or it failed: torch's ops serve instead)."""
+    try:
+        return NativeElementwise(load_library("elementwise", cache_dir))
+    except NativeBuildError as error:
+        log.warning("native elementwise ops unavailable; torch's serve", extra={"reason": str(error)})
+        return None
