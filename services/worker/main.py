@@ -38,7 +38,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         torch_threads=settings.torch_threads, use_cuda_graphs=settings.use_cuda_graphs,
         cuda_graph_max_batch=settings.cuda_graph_max_batch, cuda_graph_max_context=settings.cuda_graph_max_context,
         attention_backend=settings.attention_backend, decode_attention=settings.decode_attention,
-        cpu_linear_kernel=settings.cpu_linear_kernel, cpu_fused_ops=settings.cpu_fused_ops,
+        cpu_linear_kernel=settings.cpu_linear_kernel, cpu_native_kernels=settings.cpu_native_kernels,
         lm_head_screen=settings.lm_head_screen, lm_head_screen_max_rows=settings.lm_head_screen_max_rows,
         ngram_min=settings.speculative_ngram_min, ngram_max=settings.speculative_ngram_max,
     )

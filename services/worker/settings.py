@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/v
 CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/cpu_linear.py
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/lm_head_screen.py
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")      # services/worker/engine/native_decode.py
-CPU_FUSED_OPS_MODES = ("auto", "off")                     # services/worker/engine/native_ops.py
+CPU_NATIVE_KERNELS_MODES = ("auto", "off")                     # services/worker/engine/native_ops.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -55,7 +55,7 @@ class WorkerSettings:
     cuda_graph_max_context: int
     attention_backend: str
     decode_attention: str
-    cpu_fused_ops: str
+    cpu_native_kernels: str
     cpu_linear_kernel: str
     lm_head_screen: str
     lm_head_screen_max_rows: int
@@ -96,7 +96,7 @@ class WorkerSettings:
             cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
             attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
             decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
-            cpu_fused_ops=read.choice("CPU_FUSED_OPS", "auto", CPU_FUSED_OPS_MODES),
+            cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
             cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
             lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
             lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),

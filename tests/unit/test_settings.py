@@ -65,11 +65,11 @@ def test_worker_cpu_linear_kernel_setting() -> None:
         WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})
 
 
-def test_worker_cpu_fused_ops_setting() -> None:
-    assert WorkerSettings.from_env({}).cpu_fused_ops == "auto"
-    assert WorkerSettings.from_env({"CPU_FUSED_OPS": "off"}).cpu_fused_ops == "off"
-    with pytest.raises(SettingsError, match="CPU_FUSED_OPS"):
-        WorkerSettings.from_env({"CPU_FUSED_OPS": "on"})
+def test_worker_cpu_native_kernels_setting() -> None:
+    assert WorkerSettings.from_env({}).cpu_native_kernels == "auto"
+    assert WorkerSettings.from_env({"CPU_NATIVE_KERNELS": "off"}).cpu_native_kernels == "off"
+    with pytest.raises(SettingsError, match="CPU_NATIVE_KERNELS"):
+        WorkerSettings.from_env({"CPU_NATIVE_KERNELS": "on"})
 
 
 def test_worker_decode_attention_setting() -> None:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.native_ops import NativeSkinnyLinear
+
 log = logging.getLogger(__name__)
 
 PACK_ROWS_HINT = 8     # the pack's size and layout are the same for any row count
@@ -175,14 +177,28 @@ class PackedLinear(torch.nn.Module):
         self.out_features = linear.out_features
         self.weight = linear.weight          # kept (shared, e.g. a tied embedding); the pack is extra
         self.bias = linear.bias
+        self.native: NativeSkinnyLinear | None = None    # the C kernel for the fewest rows, if routed
+        self.native_max_rows = 0
         with torch.no_grad():
             weight = self.weight.detach()
             packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT) if kernel == "mkl"
                       else torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT))
             self.register_buffer("packed", packed, persistent=False)
 
+    def use_native(self, kernel: NativeSkinnyLinear, max_rows: int) -> bool:
+        """Routes steps of at most `max_rows` rows to the C kernel (float32, contiguous weight)."""
+        weight = self.weight
+        if (weight.dtype != torch.float32 or not weight.is_contiguous()
+                or (self.bias is not None and (self.bias.dtype != torch.float32 or not self.bias.is_contiguous()))):
+            return False
+        self.native, self.native_max_rows = kernel, max_rows
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.native is not None and rows.shape[0] <= self.native_max_rows and x.dtype == torch.float32:
+            out = self.native(rows.contiguous(), self.weight, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if rows.shape[0] > self.max_packed_rows:
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.kernel == "mkl":

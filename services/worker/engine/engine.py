@@ -37,7 +37,7 @@ from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler,
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
-from services.worker.engine.native_ops import NativeElementwise, load_elementwise
+from services.worker.engine.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -97,7 +97,10 @@ class _LogitsRows:
 
 MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
-CPU_FUSED_OPS_MODES = ("auto", "off")
+CPU_NATIVE_KERNELS_MODES = ("auto", "off")
+# Rows per step up to which linear layers use the C kernel: past 8 the packed BLAS kernels
+# were faster on the AMD EPYC (the C kernel holds up to 8 rows in registers per weight pass).
+SKINNY_MAX_ROWS = 8
 MIN_SCREENED_VOCAB = 32768   # `auto` screens vocabularies this large, where the LM head dominates a decode
 # Screened rows per step at most when LM_HEAD_SCREEN_MAX_ROWS is 0, by the screen's kernel: past
 # these the full head was faster on a 2-core AMD EPYC (fbgemm's op costs two rows per row).
@@ -139,6 +142,7 @@ class Engine:
             if isinstance(self._lm_head, torch.nn.Linear):
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
+        self.native_linears = self._route_few_rows_to_native(native_ops is not None)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         self._screen: LMHeadScreen | None = None
         self._screen_ready = threading.Event()
@@ -695,12 +699,23 @@ class Engine:
     def lm_head_screened(self) -> bool:
         return self._screen is not None
 
+    def _route_few_rows_to_native(self, enabled: bool) -> int:
+        """Packed linears (layers and LM head) run steps of at most SKINNY_MAX_ROWS rows
+        through the C kernel (CPU float32, CPU_NATIVE_KERNELS=auto); returns how many."""
+        if not enabled:
+            return 0
+        kernel = load_skinny_linear(self._kernel_cache_dir)
+        if kernel is None:
+            return 0
+        linears = [m for m in (*self._base.modules(), self._lm_head) if isinstance(m, PackedLinear)]
+        return sum(1 for linear in linears if linear.use_native(kernel, SKINNY_MAX_ROWS))
+
     def _native_elementwise(self) -> NativeElementwise | None:
-        """The C RMSNorm and gated activation (CPU float32, CPU_FUSED_OPS=auto), or None."""
-        if self.config.cpu_fused_ops not in CPU_FUSED_OPS_MODES:
-            raise ValueError(f"unknown CPU fused ops mode {self.config.cpu_fused_ops!r}; "
-                             f"expected one of {', '.join(CPU_FUSED_OPS_MODES)}")
-        if self.config.cpu_fused_ops == "off" or self.device.type != "cpu" or self.dtype != torch.float32:
+        """The C RMSNorm and gated activation (CPU float32, CPU_NATIVE_KERNELS=auto), or None."""
+        if self.config.cpu_native_kernels not in CPU_NATIVE_KERNELS_MODES:
+            raise ValueError(f"unknown CPU native kernels mode {self.config.cpu_native_kernels!r}; "
+                             f"expected one of {', '.join(CPU_NATIVE_KERNELS_MODES)}")
+        if self.config.cpu_native_kernels == "off" or self.device.type != "cpu" or self.dtype != torch.float32:
             return None
         return load_elementwise(self._kernel_cache_dir)
 

@@ -60,3 +60,28 @@ def load_elementwise(cache_dir: Path) -> NativeElementwise | None:
     except NativeBuildError as error:
         log.warning("native elementwise ops unavailable; torch's serve", extra={"reason": str(error)})
         return None
+
+
+class NativeSkinnyLinear:
+    """ctypes binding of fairserve_skinny_linear (native/skinny_linear.c): x @ weight.T (+ bias)
+    for a few rows, streaming the float32 weight once."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.fairserve_skinny_linear
+        self._function.restype = None
+        self._function.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 4
+
+    def __call__(self, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, in] and weight [out, in], float32 CPU, contiguous -> [M, out]."""
+        out = torch.empty(rows.shape[0], weight.shape[0])
+        self._function(rows.data_ptr(), weight.data_ptr(), bias.data_ptr() if bias is not None else None,
+                       out.data_ptr(), rows.shape[0], rows.shape[1], weight.shape[0], torch.get_num_threads())
+        return out
+
+
+def load_skinny_linear(cache_dir: Path) -> NativeSkinnyLinear | None:
+    try:
+        return NativeSkinnyLinear(load_library("skinny_linear", cache_dir))
+    except NativeBuildError as error:
+        log.warning("native skinny linear unavailable; packed BLAS kernels serve", extra={"reason": str(error)})
+        return None

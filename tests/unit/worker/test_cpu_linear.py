@@ -11,6 +11,8 @@ from services.worker.engine.cpu_linear import (
     ALL_ROWS, MAX_PACKED_ROWS, KernelPlan, PackedLinear, kernel_available, kernel_plan, pack_linears,
     packing_available, resolve_kernel_plan,
 )
+from services.worker.engine.native_build import default_cache_dir
+from services.worker.engine.native_ops import load_skinny_linear
 
 # bfloat16 rounds each product's inputs, and the packed and plain kernels sum in different orders.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -115,3 +117,39 @@ def test_pack_linears_follows_the_given_plans() -> None:
 def test_packed_linear_refuses_a_dtype_without_a_kernel() -> None:
     with pytest.raises(ValueError, match="no packed"):
         PackedLinear(torch.nn.Linear(4, 4).to(torch.float16))
+
+
+# ---- the C kernel for few rows ---------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 11])
+@pytest.mark.parametrize("in_features,out_features", [(64, 96), (37, 13), (640, 6), (24, 3)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_skinny_kernel_matches_linear(rows: int, in_features: int, out_features: int, bias: bool) -> None:
+    kernel = load_skinny_linear(default_cache_dir())
+    assert kernel is not None, "the C kernel did not build (is there a C compiler?)"
+    generator = torch.Generator().manual_seed(rows * in_features + out_features)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.normal_(generator=generator)
+        if bias:
+            linear.bias.normal_(generator=generator)
+    x = torch.randn(rows, in_features, generator=generator)
+    torch.testing.assert_close(kernel(x, linear.weight, linear.bias), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_linear_routes_few_rows_to_the_c_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = load_skinny_linear(default_cache_dir())
+    assert kernel is not None
+    linear = torch.nn.Linear(32, 48)
+    packed = PackedLinear(linear, 64, "onednn")
+    assert packed.use_native(kernel, 4)
+    calls: list[int] = []
+    counting = lambda rows, weight, bias: calls.append(rows.shape[0]) or kernel(rows, weight, bias)  # noqa: E731
+    packed.native = counting
+    for shape in [(1, 32), (2, 2, 32), (4, 32), (5, 32), (3, 7, 32)]:
+        x = torch.randn(*shape)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    assert calls == [1, 4, 4]          # 5 and 21 rows take the packed kernel
+    bf16 = PackedLinear(torch.nn.Linear(32, 48).to(torch.bfloat16), 64, "onednn") if kernel_available(
+        "onednn", torch.bfloat16) else None
+    assert bf16 is None or not bf16.use_native(kernel, 4)

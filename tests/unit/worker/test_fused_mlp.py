@@ -99,10 +99,12 @@ def test_other_mlps_are_left_alone(native: NativeElementwise) -> None:
 
 
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
-def test_the_engine_gives_the_same_tokens_with_and_without_the_c_ops(kind: str) -> None:
+def test_the_engine_gives_the_same_tokens_with_and_without_the_c_kernels(kind: str) -> None:
     prompts = {"a": prompt_of(7, 1), "b": prompt_of(30, 2)}
     fused_engine = make_engine(kind)
     assert fused_engine.fused_mlps == fused_engine.model_config.num_hidden_layers
-    plain_engine = make_engine(kind, cpu_fused_ops="off")
-    assert plain_engine.fused_mlps == 0
+    # Every attention and MLP projection, the LM head, and (Gemma 4) the per-layer input projections.
+    assert fused_engine.native_linears >= 7 * fused_engine.model_config.num_hidden_layers + 1
+    plain_engine = make_engine(kind, cpu_native_kernels="off")
+    assert plain_engine.fused_mlps == 0 and plain_engine.native_linears == 0
     assert Driver(fused_engine).run(prompts, 10) == Driver(plain_engine).run(prompts, 10)
