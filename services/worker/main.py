@@ -51,7 +51,8 @@ async def serve(settings: WorkerSettings) -> None:
                      "linear_kernel": engine.linear_kernel.kernel if engine.linear_kernel is not None else "none",
                      "prefill_attention": engine.attention_kernel, "decode_attention": engine.decode_attention}
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
-                                    "decode_graphs": engine.graphs is not None, **engine_labels})
+                                    "decode_graphs": engine.graphs is not None, "native_linears": engine.native_linears,
+                                    "fused_mlps": engine.fused_mlps, **engine_labels})
     registry = CollectorRegistry()
     metrics_port = serve_metrics(settings.metrics_port, registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr)
