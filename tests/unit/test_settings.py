@@ -51,32 +51,17 @@ def test_worker_cuda_graph_settings() -> None:
         WorkerSettings.from_env({"CUDA_GRAPH_MAX_BATCH": "0"})
 
 
-def test_worker_attention_backend_setting() -> None:
-    assert WorkerSettings.from_env({}).attention_backend == "auto"
-    assert WorkerSettings.from_env({"ATTENTION_BACKEND": "sdpa"}).attention_backend == "sdpa"
-    with pytest.raises(SettingsError, match="ATTENTION_BACKEND"):
-        WorkerSettings.from_env({"ATTENTION_BACKEND": "xformers"})
-
-
-def test_worker_cpu_linear_kernel_setting() -> None:
-    assert WorkerSettings.from_env({}).cpu_linear_kernel == "auto"
-    assert WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "onednn"}).cpu_linear_kernel == "onednn"
-    with pytest.raises(SettingsError, match="CPU_LINEAR_KERNEL"):
-        WorkerSettings.from_env({"CPU_LINEAR_KERNEL": "openblas"})
-
-
-def test_worker_cpu_native_kernels_setting() -> None:
-    assert WorkerSettings.from_env({}).cpu_native_kernels == "auto"
-    assert WorkerSettings.from_env({"CPU_NATIVE_KERNELS": "off"}).cpu_native_kernels == "off"
-    with pytest.raises(SettingsError, match="CPU_NATIVE_KERNELS"):
-        WorkerSettings.from_env({"CPU_NATIVE_KERNELS": "on"})
-
-
-def test_worker_decode_attention_setting() -> None:
-    assert WorkerSettings.from_env({}).decode_attention == "auto"
-    assert WorkerSettings.from_env({"DECODE_ATTENTION": "sdpa"}).decode_attention == "sdpa"
-    with pytest.raises(SettingsError, match="DECODE_ATTENTION"):
-        WorkerSettings.from_env({"DECODE_ATTENTION": "paged"})
+@pytest.mark.parametrize("variable,field,default,other,bad", [
+    ("ATTENTION_BACKEND", "attention_backend", "auto", "sdpa", "xformers"),
+    ("CPU_LINEAR_KERNEL", "cpu_linear_kernel", "auto", "onednn", "openblas"),
+    ("CPU_NATIVE_KERNELS", "cpu_native_kernels", "auto", "off", "on"),
+    ("DECODE_ATTENTION", "decode_attention", "auto", "sdpa", "paged"),
+])
+def test_worker_kernel_choice_settings(variable: str, field: str, default: str, other: str, bad: str) -> None:
+    assert getattr(WorkerSettings.from_env({}), field) == default
+    assert getattr(WorkerSettings.from_env({variable: other}), field) == other
+    with pytest.raises(SettingsError, match=variable):
+        WorkerSettings.from_env({variable: bad})
 
 
 def test_worker_lm_head_screen_settings() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.worker.engine.module_swap import swap_modules
 from services.worker.engine.native_ops import NativeElementwise
 
 PROBE_ROWS = 16
@@ -78,12 +79,4 @@ def fused_equivalent(mlp: torch.nn.Module, native: NativeElementwise) -> FusedGa
 
 def fuse_gated_mlps(module: torch.nn.Module, native: NativeElementwise) -> int:
     """Replaces every gated MLP under `module` that has a fused equivalent; returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        fused = fused_equivalent(child, native) if hasattr(child, "act_fn") else None
-        if fused is not None:
-            setattr(module, name, fused)
-            count += 1
-        else:
-            count += fuse_gated_mlps(child, native)
-    return count
+    return swap_modules(module, lambda child: fused_equivalent(child, native) if hasattr(child, "act_fn") else None)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from services.worker.engine.module_swap import swap_modules
 from services.worker.engine.native_ops import NativeElementwise
 
 PROBE_ROWS = 64
@@ -75,13 +76,6 @@ def fused_equivalent(norm: torch.nn.Module, native: NativeElementwise | None = N
 def fuse_rms_norms(module: torch.nn.Module, native: NativeElementwise | None = None) -> int:
     """Replaces every *RMSNorm under `module` that has a bitwise-equal fused form;
     returns how many."""
-    count = 0
-    for name, child in list(module.named_children()):
-        if type(child).__name__.endswith("RMSNorm"):
-            fused = fused_equivalent(child, native)
-            if fused is not None:
-                setattr(module, name, fused)
-                count += 1
-        else:
-            count += fuse_rms_norms(child, native)
-    return count
+    # A norm without an equivalent keeps its forward (and has no norms inside to swap).
+    return swap_modules(module, lambda child: fused_equivalent(child, native)
+                        if type(child).__name__.endswith("RMSNorm") else None)

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.native_build import NativeBuildError, load_library
+from services.worker.engine.native_build import load_binding
 
 log = logging.getLogger(__name__)
 
@@ -91,12 +91,7 @@ class NativeInt8Matmul:
 
 
 def load_native_matmul(cache_dir: Path) -> NativeInt8Matmul | None:
-    """The C kernel, or None (no compiler, or it failed: fbgemm's op serves instead)."""
-    try:
-        return NativeInt8Matmul(load_library("int8_matmul", cache_dir))
-    except NativeBuildError as error:
-        log.warning("native int8 matmul unavailable; the LM head screen uses fbgemm", extra={"reason": str(error)})
-        return None
+    return load_binding(NativeInt8Matmul, "int8_matmul", cache_dir, "the LM head screen uses fbgemm's op")
 
 
 class LMHeadScreen:

@@ -13,12 +13,18 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger(__name__)
+Binding = TypeVar("Binding")
 
 SOURCES = Path(__file__).parent / "native"
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -40,6 +46,17 @@ def load_library(name: str, cache_dir: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(build(name, cache_dir)))
     except OSError as error:
         raise NativeBuildError(f"cannot load the {name} kernel: {error}") from error
+
+
+def load_binding(binding: Callable[[ctypes.CDLL], Binding], name: str, cache_dir: Path,
+                 fallback: str) -> Binding | None:
+    """`binding` over the library of `native/<name>.c`, or None (no compiler, or it failed),
+    logging what serves instead (`fallback`)."""
+    try:
+        return binding(load_library(name, cache_dir))
+    except NativeBuildError as error:
+        log.warning("native %s kernel unavailable; %s", name, fallback, extra={"reason": str(error)})
+        return None
 
 
 def build(name: str, cache_dir: Path) -> Path:

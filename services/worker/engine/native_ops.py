@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import torch
 
-from services.worker.engine.native_build import NativeBuildError, load_library
-
-log = logging.getLogger(__name__)
+from services.worker.engine.native_build import load_binding
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 
@@ -54,12 +51,7 @@ class NativeElementwise:
 
 
 def load_elementwise(cache_dir: Path) -> NativeElementwise | None:
-    """The compiled ops, or None (no compiler, or it failed: torch's ops serve instead)."""
-    try:
-        return NativeElementwise(load_library("elementwise", cache_dir))
-    except NativeBuildError as error:
-        log.warning("native elementwise ops unavailable; torch's serve", extra={"reason": str(error)})
-        return None
+    return load_binding(NativeElementwise, "elementwise", cache_dir, "torch's ops serve")
 
 
 class NativeSkinnyLinear:
@@ -80,8 +72,4 @@ class NativeSkinnyLinear:
 
 
 def load_skinny_linear(cache_dir: Path) -> NativeSkinnyLinear | None:
-    try:
-        return NativeSkinnyLinear(load_library("skinny_linear", cache_dir))
-    except NativeBuildError as error:
-        log.warning("native skinny linear unavailable; packed BLAS kernels serve", extra={"reason": str(error)})
-        return None
+    return load_binding(NativeSkinnyLinear, "skinny_linear", cache_dir, "packed BLAS kernels serve")
