@@ -70,7 +70,8 @@ def build(name: str, cache_dir: Path) -> Path:
                                  timeout=COMPILE_TIMEOUT_S).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeBuildError(f"{compiler} does not run: {error}") from error
-    key = hashlib.sha256(b"\0".join([source_path.read_bytes(), " ".join(COMPILE_FLAGS).encode(),
+    headers = [header.read_bytes() for header in sorted(SOURCES.glob("*.h"))]
+    key = hashlib.sha256(b"\0".join([source_path.read_bytes(), *headers, " ".join(COMPILE_FLAGS).encode(),
                                       version.encode(), platform.machine().encode(),
                                       _cpu_flags().encode()])).hexdigest()[:20]
     target = cache_dir / f"{name}-{key}.so"

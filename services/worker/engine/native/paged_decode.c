@@ -23,22 +23,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-/* Eight floats, through GCC's vector extensions (one AVX register on x86, two NEON ones on ARM). */
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { __builtin_memcpy(p, &v, sizeof v); }
-
-static inline float sum8(v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
-
-static inline v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+#include "vec8.h"
 
 typedef struct {
     int64_t lo, hi;     /* context positions [lo, hi) */
@@ -86,47 +71,51 @@ static void scores1(const float *q, int64_t d, const float *const *keys, int64_t
     }
 }
 
-/* acc[h * stride + e] = sum_i weights[h * n + i] * value_i[e], 4 heads at once, 16 columns
- * at a time held in registers. */
+/* acc[h * stride + e] = sum_i weights[h * n + i] * value_i[e], 4 heads at once: 16 columns
+ * at a time held in registers, over blocks of KEY_BLOCK keys whose value rows stay in L1
+ * while every column chunk passes over them. */
+#define KEY_BLOCK 16
+
 static void weighted4(const float *weights, int64_t n, const float *const *values, int64_t dv,
                       float *acc, int64_t stride) {
     const float *w0 = weights, *w1 = weights + n, *w2 = weights + 2 * n, *w3 = weights + 3 * n;
-    for (int64_t e = 0; e < dv; e += 16) {
-        v8 a0 = splat8(0.0f), b0 = a0, a1 = a0, b1 = a0, a2 = a0, b2 = a0, a3 = a0, b3 = a0;
-        const int two = e + 16 <= dv;
-        for (int64_t i = 0; i < n; i++) {
-            const float *value = values[i] + e;
-            const v8 x = load8(value);
-            const v8 y = two ? load8(value + 8) : splat8(0.0f);
-            const v8 s0 = splat8(w0[i]), s1 = splat8(w1[i]), s2 = splat8(w2[i]), s3 = splat8(w3[i]);
-            a0 += s0 * x; b0 += s0 * y;
-            a1 += s1 * x; b1 += s1 * y;
-            a2 += s2 * x; b2 += s2 * y;
-            a3 += s3 * x; b3 += s3 * y;
-        }
-        store8(acc + e, a0);
-        store8(acc + stride + e, a1);
-        store8(acc + 2 * stride + e, a2);
-        store8(acc + 3 * stride + e, a3);
-        if (two) {
-            store8(acc + e + 8, b0);
-            store8(acc + stride + e + 8, b1);
-            store8(acc + 2 * stride + e + 8, b2);
-            store8(acc + 3 * stride + e + 8, b3);
+    for (int64_t h = 0; h < 4; h++)
+        for (int64_t e = 0; e < dv; e++) acc[h * stride + e] = 0.0f;
+    for (int64_t first = 0; first < n; first += KEY_BLOCK) {
+        const int64_t last = first + KEY_BLOCK < n ? first + KEY_BLOCK : n;
+        for (int64_t e = 0; e < dv; e += 16) {
+            const int two = e + 16 <= dv;
+            float *c0 = acc + e, *c1 = acc + stride + e, *c2 = acc + 2 * stride + e, *c3 = acc + 3 * stride + e;
+            v8 a0 = load8(c0), a1 = load8(c1), a2 = load8(c2), a3 = load8(c3);
+            v8 b0 = two ? load8(c0 + 8) : splat8(0.0f), b1 = two ? load8(c1 + 8) : splat8(0.0f);
+            v8 b2 = two ? load8(c2 + 8) : splat8(0.0f), b3 = two ? load8(c3 + 8) : splat8(0.0f);
+            for (int64_t i = first; i < last; i++) {
+                const float *value = values[i] + e;
+                const v8 x = load8(value);
+                const v8 y = two ? load8(value + 8) : splat8(0.0f);
+                const v8 s0 = splat8(w0[i]), s1 = splat8(w1[i]), s2 = splat8(w2[i]), s3 = splat8(w3[i]);
+                a0 += s0 * x; b0 += s0 * y;
+                a1 += s1 * x; b1 += s1 * y;
+                a2 += s2 * x; b2 += s2 * y;
+                a3 += s3 * x; b3 += s3 * y;
+            }
+            store8(c0, a0); store8(c1, a1); store8(c2, a2); store8(c3, a3);
+            if (two) {
+                store8(c0 + 8, b0); store8(c1 + 8, b1); store8(c2 + 8, b2); store8(c3 + 8, b3);
+            }
         }
     }
 }
 
 static void weighted1(const float *weights, int64_t n, const float *const *values, int64_t dv, float *acc) {
-    for (int64_t e = 0; e < dv; e += 8) {
-        v8 a = splat8(0.0f), b = a;
-        int64_t i = 0;
-        for (; i + 2 <= n; i += 2) {
-            a += splat8(weights[i]) * load8(values[i] + e);
-            b += splat8(weights[i + 1]) * load8(values[i + 1] + e);
+    for (int64_t e = 0; e < dv; e++) acc[e] = 0.0f;
+    for (int64_t first = 0; first < n; first += KEY_BLOCK) {
+        const int64_t last = first + KEY_BLOCK < n ? first + KEY_BLOCK : n;
+        for (int64_t e = 0; e < dv; e += 8) {
+            v8 a = load8(acc + e);
+            for (int64_t i = first; i < last; i++) a += splat8(weights[i]) * load8(values[i] + e);
+            store8(acc + e, a);
         }
-        for (; i < n; i++) a += splat8(weights[i]) * load8(values[i] + e);
-        store8(acc + e, a + b);
     }
 }
 
@@ -163,8 +152,15 @@ static void attend_range(const float *q_group, const float *k_cache, const float
         float *row = scores + j * n;
         float best = -INFINITY;
         for (int64_t i = 0; i < n; i++) best = row[i] > best ? row[i] : best;
-        float total = 0.0f;
-        for (int64_t i = 0; i < n; i++) {
+        v8 lanes = splat8(0.0f);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const v8 weights = exp8(load8(row + i) - splat8(best));
+            store8(row + i, weights);
+            lanes += weights;
+        }
+        float total = sum8(lanes);
+        for (; i < n; i++) {
             row[i] = expf(row[i] - best);
             total += row[i];
         }

@@ -14,17 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-typedef float v8 __attribute__((vector_size(32)));
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    __builtin_memcpy(&v, p, sizeof v);
-    return v;
-}
-
-static inline float sum8(v8 v) {
-    return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7]));
-}
+#include "vec8.h"
 
 /* dots[j * 2 + r] = weight row w + j * in (j < 4) . activation row x + r * in (r < live <= 2):
  * eight accumulators, each step loading four weight vectors and two activation vectors. */
