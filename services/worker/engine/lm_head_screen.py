@@ -61,6 +61,9 @@ CHECK_ROWS = 4096           # vocabulary rows the check at create compares
 INT16_GRID = 16383          # native kernel: activation rows are integers in [-INT16_GRID, INT16_GRID]
 NATIVE_TILE = 8             # the native kernel takes activation rows in tiles of 8
 INT32_MAX = 2 ** 31 - 1
+# Candidates the C kernel's first pass (against the widest bound) collects before torch's
+# nonzero takes over; most are dropped by their own bounds right after.
+FIRST_PASS_CAPACITY = 4 * 32768
 
 
 def screening_available() -> bool:
@@ -76,6 +79,12 @@ class NativeInt8Matmul:
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
         self._function = function
+        self._top_k = library.fairserve_row_top_k
+        self._top_k.restype = None
+        self._top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+        self._select = library.fairserve_select_above
+        self._select.restype = ctypes.c_int64
+        self._select.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
 
     def __call__(self, weight: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor,
                  rows: int) -> torch.Tensor:
@@ -88,6 +97,26 @@ class NativeInt8Matmul:
         if failed:
             raise ValueError("int8 matmul: activation rows must be padded to a multiple of 8")
         return out
+
+    def top_k(self, values: torch.Tensor, k: int) -> torch.Tensor:
+        """Indices [rows, k] of each row's k largest entries (in no particular order); one pass."""
+        rows, cols = values.shape
+        if not 0 < k <= cols or not values.is_contiguous():
+            raise ValueError(f"top_k needs 0 < k <= {cols} over a contiguous tensor, got k={k}")
+        top = torch.empty(rows, k, dtype=torch.long)
+        self._top_k(values.data_ptr(), rows, cols, k, top.data_ptr(), torch.get_num_threads())
+        return top
+
+    def select_above(self, values: torch.Tensor, thresholds: torch.Tensor,
+                     capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) of the entries >= their row's threshold, row-major; None past `capacity`."""
+        rows, cols = values.shape
+        thresholds = thresholds.float().contiguous()
+        out_rows = torch.empty(capacity, dtype=torch.long)
+        out_cols = torch.empty(capacity, dtype=torch.long)
+        count = self._select(values.data_ptr(), rows, cols, thresholds.data_ptr(), out_rows.data_ptr(),
+                             out_cols.data_ptr(), capacity)
+        return None if count < 0 else (out_rows[:count], out_cols[:count])
 
 
 def load_native_matmul(cache_dir: Path) -> NativeInt8Matmul | None:
@@ -225,7 +254,8 @@ class LMHeadScreen:
         # top_counts[b]-th best exact logit among tokens the sampler leaves alone.
         adjusted_ids = [torch.tensor(list(ids), dtype=torch.long) for ids in adjusted]
         widest = max(count + len(ids) for count, ids in zip(top_counts, adjusted_ids))
-        best_ids = approx.topk(min(widest, vocab), dim=1).indices
+        best_ids = (self._native.top_k(approx, min(widest, vocab)) if self._native is not None
+                    else approx.topk(min(widest, vocab), dim=1).indices)
         best_exact = self._exact(x, torch.arange(rows)[:, None].expand_as(best_ids), best_ids)
         thresholds = torch.empty(rows)
         for row, (count, ids) in enumerate(zip(top_counts, adjusted_ids)):
@@ -237,7 +267,7 @@ class LMHeadScreen:
 
         # Candidates: first against the widest bound any token has, then each its own.
         widest_bound = self._bound(norms, activation_error, self._max_error_norm, self._max_quant_norm)
-        cand_rows, cand_ids = torch.nonzero(approx >= (thresholds - widest_bound)[:, None], as_tuple=True)
+        cand_rows, cand_ids = self._first_candidates(approx, thresholds - widest_bound)
         upper = approx[cand_rows, cand_ids] + self._bound(norms[cand_rows], activation_error[cand_rows],
                                                           self._error_norms[cand_ids], self._quant_norms[cand_ids])
         keep = upper >= thresholds[cand_rows]
@@ -252,6 +282,15 @@ class LMHeadScreen:
         out[all_rows, all_ids] = self._capped(self._exact(x, all_rows, all_ids))
         out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
         return out
+
+    def _first_candidates(self, approx: torch.Tensor, floors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, ids) of the approximate logits at or above their row's floor, row-major."""
+        if self._native is not None:
+            selected = self._native.select_above(approx, floors, FIRST_PASS_CAPACITY)
+            if selected is not None:
+                return selected
+        rows, ids = torch.nonzero(approx >= floors[:, None], as_tuple=True)
+        return rows, ids
 
     def approximate_with_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(approximate logits [B, vocab], a bound on each one's error [B, vocab]): what

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from common.types import SamplingParams
+from services.worker.engine import lm_head_screen
 from services.worker.engine.lm_head_screen import (
     NATIVE_TILE, LMHeadScreen, NativeInt8Matmul, load_native_matmul, screening_available,
 )
@@ -217,3 +218,34 @@ def test_a_wide_hidden_size_keeps_the_integer_sums_exact() -> None:
     approx, bound = screen.approximate_with_bound(x)
     exact = x.double() @ screen.weight.double().T
     assert ((exact - approx.double()).abs() <= bound.double()).all()
+
+
+def test_the_c_kernels_selections_match_torchs() -> None:
+    kernel = load_native_matmul(default_cache_dir())
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(4)
+    values = torch.randn(5, 1000, generator=generator)
+    values[2, 10:20] = 7.0                                    # ties at the top
+    for k in (1, 3, 64, 1000):
+        top = kernel.top_k(values, k)
+        expected = values.topk(k, dim=1).values
+        torch.testing.assert_close(values.gather(1, top).sort(dim=1, descending=True).values, expected)
+        assert all(len(set(row.tolist())) == k for row in top)
+    with pytest.raises(ValueError, match="top_k"):
+        kernel.top_k(values, 1001)
+    floors = torch.tensor([0.5, 2.0, 6.5, -10.0, 9.0])
+    rows, cols = kernel.select_above(values, floors, capacity=5000)
+    expected_rows, expected_cols = torch.nonzero(values >= floors[:, None], as_tuple=True)
+    assert torch.equal(rows, expected_rows) and torch.equal(cols, expected_cols)
+    assert kernel.select_above(values, floors, capacity=100) is None     # row 3 alone has 1000
+
+
+def test_a_crowded_first_pass_falls_back_to_torch(weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = load_native_matmul(default_cache_dir())
+    screen = LMHeadScreen.create(weight, native=kernel)
+    assert screen is not None
+    monkeypatch.setattr(lm_head_screen, "FIRST_PASS_CAPACITY", 1)
+    x = hidden_states(4, seed=8)
+    out = screen.logits(x, [1, 1, 5, 5], [[]] * 4)
+    assert out is not None
+    assert torch.equal(out.argmax(dim=1), (x @ weight.T).argmax(dim=1))

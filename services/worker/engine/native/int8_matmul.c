@@ -101,3 +101,59 @@ int fairserve_int8_matmul(const int8_t *weight, const float *w_scale, const int1
     }
     return 0;
 }
+
+/* The screen's selections over its approximate logits [rows, cols], each one pass:
+ *
+ *   fairserve_row_top_k:    per row, the indices of k largest entries (in no order; ties
+ *                           go to the earlier entry), into top[rows, k];
+ *   fairserve_select_above: every (row, col) with x[row, col] >= threshold[row], in row-major
+ *                           order; returns how many, or -1 past `capacity` (nothing else
+ *                           is then guaranteed about the outputs).
+ */
+void fairserve_row_top_k(const float *x, int64_t rows, int64_t cols, int64_t k, int64_t *top,
+                         int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t row = 0; row < rows; row++) {
+        const float *values = x + row * cols;
+        int64_t *chosen = top + row * k;
+        const int64_t first = k < cols ? k : cols;
+        for (int64_t i = 0; i < first; i++) chosen[i] = i;
+        int64_t weakest = 0;
+        for (int64_t i = 1; i < first; i++)
+            if (values[chosen[i]] < values[chosen[weakest]]) weakest = i;
+        for (int64_t col = first; col < cols; col++) {
+            if (!(values[col] > values[chosen[weakest]])) continue;
+            chosen[weakest] = col;
+            for (int64_t i = 0; i < first; i++)
+                if (values[chosen[i]] < values[chosen[weakest]]) weakest = i;
+        }
+    }
+}
+
+int64_t fairserve_select_above(const float *x, int64_t rows, int64_t cols, const float *thresholds,
+                               int64_t *out_rows, int64_t *out_cols, int64_t capacity) {
+    int64_t count = 0;
+    for (int64_t row = 0; row < rows; row++) {
+        const float *values = x + row * cols;
+        const float threshold = thresholds[row];
+        int64_t col = 0;
+        for (; col < cols; col++) {
+            if ((col & 31) == 0 && col + 32 <= cols) {
+                /* Most blocks of 32 hold nothing to take: skip them on their maximum. */
+                float top = values[col];
+                for (int i = 1; i < 32; i++) top = values[col + i] > top ? values[col + i] : top;
+                if (!(top >= threshold)) {
+                    col += 31;
+                    continue;
+                }
+            }
+            if (values[col] >= threshold) {
+                if (count == capacity) return -1;
+                out_rows[count] = row;
+                out_cols[count] = col;
+                count++;
+            }
+        }
+    }
+    return count;
+}
