@@ -679,7 +679,7 @@ class Engine:
     def _build_screen(self, weight: torch.Tensor) -> None:
         try:
             started = time.perf_counter()
-            native = load_native_matmul(self._kernel_cache_dir)
+            native = load_native_matmul(self._kernel_cache_dir) if self.config.cpu_native_kernels == "auto" else None
             if native is None and not screening_available():
                 return
             self._screen = LMHeadScreen.create(weight, self._softcap, native)

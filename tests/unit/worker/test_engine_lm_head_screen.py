@@ -50,6 +50,12 @@ def test_the_screen_uses_the_c_kernel_where_it_builds() -> None:
     assert engine._screen_max_rows(engine._screen) == engine_module.DEFAULT_SCREEN_MAX_ROWS["native"]
 
 
+@pytest.mark.skipif(not screening_available(), reason="no fbgemm int8 kernel on this CPU")
+def test_with_the_c_kernels_off_the_screen_uses_fbgemm() -> None:
+    engine = make_engine("llama", lm_head_screen="on", cpu_native_kernels="off")
+    assert engine._screen is not None and engine._screen.kernel == "fbgemm"
+
+
 def test_every_sampling_kind_gives_the_tokens_of_the_full_head() -> None:
     prompts = {name: prompt_of(9 + i, salt=i) for i, name in enumerate("abcdef")}
     sampling = {"a": SamplingParams(),
