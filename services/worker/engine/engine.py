@@ -37,7 +37,7 @@ from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler,
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
-from services.worker.engine.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
+from services.worker.engine.native_ops import load_elementwise, load_skinny_linear
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -133,7 +133,8 @@ class Engine:
         self._base = getattr(base, "language_model", base)
         self._lm_head = self.model.get_output_embeddings()
         self._kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
-        native_ops = self._native_elementwise()
+        self._native_kernels = self._native_kernels_enabled()
+        native_ops = load_elementwise(self._kernel_cache_dir) if self._native_kernels else None
         self.fused_norms = fuse_rms_norms(self._base, native_ops)
         self.fused_mlps = fuse_gated_mlps(self._base, native_ops) if native_ops is not None else 0
         self.linear_kernel = self._packed_kernel_plan()
@@ -142,7 +143,7 @@ class Engine:
             if isinstance(self._lm_head, torch.nn.Linear):
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
-        self.native_linears = self._route_few_rows_to_native(native_ops is not None)
+        self.native_linears = self._route_few_rows_to_native() if self._native_kernels else 0
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         self._screen: LMHeadScreen | None = None
         self._screen_ready = threading.Event()
@@ -679,7 +680,7 @@ class Engine:
     def _build_screen(self, weight: torch.Tensor) -> None:
         try:
             started = time.perf_counter()
-            native = load_native_matmul(self._kernel_cache_dir) if self.config.cpu_native_kernels == "auto" else None
+            native = load_native_matmul(self._kernel_cache_dir) if self._native_kernels else None
             if native is None and not screening_available():
                 return
             self._screen = LMHeadScreen.create(weight, self._softcap, native)
@@ -699,25 +700,22 @@ class Engine:
     def lm_head_screened(self) -> bool:
         return self._screen is not None
 
-    def _route_few_rows_to_native(self, enabled: bool) -> int:
+    def _route_few_rows_to_native(self) -> int:
         """Packed linears (layers and LM head) run steps of at most SKINNY_MAX_ROWS rows
-        through the C kernel (CPU float32, CPU_NATIVE_KERNELS=auto); returns how many."""
-        if not enabled:
-            return 0
+        through the C kernel; returns how many."""
         kernel = load_skinny_linear(self._kernel_cache_dir)
         if kernel is None:
             return 0
         linears = [m for m in (*self._base.modules(), self._lm_head) if isinstance(m, PackedLinear)]
         return sum(1 for linear in linears if linear.use_native(kernel, SKINNY_MAX_ROWS))
 
-    def _native_elementwise(self) -> NativeElementwise | None:
-        """The C RMSNorm and gated activation (CPU float32, CPU_NATIVE_KERNELS=auto), or None."""
+    def _native_kernels_enabled(self) -> bool:
+        """Whether the C kernels of CPU_NATIVE_KERNELS (norms, gated activations, few-row
+        linears, the screen's int8 kernel) may serve: `auto` on CPU in float32."""
         if self.config.cpu_native_kernels not in CPU_NATIVE_KERNELS_MODES:
             raise ValueError(f"unknown CPU native kernels mode {self.config.cpu_native_kernels!r}; "
                              f"expected one of {', '.join(CPU_NATIVE_KERNELS_MODES)}")
-        if self.config.cpu_native_kernels == "off" or self.device.type != "cpu" or self.dtype != torch.float32:
-            return None
-        return load_elementwise(self._kernel_cache_dir)
+        return self.config.cpu_native_kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
 
     def _packed_kernel_plan(self) -> KernelPlan | None:
         """Pre-packed weights on CPU (cpu_linear.py: MKL or oneDNN for float32, whichever

@@ -35,7 +35,8 @@ class FusedRMSNorm(torch.nn.Module):
         self.native = native
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None and self.native.accepts(x) and (self.scale is None or self.native.accepts(self.scale)):
+        # `native` is only set for float32 CPU norms (see fused_equivalent), so the scale qualifies too.
+        if self.native is not None and self.native.accepts(x):
             return self.native.rms_norm(x, self.scale, self.eps)
         out = F.rms_norm(x.float(), (x.shape[-1],), self.scale, self.eps)
         return out if out.dtype == x.dtype else out.to(x.dtype)
