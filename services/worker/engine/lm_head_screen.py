@@ -85,6 +85,9 @@ class NativeInt8Matmul:
         self._select = library.fairserve_select_above
         self._select.restype = ctypes.c_int64
         self._select.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        self._gather_dot = library.fairserve_gather_dot
+        self._gather_dot.restype = None
+        self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
 
     def __call__(self, weight: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor,
                  rows: int) -> torch.Tensor:
@@ -117,6 +120,21 @@ class NativeInt8Matmul:
         count = self._select(values.data_ptr(), rows, cols, thresholds.data_ptr(), out_rows.data_ptr(),
                              out_cols.data_ptr(), capacity)
         return None if count < 0 else (out_rows[:count], out_cols[:count])
+
+    def gather_dot(self, weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """[N] float32: weight[ids[i]] . x[rows[i]]; weight [V, H] and x [B, H] contiguous float32."""
+        if not (weight.is_contiguous() and weight.dtype == torch.float32 and x.dtype == torch.float32):
+            raise ValueError("gather_dot needs contiguous float32 weight and activations")
+        x = x.contiguous()
+        rows = rows.reshape(-1).to(torch.long).contiguous()
+        ids = ids.reshape(-1).to(torch.long).contiguous()
+        if rows.shape != ids.shape:
+            raise ValueError(f"gather_dot: {rows.numel()} rows for {ids.numel()} ids")
+        out = torch.empty(ids.numel())
+        self._gather_dot(weight.data_ptr(), x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
+                         ids.numel(), weight.shape[1], torch.get_num_threads())
+        return out
 
 
 def load_native_matmul(cache_dir: Path) -> NativeInt8Matmul | None:
@@ -344,7 +362,11 @@ class LMHeadScreen:
 
     def _exact(self, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Float32 logits of token ids[i] for row rows[i], before any softcap (the bounds
-        and thresholds live there; the cap is monotone, so it keeps their order)."""
+        and thresholds live there; the cap is monotone, so it keeps their order). The C kernel
+        reads each weight row in place; torch's path gathers a [N, hidden] copy first (on a
+        first token after a prompt N can be thousands: 16k candidates took ~100 ms that way)."""
+        if self._native is not None and self.weight.is_contiguous():
+            return self._native.gather_dot(self.weight, x, rows, ids).view(ids.shape)
         return (self.weight[ids.reshape(-1)] * x[rows.reshape(-1)]).sum(dim=-1).view(ids.shape)
 
     def _capped(self, values: torch.Tensor) -> torch.Tensor:

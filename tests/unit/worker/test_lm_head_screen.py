@@ -240,6 +240,21 @@ def test_the_c_kernels_selections_match_torchs() -> None:
     assert kernel.select_above(values, floors, capacity=100) is None     # row 3 alone has 1000
 
 
+@pytest.mark.parametrize("count", [0, 5, 1000])
+def test_the_c_kernels_gather_dot_matches_torch(count: int) -> None:
+    kernel = load_native_matmul(default_cache_dir())
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(count)
+    weight = torch.randn(301, 72, generator=generator)        # 72: past the last 16, a scalar tail
+    x = torch.randn(3, 72, generator=generator)
+    rows = torch.randint(0, 3, (count,), generator=generator)
+    ids = torch.randint(0, 301, (count,), generator=generator)
+    expected = (weight.double()[ids] * x.double()[rows]).sum(dim=-1).float()
+    torch.testing.assert_close(kernel.gather_dot(weight, x, rows, ids), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="rows for"):
+        kernel.gather_dot(weight, x, rows[:-1], torch.zeros(count + 1, dtype=torch.long))
+
+
 def test_a_crowded_first_pass_falls_back_to_torch(weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = load_native_matmul(default_cache_dir())
     screen = LMHeadScreen.create(weight, native=kernel)

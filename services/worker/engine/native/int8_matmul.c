@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "vec8.h"
+
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -199,4 +201,23 @@ int64_t fairserve_select_above(const float *x, int64_t rows, int64_t cols, const
         }
     }
     return count;
+}
+
+/* The screen's exact logits: out[i] = weight[ids[i]] . x[rows[i]] over `hidden` float32
+ * entries, each weight row read once, straight from the head (no gathered copy). */
+void fairserve_gather_dot(const float *weight, const float *x, const int64_t *rows, const int64_t *ids,
+                          float *out, int64_t count, int64_t hidden, int64_t num_threads) {
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count >= 256)
+    for (int64_t i = 0; i < count; i++) {
+        const float *w = weight + ids[i] * hidden, *a = x + rows[i] * hidden;
+        v8 acc0 = (v8){0}, acc1 = acc0;
+        int64_t e = 0;
+        for (; e + 16 <= hidden; e += 16) {
+            acc0 += load8(w + e) * load8(a + e);
+            acc1 += load8(w + e + 8) * load8(a + e + 8);
+        }
+        float total = sum8(acc0 + acc1);
+        for (; e < hidden; e++) total += w[e] * a[e];
+        out[i] = total;
+    }
 }
