@@ -26,6 +26,10 @@
 
 #define TILE 8           /* activation rows per pass */
 #define BLOCK_ROWS 64    /* weight rows per block: re-read from cache by every tile after the first */
+/* Software prefetch distance into the weight stream, in bytes, one prefetch per cache line:
+ * without it the loads waited on the multiply-adds (on a 2-core Xeon the 262k x 640 head at
+ * 8 rows took 14.3 ms without, 10.6 ms with; at 1 row 8.1 and 6.2 ms). */
+#define PREFETCH_AHEAD 8192
 
 static void scalar_row(const int8_t *w, const int16_t *x, int64_t hidden, int64_t from, int live,
                        int32_t *sums) {
@@ -60,7 +64,8 @@ static inline __attribute__((always_inline)) void reduce(const __m256i *acc, con
 #if defined(__AVX512BW__)
 /* 32 weight entries per step in one 512-bit register; with AVX512-VNNI the multiply and the
  * pairwise add into the int32 accumulator are one instruction (vpdpwssd). On a 2-core Xeon
- * the 262k x 640 head at 8 rows took ~7 ms this way against ~15 ms through the AVX2 path. */
+ * the 262k x 640 head at 8 rows took 13.9 ms this way against 15.4 ms through the AVX2 path
+ * (before the prefetch). */
 static inline __m512i madd_acc(__m512i acc, __m512i w, __m512i x) {
 #if defined(__AVX512VNNI__)
     return _mm512_dpwssd_epi32(acc, w, x);
@@ -79,6 +84,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, con
     for (int r = 0; r < live; r++) acc[r] = _mm512_setzero_si512();
     int64_t e = 0;
     for (; e + 32 <= hidden; e += 32) {
+        if ((e & 63) == 0) __builtin_prefetch(w + e + PREFETCH_AHEAD, 0, 3);
         const __m512i wv = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(w + e)));
         for (int r = 0; r < live; r++)
             acc[r] = madd_acc(acc[r], wv, _mm512_loadu_si512((const void *)(x + r * hidden + e)));
@@ -100,6 +106,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, con
     for (int r = 0; r < live; r++) acc[r] = _mm256_setzero_si256();
     int64_t e = 0;
     for (; e + 16 <= hidden; e += 16) {
+        if ((e & 63) == 0) __builtin_prefetch(w + e + PREFETCH_AHEAD, 0, 3);
         const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + e)));
         for (int r = 0; r < live; r++)
             acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));

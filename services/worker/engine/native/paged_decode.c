@@ -25,6 +25,12 @@
 
 #include "vec8.h"
 
+/* Software prefetch: the key row KEYS_AHEAD rows ahead while scoring, the next block's value
+ * rows while one block is weighted. Rows sit wherever their blocks are in the pool, so the
+ * hardware prefetcher loses the stream at every block edge (8 sequences of 300 tokens over 18
+ * layers of the default model's shape: 6.0 ms without, 4.3 ms with, on a 2-core Xeon). */
+#define KEYS_AHEAD 4
+
 typedef struct {
     int64_t lo, hi;     /* context positions [lo, hi) */
 } span_t;
@@ -41,8 +47,10 @@ static void scores4(const float *q, int64_t d, const float *const *keys, int64_t
     const float *q0 = q, *q1 = q + d, *q2 = q + 2 * d, *q3 = q + 3 * d;
     for (int64_t i = 0; i < n; i++) {
         const float *key = keys[i];
+        const float *ahead = i + KEYS_AHEAD < n ? keys[i + KEYS_AHEAD] : NULL;
         v8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t e = 0; e < d; e += 8) {
+            if (ahead != NULL && (e & 15) == 0) __builtin_prefetch(ahead + e, 0, 3);
             const v8 k = load8(key + e);
             a0 += load8(q0 + e) * k;
             a1 += load8(q1 + e) * k;
@@ -83,6 +91,9 @@ static void weighted4(const float *weights, int64_t n, const float *const *value
         for (int64_t e = 0; e < dv; e++) acc[h * stride + e] = 0.0f;
     for (int64_t first = 0; first < n; first += KEY_BLOCK) {
         const int64_t last = first + KEY_BLOCK < n ? first + KEY_BLOCK : n;
+        const int64_t next_last = last + KEY_BLOCK < n ? last + KEY_BLOCK : n;
+        for (int64_t i = last; i < next_last; i++)
+            for (int64_t e = 0; e < dv; e += 16) __builtin_prefetch(values[i] + e, 0, 3);
         for (int64_t e = 0; e < dv; e += 16) {
             const int two = e + 16 <= dv;
             float *c0 = acc + e, *c1 = acc + stride + e, *c2 = acc + 2 * stride + e, *c3 = acc + 3 * stride + e;

@@ -30,6 +30,10 @@
 #define X_TILE 3
 #endif
 #define W_TILE 4
+/* Software prefetch distance, in floats of the weight stream (8 KB): the hardware prefetcher
+ * alone let the multiply-adds and the loads take turns (126 default-model linears at 8 rows:
+ * 23.0 ms without, 18.6 ms with, on a 2-core Xeon; a non-temporal prefetch was slower). */
+#define PREFETCH_AHEAD 2048
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 
@@ -61,6 +65,7 @@ static inline __attribute__((always_inline)) void tile(const float *w, const flo
         vf xv[X_TILE];
         for (int r = 0; r < nx; r++) xv[r] = loadv(x + r * in + k);
         for (int j = 0; j < nw; j++) {
+            __builtin_prefetch(w + j * in + k + PREFETCH_AHEAD, 0, 3);
             const vf u = loadv(w + j * in + k);
             for (int r = 0; r < nx; r++) acc[j][r] += u * xv[r];
         }
