@@ -26,6 +26,7 @@ from common.types import SamplingParams, TokenLogprob, TopLogprob
 
 TOP_P_CANDIDATES = 1024   # top-p alone first looks for its cut among this many tokens
 CDF_BLOCK = 1024
+ARGMAX_BLOCKS = (256, 128, 64, 32)   # block widths row_argmax may split a row into
 
 
 @dataclass
@@ -81,7 +82,7 @@ class Sampler:
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
         if greedy:
-            tokens[greedy] = _rows(logits, greedy).argmax(dim=-1)
+            tokens[greedy] = row_argmax(_rows(logits, greedy))
         random_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
         if random_rows:
             params = [requests[i].params for i in random_rows]
@@ -132,6 +133,21 @@ def tokens_drawn_from(params: SamplingParams) -> int | None:
     if params.is_greedy:
         return 1
     return params.top_k if params.top_k > 0 else None
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(dim=-1), the same indices (the first maximum; a NaN counts as the
+    maximum), from a vectorized amax over blocks of each row and an argmax inside the
+    first block holding the maximum. torch's argmax over a 262k vocabulary is not
+    vectorized on CPU: 8 rows took ~1.8 ms, this ~0.2 ms."""
+    rows, vocab = logits.shape
+    width = next((block for block in ARGMAX_BLOCKS if vocab % block == 0 and vocab > block), None)
+    if width is None or logits.device.type != "cpu" or not logits.is_contiguous():
+        return logits.argmax(dim=-1)
+    blocks = logits.view(rows, vocab // width, width)
+    best_block = blocks.amax(dim=-1).argmax(dim=-1)
+    inside = blocks[torch.arange(rows, device=logits.device), best_block].argmax(dim=-1)
+    return best_block * width + inside
 
 
 def _rows(matrix: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.sampler import SampleRequest, Sampler
+from services.worker.engine.sampler import SampleRequest, Sampler, row_argmax
 
 
 def _request(prompt=(), output=(), num_sampled=0, **params) -> SampleRequest:
@@ -153,3 +154,18 @@ def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     done = SampleRequest(params, [0], [4, 4], num_sampled=2)
     tokens = [t.token_id for t in sampler.sample(logits, [early, done])]
     assert tokens == [3, 1]
+
+
+@pytest.mark.parametrize("vocab", [262144, 1024, 384, 96, 37, 1])
+def test_row_argmax_gives_torchs_indices(vocab: int) -> None:
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=generator)
+    logits[1] = float("-inf")                                   # nothing finite: index 0
+    logits[2, vocab // 3] = logits[2, vocab - 1] = 50.0         # a tie: the first one wins
+    logits[3, vocab // 2] = float("nan")                        # NaN counts as the maximum
+    logits[4] = 1.0                                             # all equal
+    logits[5, -1] = float("inf")
+    assert torch.equal(row_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(row_argmax(logits[:, ::1][[0, 2]]), logits[[0, 2]].argmax(dim=-1))
+    strided = logits.t().contiguous().t()                       # not contiguous: torch's own argmax
+    assert torch.equal(row_argmax(strided), logits.argmax(dim=-1))
