@@ -18,6 +18,7 @@ CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/c
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/lm_head_screen.py
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")      # services/worker/engine/native_decode.py
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")                     # services/worker/engine/native_ops.py
+DIRECT_FORWARD_MODES = ("auto", "off")                         # services/worker/engine/direct_forward.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -56,6 +57,7 @@ class WorkerSettings:
     attention_backend: str
     decode_attention: str
     cpu_native_kernels: str
+    direct_forward: str
     cpu_linear_kernel: str
     lm_head_screen: str
     lm_head_screen_max_rows: int
@@ -97,6 +99,7 @@ class WorkerSettings:
             attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
             decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
             cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
+            direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
             cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
             lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
             lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),

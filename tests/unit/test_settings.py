@@ -55,6 +55,7 @@ def test_worker_cuda_graph_settings() -> None:
     ("ATTENTION_BACKEND", "attention_backend", "auto", "sdpa", "xformers"),
     ("CPU_LINEAR_KERNEL", "cpu_linear_kernel", "auto", "onednn", "openblas"),
     ("CPU_NATIVE_KERNELS", "cpu_native_kernels", "auto", "off", "on"),
+    ("DIRECT_FORWARD", "direct_forward", "auto", "off", "on"),
     ("DECODE_ATTENTION", "decode_attention", "auto", "sdpa", "paged"),
 ])
 def test_worker_kernel_choice_settings(variable: str, field: str, default: str, other: str, bad: str) -> None:

@@ -26,6 +26,7 @@ from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCac
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu_linear import KernelPlan, PackedLinear, pack_linears, resolve_kernel_plan
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
+from services.worker.engine.direct_forward import DirectForward
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.fused_mlp import fuse_gated_mlps
@@ -37,7 +38,7 @@ from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler,
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
-from services.worker.engine.native_ops import load_elementwise, load_skinny_linear
+from services.worker.engine.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -98,6 +99,7 @@ class _LogitsRows:
 MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")
+DIRECT_FORWARD_MODES = ("auto", "off")
 # Rows per step up to which linear layers use the C kernel: past 8 the packed BLAS kernels
 # were faster on the AMD EPYC (the C kernel holds up to 8 rows in registers per weight pass).
 SKINNY_MAX_ROWS = 8
@@ -144,6 +146,7 @@ class Engine:
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
         self.native_linears = self._route_few_rows_to_native() if self._native_kernels else 0
+        self._direct = self._direct_forward(native_ops)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         self._screen: LMHeadScreen | None = None
         self._screen_ready = threading.Event()
@@ -528,6 +531,8 @@ class Engine:
 
     def _hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
         """The base model's last hidden states of the packed rows, [T, hidden]."""
+        if self._direct is not None:
+            return self._direct(input_ids, positions, meta)
         return self._base(input_ids=input_ids[None], position_ids=positions[None],
                           attention_mask=self._mask_by_type, use_cache=False,
                           paged_metadata=meta).last_hidden_state[0]
@@ -708,6 +713,23 @@ class Engine:
             return 0
         linears = [m for m in (*self._base.modules(), self._lm_head) if isinstance(m, PackedLinear)]
         return sum(1 for linear in linears if linear.use_native(kernel, SKINNY_MAX_ROWS))
+
+    def _direct_forward(self, native_ops: NativeElementwise | None) -> DirectForward | None:
+        """The base model's forward without transformers' module dispatch (direct_forward.py):
+        `auto` on CPU for the layer classes it writes out; None keeps transformers' forward."""
+        if self.config.direct_forward not in DIRECT_FORWARD_MODES:
+            raise ValueError(f"unknown direct forward mode {self.config.direct_forward!r}; "
+                             f"expected one of {', '.join(DIRECT_FORWARD_MODES)}")
+        if self.config.direct_forward == "off" or self.device.type != "cpu":
+            return None
+        return DirectForward.create(self._base, native_ops)
+
+    @property
+    def direct_forward(self) -> str:
+        """What runs the base model: direct (native RoPE), direct, or transformers."""
+        if self._direct is None:
+            return "transformers"
+        return "direct (native RoPE)" if self._direct.native_rope else "direct"
 
     def _native_kernels_enabled(self) -> bool:
         """Whether the C kernels of CPU_NATIVE_KERNELS (norms, gated activations, few-row

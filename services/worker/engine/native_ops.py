@@ -1,5 +1,6 @@
-"""ctypes bindings of `native/elementwise.c`: a fused RMSNorm and a fused gated activation
-(GELU-tanh or SiLU of the gate times the up projection), CPU float32, one pass each."""
+"""ctypes bindings of `native/elementwise.c`: a fused RMSNorm, a fused gated activation
+(GELU-tanh or SiLU of the gate times the up projection) and the rotary embedding of a
+step's query and key heads, CPU float32, one pass each."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ class NativeElementwise:
         self._act_mul.restype = None
         self._act_mul.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                                   + [ctypes.c_int64] * 4)
+        self._rope = library.fairserve_rope
+        self._rope.restype = None
+        self._rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                               + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3)
 
     @staticmethod
     def accepts(*tensors: torch.Tensor) -> bool:
@@ -48,6 +53,18 @@ class NativeElementwise:
         self._act_mul(gate2.data_ptr(), gate2.stride(0), up2.data_ptr(), up2.stride(0), out.data_ptr(),
                       gate2.shape[0], dim, ACTIVATIONS[activation], torch.get_num_threads())
         return out
+
+
+    def rope(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """query [T, H, d] and key [T, KVH, d] (contiguous float32) rotated in place by
+        cos and sin [T, d]: x * cos + rotate_half(x) * sin, as transformers' RoPE."""
+        rows, dim = cos.shape[-2], cos.shape[-1]
+        cos, sin = cos.reshape(rows, dim).contiguous(), sin.reshape(rows, dim).contiguous()
+        if (query.shape[0] != rows or key.shape[0] != rows or query.shape[-1] != dim or key.shape[-1] != dim
+                or dim % 2 or not (query.is_contiguous() and key.is_contiguous())):
+            raise ValueError(f"rope: query {tuple(query.shape)}, key {tuple(key.shape)}, cos {tuple(cos.shape)}")
+        self._rope(query.data_ptr(), query.shape[1], key.data_ptr(), key.shape[1], cos.data_ptr(), sin.data_ptr(),
+                   rows, dim, torch.get_num_threads())
 
 
 def load_elementwise(cache_dir: Path) -> NativeElementwise | None:

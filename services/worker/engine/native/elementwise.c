@@ -2,6 +2,7 @@
  *
  *   fairserve_rms_norm:      out = (x * rsqrt(mean(x^2) + eps)) * scale   (per row)
  *   fairserve_act_mul:       out = act(gate) * up, act = GELU (tanh form) or SiLU
+ *   fairserve_rope:          rotary embedding of the query and key heads, in place
  *
  * transformers spells these out as 5-10 separate tensor ops, each a full pass over
  * memory with its own dispatch (the norm ~100 us per call on a 512 x 640 prefill chunk,
@@ -82,6 +83,34 @@ void fairserve_act_mul(const float *gate, int64_t gate_stride, const float *up, 
             const v8 x = load8(tail_g);
             store8(tail_o, (kind == 0 ? gelu_tanh8(x) : silu8(x)) * load8(tail_u));
             for (int64_t i = e; i < dim; i++) o[i] = tail_o[i - e];
+        }
+    }
+}
+
+/* x = x * cos + rotate_half(x) * sin over each head of every row, in place, where
+ * rotate_half(x) = (-x[half:], x[:half]): transformers' `apply_rotary_pos_emb` for the
+ * query (q_heads heads) and key (k_heads heads) rows of a step at once. Layouts (all
+ * contiguous): q [rows, q_heads, dim], k [rows, k_heads, dim], cos and sin [rows, dim];
+ * dim is even. */
+void fairserve_rope(float *q, int64_t q_heads, float *k, int64_t k_heads, const float *cos, const float *sin,
+                    int64_t rows, int64_t dim, int64_t num_threads) {
+    const int64_t heads = q_heads + k_heads, half = dim / 2;
+    const int64_t threads = rows * heads * dim >= MIN_PARALLEL_ELEMENTS ? num_threads : 1;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1)
+    for (int64_t item = 0; item < rows * heads; item++) {
+        const int64_t row = item / heads, head = item % heads;
+        float *x = head < q_heads ? q + (row * q_heads + head) * dim : k + (row * k_heads + head - q_heads) * dim;
+        const float *c = cos + row * dim, *s = sin + row * dim;
+        int64_t e = 0;
+        for (; e + 8 <= half; e += 8) {
+            const v8 a = load8(x + e), b = load8(x + half + e);
+            store8(x + e, a * load8(c + e) - b * load8(s + e));
+            store8(x + half + e, b * load8(c + half + e) + a * load8(s + half + e));
+        }
+        for (; e < half; e++) {
+            const float a = x[e], b = x[half + e];
+            x[e] = a * c[e] - b * s[e];
+            x[half + e] = b * c[half + e] + a * s[half + e];
         }
     }
 }

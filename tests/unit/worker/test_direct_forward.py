@@ -1,0 +1,79 @@
+"""The base model's forward written out (direct_forward.py) against transformers' own:
+bitwise the same logits with transformers' RoPE, within float32 rounding with the C one,
+the same greedy tokens as `generate` either way, on every layer family it covers; any
+other model keeps transformers' forward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.engine.direct_forward import DirectForward, _native_rope_agrees
+from services.worker.engine.native_build import default_cache_dir
+from services.worker.engine.native_ops import load_elementwise
+from tests.unit.worker.engine_helpers import (
+    Driver,
+    assert_greedy_matches,
+    prompt_of,
+    recording_engine,
+    reference_model,
+)
+
+PROMPTS = {"short": prompt_of(3, 1), "mid": prompt_of(9, 2), "long": prompt_of(30, 3), "odd": prompt_of(17, 4)}
+CHUNKS = {"short": 64, "mid": 4, "long": 7, "odd": 5}      # prefill chunks beside decodes
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama", "qwen3", "qwen2_sliding"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def _rows(kind: str, **config) -> tuple[str, list[torch.Tensor], dict[str, list[int]]]:
+    engine, recorder = recording_engine(kind, **config)
+    tokens = Driver(engine).run(PROMPTS, 8, CHUNKS)
+    return engine.direct_forward, [logits for logits, _ in recorder.rows], tokens
+
+
+def test_without_the_c_ops_the_logits_are_transformers_bitwise(kind: str) -> None:
+    mode, direct, direct_tokens = _rows(kind, cpu_native_kernels="off")
+    plain_mode, plain, plain_tokens = _rows(kind, cpu_native_kernels="off", direct_forward="off")
+    assert (mode, plain_mode) == ("direct", "transformers")
+    assert direct_tokens == plain_tokens
+    assert len(direct) == len(plain) == 32
+    assert all(torch.equal(a, b) for a, b in zip(direct, plain))
+
+
+def test_with_the_c_rope_the_tokens_are_generates(kind: str) -> None:
+    mode, direct, tokens = _rows(kind)
+    _, plain, plain_tokens = _rows(kind, direct_forward="off")
+    assert mode == "direct (native RoPE)"
+    assert tokens == plain_tokens
+    assert_greedy_matches(reference_model(kind), PROMPTS, tokens, 8)
+    for a, b in zip(direct, plain):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("other", ["gemma4"])
+def test_other_layer_classes_keep_transformers_forward(other: str) -> None:
+    engine, _ = recording_engine(other)
+    assert engine.direct_forward == "transformers"
+    assert DirectForward.create(engine._base) is None
+
+
+def test_the_c_rope_matches_transformers() -> None:
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    native = load_elementwise(default_cache_dir())
+    assert native is not None, "the C ops did not build (is there a C compiler?)"
+    assert _native_rope_agrees(native, apply_rotary_pos_emb, 256)
+    assert _native_rope_agrees(native, apply_rotary_pos_emb, 18)      # a head size not a multiple of 16
+    assert not _native_rope_agrees(native, apply_rotary_pos_emb, 7)    # odd: no halves to rotate
+    wrong = lambda q, k, cos, sin: (q * cos, k * cos)                 # noqa: E731 - not a RoPE
+    assert not _native_rope_agrees(native, wrong, 16)
+    with pytest.raises(ValueError, match="rope"):
+        native.rope(torch.zeros(2, 4, 8), torch.zeros(3, 1, 8), torch.zeros(2, 8), torch.zeros(2, 8))
+
+
+def test_an_unknown_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="direct forward"):
+        recording_engine("llama", direct_forward="on")
