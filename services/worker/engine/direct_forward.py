@@ -47,6 +47,47 @@ class LayerShape:
     rotary_per_type: bool    # one rotary embedding per layer type (Gemma 3's local and global bases)
 
 
+Forward = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class _LayerSteps:
+    """One decoder layer's submodules as bound `forward`s, looked up once (a module
+    attribute read goes through `Module.__getattr__`: ~500 of them a step otherwise)."""
+    attention: torch.nn.Module
+    head_dim: int
+    scaling: float
+    window: int | None
+    input_norm: Forward
+    q_proj: Forward
+    k_proj: Forward
+    v_proj: Forward
+    o_proj: Forward
+    q_norm: Forward | None
+    k_norm: Forward | None
+    post_attention_norm: Forward | None
+    pre_mlp_norm: Forward
+    mlp: Forward
+    post_mlp_norm: Forward | None
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module, shape: LayerShape) -> _LayerSteps:
+        attn = layer.self_attn
+        sandwich = shape.sandwich_norms
+        return cls(
+            attention=attn, head_dim=attn.head_dim, scaling=attn.scaling,
+            window=getattr(attn, "sliding_window", None),
+            input_norm=layer.input_layernorm.forward,
+            q_proj=attn.q_proj.forward, k_proj=attn.k_proj.forward, v_proj=attn.v_proj.forward,
+            o_proj=attn.o_proj.forward,
+            q_norm=attn.q_norm.forward if shape.qk_norms else None,
+            k_norm=attn.k_norm.forward if shape.qk_norms else None,
+            post_attention_norm=layer.post_attention_layernorm.forward if sandwich else None,
+            pre_mlp_norm=(layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm).forward,
+            mlp=layer.mlp.forward,
+            post_mlp_norm=layer.post_feedforward_layernorm.forward if sandwich else None)
+
+
 LAYERS = {
     "Gemma3DecoderLayer": LayerShape("Gemma3Attention", qk_norms=True, sandwich_norms=True, rotary_per_type=True),
     "LlamaDecoderLayer": LayerShape("LlamaAttention", qk_norms=False, sandwich_norms=False, rotary_per_type=False),
@@ -67,8 +108,7 @@ class DirectForward:
         types = getattr(config, "layer_types", None)
         self._layer_types: list[str | None] = (list(types) if shape.rotary_per_type
                                                else [None] * len(self._layers))
-        self._heads = [(layer.self_attn.head_dim, layer.self_attn.scaling,
-                        getattr(layer.self_attn, "sliding_window", None)) for layer in self._layers]
+        self._steps = [_LayerSteps.of(layer, shape) for layer in self._layers]
 
     @property
     def native_rope(self) -> bool:
@@ -107,47 +147,45 @@ class DirectForward:
             rotary = {kind: base.rotary_emb(hidden, position_ids, kind) for kind in set(self._layer_types)}
         else:
             rotary = {None: base.rotary_emb(hidden, position_ids)}
-        for index, layer in enumerate(self._layers):
-            hidden = self._layer(index, layer, hidden, rotary[self._layer_types[index]], meta)
+        for steps, layer_type in zip(self._steps, self._layer_types):
+            hidden = self._layer(steps, hidden, rotary[layer_type], meta)
         return base.norm(hidden)[0]
 
-    def _layer(self, index: int, layer: torch.nn.Module, hidden: torch.Tensor,
-               rotary: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
+    def _layer(self, steps: _LayerSteps, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+               meta: StepMetadata) -> torch.Tensor:
         """The decoder layer's forward: pre-norm attention and MLP, each added to the
         residual (Gemma: each output normed once more before the add)."""
-        sandwich = self._shape.sandwich_norms
         residual = hidden
-        hidden = self._attention(index, layer.self_attn, layer.input_layernorm.forward(hidden), rotary, meta)
-        if sandwich:
-            hidden = layer.post_attention_layernorm.forward(hidden)
+        hidden = self._attention(steps, steps.input_norm(hidden), rotary, meta)
+        if steps.post_attention_norm is not None:
+            hidden = steps.post_attention_norm(hidden)
         hidden = residual + hidden
         residual = hidden
-        norm = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
-        hidden = layer.mlp.forward(norm.forward(hidden))
-        if sandwich:
-            hidden = layer.post_feedforward_layernorm.forward(hidden)
+        hidden = steps.mlp(steps.pre_mlp_norm(hidden))
+        if steps.post_mlp_norm is not None:
+            hidden = steps.post_mlp_norm(hidden)
         return residual + hidden
 
-    def _attention(self, index: int, attn: torch.nn.Module, x: torch.Tensor,
-                   rotary: tuple[torch.Tensor, torch.Tensor], meta: StepMetadata) -> torch.Tensor:
+    def _attention(self, steps: _LayerSteps, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                   meta: StepMetadata) -> torch.Tensor:
         """The attention module's forward for the packed [1, T, hidden] rows."""
-        head_dim, scaling, window = self._heads[index]
-        shape = (*x.shape[:-1], -1, head_dim)
-        query = attn.q_proj.forward(x).view(shape)        # [1, T, heads, head_dim]
-        key = attn.k_proj.forward(x).view(shape)
-        value = attn.v_proj.forward(x).view(shape)
-        if self._shape.qk_norms:
-            query = attn.q_norm.forward(query)
-            key = attn.k_norm.forward(key)
+        shape = (*x.shape[:-1], -1, steps.head_dim)
+        query = steps.q_proj(x).view(shape)        # [1, T, heads, head_dim]
+        key = steps.k_proj(x).view(shape)
+        value = steps.v_proj(x).view(shape)
+        if steps.q_norm is not None and steps.k_norm is not None:
+            query = steps.q_norm(query)
+            key = steps.k_norm(key)
         cos, sin = rotary
         if self._native is not None and query.is_contiguous() and key.is_contiguous():
             self._native.rope(query[0], key[0], cos, sin)
             query, key = query.transpose(1, 2), key.transpose(1, 2)
         else:
             query, key = self._rope(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
-        out, _ = paged_attention_forward(attn, query, key, value.transpose(1, 2), None, scaling=scaling,
-                                         dropout=0.0, sliding_window=window, paged_metadata=meta)
-        return attn.o_proj.forward(out.reshape(*x.shape[:-1], -1))
+        out, _ = paged_attention_forward(steps.attention, query, key, value.transpose(1, 2), None,
+                                         scaling=steps.scaling, dropout=0.0, sliding_window=steps.window,
+                                         paged_metadata=meta)
+        return steps.o_proj(out.reshape(*x.shape[:-1], -1))
 
 
 def _native_rope_agrees(native: NativeElementwise, rope: Rope, head_dim: int) -> bool:
