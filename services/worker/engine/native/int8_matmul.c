@@ -59,6 +59,19 @@ static inline __attribute__((always_inline)) void reduce(const __m256i *acc, con
     }
 }
 
+/* acc[r] += the products of weight entries [e, e + 16k) with row r's, 16 entries a step
+ * from `e` on while 16 are left (AVX2's vpmaddwd); returns where it stopped. */
+static inline __attribute__((always_inline)) int64_t madd16(const int8_t *w, const int16_t *x, int64_t hidden,
+                                                            const int live, int64_t e, __m256i *acc) {
+    for (; e + 16 <= hidden; e += 16) {
+        if ((e & 63) == 0) __builtin_prefetch(w + e + PREFETCH_AHEAD, 0, 3);
+        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + e)));
+        for (int r = 0; r < live; r++)
+            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));
+    }
+    return e;
+}
+
 /* Sums of `live` (1, 2, 4 or 8) activation rows against one weight row; with `live`
  * a constant at each call site, the accumulators stay in registers. */
 #if defined(__AVX512BW__)
@@ -91,11 +104,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, con
     }
     __m256i half[TILE];
     for (int r = 0; r < live; r++) half[r] = fold(acc[r]);
-    for (; e + 16 <= hidden; e += 16) {
-        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + e)));
-        for (int r = 0; r < live; r++)
-            half[r] = _mm256_add_epi32(half[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));
-    }
+    e = madd16(w, x, hidden, live, e, half);
     reduce(half, live, sums);
     if (e < hidden) scalar_row(w, x, hidden, e, live, sums);
 }
@@ -104,13 +113,7 @@ static inline __attribute__((always_inline)) void tile_rows(const int8_t *w, con
                                                             const int live, int32_t *sums) {
     __m256i acc[TILE];
     for (int r = 0; r < live; r++) acc[r] = _mm256_setzero_si256();
-    int64_t e = 0;
-    for (; e + 16 <= hidden; e += 16) {
-        if ((e & 63) == 0) __builtin_prefetch(w + e + PREFETCH_AHEAD, 0, 3);
-        const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(w + e)));
-        for (int r = 0; r < live; r++)
-            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(wv, _mm256_loadu_si256((const __m256i *)(x + r * hidden + e))));
-    }
+    const int64_t e = madd16(w, x, hidden, live, 0, acc);
     reduce(acc, live, sums);
     if (e < hidden) scalar_row(w, x, hidden, e, live, sums);
 }
