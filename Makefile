@@ -43,7 +43,7 @@ integration: install
 	$(PY) -m pytest -q tests/integration
 
 bench-engine: install prepare-model
-	$(PY) -m benchmarks.engine_bench
+	$(PY) -m benchmarks.engine_bench --rounds 3
 
 # Simulated users against a running gateway (`make run` in another shell):
 #   make loadsim ARGS="--users 16 --duration 120"   or   ARGS="--rates 0.5,1,2 --requests 40"

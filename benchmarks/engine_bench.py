@@ -8,6 +8,11 @@ and end-to-end output tokens/s for N concurrent prompts driven the way the
 scheduler drives a worker (decodes first, then prefill chunks under a token
 budget), and in the same run transformers' sequential `generate` and its
 continuous batching (`generate_batch`). Prints a markdown table.
+
+With `--rounds N` the end-to-end runs and the transformers baselines are measured
+N times, alternating (engine, generate, generate_batch, then again, each round on
+prompts of its own), and the table shows the medians: a machine whose speed drifts
+over minutes then moves both sides of a ratio alike.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import math
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -50,7 +55,8 @@ QUICK = BenchSizes(prompt_len=32, new_tokens=8, concurrency=(2, 4), decode_batch
 def make_prompts(count: int, length: int, vocab_size: int, seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     # Ordinary vocabulary ids (well past the special tokens), distinct per prompt.
-    body = torch.randint(1000, min(vocab_size, 200_000), (count, length - 1), generator=generator)
+    low = min(1000, vocab_size // 2)      # a tiny test vocabulary has no id 1000
+    body = torch.randint(low, min(vocab_size, 200_000), (count, length - 1), generator=generator)
     return [[BOS] + row for row in body.tolist()]
 
 
@@ -180,6 +186,45 @@ def generate_batch_tokens_per_s(model, prompts: list[list[int]], new_tokens: int
     return produced / seconds
 
 
+# ---- rounds -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Round:
+    engine: dict[int, float]                # concurrency -> end-to-end output tokens/s
+    generate_decode: float | None = None
+    generate: float | None = None
+    generate_batch: dict[int, float | None] = field(default_factory=dict)
+
+
+def _round(runner: EngineRunner, reference, sizes: BenchSizes, fresh: Callable[[int, int], list[list[int]]],
+           index: int) -> Round:
+    """One round: the engine's end-to-end runs, then transformers' on the same prompts
+    (prompts of this round's own, so nothing an earlier round computed is cached)."""
+    prompts = {n: fresh(n, 100 + n + 1000 * index) for n in sizes.concurrency}
+    result = Round(engine={n: runner.end_to_end_tokens_per_s(prompts[n], sizes.new_tokens)
+                           for n in sizes.concurrency})
+    result.generate_batch = dict.fromkeys(sizes.concurrency)
+    if reference is None:
+        return result
+    result.generate_decode = generate_decode_tokens_per_s(reference, fresh(1, 11 + 1000 * index)[0],
+                                                          sizes.decode_steps)
+    result.generate = generate_tokens_per_s(reference, prompts[min(sizes.concurrency)][:sizes.generate_prompts],
+                                            sizes.new_tokens)
+    for n in sizes.concurrency:
+        result.generate_batch[n] = generate_batch_tokens_per_s(reference, prompts[n], sizes.new_tokens,
+                                                               sizes.token_budget)
+    return result
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = sorted(value for value in values if value is not None)
+    if not present:
+        return None
+    middle = len(present) // 2
+    return present[middle] if len(present) % 2 else (present[middle - 1] + present[middle]) / 2
+
+
 # ---- report -----------------------------------------------------------------------------------
 
 
@@ -201,6 +246,19 @@ def render(rows: list[tuple[str, float | None, float | None, float | None]], hea
     return "\n".join(lines)
 
 
+def render_rounds(rounds: list[Round], concurrency: tuple[int, ...]) -> str:
+    """Each round's end-to-end rates and ratios, in the order they ran."""
+    header = "| round | " + " | ".join(f"{n} concurrent: engine / generate / generate_batch, ratios"
+                                        for n in concurrency) + " |"
+    lines = ["Per round:", "", header, "|---|" + "---:|" * len(concurrency)]
+    for index, result in enumerate(rounds, 1):
+        cells = [f"{_fmt(result.engine[n])} / {_fmt(result.generate)} / {_fmt(result.generate_batch[n])}, "
+                 f"{_ratio(result.engine[n], result.generate)} / {_ratio(result.engine[n], result.generate_batch[n])}"
+                 for n in concurrency]
+        lines.append(f"| {index} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script, not the speed")
@@ -213,9 +271,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engine's packed CPU kernel (CPU_LINEAR_KERNEL)")
     parser.add_argument("--lm-head-screen", default="auto", choices=("auto", "on", "off"),
                         help="the engine's int8 LM head screen for greedy rows (LM_HEAD_SCREEN)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="end-to-end and transformers measurements, alternating; the table shows medians")
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="n-gram draft tokens each engine decode may verify (SPECULATIVE_TOKENS)")
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     logging.basicConfig(level=logging.WARNING)
     sizes = QUICK if args.quick else FULL
     model_dir = args.model_dir or str(default_model_dir(default_cache_dir()))
@@ -243,41 +305,39 @@ def main(argv: list[str] | None = None) -> None:
                  runner.prefill_tokens_per_s(fresh(sizes.prefill_prompts, 1)), None, None))
     decode_rates = {batch: runner.decode_tokens_per_s(fresh(batch, 10 + batch), sizes.decode_steps)
                     for batch in sizes.decode_batches}
-    e2e_prompts = {n: fresh(n, 100 + n) for n in sizes.concurrency}
-    hits_before = engine.pool_stats().prefix_hit_tokens
-    e2e = {n: runner.end_to_end_tokens_per_s(e2e_prompts[n], sizes.new_tokens) for n in sizes.concurrency}
-    e2e_hit_tokens = engine.pool_stats().prefix_hit_tokens - hits_before
-    linear_kernel = engine.linear_kernel.kernel if engine.linear_kernel is not None else "plain"
-    screened = "on" if engine.lm_head_screened else "off"
-    del runner, engine
-
-    generate_decode = generate_rate = None
-    batch_rates: dict[int, float | None] = dict.fromkeys(sizes.concurrency)
+    reference = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
         reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
-        generate_decode = generate_decode_tokens_per_s(reference, fresh(1, 11)[0], sizes.decode_steps)
-        generate_rate = generate_tokens_per_s(reference, e2e_prompts[min(sizes.concurrency)][:sizes.generate_prompts],
-                                              sizes.new_tokens)
-        for n in sizes.concurrency:
-            batch_rates[n] = generate_batch_tokens_per_s(reference, e2e_prompts[n], sizes.new_tokens,
-                                                         sizes.token_budget)
+    hits_before = engine.pool_stats().prefix_hit_tokens
+    rounds = [_round(runner, reference, sizes, fresh, index) for index in range(args.rounds)]
+    e2e_hit_tokens = engine.pool_stats().prefix_hit_tokens - hits_before
+    linear_kernel = engine.linear_kernel.kernel if engine.linear_kernel is not None else "plain"
+    screened = "on" if engine.lm_head_screened else "off"
+    forward = engine.direct_forward
 
+    generate_decode = _median([r.generate_decode for r in rounds])
+    generate_rate = _median([r.generate for r in rounds])
     for batch, rate in decode_rates.items():
         rows.append((f"decode tokens/s, batch {batch}", rate, generate_decode if batch == 1 else None, None))
-    for n, rate in e2e.items():
+    for n in sizes.concurrency:
         rows.append((f"end-to-end output tokens/s, {n} concurrent × {sizes.prompt_len}-token prompts, "
-                     f"{sizes.new_tokens} new", rate, generate_rate, batch_rates[n]))
+                     f"{sizes.new_tokens} new", _median([r.engine[n] for r in rounds]), generate_rate,
+                     _median([r.generate_batch[n] for r in rounds])))
 
     header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
               f"{cpu_name()}, {os.cpu_count()} CPUs, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-              f"engine linear kernel {linear_kernel}, LM head screen {screened}, "
+              f"engine linear kernel {linear_kernel}, LM head screen {screened}, forward {forward}, "
               f"speculative tokens {args.speculative_tokens}. "
               f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
+              f"End-to-end rows: median of {args.rounds} round(s), engine and transformers alternating. "
               f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
     print(render(rows, header))
+    if args.rounds > 1 and reference is not None:
+        print()
+        print(render_rounds(rounds, sizes.concurrency))
 
 
 if __name__ == "__main__":
