@@ -172,8 +172,11 @@ def generate_batch_tokens_per_s(model, prompts: list[list[int]], new_tokens: int
 
     page = 256
     pages_per_request = math.ceil((len(prompts[0]) + new_tokens) / page)
+    # The cache is sized by num_blocks; the memory share only caps it, and transformers takes it of
+    # the NUMA node's memory less this process's (the engine's included), which on a small VM can
+    # fall below what it needs at its CPU default of 0.6.
     cb_config = ContinuousBatchingConfig(num_blocks=pages_per_request * len(prompts) + 4,
-                                         max_batch_tokens=token_budget)
+                                         max_batch_tokens=token_budget, max_memory_percent=0.9)
     gen_config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
                                   eos_token_id=model.generation_config.eos_token_id,
                                   pad_token_id=model.generation_config.pad_token_id)
