@@ -103,12 +103,10 @@ class DirectForward:
         self._shape = shape
         self._rope = rope
         self._native = native
-        config = base.config
-        self._layers = list(base.layers[:config.num_hidden_layers])
-        types = getattr(config, "layer_types", None)
-        self._layer_types: list[str | None] = (list(types) if shape.rotary_per_type
-                                               else [None] * len(self._layers))
-        self._steps = [_LayerSteps.of(layer, shape) for layer in self._layers]
+        layers = list(base.layers[:base.config.num_hidden_layers])
+        types = getattr(base.config, "layer_types", None)
+        self._layer_types: list[str | None] = list(types) if shape.rotary_per_type else [None] * len(layers)
+        self._steps = [_LayerSteps.of(layer, shape) for layer in layers]
 
     @property
     def native_rope(self) -> bool:
