@@ -1,0 +1,166 @@
+"""The engine's CPU kernels on their own, at the default model's shapes (no checkpoint needed).
+
+    python -m benchmarks.kernel_bench            # ~1 min
+    python -m benchmarks.kernel_bench --quick    # small sizes: checks the script
+
+Times, best of several calls each, alternating the two sides of every row:
+  * the 126 linear layers of Gemma 3 270M (18 layers x q, k, v, o, gate, up, down) at a few
+    rows: the C few-row kernel against oneDNN's packed weights;
+  * the LM head screen's int8 kernel over a 262k x 640 head;
+  * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
+  * the sampler's greedy argmax against torch's.
+Prints a markdown table. Weights are random: the kernels' speed does not depend on them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.machine import cpu_name
+from services.worker.engine.lm_head_screen import NATIVE_TILE, load_native_matmul
+from services.worker.engine.native_build import default_cache_dir
+from services.worker.engine.native_decode import load_decode_kernel
+from services.worker.engine.native_ops import load_skinny_linear
+from services.worker.engine.sampler import row_argmax
+
+
+@dataclass(frozen=True)
+class Shapes:
+    hidden: int
+    heads: int
+    head_dim: int
+    intermediate: int
+    layers: int
+    vocab: int
+    context: int
+    repeats: int
+
+
+FULL = Shapes(hidden=640, heads=4, head_dim=256, intermediate=2048, layers=18, vocab=262144, context=300, repeats=7)
+QUICK = Shapes(hidden=64, heads=4, head_dim=16, intermediate=128, layers=2, vocab=4096, context=40, repeats=2)
+BLOCK_SIZE = 16
+
+
+def best_of(repeats: int, *functions: Callable[[], object]) -> list[float]:
+    """Best seconds of each function over `repeats` rounds, the functions alternating."""
+    best = [float("inf")] * len(functions)
+    for function in functions:
+        function()          # warm-up
+    for _ in range(repeats):
+        for index, function in enumerate(functions):
+            started = time.perf_counter()
+            function()
+            best[index] = min(best[index], time.perf_counter() - started)
+    return best
+
+
+def linear_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
+    kernel = load_skinny_linear(default_cache_dir())
+    if kernel is None:
+        return []
+    h, q, kv, i = shapes.hidden, shapes.heads * shapes.head_dim, shapes.head_dim, shapes.intermediate
+    per_layer = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
+    weights = [torch.randn(out, inp) * 0.02 for out, inp in per_layer * shapes.layers]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    results = []
+    for rows in row_counts:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        native = lambda: [kernel(inputs[w.shape[1]], w, None) for w in weights]  # noqa: E731
+        onednn = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa: E731
+                          for w, p in zip(weights, packed)]
+        ours, theirs = best_of(shapes.repeats, native, onednn)
+        results.append((f"{len(weights)} linears, {rows} rows: C kernel vs oneDNN packed", ours, theirs))
+    return results
+
+
+def screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float | None]]:
+    kernel = load_native_matmul(default_cache_dir())
+    if kernel is None:
+        return []
+    weight = torch.randint(-127, 128, (shapes.vocab, shapes.hidden), dtype=torch.int8)
+    scales = torch.rand(shapes.vocab)
+    results: list[tuple[str, float, float | None]] = []
+    for rows in row_counts:
+        padded = -(-rows // NATIVE_TILE) * NATIVE_TILE
+        x = torch.zeros(padded, shapes.hidden, dtype=torch.int16)
+        x[:rows] = torch.randint(-16383, 16384, (rows, shapes.hidden), dtype=torch.int16)
+        x_scale = torch.rand(padded)
+        (seconds,) = best_of(shapes.repeats, lambda: kernel(weight, scales, x, x_scale, rows))
+        results.append((f"LM head screen int8 kernel, {shapes.vocab} x {shapes.hidden}, {rows} rows", seconds, None))
+    return results
+
+
+def attention_rows(shapes: Shapes, seq_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
+    kernel = load_decode_kernel("auto", torch.device("cpu"), torch.float32, BLOCK_SIZE, default_cache_dir())
+    if kernel is None:
+        return []
+    blocks_per_seq = -(-shapes.context // BLOCK_SIZE)
+    pool_blocks = max(seq_counts) * blocks_per_seq + 8
+    caches = [(torch.randn(pool_blocks * BLOCK_SIZE, 1, shapes.head_dim),
+               torch.randn(pool_blocks * BLOCK_SIZE, 1, shapes.head_dim)) for _ in range(shapes.layers)]
+    results = []
+    for seqs in seq_counts:
+        tables = torch.randperm(pool_blocks)[:seqs * blocks_per_seq].view(seqs, blocks_per_seq).contiguous()
+        ctx = torch.full((seqs,), shapes.context, dtype=torch.int64)
+        query = torch.randn(seqs, shapes.heads, shapes.head_dim)
+        out = torch.empty_like(query)
+        positions = torch.arange(shapes.context)
+        slots = tables[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE   # [seqs, context]
+        scale = shapes.head_dim ** -0.5
+
+        def native() -> None:
+            for k_cache, v_cache in caches:
+                kernel(query, k_cache, v_cache, tables, ctx, BLOCK_SIZE, shapes.context, None, scale, out)
+
+        def gathered() -> None:
+            for k_cache, v_cache in caches:
+                k = k_cache.view(k_cache.shape[0], -1).index_select(0, slots.reshape(-1))
+                v = v_cache.view(v_cache.shape[0], -1).index_select(0, slots.reshape(-1))
+                k = k.view(seqs, 1, shapes.context, shapes.head_dim)
+                v = v.view(seqs, 1, shapes.context, shapes.head_dim)
+                F.scaled_dot_product_attention(query.view(seqs, 1, shapes.heads, shapes.head_dim), k, v, scale=scale)
+
+        ours, theirs = best_of(shapes.repeats, native, gathered)
+        results.append((f"decode attention, {shapes.layers} layers, {seqs} x {shapes.context} tokens: "
+                        f"C kernel vs gather + SDPA", ours, theirs))
+    return results
+
+
+def argmax_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
+    results = []
+    for rows in row_counts:
+        logits = torch.randn(rows, shapes.vocab)
+        ours, theirs = best_of(shapes.repeats * 4, lambda: row_argmax(logits), lambda: logits.argmax(dim=-1))
+        results.append((f"greedy argmax, {rows} x {shapes.vocab}: row_argmax vs torch", ours, theirs))
+    return results
+
+
+def render(rows: list[tuple[str, float, float | None]], header: str) -> str:
+    lines = [header, "", "| kernel | ours (ms) | reference (ms) | reference / ours |", "|---|---:|---:|---:|"]
+    for name, ours, theirs in rows:
+        reference = "—" if theirs is None else f"{theirs * 1000:.2f}"
+        ratio = "—" if theirs is None else f"{theirs / ours:.2f}×"
+        lines.append(f"| {name} | {ours * 1000:.2f} | {reference} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes: checks the script, not the speed")
+    args = parser.parse_args(argv)
+    shapes = QUICK if args.quick else FULL
+    rows = (linear_rows(shapes, (1, 8, 16)) + screen_rows(shapes, (1, 8, 32))
+            + attention_rows(shapes, (1, 8)) + argmax_rows(shapes, (1, 8)))
+    header = (f"Kernel benchmark ({'quick' if args.quick else 'full'}): {cpu_name()}, "
+              f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, random weights.")
+    print(render(rows, header))
+
+
+if __name__ == "__main__":
+    main()
