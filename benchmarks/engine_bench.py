@@ -21,6 +21,7 @@ import argparse
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -206,8 +207,8 @@ def _round(runner: EngineRunner, reference, sizes: BenchSizes, fresh: Callable[[
     (prompts of this round's own, so nothing an earlier round computed is cached)."""
     prompts = {n: fresh(n, 100 + n + 1000 * index) for n in sizes.concurrency}
     result = Round(engine={n: runner.end_to_end_tokens_per_s(prompts[n], sizes.new_tokens)
-                           for n in sizes.concurrency})
-    result.generate_batch = dict.fromkeys(sizes.concurrency)
+                           for n in sizes.concurrency},
+                   generate_batch=dict.fromkeys(sizes.concurrency))
     if reference is None:
         return result
     result.generate_decode = generate_decode_tokens_per_s(reference, fresh(1, 11 + 1000 * index)[0],
@@ -221,11 +222,8 @@ def _round(runner: EngineRunner, reference, sizes: BenchSizes, fresh: Callable[[
 
 
 def _median(values: list[float | None]) -> float | None:
-    present = sorted(value for value in values if value is not None)
-    if not present:
-        return None
-    middle = len(present) // 2
-    return present[middle] if len(present) % 2 else (present[middle - 1] + present[middle]) / 2
+    present = [value for value in values if value is not None]
+    return statistics.median(present) if present else None
 
 
 # ---- report -----------------------------------------------------------------------------------

@@ -111,13 +111,17 @@ DEFAULT_SCREEN_MAX_ROWS = {"native": 32, "fbgemm": 8}
 log = logging.getLogger(__name__)
 
 
+def _require_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raises ValueError naming `what` when `value` is not one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")
+
+
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
                  graph_capture: GraphCapture | None = None) -> None:
         self.config = config
-        if config.eviction_policy not in EVICTION_POLICIES:
-            raise ValueError(f"unknown eviction policy {config.eviction_policy!r}; "
-                             f"expected one of {', '.join(EVICTION_POLICIES)}")
+        _require_choice("eviction policy", config.eviction_policy, EVICTION_POLICIES)
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self.device = resolve_device(config.device)
@@ -665,8 +669,7 @@ class Engine:
         vocabularies in the background (`auto`: packing the int8 head takes seconds;
         steps use the full head until it is ready)."""
         mode = self.config.lm_head_screen
-        if mode not in LM_HEAD_SCREEN_MODES:
-            raise ValueError(f"unknown LM head screen mode {mode!r}; expected one of {', '.join(LM_HEAD_SCREEN_MODES)}")
+        _require_choice("LM head screen mode", mode, LM_HEAD_SCREEN_MODES)
         if self.config.lm_head_screen_max_rows < 0:
             raise ValueError("lm_head_screen_max_rows must be >= 0 (0: by the screen's kernel)")
         head = self.model.get_output_embeddings()
@@ -717,9 +720,7 @@ class Engine:
     def _direct_forward(self, native_ops: NativeElementwise | None) -> DirectForward | None:
         """The base model's forward without transformers' module dispatch (direct_forward.py):
         `auto` on CPU for the layer classes it writes out; None keeps transformers' forward."""
-        if self.config.direct_forward not in DIRECT_FORWARD_MODES:
-            raise ValueError(f"unknown direct forward mode {self.config.direct_forward!r}; "
-                             f"expected one of {', '.join(DIRECT_FORWARD_MODES)}")
+        _require_choice("direct forward mode", self.config.direct_forward, DIRECT_FORWARD_MODES)
         if self.config.direct_forward == "off" or self.device.type != "cpu":
             return None
         return DirectForward.create(self._base, native_ops)
@@ -734,9 +735,7 @@ class Engine:
     def _native_kernels_enabled(self) -> bool:
         """Whether the C kernels of CPU_NATIVE_KERNELS (norms, gated activations, few-row
         linears, the screen's int8 kernel) may serve: `auto` on CPU in float32."""
-        if self.config.cpu_native_kernels not in CPU_NATIVE_KERNELS_MODES:
-            raise ValueError(f"unknown CPU native kernels mode {self.config.cpu_native_kernels!r}; "
-                             f"expected one of {', '.join(CPU_NATIVE_KERNELS_MODES)}")
+        _require_choice("CPU native kernels mode", self.config.cpu_native_kernels, CPU_NATIVE_KERNELS_MODES)
         return self.config.cpu_native_kernels == "auto" and self.device.type == "cpu" and self.dtype == torch.float32
 
     def _packed_kernel_plan(self) -> KernelPlan | None:

@@ -54,7 +54,6 @@ class NativeElementwise:
                       gate2.shape[0], dim, ACTIVATIONS[activation], torch.get_num_threads())
         return out
 
-
     def rope(self, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """query [T, H, d] and key [T, KVH, d] (contiguous float32) rotated in place by
         cos and sin [T, d]: x * cos + rotate_half(x) * sin, as transformers' RoPE."""
