@@ -40,6 +40,7 @@ def engine_config(settings: WorkerSettings, model_dir: Path) -> EngineConfig:
         attention_backend=settings.attention_backend, decode_attention=settings.decode_attention,
         cpu_linear_kernel=settings.cpu_linear_kernel, cpu_native_kernels=settings.cpu_native_kernels,
         direct_forward=settings.direct_forward,
+        cpu_weight_codes=settings.cpu_weight_codes,
         lm_head_screen=settings.lm_head_screen, lm_head_screen_max_rows=settings.lm_head_screen_max_rows,
         ngram_min=settings.speculative_ngram_min, ngram_max=settings.speculative_ngram_max,
     )
@@ -53,6 +54,7 @@ async def serve(settings: WorkerSettings) -> None:
                      "prefill_attention": engine.attention_kernel, "decode_attention": engine.decode_attention}
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
                                     "decode_graphs": engine.graphs is not None, "native_linears": engine.native_linears,
+                                    "coded_linears": engine.coded_linears,
                                     "fused_mlps": engine.fused_mlps, "forward": engine.direct_forward,
                                     **engine_labels})
     registry = CollectorRegistry()

@@ -19,6 +19,7 @@ LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")      # services/worker/engine/native_decode.py
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")                     # services/worker/engine/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                         # services/worker/engine/direct_forward.py
+CPU_WEIGHT_CODES_MODES = ("auto", "off")                       # services/worker/engine/weight_codes.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -58,6 +59,7 @@ class WorkerSettings:
     decode_attention: str
     cpu_native_kernels: str
     direct_forward: str
+    cpu_weight_codes: str
     cpu_linear_kernel: str
     lm_head_screen: str
     lm_head_screen_max_rows: int
@@ -100,6 +102,7 @@ class WorkerSettings:
             decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
             cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
             direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
+            cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
             cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
             lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
             lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),

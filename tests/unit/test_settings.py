@@ -56,6 +56,7 @@ def test_worker_cuda_graph_settings() -> None:
     ("CPU_LINEAR_KERNEL", "cpu_linear_kernel", "auto", "onednn", "openblas"),
     ("CPU_NATIVE_KERNELS", "cpu_native_kernels", "auto", "off", "on"),
     ("DIRECT_FORWARD", "direct_forward", "auto", "off", "on"),
+    ("CPU_WEIGHT_CODES", "cpu_weight_codes", "auto", "off", "on"),
     ("DECODE_ATTENTION", "decode_attention", "auto", "sdpa", "paged"),
 ])
 def test_worker_kernel_choice_settings(variable: str, field: str, default: str, other: str, bad: str) -> None:

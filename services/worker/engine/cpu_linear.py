@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.native_ops import NativeSkinnyLinear
+from services.worker.engine.weight_codes import CodedWeight, NativeCodedLinear
 
 log = logging.getLogger(__name__)
 
@@ -179,6 +180,9 @@ class PackedLinear(torch.nn.Module):
         self.bias = linear.bias
         self.native: NativeSkinnyLinear | None = None    # the C kernel for the fewest rows, if routed
         self.native_max_rows = 0
+        self.coded: CodedWeight | None = None        # the weight as exact 8-bit codes, if it is one
+        self.coded_kernel: NativeCodedLinear | None = None
+        self.coded_max_rows = 0
         with torch.no_grad():
             weight = self.weight.detach()
             packed = (torch.ops.mkl._mkl_reorder_linear_weight(weight, PACK_ROWS_HINT) if kernel == "mkl"
@@ -194,8 +198,22 @@ class PackedLinear(torch.nn.Module):
         self.native, self.native_max_rows = kernel, max_rows
         return True
 
+    def use_codes(self, kernel: NativeCodedLinear, max_rows: int) -> bool:
+        """Routes steps of at most `max_rows` rows to the coded kernel when the weight is
+        exact 8-bit codes (weight_codes.py); the float32 weight stays for larger steps."""
+        if self.bias is not None and (self.bias.dtype != torch.float32 or not self.bias.is_contiguous()):
+            return False
+        coded = kernel.find(self.weight)
+        if coded is None:
+            return False
+        self.coded, self.coded_kernel, self.coded_max_rows = coded, kernel, max_rows
+        return True
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.coded is not None and rows.shape[0] <= self.coded_max_rows and x.dtype == torch.float32:
+            out = self.coded_kernel(rows.contiguous(), self.coded, self.bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if self.native is not None and rows.shape[0] <= self.native_max_rows and x.dtype == torch.float32:
             out = self.native(rows.contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)

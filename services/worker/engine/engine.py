@@ -21,6 +21,7 @@ from common.block_hash import ROOT_HASH, block_hash
 from services.kvcache.prompt_hash import partial_block_hash
 from services.worker.engine import decode_graphs
 from services.worker.engine import types as t
+from services.worker.engine import weight_codes
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
@@ -39,6 +40,7 @@ from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
 from services.worker.engine.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
+from services.worker.engine.weight_codes import load_coded_linear
 from services.worker.engine.varlen_attention import load_varlen_kernel
 
 
@@ -100,6 +102,7 @@ MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail d
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")
 DIRECT_FORWARD_MODES = ("auto", "off")
+CPU_WEIGHT_CODES_MODES = ("auto", "off")
 # Rows per step up to which linear layers use the C kernel: past 8 the packed BLAS kernels
 # were faster on the AMD EPYC (the C kernel holds up to 8 rows in registers per weight pass).
 SKINNY_MAX_ROWS = 8
@@ -150,6 +153,7 @@ class Engine:
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
         self.native_linears = self._route_few_rows_to_native() if self._native_kernels else 0
+        self.coded_linears = self._route_few_rows_to_codes()
         self._direct = self._direct_forward(native_ops)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
         self._screen: LMHeadScreen | None = None
@@ -716,6 +720,24 @@ class Engine:
             return 0
         linears = [m for m in (*self._base.modules(), self._lm_head) if isinstance(m, PackedLinear)]
         return sum(1 for linear in linears if linear.use_native(kernel, SKINNY_MAX_ROWS))
+
+    def _route_few_rows_to_codes(self) -> int:
+        """Packed linears whose float32 weights are exact 8-bit codes (weight_codes.py) run
+        steps of at most weight_codes.MAX_ROWS rows through the coded kernel; returns how many."""
+        _require_choice("CPU weight codes mode", self.config.cpu_weight_codes, CPU_WEIGHT_CODES_MODES)
+        if self.config.cpu_weight_codes == "off" or not self._native_kernels:
+            return 0
+        kernel = load_coded_linear(self._kernel_cache_dir)
+        if kernel is None:
+            return 0
+        started = time.perf_counter()
+        linears = [m for m in (*self._base.modules(), self._lm_head) if isinstance(m, PackedLinear)]
+        coded = [linear for linear in linears if linear.use_codes(kernel, weight_codes.MAX_ROWS)]
+        if coded:
+            log.info("%d of %d linears kept as exact 8-bit weight codes (%.0f MB) in %.1f s", len(coded),
+                     len(linears), sum(linear.coded.nbytes for linear in coded) / 1e6,
+                     time.perf_counter() - started)
+        return len(coded)
 
     def _direct_forward(self, native_ops: NativeElementwise | None) -> DirectForward | None:
         """The base model's forward without transformers' module dispatch (direct_forward.py):

@@ -30,6 +30,8 @@ def test_real_model_greedy_matches_generate(lm_head_screen: str) -> None:
     prompts = {key: tokenizer(text).input_ids for key, text in PROMPTS.items()}
     engine = Engine(EngineConfig(model_dir=str(model_dir), num_blocks=256, model_key="gemma-3-270m",
                                  lm_head_screen=lm_head_screen))
+    # Every projection and the LM head of the dequantized Q4_K_M checkpoint are exact codes.
+    assert engine.coded_linears == 7 * engine.model_config.num_hidden_layers + 1
     driver = Driver(engine)
     # The code prompt prefills in chunks while the others already decode.
     got = driver.run(prompts, NEW_TOKENS, chunk={"code": 3})

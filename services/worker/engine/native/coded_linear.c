@@ -1,0 +1,238 @@
+/* Linear layers over weights that are exact 8-bit codes, for few rows (decode steps), CPU.
+ *
+ * Weights dequantized from a quantized checkpoint (GGUF's Q4_K, Q5_0, Q6_K, Q8_0 ...) hold,
+ * in float32, only a few distinct values per block of the input dimension: within each
+ * group of G consecutive entries of a weight row,
+ *
+ *   weight[n, k] == scale[n, g] * code[n, k] + offset[n, g]     exactly, code in 0..255,
+ *
+ * whether that expression is rounded once (a fused multiply-add) or twice. Such a matrix
+ * is kept as its codes (1 byte an entry) and two floats a group, about a third of the
+ * float32 bytes, and every step expands the codes back into the same float32 weights in
+ * registers: the products and sums are the float32 linear's, in the order of the few-row
+ * float32 kernel (skinny_linear.c), on a third of the memory traffic that bounds decode.
+ *
+ * fairserve_codes_find checks a float32 matrix and writes its codes; it reports a matrix
+ * that does not fit (any group with more than 256 levels, levels not on one grid, values
+ * that the expression does not give back bit for bit), so the caller keeps the float32
+ * weight for it. fairserve_coded_linear is the linear:
+ *
+ *   out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n])
+ *
+ * Layouts (all contiguous): weight [out, in] float; for fairserve_codes_find codes [out, in]
+ * uint8, scales and offsets [out, in / G] float; for the linear the same in panels (below);
+ * x [rows, in], bias [out] or NULL, out [rows, out]. in is a multiple of G, and G of 16.
+ */
+
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "vec8.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define PANEL 32          /* output rows a vector group holds */
+#if defined(__AVX512F__)
+#define LANES 16
+#define X_TILE 8          /* activation rows a pass: 8 x 2 accumulators of AVX-512's 32 registers */
+#else
+#define LANES 8
+#define X_TILE 2          /* 2 x 4 accumulators of AVX2's 16 */
+#endif
+#define VECTORS (PANEL / LANES)
+#define MAX_CODE 255
+/* Prefetch distance into the code stream, in bytes (as skinny_linear.c's 8 KB of floats). */
+#define PREFETCH_AHEAD 2048
+
+typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
+
+/* ---- finding the codes -------------------------------------------------------------- */
+
+/* The largest float that both nonnegative x and y are integer multiples of (Euclid with the
+ * exact fmodf), or 0 once it falls below `floor` (the group then needs too many levels). */
+static float grid_gcd(float x, float y, float floor) {
+    if (x < y) {
+        const float t = x;
+        x = y;
+        y = t;
+    }
+    while (y > 0.0f) {
+        if (y < floor) return 0.0f;
+        const float r = fmodf(x, y);
+        x = y;
+        y = r;
+    }
+    return x;
+}
+
+/* Whether scale * code + offset gives `value` back whether rounded once or twice. */
+static int exact(float scale, float code, float offset, float value) {
+    volatile float product = scale * code;     /* kept apart: the twice-rounded form */
+    return fmaf(scale, code, offset) == value && product + offset == value;
+}
+
+/* One group of `group` entries: its codes, scale and offset; 0 if it does not fit. */
+static int find_group(const float *w, int64_t group, uint8_t *codes, float *scale, float *offset) {
+    float lo = w[0], hi = w[0];
+    for (int64_t k = 1; k < group; k++) {
+        lo = w[k] < lo ? w[k] : lo;
+        hi = w[k] > hi ? w[k] : hi;
+    }
+    if (!isfinite(lo) || !isfinite(hi)) return 0;
+    const float floor = (hi - lo) / (float)MAX_CODE * (1.0f - 1e-6f);
+    float grid = 0.0f;
+    for (int64_t k = 0; k < group; k++) {
+        const float step = w[k] - lo;
+        if (step <= 0.0f || (grid > 0.0f && rintf(step / grid) * grid == step)) continue;  /* on the grid */
+        grid = grid == 0.0f ? step : grid_gcd(grid, step, floor);
+        if (grid == 0.0f) return 0;
+    }
+    if (grid == 0.0f) grid = 1.0f;       /* a constant group: every code 0 */
+    for (int64_t k = 0; k < group; k++) {
+        const float code = rintf((w[k] - lo) / grid);
+        if (!(code >= 0.0f && code <= (float)MAX_CODE) || !exact(grid, code, lo, w[k])) return 0;
+        codes[k] = (uint8_t)code;
+    }
+    *scale = grid;
+    *offset = lo;
+    return 1;
+}
+
+/* Codes of weight [rows, in] in groups of `group`; returns 0 when every group fits, else 1
+ * (the outputs are then partial and unused). */
+int fairserve_codes_find(const float *weight, int64_t rows, int64_t in, int64_t group, uint8_t *codes,
+                         float *scales, float *offsets, int64_t num_threads) {
+    if (group <= 0 || group % LANES || in % group) return 1;
+    const int64_t groups_per_row = in / group;
+    const int64_t groups = rows * groups_per_row;
+    int failed = 0;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t g = 0; g < groups; g++) {
+        int stop;
+#pragma omp atomic read
+        stop = failed;
+        if (stop) continue;
+        const int64_t row = g / groups_per_row, start = row * in + (g % groups_per_row) * group;
+        if (!find_group(weight + start, group, codes + start, scales + g, offsets + g)) {
+#pragma omp atomic write
+            failed = 1;
+        }
+    }
+    return failed;
+}
+
+/* weight [rows, in] back from its codes (tests; the linear expands them in registers). */
+void fairserve_codes_expand(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                            float *weight, int64_t rows, int64_t in) {
+    for (int64_t i = 0; i < rows * in; i++) {
+        const int64_t g = i / group;
+        weight[i] = fmaf(scales[g], (float)codes[i], offsets[g]);
+    }
+}
+
+/* ---- the linear ------------------------------------------------------------------------ */
+
+/* The codes are kept in panels of PANEL output rows: codes [out / PANEL][in][PANEL], scales
+ * and offsets [out / PANEL][in / G][PANEL]. A vector then holds one input entry's weights
+ * for LANES output rows, so each activation entry is broadcast and multiplied into whole
+ * vectors of outputs: no horizontal sums, and each code expanded once for every activation
+ * row of a pass. Each output is one chain of multiply-adds over k in order. */
+
+static inline vf splat(float value) { return (vf){0} + value; }
+
+static inline vf loadv(const float *p) {
+    vf v;
+    __builtin_memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void storev(float *p, vf v) { __builtin_memcpy(p, &v, sizeof v); }
+
+/* LANES codes as floats (a widening load and a conversion). */
+static inline vf code_floats(const uint8_t *codes) {
+#if LANES == 16
+    return (vf)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)codes)));
+#elif defined(__AVX2__)
+    return (vf)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)codes)));
+#else
+    vf v;
+    for (int i = 0; i < LANES; i++) v[i] = (float)codes[i];
+    return v;
+#endif
+}
+
+/* LANES weights from their codes: scale * code + offset (one multiply-add a vector). */
+static inline vf expand(const uint8_t *codes, vf scale, vf offset) {
+    return code_floats(codes) * scale + offset;
+}
+
+/* out[r, 0 .. PANEL) = activation row r (r < nx) times one panel; nx is a constant at every
+ * call site, so the nx * VECTORS accumulators stay in registers. */
+static inline __attribute__((always_inline)) void tile(const uint8_t *c, const float *scales, const float *offsets,
+                                                       int64_t group, const float *x, int64_t in, const int nx,
+                                                       const float *bias, float *out, int64_t out_stride,
+                                                       int valid) {
+    vf acc[X_TILE][VECTORS];
+    for (int r = 0; r < nx; r++)
+        for (int v = 0; v < VECTORS; v++) acc[r][v] = (vf){0};
+    for (int64_t g = 0; g < in / group; g++) {
+        vf scale[VECTORS], offset[VECTORS];
+        for (int v = 0; v < VECTORS; v++) {
+            scale[v] = loadv(scales + g * PANEL + v * LANES);
+            offset[v] = loadv(offsets + g * PANEL + v * LANES);
+        }
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            const uint8_t *codes = c + k * PANEL;
+            if ((k & 1) == 0) __builtin_prefetch(codes + PREFETCH_AHEAD, 0, 3);
+            vf w[VECTORS];
+            for (int v = 0; v < VECTORS; v++) w[v] = expand(codes + v * LANES, scale[v], offset[v]);
+            for (int r = 0; r < nx; r++) {
+                const vf xr = splat(x[r * in + k]);
+                for (int v = 0; v < VECTORS; v++) acc[r][v] += w[v] * xr;
+            }
+        }
+    }
+    for (int r = 0; r < nx; r++) {
+        float row[PANEL];
+        float *to = valid == PANEL ? out + r * out_stride : row;
+        for (int v = 0; v < VECTORS; v++) storev(to + v * LANES, acc[r][v]);
+        for (int n = 0; n < valid; n++) out[r * out_stride + n] = to[n] + (bias != NULL ? bias[n] : 0.0f);
+    }
+}
+
+#define TILE_CASE(NX) \
+    case NX: if ((NX) <= X_TILE) tile(c, scales, offsets, group, x, in, NX, bias, out, out_stride, valid); break;
+
+static void dispatch(const uint8_t *c, const float *scales, const float *offsets, int64_t group, const float *x,
+                     int64_t in, int nx, const float *bias, float *out, int64_t out_stride, int valid) {
+    switch (nx) {
+        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
+        default: break;
+    }
+}
+
+/* out = x @ weight.T (+ bias) from the panelled codes (the last panel padded with zero rows
+ * when out_features is not a multiple of PANEL); returns nonzero on shapes it does not take
+ * (in not a multiple of group, group not of LANES). */
+int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *scales, const float *offsets,
+                           int64_t group, const float *bias, float *out, int64_t rows, int64_t in,
+                           int64_t out_features, int64_t num_threads) {
+    if (group <= 0 || group % LANES || in % group) return 1;
+    const int64_t panels = (out_features + PANEL - 1) / PANEL, groups_per_row = in / group;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *c = codes + p * in * PANEL;
+        const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
+        const float *b = bias != NULL ? bias + p * PANEL : NULL;
+        const int valid = out_features - p * PANEL < PANEL ? (int)(out_features - p * PANEL) : PANEL;
+        for (int64_t m0 = 0; m0 < rows; m0 += X_TILE) {
+            const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
+            dispatch(c, s, o, group, x + m0 * in, in, nx, b, out + m0 * out_features + p * PANEL, out_features,
+                     valid);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,127 @@
+"""Float32 weights kept as exact 8-bit codes for few-row (decode) linears on CPU.
+
+A checkpoint that was quantized (the default model is GGUF Q4_K_M: Q4_K, Q5_0, Q6_K and
+Q8_0 blocks) and dequantized to float32 holds, in every block of 16 or 32 input entries of
+a weight row, at most 256 values on one grid: `weight == scale * code + offset` exactly,
+with `code` in 0..255 and one scale and offset per block. `find` checks that bit for bit
+(native/coded_linear.c) and keeps such a matrix as its codes: a byte per entry and two
+floats per block, about a third of the float32 bytes. The decode linear expands the codes
+back into the same float32 weights in registers, so its products are the float32 linear's
+and only the memory traffic, which bounds few-row linears, shrinks. A matrix with any
+block off the grid (random or trained float32 weights) is left as it is.
+
+Prefill chunks keep the float32 weight and the packed BLAS kernels: with hundreds of rows a
+linear is bound by multiply-adds, not by reading the weight.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.native_build import load_binding
+
+GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
+PANEL = 32               # output rows per panel of the kernel's layout
+# Rows up to which the coded kernel serves: on a 2-core Xeon the default model's 126 linears
+# took 7.6 ms at 1 row, 14.2 at 8 and 28.9 at 16 (float32 few-row kernel: 18.7, 27.2, 41.0;
+# oneDNN's packed sgemm at 16 rows: 33.6).
+MAX_ROWS = 16
+
+
+@dataclass(frozen=True)
+class CodedWeight:
+    """A [out, in] float32 weight as codes, in the kernel's panels of PANEL output rows (the
+    last one padded with zero rows): codes [ceil(out / PANEL), in, PANEL] uint8, scales and
+    offsets [ceil(out / PANEL), in / group, PANEL] float32."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+
+def _panels(rows_major: torch.Tensor) -> torch.Tensor:
+    """[out, n] -> [ceil(out / PANEL), n, PANEL], the last panel padded with zero rows."""
+    out, n = rows_major.shape
+    count = -(-out // PANEL)
+    padded = torch.zeros(count * PANEL, n, dtype=rows_major.dtype)
+    padded[:out] = rows_major
+    return padded.view(count, PANEL, n).transpose(1, 2).contiguous()
+
+
+def _rows_major(panels: torch.Tensor, out: int) -> torch.Tensor:
+    count, n, _ = panels.shape
+    return panels.transpose(1, 2).reshape(count * PANEL, n)[:out]
+
+
+class NativeCodedLinear:
+    """ctypes bindings of native/coded_linear.c."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._find = library.fairserve_codes_find
+        self._find.restype = ctypes.c_int
+        self._find.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        self._expand = library.fairserve_codes_expand
+        self._expand.restype = None
+        self._expand.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
+        self._linear = library.fairserve_coded_linear
+        self._linear.restype = ctypes.c_int
+        self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+                                 + [ctypes.c_int64] * 4)
+
+    def find(self, weight: torch.Tensor) -> CodedWeight | None:
+        """The codes of a float32 CPU [out, in] weight, or None when it does not fit them
+        exactly (or its shape does not fit the kernel's panels)."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return None
+        weight = weight.detach().contiguous()
+        out_features, in_features = weight.shape
+        for group in GROUPS:
+            if in_features % group:
+                continue
+            codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+            scales = torch.empty(out_features, in_features // group)
+            offsets = torch.empty_like(scales)
+            failed = self._find(weight.data_ptr(), out_features, in_features, group, codes.data_ptr(),
+                                scales.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
+            if not failed:
+                return CodedWeight(_panels(codes), _panels(scales), _panels(offsets), group, out_features,
+                                   in_features)
+        return None
+
+    def expand(self, coded: CodedWeight) -> torch.Tensor:
+        """The float32 weight the codes stand for ([out, in]; tests)."""
+        out = coded.out_features
+        codes = _rows_major(coded.codes, out).contiguous()
+        scales, offsets = _rows_major(coded.scales, out).contiguous(), _rows_major(coded.offsets, out).contiguous()
+        weight = torch.empty(coded.out_features, coded.in_features)
+        self._expand(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), coded.group, weight.data_ptr(),
+                     coded.out_features, coded.in_features)
+        return weight
+
+    def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, in] (float32, contiguous) @ weight.T (+ bias) -> [M, out]."""
+        if rows.shape[-1] != coded.in_features:
+            raise ValueError(f"rows of {rows.shape[-1]} entries for a weight of {coded.in_features} inputs")
+        out = torch.empty(rows.shape[0], coded.out_features)
+        status = self._linear(rows.data_ptr(), coded.codes.data_ptr(), coded.scales.data_ptr(),
+                              coded.offsets.data_ptr(), coded.group, bias.data_ptr() if bias is not None else None,
+                              out.data_ptr(), rows.shape[0], coded.in_features, coded.out_features,
+                              torch.get_num_threads())
+        if status:
+            raise ValueError(f"coded linear: shapes it does not take ({coded.out_features} x {coded.in_features}, "
+                             f"group {coded.group})")
+        return out
+
+
+def load_coded_linear(cache_dir: Path) -> NativeCodedLinear | None:
+    return load_binding(NativeCodedLinear, "coded_linear", cache_dir, "float32 weights serve")
