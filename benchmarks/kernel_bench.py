@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.machine import cpu_name
-from services.worker.engine.lm_head_screen import NATIVE_TILE, load_native_matmul
+from services.worker.engine.lm_head_screen import load_native_matmul
 from services.worker.engine.native_build import default_cache_dir
 from services.worker.engine.native_decode import load_decode_kernel
 from services.worker.engine.native_ops import load_skinny_linear
@@ -83,15 +83,13 @@ def screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
     kernel = load_native_matmul(default_cache_dir())
     if kernel is None:
         return []
-    weight = torch.randint(-127, 128, (shapes.vocab, shapes.hidden), dtype=torch.int8)
-    scales = torch.rand(shapes.vocab)
+    weight = kernel.pack(torch.randint(-127, 128, (shapes.vocab, shapes.hidden), dtype=torch.int8),
+                         torch.rand(shapes.vocab))
     results: list[tuple[str, float, float | None]] = []
     for rows in row_counts:
-        padded = -(-rows // NATIVE_TILE) * NATIVE_TILE
-        x = torch.zeros(padded, shapes.hidden, dtype=torch.int16)
-        x[:rows] = torch.randint(-16383, 16384, (rows, shapes.hidden), dtype=torch.int16)
-        x_scale = torch.rand(padded)
-        (seconds,) = best_of(shapes.repeats, lambda: kernel(weight, scales, x, x_scale, rows))
+        x = torch.randint(-16383, 16384, (rows, shapes.hidden), dtype=torch.int16)
+        x_scale = torch.rand(rows)
+        (seconds,) = best_of(shapes.repeats, lambda: kernel(weight, x, x_scale))
         results.append((f"LM head screen int8 kernel, {shapes.vocab} x {shapes.hidden}, {rows} rows", seconds, None))
     return results
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import warnings
+from dataclasses import dataclass
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,7 +60,8 @@ OP_SLACK = 1e-5
 NORM_MARGIN = 1e-3
 CHECK_ROWS = 4096           # vocabulary rows the check at create compares
 INT16_GRID = 16383          # native kernel: activation rows are integers in [-INT16_GRID, INT16_GRID]
-NATIVE_TILE = 8             # the native kernel takes activation rows in tiles of 8
+NATIVE_TILE = 8             # activation rows the native kernel's widest tile holds
+PANEL = 32                  # vocabulary rows per panel of the native kernel's weight layout
 INT32_MAX = 2 ** 31 - 1
 # Candidates the C kernel's first pass (against the widest bound) collects before torch's
 # nonzero takes over; most are dropped by their own bounds right after.
@@ -71,13 +73,23 @@ def screening_available() -> bool:
     return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
+@dataclass(frozen=True)
+class Int8Panels:
+    """An int8 head in the C kernel's layout: panels [ceil(V / PANEL), ceil(H / 2), PANEL, 2]
+    and scales [ceil(V / PANEL) * PANEL], zero past the vocabulary."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    vocab: int
+    hidden: int
+
+
 class NativeInt8Matmul:
     """ctypes binding of fairserve_int8_matmul (native/int8_matmul.c)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.fairserve_int8_matmul
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
+        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
         self._function = function
         self._top_k = library.fairserve_row_top_k
         self._top_k.restype = None
@@ -89,16 +101,34 @@ class NativeInt8Matmul:
         self._gather_dot.restype = None
         self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
 
-    def __call__(self, weight: torch.Tensor, w_scale: torch.Tensor, x: torch.Tensor, x_scale: torch.Tensor,
-                 rows: int) -> torch.Tensor:
-        """weight [V, H] int8, w_scale [V], x [R, H] int16 (R a multiple of 8, zero past `rows`),
-        x_scale [R] -> [rows, V] float32 = (x @ weight.T) * x_scale[:, None] * w_scale."""
+    @staticmethod
+    def pack(weight: torch.Tensor, w_scale: torch.Tensor) -> Int8Panels:
+        """weight [V, H] int8 and w_scale [V] in the kernel's layout (native/int8_matmul.c):
+        panels of PANEL rows, each entry pair of a row together, zero padding past V and H."""
         vocab, hidden = weight.shape
-        out = torch.empty(rows, vocab)
-        failed = self._function(weight.data_ptr(), w_scale.data_ptr(), x.data_ptr(), x_scale.data_ptr(),
-                                out.data_ptr(), vocab, hidden, rows, x.shape[0], torch.get_num_threads())
+        count, pairs = -(-vocab // PANEL), -(-hidden // 2)
+        padded = torch.zeros(count * PANEL, pairs * 2, dtype=torch.int8)
+        padded[:vocab, :hidden] = weight
+        panels = padded.view(count, PANEL, pairs, 2).transpose(1, 2).contiguous()
+        scales = torch.zeros(count * PANEL)
+        scales[:vocab] = w_scale
+        return Int8Panels(panels, scales, vocab, hidden)
+
+    def __call__(self, weight: Int8Panels, x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+        """x [rows, H] int16 and x_scale [rows] -> [rows, V] float32
+        = (x @ weight.T) * x_scale[:, None] * w_scale."""
+        rows, hidden = x.shape
+        if hidden != weight.hidden:
+            raise ValueError(f"int8 matmul: activation rows of {hidden} entries for a head of {weight.hidden}")
+        pairs = weight.panels.shape[1]
+        if hidden != 2 * pairs:
+            x = torch.nn.functional.pad(x, (0, 2 * pairs - hidden))
+        x, x_scale = x.contiguous(), x_scale.float().contiguous()
+        out = torch.empty(rows, weight.vocab)
+        failed = self._function(weight.panels.data_ptr(), weight.scales.data_ptr(), x.data_ptr(), x_scale.data_ptr(),
+                                out.data_ptr(), weight.vocab, pairs, rows, torch.get_num_threads())
         if failed:
-            raise ValueError("int8 matmul: activation rows must be padded to a multiple of 8")
+            raise ValueError("int8 matmul: an empty head")
         return out
 
     def top_k(self, values: torch.Tensor, k: int) -> torch.Tensor:
@@ -174,8 +204,8 @@ class LMHeadScreen:
         self._native = native
         self._int16_grid = min(INT16_GRID, INT32_MAX // (127 * hidden))
         if native is not None:
-            self._qweight = quantized
-            self._wscale = scales.float()     # exact: the scales were computed in float32
+            # The scales were computed in float32, so the float copy is exact.
+            self._panels = native.pack(quantized, scales.float())
             self._packed = None
         else:
             with warnings.catch_warnings():
@@ -240,10 +270,8 @@ class LMHeadScreen:
         grid = self._int16_grid
         rows = torch.randint(-grid, grid + 1, (NATIVE_TILE + 3, weights.shape[1]), generator=generator)
         rows[0], rows[1] = grid, -grid
-        padded = torch.zeros(2 * NATIVE_TILE, weights.shape[1], dtype=torch.int16)
-        padded[:len(rows)] = rows.to(torch.int16)
-        x_scale = torch.rand(2 * NATIVE_TILE, generator=generator) + 0.5
-        out = self._native(quantized, scales.float(), padded, x_scale, len(rows))
+        x_scale = torch.rand(len(rows), generator=generator) + 0.5
+        out = self._native(self._native.pack(quantized, scales.float()), rows.to(torch.int16), x_scale)
         reference = (rows.double() * x_scale[:len(rows), None].double()) @ weights.T
         magnitude = (rows.double().abs() * x_scale[:len(rows), None].double()) @ weights.abs().T
         return bool(((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-6).all())
@@ -336,12 +364,7 @@ class LMHeadScreen:
         scale = (x.abs().amax(dim=1) / self._int16_grid).clamp_min(1e-30)
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
-        padded_rows = -(-rows // NATIVE_TILE) * NATIVE_TILE
-        grid = torch.zeros(padded_rows, x.shape[1], dtype=torch.int16)
-        grid[:rows] = rounded.to(torch.int16)
-        x_scale = torch.zeros(padded_rows)
-        x_scale[:rows] = scale
-        approx = self._native(self._qweight, self._wscale, grid, x_scale, rows)
+        approx = self._native(self._panels, rounded.to(torch.int16), scale)
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far
         # more than the relative margin covers when the residual itself is that small.
         return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30

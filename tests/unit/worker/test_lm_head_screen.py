@@ -185,29 +185,28 @@ def test_the_weight_is_not_copied(weight: torch.Tensor, screen: LMHeadScreen) ->
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, NATIVE_TILE, NATIVE_TILE + 1, 2 * NATIVE_TILE + 3])
-def test_the_c_kernel_is_exact_for_every_tile_shape(rows: int) -> None:
+@pytest.mark.parametrize("vocab,hidden", [(301, 72), (64, 640), (33, 5)])    # partial panels, odd hidden
+def test_the_c_kernel_is_exact_for_every_tile_shape(rows: int, vocab: int, hidden: int) -> None:
     kernel = load_native_matmul(default_cache_dir())
     assert kernel is not None
     generator = torch.Generator().manual_seed(rows)
-    hidden = 72                                        # not a multiple of 16: a scalar tail
-    weight = torch.randint(-127, 128, (301, hidden), generator=generator, dtype=torch.int8)
-    w_scale = torch.rand(301, generator=generator)
-    padded = -(-rows // NATIVE_TILE) * NATIVE_TILE
-    x = torch.zeros(padded, hidden, dtype=torch.int16)
-    x[:rows] = torch.randint(-16383, 16384, (rows, hidden), generator=generator, dtype=torch.int16)
-    x_scale = torch.rand(padded, generator=generator)
-    out = kernel(weight, w_scale, x, x_scale, rows)
-    sums = x[:rows].long() @ weight.long().T           # exact integers
-    expected = sums.double() * x_scale[:rows, None].double() * w_scale.double()
-    torch.testing.assert_close(out.double(), expected, rtol=1e-6, atol=1e-6)
+    weight = torch.randint(-127, 128, (vocab, hidden), generator=generator, dtype=torch.int8)
+    w_scale = torch.rand(vocab, generator=generator)
+    x = torch.randint(-16383, 16384, (rows, hidden), generator=generator, dtype=torch.int16)
+    x_scale = torch.rand(rows, generator=generator)
+    out = kernel(kernel.pack(weight, w_scale), x, x_scale)
+    sums = x.long() @ weight.long().T                  # exact integers
+    # The kernel rounds the sum, then multiplies by each scale in turn, all in float32.
+    expected = sums.float() * x_scale[:, None] * w_scale
+    assert torch.equal(out, expected)
 
 
-def test_the_c_kernel_wants_activation_rows_padded_to_a_tile() -> None:
+def test_the_c_kernel_refuses_rows_of_another_width() -> None:
     kernel = load_native_matmul(default_cache_dir())
     assert kernel is not None
-    weight = torch.zeros(4, 16, dtype=torch.int8)
-    with pytest.raises(ValueError, match="multiple of 8"):
-        kernel(weight, torch.ones(4), torch.zeros(3, 16, dtype=torch.int16), torch.ones(3), 3)
+    panels = kernel.pack(torch.zeros(4, 16, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(ValueError, match="16"):
+        kernel(panels, torch.zeros(3, 15, dtype=torch.int16), torch.ones(3))
 
 
 def test_a_wide_hidden_size_keeps_the_integer_sums_exact() -> None:
