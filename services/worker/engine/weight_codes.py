@@ -27,8 +27,8 @@ from services.worker.engine.native_build import load_binding
 GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
 PANEL = 32               # output rows per panel of the kernel's layout
 # Rows up to which the coded kernel serves: on a 2-core Xeon the default model's 126 linears
-# took 7.6 ms at 1 row, 14.2 at 8 and 28.9 at 16 (float32 few-row kernel: 18.7, 27.2, 41.0;
-# oneDNN's packed sgemm at 16 rows: 33.6).
+# took 7.9 ms at 1 row, 12.5 at 8 and 22.6 at 16 (float32 few-row kernel: 19.0, 30.0, 43.2;
+# oneDNN's packed sgemm at 16 rows: ~34).
 MAX_ROWS = 16
 
 

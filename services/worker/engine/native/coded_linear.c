@@ -141,7 +141,16 @@ void fairserve_codes_expand(const uint8_t *codes, const float *scales, const flo
  * vectors of outputs: no horizontal sums, and each code expanded once for every activation
  * row of a pass. Each output is one chain of multiply-adds over k in order. */
 
-static inline vf splat(float value) { return (vf){0} + value; }
+/* A broadcast straight from memory (`(vf){0} + value` costs an add and a shuffle per call). */
+static inline vf splat(const float *value) {
+#if LANES == 16
+    return (vf)_mm512_set1_ps(*value);
+#elif defined(__AVX2__)
+    return (vf)_mm256_set1_ps(*value);
+#else
+    return (vf){0} + *value;
+#endif
+}
 
 static inline vf loadv(const float *p) {
     vf v;
@@ -190,7 +199,7 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *c, const f
             vf w[VECTORS];
             for (int v = 0; v < VECTORS; v++) w[v] = expand(codes + v * LANES, scale[v], offset[v]);
             for (int r = 0; r < nx; r++) {
-                const vf xr = splat(x[r * in + k]);
+                const vf xr = splat(x + r * in + k);
                 for (int v = 0; v < VECTORS; v++) acc[r][v] += w[v] * xr;
             }
         }
