@@ -26,10 +26,11 @@ from services.worker.engine.native_build import load_binding
 
 GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
 PANEL = 32               # output rows per panel of the kernel's layout
-# Rows up to which the coded kernel serves: on a 2-core Xeon the default model's 126 linears
-# took 7.9 ms at 1 row, 12.5 at 8 and 22.6 at 16 (float32 few-row kernel: 19.0, 30.0, 43.2;
-# oneDNN's packed sgemm at 16 rows: ~34).
-MAX_ROWS = 16
+# Rows up to which the coded kernel serves. On a 2-core Xeon the default model's 126 linears
+# took 7.9 ms at 1 row, 12.5 at 8 and 22.6 at 16 (the float32 few-row kernel: 19.0, 30.0,
+# 43.2), and against oneDNN's packed sgemm 21.8 / 39.5 ms at 16 rows, 43.5 / 52.8 at 32,
+# 62.3 / 65.9 at 48 and 84.7 / 72.0 at 64.
+MAX_ROWS = 32
 
 
 @dataclass(frozen=True)
