@@ -89,14 +89,15 @@ class NativeInt8Matmul:
     def __init__(self, library: ctypes.CDLL) -> None:
         function = library.fairserve_int8_matmul
         function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
         self._function = function
         self._top_k = library.fairserve_row_top_k
         self._top_k.restype = None
-        self._top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+        self._top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
         self._select = library.fairserve_select_above
         self._select.restype = ctypes.c_int64
-        self._select.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        self._select.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                                 + [ctypes.c_int64, ctypes.c_void_p])
         self._gather_dot = library.fairserve_gather_dot
         self._gather_dot.restype = None
         self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
@@ -114,9 +115,11 @@ class NativeInt8Matmul:
         scales[:vocab] = w_scale
         return Int8Panels(panels, scales, vocab, hidden)
 
-    def __call__(self, weight: Int8Panels, x: torch.Tensor, x_scale: torch.Tensor) -> torch.Tensor:
+    def __call__(self, weight: Int8Panels, x: torch.Tensor, x_scale: torch.Tensor,
+                 maxima: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, H] int16 and x_scale [rows] -> [rows, V] float32
-        = (x @ weight.T) * x_scale[:, None] * w_scale."""
+        = (x @ weight.T) * x_scale[:, None] * w_scale; with `maxima` ([rows, ceil(V / PANEL)]
+        float32) also each row's largest output in each panel of PANEL tokens."""
         rows, hidden = x.shape
         if hidden != weight.hidden:
             raise ValueError(f"int8 matmul: activation rows of {hidden} entries for a head of {weight.hidden}")
@@ -125,30 +128,37 @@ class NativeInt8Matmul:
             x = torch.nn.functional.pad(x, (0, 2 * pairs - hidden))
         x, x_scale = x.contiguous(), x_scale.float().contiguous()
         out = torch.empty(rows, weight.vocab)
+        if maxima is not None and (maxima.shape != (rows, -(-weight.vocab // PANEL)) or not maxima.is_contiguous()
+                                   or maxima.dtype != torch.float32):
+            raise ValueError(f"int8 matmul: maxima {tuple(maxima.shape)} for {rows} rows of {weight.vocab} tokens")
         failed = self._function(weight.panels.data_ptr(), weight.scales.data_ptr(), x.data_ptr(), x_scale.data_ptr(),
-                                out.data_ptr(), weight.vocab, pairs, rows, torch.get_num_threads())
+                                out.data_ptr(), maxima.data_ptr() if maxima is not None else None, weight.vocab,
+                                pairs, rows, torch.get_num_threads())
         if failed:
             raise ValueError("int8 matmul: an empty head")
         return out
 
-    def top_k(self, values: torch.Tensor, k: int) -> torch.Tensor:
-        """Indices [rows, k] of each row's k largest entries (in no particular order); one pass."""
+    def top_k(self, values: torch.Tensor, k: int, maxima: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices [rows, k] of each row's k largest entries (in no particular order); one pass,
+        or with the matmul's panel `maxima` a look into the k best panels only."""
         rows, cols = values.shape
         if not 0 < k <= cols or not values.is_contiguous():
             raise ValueError(f"top_k needs 0 < k <= {cols} over a contiguous tensor, got k={k}")
         top = torch.empty(rows, k, dtype=torch.long)
-        self._top_k(values.data_ptr(), rows, cols, k, top.data_ptr(), torch.get_num_threads())
+        self._top_k(values.data_ptr(), rows, cols, k, top.data_ptr(), _pointer(maxima, rows, cols),
+                    torch.get_num_threads())
         return top
 
-    def select_above(self, values: torch.Tensor, thresholds: torch.Tensor,
-                     capacity: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows, cols) of the entries >= their row's threshold, row-major; None past `capacity`."""
+    def select_above(self, values: torch.Tensor, thresholds: torch.Tensor, capacity: int,
+                     maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) of the entries >= their row's threshold, row-major; None past `capacity`.
+        With the matmul's panel `maxima` only the panels that can hold one are read."""
         rows, cols = values.shape
         thresholds = thresholds.float().contiguous()
         out_rows = torch.empty(capacity, dtype=torch.long)
         out_cols = torch.empty(capacity, dtype=torch.long)
         count = self._select(values.data_ptr(), rows, cols, thresholds.data_ptr(), out_rows.data_ptr(),
-                             out_cols.data_ptr(), capacity)
+                             out_cols.data_ptr(), capacity, _pointer(maxima, rows, cols))
         return None if count < 0 else (out_rows[:count], out_cols[:count])
 
     def gather_dot(self, weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
@@ -165,6 +175,15 @@ class NativeInt8Matmul:
         self._gather_dot(weight.data_ptr(), x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
                          ids.numel(), weight.shape[1], torch.get_num_threads())
         return out
+
+
+def _pointer(maxima: torch.Tensor | None, rows: int, cols: int) -> int | None:
+    """The address of panel maxima for [rows, cols] values, checked; None without them."""
+    if maxima is None:
+        return None
+    if maxima.shape != (rows, -(-cols // PANEL)) or maxima.dtype != torch.float32 or not maxima.is_contiguous():
+        raise ValueError(f"panel maxima {tuple(maxima.shape)} for values of {rows} x {cols}")
+    return maxima.data_ptr()
 
 
 def load_native_matmul(cache_dir: Path) -> NativeInt8Matmul | None:
@@ -293,14 +312,14 @@ class LMHeadScreen:
             return None
         rows = x.shape[0]
         vocab = self.vocab_size
-        approx, activation_error = self._approximate(x)
+        approx, activation_error, maxima = self._approximate(x)
         norms = x.norm(dim=1)
 
         # Exact logits of the best approximate tokens give each row a threshold: the
         # top_counts[b]-th best exact logit among tokens the sampler leaves alone.
         adjusted_ids = [torch.tensor(list(ids), dtype=torch.long) for ids in adjusted]
         widest = max(count + len(ids) for count, ids in zip(top_counts, adjusted_ids))
-        best_ids = (self._native.top_k(approx, min(widest, vocab)) if self._native is not None
+        best_ids = (self._native.top_k(approx, min(widest, vocab), maxima) if self._native is not None
                     else approx.topk(min(widest, vocab), dim=1).indices)
         best_exact = self._exact(x, torch.arange(rows)[:, None].expand_as(best_ids), best_ids)
         thresholds = torch.empty(rows)
@@ -313,7 +332,7 @@ class LMHeadScreen:
 
         # Candidates: first against the widest bound any token has, then each its own.
         widest_bound = self._bound(norms, activation_error, self._max_error_norm, self._max_quant_norm)
-        cand_rows, cand_ids = self._first_candidates(approx, thresholds - widest_bound)
+        cand_rows, cand_ids = self._first_candidates(approx, thresholds - widest_bound, maxima)
         upper = approx[cand_rows, cand_ids] + self._bound(norms[cand_rows], activation_error[cand_rows],
                                                           self._error_norms[cand_ids], self._quant_norms[cand_ids])
         keep = upper >= thresholds[cand_rows]
@@ -329,10 +348,11 @@ class LMHeadScreen:
         out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
         return out
 
-    def _first_candidates(self, approx: torch.Tensor, floors: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _first_candidates(self, approx: torch.Tensor, floors: torch.Tensor,
+                          maxima: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, ids) of the approximate logits at or above their row's floor, row-major."""
         if self._native is not None:
-            selected = self._native.select_above(approx, floors, FIRST_PASS_CAPACITY)
+            selected = self._native.select_above(approx, floors, FIRST_PASS_CAPACITY, maxima)
             if selected is not None:
                 return selected
         rows, ids = torch.nonzero(approx >= floors[:, None], as_tuple=True)
@@ -342,7 +362,7 @@ class LMHeadScreen:
         """(approximate logits [B, vocab], a bound on each one's error [B, vocab]): what
         `logits` screens with, written out for the whole vocabulary."""
         x = x.float()
-        approx, activation_error = self._approximate(x)
+        approx, activation_error, _ = self._approximate(x)
         norms = x.norm(dim=1)
         return approx, self._bound(norms[:, None], activation_error[:, None], self._error_norms, self._quant_norms)
 
@@ -351,25 +371,27 @@ class LMHeadScreen:
         """|x| * |w - q(w)| + |x - q(x)| * |q(w)| + slack, elementwise over broadcast operands."""
         return norms * (error_norms + self._slack_per_norm) + activation_error * quant_norms
 
-    def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(approximate logits [B, vocab], |x - q(x)| per row)."""
+    def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(approximate logits [B, vocab], |x - q(x)| per row, the logits' maxima per panel of
+        PANEL tokens where the C kernel computes them, else None)."""
         if self._native is not None:
             return self._approximate_native(x)
         return self._approximate_fbgemm(x)
 
-    def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One int16 row per row through the C kernel."""
         assert self._native is not None
         rows = x.shape[0]
         scale = (x.abs().amax(dim=1) / self._int16_grid).clamp_min(1e-30)
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
-        approx = self._native(self._panels, rounded.to(torch.int16), scale)
+        maxima = torch.empty(rows, -(-self.vocab_size // PANEL))
+        approx = self._native(self._panels, rounded.to(torch.int16), scale, maxima)
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far
         # more than the relative margin covers when the residual itself is that small.
-        return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30
+        return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30, maxima
 
-    def _approximate_fbgemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _approximate_fbgemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         """One fbgemm call over each row's coarse and residual grid rows."""
         rows = x.shape[0]
         scale = (x.abs().amax(dim=1, keepdim=True) / GRID).clamp_min(1e-30)
@@ -381,7 +403,7 @@ class LMHeadScreen:
         out = torch.ops.quantized.linear_dynamic(grid, self._packed, True)
         approx = torch.add(out[:rows], out[rows:2 * rows], alpha=1.0 / FINE).mul_(scale)
         # Computed in float32: a relative margin covers its rounding.
-        return approx, residual.norm(dim=1) * (1 + 1e-4) + 1e-30
+        return approx, residual.norm(dim=1) * (1 + 1e-4) + 1e-30, None
 
     def _exact(self, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Float32 logits of token ids[i] for row rows[i], before any softcap (the bounds

@@ -239,6 +239,31 @@ def test_the_c_kernels_selections_match_torchs() -> None:
     assert kernel.select_above(values, floors, capacity=100) is None     # row 3 alone has 1000
 
 
+@pytest.mark.parametrize("vocab", [1000, 32 * 40, 70])
+def test_the_selections_through_panel_maxima_match_torchs(vocab: int) -> None:
+    kernel = load_native_matmul(default_cache_dir())
+    assert kernel is not None
+    generator = torch.Generator().manual_seed(vocab)
+    weight = torch.randint(-127, 128, (vocab, 48), generator=generator, dtype=torch.int8)
+    x = torch.randint(-16383, 16384, (5, 48), generator=generator, dtype=torch.int16)
+    maxima = torch.empty(5, -(-vocab // 32))
+    values = kernel(kernel.pack(weight, torch.rand(vocab, generator=generator)), x, torch.rand(5) + 0.5, maxima)
+    padded = torch.nn.functional.pad(values, (0, maxima.shape[1] * 32 - vocab), value=float("-inf"))
+    assert torch.equal(maxima, padded.view(5, -1, 32).amax(dim=-1))
+    for k in (1, 3, 20, 64, min(vocab, 300)):
+        top = kernel.top_k(values, k, maxima)
+        expected = values.topk(k, dim=1).values
+        assert torch.equal(values.gather(1, top).sort(dim=1, descending=True).values, expected)
+        assert all(len(set(row.tolist())) == k for row in top)
+    floors = values.quantile(torch.tensor([0.99, 0.5, 0.0, 0.999, 1.0]), dim=1).diagonal() + torch.tensor(
+        [0.0, 0.0, -1.0, 0.0, 1.0])
+    rows, cols = kernel.select_above(values, floors, 10 * vocab, maxima)
+    expected_rows, expected_cols = torch.nonzero(values >= floors[:, None], as_tuple=True)
+    assert torch.equal(rows, expected_rows) and torch.equal(cols, expected_cols)
+    with pytest.raises(ValueError, match="maxima"):
+        kernel.top_k(values, 3, maxima[:, :-1].contiguous())
+
+
 @pytest.mark.parametrize("count", [0, 5, 1000])
 def test_the_c_kernels_gather_dot_matches_torch(count: int) -> None:
     kernel = load_native_matmul(default_cache_dir())

@@ -20,7 +20,7 @@
  * Layouts (all contiguous):
  *   panels  as above; w_scale [ceil(V / PANEL) * PANEL] float (zero padding)
  *   x       [rows, 2 * pairs] int16, x_scale [rows] float
- *   out     [rows, V] float
+ *   out     [rows, V] float, maxima [rows, ceil(V / PANEL)] float or NULL
  */
 
 #include <stdint.h>
@@ -95,11 +95,18 @@ static inline void store_scaled(float *out, acc_t acc, float x_scale, const floa
 #define LANES 8
 #endif
 
+static inline float max_of(const float *values, int count) {
+    float top = values[0];
+    for (int i = 1; i < count; i++) top = values[i] > top ? values[i] : top;
+    return top;
+}
+
 #if defined(LANES)
 /* Activation rows x .. x + nx - 1 against one panel (nx a constant at every call site). */
 static inline __attribute__((always_inline)) void tile(const int8_t *panel, const float *w_scale, const int16_t *x,
                                                        const float *x_scale, int64_t pairs, const int nx,
-                                                       float *out, int64_t vocab, int valid) {
+                                                       float *out, int64_t vocab, int valid, float *maxima,
+                                                       int64_t panels) {
     acc_t acc[X_TILE][VECTORS];
     for (int r = 0; r < nx; r++)
         for (int v = 0; v < VECTORS; v++) acc[r][v] = zero_acc();
@@ -118,13 +125,17 @@ static inline __attribute__((always_inline)) void tile(const int8_t *panel, cons
         float *to = valid == PANEL ? out + r * vocab : row;
         for (int v = 0; v < VECTORS; v++) store_scaled(to + v * LANES, acc[r][v], x_scale[r], w_scale + v * LANES);
         if (valid < PANEL) memcpy(out + r * vocab, row, sizeof(float) * valid);
+        if (maxima != NULL) maxima[r * panels] = max_of(to, valid);
     }
 }
 
-#define TILE_CASE(NX) case NX: if ((NX) <= X_TILE) tile(panel, w_scale, x, x_scale, pairs, NX, out, vocab, valid); break;
+#define TILE_CASE(NX) \
+    case NX: \
+        if ((NX) <= X_TILE) tile(panel, w_scale, x, x_scale, pairs, NX, out, vocab, valid, maxima, panels); \
+        break;
 
 static void dispatch(const int8_t *panel, const float *w_scale, const int16_t *x, const float *x_scale,
-                     int64_t pairs, int nx, float *out, int64_t vocab, int valid) {
+                     int64_t pairs, int nx, float *out, int64_t vocab, int valid, float *maxima, int64_t panels) {
     switch (nx) {
         TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
         default: break;
@@ -133,20 +144,25 @@ static void dispatch(const int8_t *panel, const float *w_scale, const int16_t *x
 #else
 #define X_TILE 1
 static void dispatch(const int8_t *panel, const float *w_scale, const int16_t *x, const float *x_scale,
-                     int64_t pairs, int nx, float *out, int64_t vocab, int valid) {
+                     int64_t pairs, int nx, float *out, int64_t vocab, int valid, float *maxima, int64_t panels) {
     (void)nx;
+    (void)vocab;
+    (void)panels;
     for (int n = 0; n < valid; n++) {
         int32_t total = 0;
         for (int64_t k = 0; k < pairs; k++)
             for (int h = 0; h < 2; h++) total += (int32_t)panel[(k * PANEL + n) * 2 + h] * (int32_t)x[2 * k + h];
         out[n] = (float)total * x_scale[0] * w_scale[n];
     }
-    (void)vocab;
+    if (maxima != NULL) maxima[0] = max_of(out, valid);
 }
 #endif
 
+/* maxima [rows, ceil(V / PANEL)] (or NULL): each row's largest output in each panel, for the
+ * selections below to skip the panels that cannot hold what they look for. */
 int fairserve_int8_matmul(const int8_t *panels, const float *w_scale, const int16_t *x, const float *x_scale,
-                          float *out, int64_t vocab, int64_t pairs, int64_t rows, int64_t num_threads) {
+                          float *out, float *maxima, int64_t vocab, int64_t pairs, int64_t rows,
+                          int64_t num_threads) {
     if (vocab <= 0 || pairs <= 0) return 1;
     const int64_t count = (vocab + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
@@ -155,7 +171,8 @@ int fairserve_int8_matmul(const int8_t *panels, const float *w_scale, const int1
         for (int64_t m0 = 0; m0 < rows; m0 += X_TILE) {
             const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
             dispatch(panels + p * pairs * PANEL * 2, w_scale + p * PANEL, x + m0 * 2 * pairs, x_scale + m0, pairs,
-                     nx, out + m0 * vocab + p * PANEL, vocab, valid);
+                     nx, out + m0 * vocab + p * PANEL, vocab, valid, maxima != NULL ? maxima + m0 * count + p : NULL,
+                     count);
         }
     }
     return 0;
@@ -163,54 +180,87 @@ int fairserve_int8_matmul(const int8_t *panels, const float *w_scale, const int1
 
 /* The screen's selections over its approximate logits [rows, cols], each one pass:
  *
- *   fairserve_row_top_k:    per row, the indices of k largest entries (in no order; ties
- *                           go to the earlier entry), into top[rows, k];
+ *   fairserve_row_top_k:    per row, the indices of k largest entries (in no order), into
+ *                           top[rows, k];
  *   fairserve_select_above: every (row, col) with x[row, col] >= threshold[row], in row-major
  *                           order; returns how many, or -1 past `capacity` (nothing else
  *                           is then guaranteed about the outputs).
+ *
+ * With `maxima` (the matmul's [rows, ceil(cols / PANEL)] panel maxima; else NULL) they look
+ * only into the panels that can hold an answer: the k best entries lie in the k panels with
+ * the largest maxima (each of those holds an entry at least as large as the k-th of them, so
+ * no entry elsewhere beats the k-th best), and an entry at or above a threshold lies in a
+ * panel whose maximum is. Ties at the k-th value may then go to another entry of equal value.
  */
+
+/* The indices of the k largest of values[0 .. n) (k <= n) into chosen[0 .. k); ties go to the
+ * earlier entry. Replace-the-weakest: one pass, k compares for each entry that gets in. */
+static void top_k_of(const float *values, int64_t n, int64_t k, int64_t *chosen) {
+    for (int64_t i = 0; i < k; i++) chosen[i] = i;
+    int64_t weakest = 0;
+    for (int64_t i = 1; i < k; i++)
+        if (values[chosen[i]] < values[chosen[weakest]]) weakest = i;
+    for (int64_t col = k; col < n; col++) {
+        if (!(values[col] > values[chosen[weakest]])) continue;
+        chosen[weakest] = col;
+        for (int64_t i = 0; i < k; i++)
+            if (values[chosen[i]] < values[chosen[weakest]]) weakest = i;
+    }
+}
+
+/* The k largest entries of one row, looking only into the k panels with the largest maxima. */
+static void top_k_in_panels(const float *values, int64_t cols, int64_t k, const float *maxima, int64_t *chosen) {
+    const int64_t panels = (cols + PANEL - 1) / PANEL;
+    int64_t best_panels[k];
+    top_k_of(maxima, panels, k, best_panels);
+    float gathered[k * PANEL];
+    int64_t origin[k * PANEL];
+    int64_t count = 0;
+    for (int64_t i = 0; i < k; i++) {
+        const int64_t first = best_panels[i] * PANEL;
+        const int64_t last = first + PANEL < cols ? first + PANEL : cols;
+        for (int64_t col = first; col < last; col++) {
+            gathered[count] = values[col];
+            origin[count++] = col;
+        }
+    }
+    int64_t picked[k];
+    top_k_of(gathered, count, k, picked);
+    for (int64_t i = 0; i < k; i++) chosen[i] = origin[picked[i]];
+}
+
 void fairserve_row_top_k(const float *x, int64_t rows, int64_t cols, int64_t k, int64_t *top,
-                         int64_t num_threads) {
+                         const float *maxima, int64_t num_threads) {
+    const int64_t panels = (cols + PANEL - 1) / PANEL;
+    const int k_fits = k <= panels && k <= 256;    /* the gathered panels stay on the stack */
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t row = 0; row < rows; row++) {
-        const float *values = x + row * cols;
-        int64_t *chosen = top + row * k;
         const int64_t first = k < cols ? k : cols;
-        for (int64_t i = 0; i < first; i++) chosen[i] = i;
-        int64_t weakest = 0;
-        for (int64_t i = 1; i < first; i++)
-            if (values[chosen[i]] < values[chosen[weakest]]) weakest = i;
-        for (int64_t col = first; col < cols; col++) {
-            if (!(values[col] > values[chosen[weakest]])) continue;
-            chosen[weakest] = col;
-            for (int64_t i = 0; i < first; i++)
-                if (values[chosen[i]] < values[chosen[weakest]]) weakest = i;
-        }
+        if (maxima != NULL && k_fits)
+            top_k_in_panels(x + row * cols, cols, first, maxima + row * panels, top + row * k);
+        else
+            top_k_of(x + row * cols, cols, first, top + row * k);
     }
 }
 
 int64_t fairserve_select_above(const float *x, int64_t rows, int64_t cols, const float *thresholds,
-                               int64_t *out_rows, int64_t *out_cols, int64_t capacity) {
+                               int64_t *out_rows, int64_t *out_cols, int64_t capacity, const float *maxima) {
+    const int64_t panels = (cols + PANEL - 1) / PANEL;
     int64_t count = 0;
     for (int64_t row = 0; row < rows; row++) {
         const float *values = x + row * cols;
         const float threshold = thresholds[row];
-        int64_t col = 0;
-        for (; col < cols; col++) {
-            if ((col & 31) == 0 && col + 32 <= cols) {
-                /* Most blocks of 32 hold nothing to take: skip them on their maximum. */
-                float top = values[col];
-                for (int i = 1; i < 32; i++) top = values[col + i] > top ? values[col + i] : top;
-                if (!(top >= threshold)) {
-                    col += 31;
-                    continue;
+        for (int64_t p = 0; p < panels; p++) {
+            const int64_t first = p * PANEL, last = first + PANEL < cols ? first + PANEL : cols;
+            const float top = maxima != NULL ? maxima[row * panels + p] : max_of(values + first, (int)(last - first));
+            if (!(top >= threshold)) continue;     /* most panels hold nothing to take */
+            for (int64_t col = first; col < last; col++) {
+                if (values[col] >= threshold) {
+                    if (count == capacity) return -1;
+                    out_rows[count] = row;
+                    out_cols[count] = col;
+                    count++;
                 }
-            }
-            if (values[col] >= threshold) {
-                if (count == capacity) return -1;
-                out_rows[count] = row;
-                out_cols[count] = col;
-                count++;
             }
         }
     }
