@@ -55,6 +55,7 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
                                     "decode_graphs": engine.graphs is not None, "native_linears": engine.native_linears,
                                     "coded_linears": engine.coded_linears,
+                                    "prefill_linear_kernel": engine.prefill_linear_kernel,
                                     "fused_mlps": engine.fused_mlps, "forward": engine.direct_forward,
                                     **engine_labels})
     registry = CollectorRegistry()

@@ -25,7 +25,8 @@ from services.worker.engine import weight_codes
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu_linear import KernelPlan, PackedLinear, pack_linears, resolve_kernel_plan
+from services.worker.engine.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, pack_linears,
+                                               resolve_kernel_plan)
 from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
 from services.worker.engine.direct_forward import DirectForward
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
@@ -153,6 +154,7 @@ class Engine:
                 self._lm_head = PackedLinear(self._lm_head, self.linear_kernel.lm_head_max_rows,
                                              self.linear_kernel.kernel)
         self.native_linears = self._route_few_rows_to_native() if self._native_kernels else 0
+        self.prefill_linear_kernel: str | None = None    # the coded linears' packs, when they differ from the plan's
         self.coded_linears = self._route_few_rows_to_codes()
         self._direct = self._direct_forward(native_ops)
         self._softcap = getattr(self.model_config, "final_logit_softcapping", None)
@@ -737,6 +739,12 @@ class Engine:
             log.info("%d of %d linears kept as exact 8-bit weight codes (%.0f MB) in %.1f s", len(coded),
                      len(linears), sum(linear.coded.nbytes for linear in coded) / 1e6,
                      time.perf_counter() - started)
+            # Their packs now serve prefill chunks only: the kernel faster there may be another.
+            prefill_kernel = choose_prefill_kernel() if self.config.cpu_linear_kernel == "auto" else None
+            if prefill_kernel is not None:
+                for linear in coded:
+                    linear.repack_for_prefill(prefill_kernel)
+                self.prefill_linear_kernel = prefill_kernel
         return len(coded)
 
     def _direct_forward(self, native_ops: NativeElementwise | None) -> DirectForward | None:

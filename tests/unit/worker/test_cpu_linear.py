@@ -83,6 +83,38 @@ def test_calibration_times_real_kernels() -> None:
             assert 0.0 < cpu_linear._time_kernel(kernel, linears, repeats=1) < 60.0
 
 
+def test_the_prefill_kernel_is_measured_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not (kernel_available("mkl", torch.float32) and kernel_available("onednn", torch.float32)):
+        pytest.skip("needs both float32 kernels")
+    calls: list[str] = []
+
+    def fake_time(kernel: str, repeats: int = 3) -> float:
+        calls.append(kernel)
+        return 1.0 if kernel == "mkl" else 2.0
+
+    monkeypatch.setattr(cpu_linear, "_chosen_prefill_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_time_prefill_kernel", fake_time)
+    assert cpu_linear.choose_prefill_kernel() == "mkl"
+    assert cpu_linear.choose_prefill_kernel() == "mkl"
+    assert sorted(calls) == ["mkl", "onednn"]
+    assert cpu_linear.choose_prefill_kernel(lambda kernel: {"mkl": 3.0, "onednn": 1.0}[kernel]) == "onednn"
+    for kernel in ("mkl", "onednn"):
+        assert 0.0 < cpu_linear._time_prefill_kernel(kernel, repeats=1) < 60.0
+
+
+@pytest.mark.parametrize("kernel", [k for k in ("mkl", "onednn") if kernel_available(k, torch.float32)])
+def test_a_pack_repacked_for_prefill_serves_every_row_count(kernel: str) -> None:
+    generator = torch.Generator().manual_seed(8)
+    linear = torch.nn.Linear(64, 96)
+    packed = PackedLinear(linear, 8, "onednn" if kernel == "mkl" else "mkl"
+                          if kernel_available("mkl", torch.float32) else "onednn")
+    packed.repack_for_prefill(kernel)
+    assert packed.kernel == kernel and packed.max_packed_rows == ALL_ROWS
+    for rows in (1, 33, 300):
+        x = torch.randn(rows, 64, generator=generator)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
 def test_explicit_and_unknown_choices() -> None:
     assert resolve_kernel_plan("onednn", torch.float32) == kernel_plan("onednn", torch.float32)
     assert resolve_kernel_plan("auto", torch.float16) is None        # no packed kernel: plain linears
