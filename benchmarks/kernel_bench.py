@@ -5,11 +5,13 @@
 
 Times, best of several calls each, alternating the two sides of every row:
   * the 126 linear layers of Gemma 3 270M (18 layers x q, k, v, o, gate, up, down) at a few
-    rows: the C few-row kernel against oneDNN's packed weights;
+    rows: the C few-row kernel against oneDNN's packed weights, and the same layers as exact
+    8-bit weight codes (weight_codes.py) through the coded kernel against oneDNN;
   * the LM head screen's int8 kernel over a 262k x 640 head;
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
   * the sampler's greedy argmax against torch's.
-Prints a markdown table. Weights are random: the kernels' speed does not depend on them.
+Prints a markdown table. Weights are random (the coded ones random codes): the kernels' speed
+does not depend on them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from services.worker.engine.native_build import default_cache_dir
 from services.worker.engine.native_decode import load_decode_kernel
 from services.worker.engine.native_ops import load_skinny_linear
 from services.worker.engine.sampler import row_argmax
+from services.worker.engine.weight_codes import load_coded_linear
 
 
 @dataclass(frozen=True)
@@ -60,13 +63,16 @@ def best_of(repeats: int, *functions: Callable[[], object]) -> list[float]:
     return best
 
 
+def _layer_shapes(shapes: Shapes) -> list[tuple[int, int]]:
+    h, q, kv, i = shapes.hidden, shapes.heads * shapes.head_dim, shapes.head_dim, shapes.intermediate
+    return [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)] * shapes.layers
+
+
 def linear_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
     kernel = load_skinny_linear(default_cache_dir())
     if kernel is None:
         return []
-    h, q, kv, i = shapes.hidden, shapes.heads * shapes.head_dim, shapes.head_dim, shapes.intermediate
-    per_layer = [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-    weights = [torch.randn(out, inp) * 0.02 for out, inp in per_layer * shapes.layers]
+    weights = [torch.randn(out, inp) * 0.02 for out, inp in _layer_shapes(shapes)]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     results = []
     for rows in row_counts:
@@ -76,6 +82,34 @@ def linear_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
                           for w, p in zip(weights, packed)]
         ours, theirs = best_of(shapes.repeats, native, onednn)
         results.append((f"{len(weights)} linears, {rows} rows: C kernel vs oneDNN packed", ours, theirs))
+    return results
+
+
+def _coded_weight(out_features: int, in_features: int, group: int = 32) -> torch.Tensor:
+    """A weight that is exact codes, as a dequantized 5-bit GGUF block: scale * (code - 16)."""
+    scale = torch.randint(1024, 2048, (out_features, in_features // group, 1)).float() * 2.0 ** -20
+    codes = torch.randint(0, 32, (out_features, in_features // group, group)).float()
+    return (scale * (codes - 16)).reshape(out_features, in_features)
+
+
+def coded_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
+    kernel = load_coded_linear(default_cache_dir())
+    if kernel is None:
+        return []
+    weights = [_coded_weight(out, inp) for out, inp in _layer_shapes(shapes)]
+    coded = [kernel.find(w) for w in weights]
+    if any(c is None for c in coded):
+        raise RuntimeError("a benchmark weight did not fit its codes")
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    results = []
+    for rows in row_counts:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        ours = lambda: [kernel(inputs[w.shape[1]], c, None) for w, c in zip(weights, coded)]  # noqa: E731
+        onednn = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa: E731
+                          for w, p in zip(weights, packed)]
+        mine, theirs = best_of(shapes.repeats, ours, onednn)
+        results.append((f"{len(weights)} linears as weight codes, {rows} rows: coded kernel vs oneDNN packed",
+                        mine, theirs))
     return results
 
 
@@ -153,7 +187,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script, not the speed")
     args = parser.parse_args(argv)
     shapes = QUICK if args.quick else FULL
-    rows = (linear_rows(shapes, (1, 8, 16)) + screen_rows(shapes, (1, 8, 32))
+    rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + screen_rows(shapes, (1, 8, 32))
             + attention_rows(shapes, (1, 8)) + argmax_rows(shapes, (1, 8)))
     header = (f"Kernel benchmark ({'quick' if args.quick else 'full'}): {cpu_name()}, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, random weights.")
