@@ -739,11 +739,13 @@ class Engine:
             log.info("%d of %d linears kept as exact 8-bit weight codes (%.0f MB) in %.1f s", len(coded),
                      len(linears), sum(linear.coded.nbytes for linear in coded) / 1e6,
                      time.perf_counter() - started)
-            # Their packs now serve prefill chunks only: the kernel faster there may be another.
+            # The layers' packs now serve prefill chunks only: the kernel faster there may be
+            # another. (The LM head's keeps its kernel: past 32 rows it only serves prompt logprobs.)
             prefill_kernel = choose_prefill_kernel() if self.config.cpu_linear_kernel == "auto" else None
             if prefill_kernel is not None:
                 for linear in coded:
-                    linear.repack_for_prefill(prefill_kernel)
+                    if linear is not self._lm_head and linear.kernel != prefill_kernel:
+                        linear.repack_for_prefill(prefill_kernel)
                 self.prefill_linear_kernel = prefill_kernel
         return len(coded)
 
