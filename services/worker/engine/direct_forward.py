@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.attention import StepMetadata, paged_attention_forward
+from services.worker.engine.native_layers import NativeDecodeLayers
 from services.worker.engine.native_ops import NativeElementwise
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
@@ -107,6 +108,11 @@ class DirectForward:
         types = getattr(base.config, "layer_types", None)
         self._layer_types: list[str | None] = list(types) if shape.rotary_per_type else [None] * len(layers)
         self._steps = [_LayerSteps.of(layer, shape) for layer in layers]
+        self.native_layers: NativeDecodeLayers | None = None     # decode steps' layers in one C call
+
+    @property
+    def layer_types(self) -> list[str | None]:
+        return self._layer_types
 
     @property
     def native_rope(self) -> bool:
@@ -145,6 +151,11 @@ class DirectForward:
             rotary = {kind: base.rotary_emb(hidden, position_ids, kind) for kind in set(self._layer_types)}
         else:
             rotary = {None: base.rotary_emb(hidden, position_ids)}
+        layers = self.native_layers
+        if layers is not None and layers.takes(meta, hidden.shape[1]):
+            flat = hidden[0].contiguous()
+            layers(flat, rotary, meta)
+            return base.norm(flat[None])[0]
         for steps, layer_type in zip(self._steps, self._layer_types):
             hidden = self._layer(steps, hidden, rotary[layer_type], meta)
         return base.norm(hidden)[0]

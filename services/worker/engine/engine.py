@@ -40,6 +40,7 @@ from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler,
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.native_decode import load_decode_kernel
+from services.worker.engine.native_layers import NativeDecodeLayers
 from services.worker.engine.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
 from services.worker.engine.weight_codes import load_coded_linear
 from services.worker.engine.varlen_attention import load_varlen_kernel
@@ -755,13 +756,20 @@ class Engine:
         _require_choice("direct forward mode", self.config.direct_forward, DIRECT_FORWARD_MODES)
         if self.config.direct_forward == "off" or self.device.type != "cpu":
             return None
-        return DirectForward.create(self._base, native_ops)
+        direct = DirectForward.create(self._base, native_ops)
+        if direct is not None and direct.native_rope and self.coded_linears:
+            direct.native_layers = NativeDecodeLayers.create(self._base, direct.layer_types, native_ops,
+                                                             self._kernel_cache_dir)
+        return direct
 
     @property
     def direct_forward(self) -> str:
-        """What runs the base model: direct (native RoPE), direct, or transformers."""
+        """What runs the base model: direct (C decode layers), direct (native RoPE), direct, or
+        transformers."""
         if self._direct is None:
             return "transformers"
+        if self._direct.native_layers is not None:
+            return "direct (C decode layers)"
         return "direct (native RoPE)" if self._direct.native_rope else "direct"
 
     def _native_kernels_enabled(self) -> bool:

@@ -48,6 +48,11 @@ class NativeDecodeAttention:
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 8 + [ctypes.c_float] + [ctypes.c_int64] * 2
         self._function = function
 
+    @property
+    def attention_function(self) -> ctypes._CFuncPtr:
+        """The C function itself, for native_layers.py to call from C."""
+        return self._function
+
     def supports(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
         return (query.device.type == "cpu" and query.dtype == k_cache.dtype == v_cache.dtype == torch.float32
                 and k_cache.shape[-1] % VECTOR_WIDTH == 0 and v_cache.shape[-1] % VECTOR_WIDTH == 0)

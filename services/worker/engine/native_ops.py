@@ -28,6 +28,19 @@ class NativeElementwise:
         self._rope.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
                                + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3)
 
+    # The C functions themselves, for native_layers.py to call from C.
+    @property
+    def rms_norm_function(self) -> ctypes._CFuncPtr:
+        return self._rms_norm
+
+    @property
+    def act_mul_function(self) -> ctypes._CFuncPtr:
+        return self._act_mul
+
+    @property
+    def rope_function(self) -> ctypes._CFuncPtr:
+        return self._rope
+
     @staticmethod
     def accepts(*tensors: torch.Tensor) -> bool:
         return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)

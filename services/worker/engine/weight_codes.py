@@ -79,6 +79,11 @@ class NativeCodedLinear:
         self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
                                  + [ctypes.c_int64] * 4)
 
+    @property
+    def linear_function(self) -> ctypes._CFuncPtr:
+        """The C linear itself (native_layers.py calls it from C)."""
+        return self._linear
+
     def find(self, weight: torch.Tensor) -> CodedWeight | None:
         """The codes of a float32 CPU [out, in] weight, or None when it does not fit them
         exactly (or its shape does not fit the kernel's panels)."""
