@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -129,12 +129,18 @@ def choose_float32_kernel(timer: Callable[[str], float] | None = None) -> str:
     if timer is None:
         linears = _calibration_linears()
         timer = lambda kernel: _time_kernel(kernel, linears)  # noqa: E731
-    seconds = {kernel: timer(kernel) for kernel in ("mkl", "onednn")}
-    chosen = min(seconds, key=seconds.__getitem__)
-    log.info("packed float32 linear kernel: %s (calibration: %s)", chosen,
-             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
+    chosen = _fastest(("mkl", "onednn"), timer, "linear")
     if measured:
         _chosen_float32_kernel = chosen
+    return chosen
+
+
+def _fastest(kernels: Sequence[str], timer: Callable[[str], float], what: str) -> str:
+    """The kernel `timer` (seconds) finds fastest, logged with every measurement."""
+    seconds = {kernel: timer(kernel) for kernel in kernels}
+    chosen = min(seconds, key=seconds.__getitem__)
+    log.info("packed float32 %s kernel: %s (calibration: %s)", what, chosen,
+             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
     return chosen
 
 
@@ -152,25 +158,17 @@ def choose_prefill_kernel(timer: Callable[[str], float] | None = None) -> str | 
     measured = timer is None
     if measured and _chosen_prefill_kernel is not None:
         return _chosen_prefill_kernel
-    if timer is None:
-        timer = _time_prefill_kernel
-    seconds = {kernel: timer(kernel) for kernel in available}
-    chosen = min(seconds, key=seconds.__getitem__)
-    log.info("packed float32 prefill kernel: %s (calibration: %s)", chosen,
-             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
+    chosen = _fastest(available, timer or _time_prefill_kernel, "prefill")
     if measured:
         _chosen_prefill_kernel = chosen
     return chosen
 
 
 def _time_prefill_kernel(kernel: str, repeats: int = 3) -> float:
-    out_features, in_features = PREFILL_CALIBRATION_SHAPE
     generator = torch.Generator().manual_seed(2)
-    linear = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False)
-    with torch.no_grad():
-        linear.weight.uniform_(-0.05, 0.05, generator=generator)
+    linear = _random_linear(*PREFILL_CALIBRATION_SHAPE, generator)
     packed = PackedLinear(linear, ALL_ROWS, kernel, pack_rows_hint=PREFILL_PACK_ROWS_HINT)
-    x = torch.rand(PREFILL_CALIBRATION_ROWS, in_features, generator=generator)
+    x = torch.rand(PREFILL_CALIBRATION_ROWS, linear.in_features, generator=generator)
     best = float("inf")
     with torch.inference_mode():
         packed(x)   # warm-up
@@ -181,15 +179,16 @@ def _time_prefill_kernel(kernel: str, repeats: int = 3) -> float:
     return best
 
 
+def _random_linear(out_features: int, in_features: int, generator: torch.Generator) -> torch.nn.Linear:
+    linear = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False)
+    with torch.no_grad():
+        linear.weight.uniform_(-0.05, 0.05, generator=generator)
+    return linear
+
+
 def _calibration_linears() -> list[torch.nn.Linear]:
     generator = torch.Generator().manual_seed(0)
-    linears = []
-    for out_features, in_features in CALIBRATION_SHAPES:
-        linear = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False)
-        with torch.no_grad():
-            linear.weight.uniform_(-0.05, 0.05, generator=generator)
-        linears.append(linear)
-    return linears
+    return [_random_linear(out_features, in_features, generator) for out_features, in_features in CALIBRATION_SHAPES]
 
 
 def _time_kernel(kernel: str, linears: list[torch.nn.Linear], repeats: int = 2) -> float:
