@@ -87,6 +87,11 @@ class NativeDecodeLayers:
         self._windows = windows
         self._layer_types = layer_types
         self._kernels = kernels
+        q_width, kv_width = shape["heads"] * shape["head_dim"], shape["kv_heads"] * shape["head_dim"]
+        # Each scratch buffer's row width (decode_layers.c's step_t).
+        self._widths = dict(normed=max(shape["hidden"], q_width), q=q_width, k=kv_width, v=kv_width,
+                            attn_out=q_width, gate=shape["intermediate"], up=shape["intermediate"],
+                            act=shape["intermediate"], projected=shape["hidden"])
         self._attention_bound = False
 
     @classmethod
@@ -190,16 +195,11 @@ class NativeDecodeLayers:
             structure.window = window or 0
             structure.splits = _splits(rows, shape["kv_heads"], threads, longest if window is None
                                        else min(longest, window))
-        q_width = shape["heads"] * shape["head_dim"]
-        kv_width = shape["kv_heads"] * shape["head_dim"]
-        widths = dict(normed=max(shape["hidden"], q_width), q=q_width, k=kv_width, v=kv_width,
-                      attn_out=q_width, gate=shape["intermediate"], up=shape["intermediate"],
-                      act=shape["intermediate"], projected=shape["hidden"])
-        scratch = torch.empty(rows * sum(widths.values()))
+        scratch = torch.empty(rows * sum(self._widths.values()))
         pointers, offset = {}, 0
         for name in SCRATCH:
-            pointers[name] = scratch.data_ptr() + offset * 4
-            offset += rows * widths[name]
+            pointers[name] = scratch.data_ptr() + offset * scratch.element_size()
+            offset += rows * self._widths[name]
         step = _Step(rows=rows, eps=self._eps, slots=slots.data_ptr(), block_tables=tables.data_ptr(),
                      ctx_lens=ctx_lens.data_ptr(), table_width=tables.shape[1], block_size=meta.block_size,
                      activation=self._activation, num_threads=threads, **shape, **pointers)
