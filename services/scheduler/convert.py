@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import grpc
 from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
 
@@ -42,6 +44,15 @@ def worker_spec_from_proto(info: worker_pb2.WorkerInfo, worker_id: str, address:
     return WorkerSpec(worker_id=worker_id, address=address, block_size=info.block_size,
                       num_blocks=info.num_blocks, max_model_len=info.max_model_len,
                       eos_token_ids=frozenset(info.eos_token_ids))
+
+
+def model_info_to_proto(infos: Sequence[worker_pb2.WorkerInfo]) -> scheduler_pb2.ModelInfo:
+    """What the registered workers serve: the smallest context length and
+    vocabulary any of them reports (zeros while none has)."""
+    lengths = [info.max_model_len for info in infos if info.max_model_len > 0]
+    vocabularies = [info.vocab_size for info in infos if info.vocab_size > 0]
+    return scheduler_pb2.ModelInfo(max_model_len=min(lengths, default=0),
+                                   vocab_size=min(vocabularies, default=0))
 
 
 def step_request_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:

@@ -103,6 +103,7 @@ class _WorkerLink:
     address: str
     channel: grpc.aio.Channel
     stub: worker_pb2_grpc.WorkerStub
+    info: worker_pb2.WorkerInfo
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -193,6 +194,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def Stats(self, request: object, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         return convert.stats_to_proto(self._core.stats())
 
+    async def GetModelInfo(self, request: scheduler_pb2.ModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> scheduler_pb2.ModelInfo:
+        return convert.model_info_to_proto([link.info for link in self._links.values()])
+
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
         if not request.worker_id or not request.address:
@@ -210,7 +215,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         spec = convert.worker_spec_from_proto(info, request.worker_id, request.address)
         self._deliver(self._core.add_worker(spec))
         self._metrics.add_worker(spec.worker_id)
-        link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub)
+        link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub,
+                           info=info)
         link.task = asyncio.create_task(self._run_worker(link), name=f"worker-loop-{spec.worker_id}")
         self._links[spec.worker_id] = link
         log.info("worker registered", extra={"worker_id": spec.worker_id, "address": spec.address,
