@@ -5,26 +5,31 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from common.types import SamplingParams, Usage
-from services.gateway.backend import BackendError, TokenOutput
+from services.gateway.backend import BackendError
 from services.gateway.chat_template import (
     ChatMessage,
     chat_prompt_ids,
     raw_prompt_ids,
     turn_stop_token_ids,
 )
-from services.gateway.detokenizer import token_bytes
 from services.gateway.errors import bad_request, from_backend
 from services.gateway.generation import GenerationSpec, TextDelta, merge_streams
+from services.gateway.openai_format import (
+    ChatFormat,
+    ChoiceResult,
+    CompletionFormat,
+    Format,
+    RequestInfo,
+)
 from services.gateway.schemas import (
     ChatCompletionBody,
     ChatMessageBody,
@@ -74,23 +79,6 @@ class Choice:
     spec: GenerationSpec
 
 
-@dataclass
-class ChoiceResult:
-    text: list[str] = field(default_factory=list)
-    tokens: list[TokenOutput] = field(default_factory=list)
-    finish_reason: str = ""
-    usage: Usage = Usage(0, 0, 0)
-
-
-@dataclass(frozen=True)
-class RequestInfo:
-    request_id: str
-    supplied: bool
-    api_key: str | None
-    created: int
-    model: str
-
-
 def _request_info(request: Request, state: GatewayState) -> RequestInfo:
     request_id = getattr(request.state, "request_id", "")
     return RequestInfo(request_id=request_id,
@@ -120,7 +108,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     choices = await _choices(state, body, prompts, sampling, body.max_tokens, "max_tokens",
                              stop_token_ids=(), api_key=info.api_key)
     response_id = f"cmpl-{info.request_id}"
-    formatter = _CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
+    formatter = CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter)
 
@@ -140,7 +128,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     choices = await _choices(state, body, [prompt_ids], sampling, max_tokens, param,
                              stop_token_ids=turn_stop_token_ids(state.tokenizer),
                              api_key=info.api_key)
-    formatter = _ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
+    formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter)
 
@@ -224,7 +212,7 @@ async def _choices(state: GatewayState, body: CompletionBody | ChatCompletionBod
 
 async def _respond(request: Request, state: GatewayState, info: RequestInfo,
                    choices: list[Choice], stream: bool, include_usage: bool,
-                   formatter: _Format) -> Response:
+                   formatter: Format) -> Response:
     streams = [state.service.stream(choice.spec,
                                     scheduler_request_id(info.request_id, choice.index, info.supplied),
                                     info.request_id)
@@ -265,14 +253,8 @@ def _total_usage(choices: Sequence[Choice], results: Sequence[ChoiceResult]) -> 
                  cached_tokens=sum(cached_tokens.values()))
 
 
-def openai_usage(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
-
-
 async def _stream_events(merged: AsyncIterator[tuple[int, TextDelta]], choices: Sequence[Choice],
-                         include_usage: bool, formatter: _Format) -> AsyncIterator[bytes]:
+                         include_usage: bool, formatter: Format) -> AsyncIterator[bytes]:
     results = [ChoiceResult() for _ in choices]
     started: set[int] = set()
     try:
@@ -294,135 +276,3 @@ async def _stream_events(merged: AsyncIterator[tuple[int, TextDelta]], choices: 
     except BackendError as error:
         yield sse_data(from_backend(error).body())
     yield DONE
-
-
-class _Format(ABC):
-    """Shapes chunks and responses for one endpoint."""
-
-    object_name = ""
-    chunk_object_name = ""
-
-    def __init__(self, state: GatewayState, response_id: str, info: RequestInfo,
-                 logprobs: bool) -> None:
-        self.state = state
-        self.response_id = response_id
-        self.info = info
-        self.logprobs = logprobs
-
-    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.response_id, "object": object_name, "created": self.info.created,
-                "model": self.info.model, "choices": choices}
-
-    def _chunk(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
-        chunk = self._envelope(self.chunk_object_name, [choice])
-        if include_usage:
-            chunk["usage"] = None
-        return chunk
-
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        chunk = self._envelope(self.chunk_object_name, [])
-        chunk["usage"] = openai_usage(usage)
-        return chunk
-
-    def response(self, results: Sequence[ChoiceResult], usage: Usage) -> dict[str, Any]:
-        body = self._envelope(self.object_name, [self.choice(index, result)
-                                                 for index, result in enumerate(results)])
-        body["usage"] = openai_usage(usage)
-        return body
-
-    def token_text(self, token_id: int) -> str:
-        return self.state.service.token_text(token_id)
-
-    @abstractmethod
-    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
-        """Implemented per endpoint."""
-
-    @abstractmethod
-    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
-        """Implemented per endpoint."""
-
-    @abstractmethod
-    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
-        """Implemented per endpoint."""
-
-    @abstractmethod
-    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        """Implemented per endpoint."""
-
-
-class _CompletionFormat(_Format):
-    object_name = "text_completion"
-    chunk_object_name = "text_completion"
-
-    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
-        return None
-
-    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
-        return self._chunk({"index": index, "text": delta.text,
-                            "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
-                           include_usage)
-
-    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
-        return self._chunk({"index": index, "text": "", "logprobs": None,
-                            "finish_reason": finish_reason}, include_usage)
-
-    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        return {"index": index, "text": "".join(result.text),
-                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
-
-    def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
-        if not self.logprobs:
-            return None
-        texts = [self.token_text(token.token_id) for token in tokens]
-        offsets, position = [], 0
-        for text in texts:
-            offsets.append(position)
-            position += len(text)
-        return {
-            "tokens": texts,
-            "token_logprobs": [token.logprob.logprob if token.logprob else None for token in tokens],
-            "top_logprobs": [
-                {self.token_text(top.token_id): top.logprob for top in token.logprob.top}
-                if token.logprob else None for token in tokens],
-            "text_offset": offsets,
-        }
-
-
-class _ChatFormat(_Format):
-    object_name = "chat.completion"
-    chunk_object_name = "chat.completion.chunk"
-
-    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
-        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}, include_usage)
-
-    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
-        return self._chunk({"index": index, "delta": {"content": delta.text},
-                            "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
-                           include_usage)
-
-    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
-        return self._chunk({"index": index, "delta": {}, "logprobs": None,
-                            "finish_reason": finish_reason}, include_usage)
-
-    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(result.text)},
-                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
-
-    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
-        text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob,
-                "bytes": list(token_bytes(self.state.tokenizer, token_id, text))}
-
-    def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
-        if not self.logprobs:
-            return None
-        content = []
-        for token in tokens:
-            if token.logprob is None:
-                continue
-            entry = self._entry(token.token_id, token.logprob.logprob)
-            entry["top_logprobs"] = [self._entry(top.token_id, top.logprob)
-                                     for top in token.logprob.top]
-            content.append(entry)
-        return {"content": content}

@@ -1,0 +1,170 @@
+"""The OpenAI endpoints' response shapes: the envelope, choices, chunks,
+usage and logprobs of /v1/completions and /v1/chat/completions."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from common.types import Usage
+from services.gateway.backend import TokenOutput
+from services.gateway.detokenizer import token_bytes
+from services.gateway.generation import TextDelta
+from services.gateway.state import GatewayState
+
+
+@dataclass
+class ChoiceResult:
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenOutput] = field(default_factory=list)
+    finish_reason: str = ""
+    usage: Usage = Usage(0, 0, 0)
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    request_id: str
+    supplied: bool
+    api_key: str | None
+    created: int
+    model: str
+
+
+def openai_usage(usage: Usage) -> dict[str, Any]:
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.prompt_tokens + usage.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+
+
+class Format(ABC):
+    """Shapes chunks and responses for one endpoint."""
+
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(self, state: GatewayState, response_id: str, info: RequestInfo,
+                 logprobs: bool) -> None:
+        self.state = state
+        self.response_id = response_id
+        self.info = info
+        self.logprobs = logprobs
+
+    def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.response_id, "object": object_name, "created": self.info.created,
+                "model": self.info.model, "choices": choices}
+
+    def _chunk(self, choice: dict[str, Any], include_usage: bool) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object_name, [choice])
+        if include_usage:
+            chunk["usage"] = None
+        return chunk
+
+    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+        chunk = self._envelope(self.chunk_object_name, [])
+        chunk["usage"] = openai_usage(usage)
+        return chunk
+
+    def response(self, results: Sequence[ChoiceResult], usage: Usage) -> dict[str, Any]:
+        body = self._envelope(self.object_name, [self.choice(index, result)
+                                                 for index, result in enumerate(results)])
+        body["usage"] = openai_usage(usage)
+        return body
+
+    def token_text(self, token_id: int) -> str:
+        return self.state.service.token_text(token_id)
+
+    @abstractmethod
+    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        """Implemented per endpoint."""
+
+    @abstractmethod
+    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
+        """Implemented per endpoint."""
+
+    @abstractmethod
+    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
+        """Implemented per endpoint."""
+
+    @abstractmethod
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        """Implemented per endpoint."""
+
+
+class CompletionFormat(Format):
+    object_name = "text_completion"
+    chunk_object_name = "text_completion"
+
+    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        return None
+
+    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "text": delta.text,
+                            "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
+                           include_usage)
+
+    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "text": "", "logprobs": None,
+                            "finish_reason": finish_reason}, include_usage)
+
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        return {"index": index, "text": "".join(result.text),
+                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
+
+    def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        texts = [self.token_text(token.token_id) for token in tokens]
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [token.logprob.logprob if token.logprob else None for token in tokens],
+            "top_logprobs": [
+                {self.token_text(top.token_id): top.logprob for top in token.logprob.top}
+                if token.logprob else None for token in tokens],
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat(Format):
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
+        return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}, include_usage)
+
+    def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {"content": delta.text},
+                            "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
+                           include_usage)
+
+    def finish_chunk(self, index: int, finish_reason: str, include_usage: bool) -> dict[str, Any]:
+        return self._chunk({"index": index, "delta": {}, "logprobs": None,
+                            "finish_reason": finish_reason}, include_usage)
+
+    def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
+        return {"index": index, "message": {"role": "assistant", "content": "".join(result.text)},
+                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        text = self.token_text(token_id)
+        return {"token": text, "logprob": logprob,
+                "bytes": list(token_bytes(self.state.tokenizer, token_id, text))}
+
+    def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        content = []
+        for token in tokens:
+            if token.logprob is None:
+                continue
+            entry = self._entry(token.token_id, token.logprob.logprob)
+            entry["top_logprobs"] = [self._entry(top.token_id, top.logprob)
+                                     for top in token.logprob.top]
+            content.append(entry)
+        return {"content": content}
