@@ -11,6 +11,7 @@ with the smallest counter.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Sequence
 
 from services.scheduler.core.state import RequestState
@@ -59,6 +60,42 @@ class VirtualTokenCounter:
 
     def __len__(self) -> int:
         return len(self._counters)
+
+
+class WaitingClients:
+    """Requests waiting for admission per client, kept in step with the VTC:
+    a client's request arriving while none of its requests waits lifts its
+    counter, and the client whose last waiting request leaves the queue is
+    noted as the last departure. Only clients with something waiting are kept."""
+
+    def __init__(self, vtc: VirtualTokenCounter) -> None:
+        self._vtc = vtc
+        self._waiting: Counter[str] = Counter()
+
+    def arrive(self, client_id: str) -> None:
+        """A new request queues."""
+        if self._waiting[client_id] == 0:
+            self._vtc.lift_on_arrival(client_id, list(self._waiting))
+        self._waiting[client_id] += 1
+
+    def requeue(self, client_id: str) -> None:
+        """A request that was admitted before queues again (no lift: its client
+        was served)."""
+        self._waiting[client_id] += 1
+
+    def leave(self, client_id: str) -> None:
+        """A request leaves the queue: admitted, rejected or finished."""
+        self._waiting[client_id] -= 1
+        if self._waiting[client_id] <= 0:
+            del self._waiting[client_id]
+            self._vtc.note_departure(client_id)
+
+    def waiting(self, client_id: str) -> int:
+        return self._waiting[client_id]
+
+    def __len__(self) -> int:
+        """Clients with at least one request waiting."""
+        return len(self._waiting)
 
 
 def _queue_position(request: RequestState) -> tuple[int, int]:

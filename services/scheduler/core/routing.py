@@ -1,10 +1,16 @@
-"""Which worker a new request goes to."""
+"""Which worker a request goes to: its session's worker while that one is
+there, else the worker holding (or about to hold) the longest prefix of its
+prompt, else the least loaded. A session remembers its last worker; sessions
+least recently used are forgotten first, and all of a worker's sessions when
+the worker goes.
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 
+from services.scheduler.core.prefix_share import shared_prefix_tokens
 from services.scheduler.core.state import WorkerState
 
 MAX_REMEMBERED_SESSIONS = 65536
@@ -48,3 +54,18 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
                 return worker
     return min(workers, key=lambda w: (-cached_prefix_tokens.get(w.worker_id, 0), w.load,
                                         w.reserved_kv_tokens, -w.pool.free_blocks, w.worker_id))
+
+
+def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
+                 cached_prefix_tokens: Mapping[str, int], min_tokens: int) -> dict[str, int]:
+    """The index's cached-prefix hints (worker_id -> tokens), raised where a
+    worker is about to hold a longer prefix: one of its queued or prefilling
+    requests shares it (prefix_share.py; 0 `min_tokens` turns that off)."""
+    hints = dict(cached_prefix_tokens)
+    if min_tokens <= 0 or len(workers) < 2:     # nothing to choose between
+        return hints
+    for worker in workers:
+        shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens)
+        if shared > hints.get(worker.worker_id, 0):
+            hints[worker.worker_id] = shared
+    return hints

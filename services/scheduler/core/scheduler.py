@@ -12,7 +12,6 @@ its generated tokens and is later recomputed from prompt + output.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from itertools import count
@@ -20,14 +19,20 @@ from itertools import count
 from common.sequence_ids import sequence_id
 from common.types import SamplingParams, Usage
 
-from services.scheduler.core.policy import VirtualTokenCounter, pick_next
-from services.scheduler.core.prefix_share import blocked_by_leaders, shared_prefix_tokens
-from services.scheduler.core.routing import SessionMap, choose_worker
+from services.scheduler.core import gates
+from services.scheduler.core.counters import CoreCounters, core_stats
+from services.scheduler.core.policy import VirtualTokenCounter, WaitingClients, pick_next
+from services.scheduler.core.prefix_share import blocked_by_leaders
+from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
+from services.scheduler.core.routing import SessionMap, choose_worker, prefix_hints
+from services.scheduler.core.slot_fairness import preemption_victim, slot_victim
+from services.scheduler.core.speculation import draft_allowance, speculating
 from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
+from services.scheduler.core.step_builder import StepBuilder, tokens_to_compute
 from services.scheduler.core.types import (
-    OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate,
-    NewSequence, Policy, PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult,
-    StepOutcome, StepPlan, SubmitResult, TokenOut, WorkerSpec, WorkerSummary, WorkItem,
+    OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, NewSequence,
+    PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan,
+    SubmitResult, TokenOut, WorkerSpec,
 )
 
 ANONYMOUS_CLIENT = "anonymous"
@@ -44,51 +49,6 @@ def worker_sampling(request: RequestState) -> SamplingParams:
                    stop_token_ids=tuple(sorted(spec.stop_token_ids)))
 
 
-class _PlanBuilder:
-    """One step under construction, with what is left of its budgets."""
-
-    def __init__(self, step_id: int, available_blocks: int, token_budget: int,
-                 frees: list[str]) -> None:
-        self.step_id = step_id
-        self.available_blocks = available_blocks
-        self.token_budget = token_budget
-        self.frees = frees
-        self.new_sequences: list[NewSequence] = []
-        # seq_id -> tokens, blocks, is_decode, draft tokens (which count against the token budget)
-        self._work: dict[str, tuple[int, int, bool, int]] = {}
-
-    def add(self, seq_id: str, tokens: int, blocks: int, is_decode: bool, drafts: int = 0) -> None:
-        self._work[seq_id] = (tokens, blocks, is_decode, drafts)
-        self.token_budget -= tokens + drafts
-        self.available_blocks -= blocks
-
-    def drop(self, seq_id: str) -> None:
-        tokens, blocks, _, drafts = self._work.pop(seq_id, (0, 0, False, 0))
-        self.token_budget += tokens + drafts
-        self.available_blocks += blocks
-
-    @property
-    def has_work(self) -> bool:
-        return bool(self._work)
-
-    @property
-    def has_prefill(self) -> bool:
-        return any(not is_decode for _, _, is_decode, _ in self._work.values())
-
-    @property
-    def has_decode(self) -> bool:
-        return any(is_decode for _, _, is_decode, _ in self._work.values())
-
-    def build(self, after_step_id: int = 0) -> StepPlan | None:
-        if not (self._work or self.frees or self.new_sequences):
-            return None
-        return StepPlan(
-            step_id=self.step_id, new_sequences=tuple(self.new_sequences),
-            work=tuple(WorkItem(seq_id, tokens, drafts) for seq_id, (tokens, _, _, drafts) in self._work.items()),
-            free_seq_ids=tuple(self.frees), after_step_id=after_step_id,
-        )
-
-
 class SchedulerCore:
     def __init__(self, config: CoreConfig, clock: Callable[[], float],
                  new_id: Callable[[], str]) -> None:
@@ -99,17 +59,11 @@ class SchedulerCore:
         self._requests: dict[str, RequestState] = {}
         self._by_seq: dict[str, RequestState] = {}
         self._vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight)
-        self._waiting_by_client: Counter[str] = Counter()
+        self._waiting_by_client = WaitingClients(self._vtc)
         self._sessions = SessionMap()
         self._arrivals = count()
         self._step_ids = count(1)
-        self._admitted = 0
-        self._preemptions = 0
-        self._migrations = 0
-        self._finished: Counter[str] = Counter()
-        self._rejections: Counter[str] = Counter()
-        self._holds: Counter[str] = Counter()
-        self._queue_waits: list[float] = []
+        self._counts = CoreCounters()
 
     @property
     def config(self) -> CoreConfig:
@@ -169,12 +123,13 @@ class SchedulerCore:
                 updates.extend(self.remove_worker(
                     worker.worker_id,
                     f"worker {worker.worker_id} stopped heartbeating ({silence:.1f} s since the last one)"))
+        timeout_s = self._config.queue_timeout_s
         for worker in self._workers.values():
             for request in list(worker.pending):
                 waited = now - request.arrival_s
-                if not request.admitted_once and waited > self._config.queue_timeout_s:
-                    updates.append(self._reject_waiting(worker, request, Gate.TIMEOUT,
-                                                        self._timeout_message(request, waited)))
+                if gates.timed_out(request.admitted_once, waited, timeout_s):
+                    message = gates.timeout_message(request.held_by, waited, timeout_s)
+                    updates.append(self._reject_waiting(worker, request, Gate.TIMEOUT, message))
         return ExpireOutcome(updates=tuple(updates), removed_workers=tuple(removed))
 
     # ---- requests ----
@@ -184,29 +139,34 @@ class SchedulerCore:
         """Queues a request on a worker, or rejects it at once."""
         if not spec.request_id:
             spec = replace(spec, request_id=self._new_id())
-        rejection = self._reject_early(spec)
+        num_waiting = sum(len(w.pending) for w in self._workers.values())
+        rejection = gates.reject_early(spec, spec.request_id in self._requests, len(self._workers),
+                                       num_waiting, self._config.max_queue_len)
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
-        session_worker = self._sessions.get(spec.session_id) if spec.session_id else None
-        hints = self._with_inflight_prefixes(spec.prompt_token_ids, cached_prefix_tokens or {})
-        worker = choose_worker(list(self._workers.values()), session_worker, hints)
-        assert worker is not None
+        worker = self._route(spec, cached_prefix_tokens or {})
         prompt_len = len(spec.prompt_token_ids)
-        max_tokens = spec.max_tokens if spec.max_tokens > 0 else worker.spec.max_model_len - prompt_len
-        problem = self._never_fit(worker.spec, prompt_len, max_tokens)
+        max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len)
+        problem = gates.never_fit(worker.spec, prompt_len, max_tokens, self._config.max_active_kv_tokens)
         if problem:
             return self._count_rejection(spec.request_id, Rejection(Gate.NEVER_FIT, problem))
         if spec.session_id:
             self._sessions.remember(spec.session_id, worker.worker_id)
-        client_id = spec.client_id or ANONYMOUS_CLIENT
-        request = RequestState(spec=spec, client_id=client_id, max_tokens=max_tokens,
+        request = RequestState(spec=spec, client_id=spec.client_id or ANONYMOUS_CLIENT, max_tokens=max_tokens,
                                arrival_s=self._clock(), arrival_order=next(self._arrivals),
                                worker_id=worker.worker_id)
-        if self._waiting_by_client[client_id] == 0:
-            self._vtc.lift_on_arrival(client_id, list(self._waiting_by_client))
         self._requests[spec.request_id] = request
-        self._enqueue(worker, request)
+        self._enqueue(worker, request, arriving=True)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
+
+    def _route(self, spec: RequestSpec, cached_prefix_tokens: Mapping[str, int]) -> WorkerState:
+        session_worker = self._sessions.get(spec.session_id) if spec.session_id else None
+        workers = list(self._workers.values())
+        hints = prefix_hints(spec.prompt_token_ids, workers, cached_prefix_tokens,
+                             self._config.prefix_wait_min_tokens)
+        worker = choose_worker(workers, session_worker, hints)
+        assert worker is not None
+        return worker
 
     def cancel(self, request_id: str) -> tuple[bool, list[RequestUpdate]]:
         """Ends a request now; its sequence is freed in its worker's next step."""
@@ -229,9 +189,9 @@ class SchedulerCore:
         worker = self._workers[worker_id]
         if len(worker.in_flight) >= self._config.max_steps_in_flight:
             raise RuntimeError(f"worker {worker_id} already has {len(worker.in_flight)} step(s) in flight")
-        plan = _PlanBuilder(next(self._step_ids), worker.available_blocks() + worker.releasing_blocks,
-                            self._config.max_batch_tokens, worker.frees)
-        worker.frees, worker.releasing_blocks = [], 0
+        frees, releasing_blocks = worker.take_frees()
+        plan = StepBuilder(next(self._step_ids), worker.available_blocks() + releasing_blocks,
+                           self._config.max_batch_tokens, frees)
         prefill_turn = self._prefill_turn(worker)
         if prefill_turn is None:
             self._plan_decodes(worker, plan)
@@ -293,7 +253,7 @@ class SchedulerCore:
         sampling = set()
         for item in step.work:
             request = self._by_seq[item.seq_id]
-            request.num_computed += item.max_tokens
+            request.num_computed += tokens_to_compute(item)
             request.inflight_drafts += item.draft_tokens
             if request.num_computed >= request.worker_tokens:
                 request.inflight_samples += 1
@@ -304,73 +264,15 @@ class SchedulerCore:
 
     def drain_queue_waits(self) -> list[float]:
         """Seconds from arrival to first admission, since the last call."""
-        waits, self._queue_waits = self._queue_waits, []
-        return waits
+        return self._counts.drain_queue_waits()
 
     def stats(self) -> CoreStats:
-        workers = tuple(
-            WorkerSummary(
-                worker_id=w.worker_id, address=w.spec.address,
-                healthy=self._clock() - w.last_heartbeat_s <= self._config.heartbeat_timeout_s,
-                running=len(w.running), pending=len(w.pending), free_blocks=w.pool.free_blocks,
-                cached_blocks=w.pool.cached_blocks, total_blocks=w.pool.total_blocks,
-                used_blocks=w.pool.used_blocks, evictions=w.pool.evictions,
-                last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps,
-                reserved_kv_tokens=w.reserved_kv_tokens)
-            for w in self._workers.values())
-        return CoreStats(
-            policy=self._config.policy,
-            pending=sum(len(w.pending) for w in self._workers.values()),
-            prefilling=sum(len(w.prefilling) for w in self._workers.values()),
-            active=sum(len(w.active) for w in self._workers.values()),
-            admitted=self._admitted, finished=sum(self._finished.values()),
-            preemptions=self._preemptions, migrations=self._migrations, rejections=dict(self._rejections),
-            holds=dict(self._holds), workers=workers, clients=self._vtc.snapshot(),
-            reserved_kv_tokens=sum(w.reserved_kv_tokens for w in self._workers.values()),
-            finished_by_reason=dict(self._finished),
-        )
-
-    # ---- admission checks ----
-
-    def _reject_early(self, spec: RequestSpec) -> Rejection | None:
-        if not spec.prompt_token_ids:
-            return Rejection(Gate.INVALID, "the prompt is empty")
-        if spec.request_id in self._requests:
-            return Rejection(Gate.INVALID, f"request_id {spec.request_id!r} is already in flight")
-        if not self._workers:
-            return Rejection(Gate.NO_WORKER, "no worker is registered")
-        waiting = sum(len(w.pending) for w in self._workers.values())
-        if waiting >= self._config.max_queue_len:
-            return Rejection(Gate.QUEUE, f"the queue is full: {waiting} requests waiting "
-                                         f"(MAX_QUEUE_LEN={self._config.max_queue_len})")
-        return None
-
-    def _never_fit(self, worker: WorkerSpec, prompt_len: int, max_tokens: int) -> str:
-        total = prompt_len + max_tokens
-        head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens"
-        if max_tokens <= 0 or total > worker.max_model_len:
-            return f"{head} exceeds the model context of {worker.max_model_len} tokens"
-        blocks = blocks_for(total, worker.block_size)
-        if blocks > worker.num_blocks:
-            return (f"{head} needs {blocks} KV blocks of {worker.block_size} tokens, "
-                    f"but the worker's pool has {worker.num_blocks}")
-        if total > self._config.max_active_kv_tokens:
-            return f"{head} exceeds MAX_ACTIVE_KV_TOKENS={self._config.max_active_kv_tokens}"
-        return ""
+        return core_stats(self._config.policy, self._counts, self._workers.values(), self._vtc.snapshot(),
+                          now=self._clock(), heartbeat_timeout_s=self._config.heartbeat_timeout_s)
 
     def _count_rejection(self, request_id: str, rejection: Rejection) -> SubmitResult:
-        self._rejections[rejection.gate.value] += 1
+        self._counts.count_rejection(rejection.gate)
         return SubmitResult(request_id=request_id, rejection=rejection)
-
-    def _hold(self, request: RequestState, gate: Gate) -> None:
-        if gate not in request.held_by:
-            request.held_by.add(gate)
-            self._holds[gate.value] += 1
-
-    def _timeout_message(self, request: RequestState, waited: float) -> str:
-        held = ", ".join(sorted(g.value for g in request.held_by)) or "queue order"
-        return (f"not admitted after {waited:.1f} s (QUEUE_TIMEOUT_S={self._config.queue_timeout_s:g}); "
-                f"held by: {held}")
 
     # ---- planning ----
 
@@ -383,11 +285,9 @@ class SchedulerCore:
             return None
         return not worker.last_step_was_prefill
 
-    def _plan_decodes(self, worker: WorkerState, plan: _PlanBuilder) -> None:
-        block_size = worker.spec.block_size
+    def _plan_decodes(self, worker: WorkerState, plan: StepBuilder) -> None:
         config = self._config
-        speculating = config.speculative_tokens > 0 and (
-            config.speculative_max_batch <= 0 or len(worker.active) <= config.speculative_max_batch)
+        drafting = speculating(config.speculative_tokens, config.speculative_max_batch, len(worker.active))
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
@@ -395,28 +295,23 @@ class SchedulerCore:
                 continue  # its last tokens are (or, as drafts, may be) sampled in a step in flight
             if plan.token_budget < 1:
                 return
-            needed = blocks_for(request.num_computed + 1, block_size) - worker.blocks_held(request)
+            needed = blocks_to_grow(request.num_computed, 1, worker.spec.block_size)
             if self._make_room(worker, plan, request, needed):
                 assert request.seq_id is not None
-                drafts, extra = self._draft_allowance(worker, plan, request, needed) if speculating else (0, 0)
+                drafts, extra = self._draft_allowance(worker, plan, request, needed) if drafting else (0, 0)
                 plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
 
-    def _draft_allowance(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState,
+    def _draft_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
                          needed: int) -> tuple[int, int]:
-        """(speculative tokens, extra blocks for their slots) a decode may verify: within
-        max_tokens even if every draft in flight is kept, the step's token budget, and
-        the blocks left without evicting anything for it."""
-        block_size = worker.spec.block_size
-        left = request.max_tokens - request.outputs_if_drafts_kept - 1
-        drafts = min(self._config.speculative_tokens, left, plan.token_budget - 1)
-        held = worker.blocks_held(request) + needed
-        capacity = (held + max(plan.available_blocks - needed, 0)) * block_size - (request.num_computed + 1)
-        drafts = min(drafts, capacity)
-        if drafts <= 0:
-            return 0, 0
-        return drafts, blocks_for(request.num_computed + 1 + drafts, block_size) - held
+        """(draft tokens, extra blocks) for a decode that takes `needed` blocks for its own token."""
+        return draft_allowance(
+            speculative_tokens=self._config.speculative_tokens,
+            outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
+            token_budget=plan.token_budget, num_computed=request.num_computed,
+            held_blocks=worker.blocks_held(request) + needed, spare_blocks=plan.available_blocks - needed,
+            block_size=worker.spec.block_size)
 
-    def _plan_prefill(self, worker: WorkerState, plan: _PlanBuilder) -> None:
+    def _plan_prefill(self, worker: WorkerState, plan: StepBuilder) -> None:
         for request in sorted(worker.prefilling, key=lambda r: r.running_key):
             if request.phase is not Phase.PREFILLING:
                 continue
@@ -425,30 +320,23 @@ class SchedulerCore:
             self._plan_chunk(worker, plan, request)
         self._plan_admissions(worker, plan)
 
-    def _plan_chunk(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState) -> None:
+    def _plan_chunk(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
         # Once its last chunk is in flight, the next "chunk" is its first decode.
         wanted = min(request.worker_tokens - request.num_computed,
                      self._config.prefill_chunk_size, plan.token_budget)
         if wanted <= 0 or not request.wants_more:
             return
-        tokens = self._tokens_that_fit(worker, plan, request, wanted)
-        if tokens == 0:
-            one_more = blocks_for(request.num_computed + 1, worker.spec.block_size) - worker.blocks_held(request)
-            if not self._make_room(worker, plan, request, one_more):
+        block_size = worker.spec.block_size
+        num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted)
+        if num_tokens == 0:
+            if not self._make_room(worker, plan, request, blocks_to_grow(request.num_computed, 1, block_size)):
                 return
-            tokens = self._tokens_that_fit(worker, plan, request, wanted)
-        needed = blocks_for(request.num_computed + tokens, worker.spec.block_size) - worker.blocks_held(request)
+            num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted)
         assert request.seq_id is not None
-        plan.add(request.seq_id, tokens, needed, is_decode=False)
+        plan.add(request.seq_id, num_tokens, blocks_to_grow(request.num_computed, num_tokens, block_size),
+                 is_decode=False)
 
-    @staticmethod
-    def _tokens_that_fit(worker: WorkerState, plan: _PlanBuilder, request: RequestState,
-                         wanted: int) -> int:
-        capacity = ((worker.blocks_held(request) + max(plan.available_blocks, 0)) * worker.spec.block_size
-                    - request.num_computed)
-        return max(0, min(wanted, capacity))
-
-    def _plan_admissions(self, worker: WorkerState, plan: _PlanBuilder) -> None:
+    def _plan_admissions(self, worker: WorkerState, plan: StepBuilder) -> None:
         config = self._config
         if worker.refused_allocation:
             return
@@ -459,69 +347,33 @@ class SchedulerCore:
             request = pick_next(candidates, config.policy, self._vtc)
             if request is None:
                 return
-            if len(worker.running) >= config.max_batch_size:
-                victim = self._slot_victim(worker, plan, request)
-                if victim is None:
-                    return
-                self._preempt(worker, victim, plan)
-            if worker.reserved_kv_tokens + request.kv_reservation > config.max_active_kv_tokens:
-                self._hold(request, Gate.ACTIVE_KV)
+            if len(worker.running) >= config.max_batch_size and not self._free_a_slot(worker, plan, request):
                 return
-            if blocks_for(request.known_tokens, worker.spec.block_size) > plan.available_blocks:
-                self._hold(request, Gate.CACHE_POOL)
-                return
+            gate = gates.holding_gate(worker.reserved_kv_tokens, request.kv_reservation,
+                                      config.max_active_kv_tokens, request.known_tokens, block_size,
+                                      plan.available_blocks)
+            if gate is not None:
+                self._counts.count_hold(request, gate)
+                return  # nothing behind it overtakes it
             self._admit(worker, plan, request)
             blocked |= blocked_by_leaders(worker.pending, [request], block_size, min_shared)
 
-    def _with_inflight_prefixes(self, prompt: tuple[int, ...],
-                                cached_prefix_tokens: Mapping[str, int]) -> dict[str, int]:
-        """The index's cached-prefix hints, raised where a worker is about to hold a
-        longer prefix: one of its queued or prefilling requests shares it."""
-        hints = dict(cached_prefix_tokens)
-        min_tokens = self._config.prefix_wait_min_tokens
-        if min_tokens <= 0 or len(self._workers) < 2:     # nothing to choose between
-            return hints
-        for worker in self._workers.values():
-            shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens)
-            if shared > hints.get(worker.worker_id, 0):
-                hints[worker.worker_id] = shared
-        return hints
+    def _free_a_slot(self, worker: WorkerState, plan: StepBuilder, candidate: RequestState) -> bool:
+        """Preempts the running request that gives its batch slot to `candidate`;
+        False when none does."""
+        admitted_now = {new.seq_id for new in plan.new_sequences}
+        victim = slot_victim(candidate, worker.running, worker.pending, admitted_now,
+                             self._config.policy, self._config.max_batch_size)
+        if victim is None:
+            return False
+        self._preempt(worker, victim, plan)
+        return True
 
-    def _slot_victim(self, worker: WorkerState, plan: _PlanBuilder,
-                     candidate: RequestState) -> RequestState | None:
-        """The running request that gives its batch slot to `candidate` when
-        the batch is full, if any. A lower-priority request always yields.
-        Under vtc, a client holding more than its fair share of slots
-        (max_batch_size over the clients with work on this worker) yields
-        its latest arrival to a client holding less; the victim keeps its
-        tokens and its cached blocks make the recompute cheap. Both rules
-        only ever move slots towards higher priority or a fairer split, so
-        they cannot ping-pong."""
-        admitted_now = {s.seq_id for s in plan.new_sequences}
-        movable = [r for r in worker.running if r.seq_id not in admitted_now]
-        lower = [r for r in movable if r.priority < candidate.priority]
-        if lower:
-            return max(lower, key=lambda r: r.running_key)
-        if self._config.policy is not Policy.VTC:
-            return None
-        slots = Counter(r.client_id for r in worker.running)
-        clients = set(slots) | {r.client_id for r in worker.pending}
-        fair_share = self._config.max_batch_size / len(clients)
-        if slots[candidate.client_id] + 1 > fair_share:
-            return None
-        over_share = [r for r in movable if r.priority == candidate.priority
-                      and slots[r.client_id] - 1 >= fair_share
-                      and r.client_id != candidate.client_id]
-        if not over_share:
-            return None
-        return max(over_share, key=lambda r: (slots[r.client_id], r.arrival_order))
-
-    def _admit(self, worker: WorkerState, plan: _PlanBuilder, request: RequestState) -> None:
+    def _admit(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
         if not request.admitted_once:
             request.admitted_once = True
-            self._admitted += 1
             request.queue_wait_s = self._clock() - request.arrival_s
-            self._queue_waits.append(request.queue_wait_s)
+            self._counts.count_admission(request.queue_wait_s)
             self._vtc.charge_prompt(request.client_id, len(request.prompt))
         self._dequeue(worker, request)
         seq_id = sequence_id(request.request_id, self._new_id())
@@ -532,19 +384,19 @@ class SchedulerCore:
         plan.new_sequences.append(NewSequence(seq_id=seq_id, prompt_token_ids=request.prompt,
                                               output_token_ids=tuple(request.output),
                                               sampling=worker_sampling(request)))
-        tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
-        plan.add(seq_id, tokens, blocks_for(tokens, worker.spec.block_size), is_decode=False)
+        num_tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
+        plan.add(seq_id, num_tokens, blocks_for(num_tokens, worker.spec.block_size), is_decode=False)
 
-    def _make_room(self, worker: WorkerState, plan: _PlanBuilder, requester: RequestState,
+    def _make_room(self, worker: WorkerState, plan: StepBuilder, requester: RequestState,
                    needed_blocks: int) -> bool:
         """Preempts until `needed_blocks` are available; False when the
         requester itself had to go."""
-        while plan.available_blocks < needed_blocks:
-            victim = max(worker.running, key=lambda r: r.running_key)
+        victims, keeps_place = victims_for_room(
+            worker.running, requester, needed_blocks - plan.available_blocks,
+            freed_blocks=lambda r: worker.blocks_held(r) + plan.planned_blocks(r.seq_id or ""))
+        for victim in victims:
             self._preempt(worker, victim, plan)
-            if victim is requester:
-                return False
-        return True
+        return keeps_place
 
     # ---- results ----
 
@@ -564,7 +416,7 @@ class SchedulerCore:
                 return None
             worker.refused_allocation = True
             worker.refusal_seen_by_step = worker.in_flight[-1].plan.step_id if worker.in_flight else 0
-            self._preempt(worker, max(worker.running, key=lambda r: r.running_key))
+            self._preempt(worker, preemption_victim(worker.running))
             return None
         if result.error:
             finish = self._finish(request, FinishReason.ERROR,
@@ -607,23 +459,21 @@ class SchedulerCore:
 
     # ---- moving requests between queues ----
 
-    def _enqueue(self, worker: WorkerState, request: RequestState) -> None:
+    def _enqueue(self, worker: WorkerState, request: RequestState, arriving: bool = False) -> None:
+        """Queues `request` on `worker`: a new arrival, or one admitted before."""
         request.phase = Phase.PENDING
         worker.pending.append(request)
-        self._waiting_by_client[request.client_id] += 1
+        if arriving:
+            self._waiting_by_client.arrive(request.client_id)
+        else:
+            self._waiting_by_client.requeue(request.client_id)
 
     def _dequeue(self, worker: WorkerState, request: RequestState) -> None:
         worker.pending.remove(request)
-        self._left_queue(request.client_id)
-
-    def _left_queue(self, client_id: str) -> None:
-        self._waiting_by_client[client_id] -= 1
-        if self._waiting_by_client[client_id] <= 0:
-            del self._waiting_by_client[client_id]
-            self._vtc.note_departure(client_id)
+        self._waiting_by_client.leave(request.client_id)
 
     def _detach(self, worker: WorkerState, request: RequestState,
-                plan: _PlanBuilder | None = None) -> None:
+                plan: StepBuilder | None = None) -> None:
         """Takes a request out of its worker's queues and frees its sequence
         (in `plan` when one is being built, else in the next step)."""
         if request.phase is Phase.PENDING:
@@ -635,28 +485,25 @@ class SchedulerCore:
             seq_id, blocks = request.seq_id, worker.blocks_held(request)
             del self._by_seq[seq_id]
             if plan is not None:
-                plan.drop(seq_id)
-                plan.frees.append(seq_id)
-                plan.available_blocks += blocks
+                plan.free(seq_id, blocks)
             else:
-                worker.frees.append(seq_id)
-                worker.releasing_blocks += blocks
+                worker.free_in_next_step(seq_id, blocks)
         request.seq_id, request.num_computed, request.inflight_samples = None, 0, 0
         request.inflight_drafts = 0
 
     def _preempt(self, worker: WorkerState, request: RequestState,
-                 plan: _PlanBuilder | None = None) -> None:
+                 plan: StepBuilder | None = None) -> None:
         self._detach(worker, request, plan)
         request.resumed = True
         self._enqueue(worker, request)
-        self._preemptions += 1
+        self._counts.preemptions += 1
 
     def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:
         worker = self._workers.get(request.worker_id)
         if worker is not None:
             self._detach(worker, request)
         self._requests.pop(request.request_id, None)
-        self._finished[reason.value] += 1
+        self._counts.count_finish(reason)
         self._forget_idle_clients()
         usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
                       cached_tokens=request.cached_tokens or 0)
@@ -666,7 +513,7 @@ class SchedulerCore:
                         message: str) -> RequestUpdate:
         self._dequeue(worker, request)
         self._requests.pop(request.request_id, None)
-        self._rejections[gate.value] += 1
+        self._counts.count_rejection(gate)
         return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
 
     def _release_worker(self, worker: WorkerState) -> tuple[list[RequestState], list[RequestState]]:
@@ -680,7 +527,7 @@ class SchedulerCore:
         for request in running:
             self._detach(worker, request)
             request.resumed = True
-        worker.frees, worker.releasing_blocks = [], 0
+        worker.take_frees()    # the worker is gone: nothing to free there
         self._sessions.forget_worker(worker.worker_id)
         return fresh, resumable + running
 
@@ -698,17 +545,17 @@ class SchedulerCore:
         resumed from its prompt and the tokens it has produced."""
         waiting = request.phase is Phase.PENDING     # preempted before: still counted as waiting
         target = choose_worker(list(self._workers.values()), None, {})
-        problem = "no worker is left to resume it" if target is None else self._never_fit(
-            target.spec, len(request.prompt), request.max_tokens)
+        problem = "no worker is left to resume it" if target is None else gates.never_fit(
+            target.spec, len(request.prompt), request.max_tokens, self._config.max_active_kv_tokens)
         if problem:
             if waiting:
-                self._left_queue(request.client_id)
+                self._waiting_by_client.leave(request.client_id)
             request.worker_id = ""
             finish = self._finish(request, FinishReason.ERROR, f"{reason}; {problem}")
             return [RequestUpdate(request.request_id, finish=finish)]
         assert target is not None
         self._move_to(target, request, counted_as_waiting=waiting)
-        self._migrations += 1
+        self._counts.migrations += 1
         return []
 
     def _reroute(self, request: RequestState) -> list[RequestUpdate]:
@@ -716,9 +563,9 @@ class SchedulerCore:
         worker's queue, still counted as waiting) to another worker."""
         target = choose_worker(list(self._workers.values()), None, {})
         if target is None:
-            self._left_queue(request.client_id)
+            self._waiting_by_client.leave(request.client_id)
             self._requests.pop(request.request_id, None)
-            self._rejections[Gate.NO_WORKER.value] += 1
+            self._counts.count_rejection(Gate.NO_WORKER)
             rejection = Rejection(Gate.NO_WORKER, "no worker is left to serve the request")
             return [RequestUpdate(request.request_id, rejection=rejection)]
         self._move_to(target, request, counted_as_waiting=True)

@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from common.types import SamplingParams
 
+from services.scheduler.core.step_builder import tokens_to_compute
 from services.scheduler.core.types import Gate, PoolSnapshot, RequestSpec, StepPlan, WorkerSpec
 
 
@@ -135,6 +136,19 @@ class WorkerState:
     def load(self) -> int:
         return len(self.pending) + len(self.prefilling) + len(self.active)
 
+    def free_in_next_step(self, seq_id: str, blocks: int) -> None:
+        """Frees a sequence in the next step planned; its blocks count as
+        available to that step."""
+        self.frees.append(seq_id)
+        self.releasing_blocks += blocks
+
+    def take_frees(self) -> tuple[list[str], int]:
+        """The sequences to free in the step being planned and the blocks they
+        release; the next step starts with none."""
+        frees, releasing = self.frees, self.releasing_blocks
+        self.frees, self.releasing_blocks = [], 0
+        return frees, releasing
+
     def blocks_held(self, request: RequestState) -> int:
         return blocks_for(request.num_computed, self.spec.block_size)
 
@@ -147,5 +161,5 @@ class WorkerState:
         counts: Counter[str] = Counter()
         for step in self.in_flight:
             for item in step.plan.work:
-                counts[item.seq_id] += item.max_tokens
+                counts[item.seq_id] += tokens_to_compute(item)
         return counts

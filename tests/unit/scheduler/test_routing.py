@@ -1,0 +1,49 @@
+"""Routing on plain workers: sessions, cached prefixes, load, and prefix hints."""
+
+from __future__ import annotations
+
+from services.scheduler.core.routing import SessionMap, choose_worker, prefix_hints
+from services.scheduler.core.state import Phase
+
+from tests.unit.scheduler.plain_state import make_request, make_worker
+
+SHARED = tuple(range(100, 120))
+
+
+def test_sessions_forget_the_least_recently_used_first_and_a_gone_workers_all() -> None:
+    sessions = SessionMap(capacity=2)
+    sessions.remember("s1", "w0")
+    sessions.remember("s2", "w1")
+    assert sessions.get("s1") == "w0"          # now the most recently used
+    sessions.remember("s3", "w0")
+    assert (sessions.get("s1"), sessions.get("s2"), sessions.get("s3")) == ("w0", None, "w0")
+    sessions.forget_worker("w0")
+    assert sessions.get("s1") is None and sessions.get("s3") is None
+
+
+def test_choose_worker_prefers_the_session_then_the_prefix_then_the_load() -> None:
+    idle, busy = make_worker("w0"), make_worker("w1")
+    busy.pending.append(make_request(1))
+    assert choose_worker([idle, busy], "w1", {}) is busy
+    assert choose_worker([idle, busy], "gone", {}) is idle
+    assert choose_worker([idle, busy], None, {"w1": 8}) is busy
+    assert choose_worker([], None, {}) is None
+
+
+def test_choose_worker_breaks_load_ties_by_reservations_then_untouched_blocks_then_id() -> None:
+    first, second = make_worker("w0", free_blocks=10), make_worker("w1", free_blocks=20)
+    assert choose_worker([first, second], None, {}) is second
+    second.reserved_kv_tokens = 1
+    assert choose_worker([first, second], None, {}) is first
+    assert choose_worker([make_worker("w1"), make_worker("w0")], None, {}).worker_id == "w0"
+
+
+def test_prefix_hints_raise_a_worker_that_is_filling_the_prefix() -> None:
+    filling, other = make_worker("w0"), make_worker("w1")
+    filling.prefilling.append(make_request(1, prompt=SHARED + (1, 2), phase=Phase.PREFILLING))
+    prompt = SHARED + (7, 8, 9)
+    assert prefix_hints(prompt, [filling, other], {"w1": 4}, min_tokens=8) == {"w0": 20, "w1": 4}
+    assert prefix_hints(prompt, [filling, other], {"w0": 24}, min_tokens=8) == {"w0": 24}
+    assert prefix_hints(prompt, [filling, other], {}, min_tokens=0) == {}
+    assert prefix_hints(prompt, [filling], {}, min_tokens=8) == {}   # one worker: nothing to choose
+    assert prefix_hints(prompt[:6] + (0,) * 20, [filling, other], {}, min_tokens=8) == {}  # shares only 6
