@@ -21,7 +21,6 @@ from starlette.middleware import Middleware
 from common.types import Usage
 from services.gateway import openai_api
 from services.gateway.backend import BackendError, SchedulerBackend
-from services.gateway.chat_template import raw_prompt_ids, turn_stop_token_ids, user_turn_ids
 from services.gateway.errors import (
     INVALID_REQUEST,
     ApiError,
@@ -32,7 +31,7 @@ from services.gateway.errors import (
     server_error,
     unavailable,
 )
-from services.gateway.generation import GenerationService, GenerationSpec, TextDelta
+from services.gateway.generation import GenerationService, TextDelta
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import (
     ApiKeyMiddleware,
@@ -42,23 +41,15 @@ from services.gateway.middleware import (
 )
 from services.gateway.schemas import GenerateBody
 from services.gateway.settings import GatewaySettings
+from services.gateway.spec import RequestFields, TextInput
 from services.gateway.sse import event_stream, sse_data
 from services.gateway.state import (
     GatewayState,
     prime,
-    require_text,
     scheduler_request_id,
     until_disconnected,
 )
-from services.gateway.validation import (
-    SamplingInput,
-    build_sampling,
-    check_min_tokens,
-    check_priority,
-    client_id_for,
-    normalize_stop,
-    resolve_max_tokens,
-)
+from services.gateway.validation import SamplingInput
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -200,22 +191,16 @@ async def root() -> Response:
     return RedirectResponse("/dashboard/")
 
 
-async def generate_spec(state: GatewayState, body: GenerateBody, prompt_ids: list[int],
-                        api_key: str | None) -> GenerationSpec:
-    sampling = build_sampling(SamplingInput(
+def generate_input(body: GenerateBody) -> TextInput:
+    """What a /generate body asks for, in the text API's terms."""
+    sampling = SamplingInput(
         temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, min_p=body.min_p,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty, seed=body.seed), default_temperature=0.0)
-    stop = normalize_stop(body.stop)
-    priority = check_priority(body.priority)
-    max_tokens = resolve_max_tokens(body.max_tokens, len(prompt_ids),
-                                    state.settings.default_max_tokens, await state.max_model_len())
-    return GenerationSpec(
-        prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling, stop=stop,
-        stop_token_ids=() if body.raw else turn_stop_token_ids(state.tokenizer),
-        ignore_eos=bool(body.ignore_eos), min_tokens=check_min_tokens(body.min_tokens, max_tokens),
-        client_id=client_id_for(body.session_id, body.user, api_key),
-        session_id=body.session_id or "", priority=priority)
+        frequency_penalty=body.frequency_penalty, seed=body.seed)
+    return TextInput(prompt=body.prompt, raw=body.raw, fields=RequestFields(
+        sampling=sampling, default_temperature=0.0, max_tokens=body.max_tokens, stop=body.stop,
+        ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, priority=body.priority,
+        session_id=body.session_id, user=body.user))
 
 
 @router.post("/generate", responses={
@@ -226,9 +211,7 @@ async def generate_spec(state: GatewayState, body: GenerateBody, prompt_ids: lis
 async def generate(body: GenerateBody, request: Request) -> Response:
     state = gateway_state(request)
     request_id, supplied, api_key = request_identity(request)
-    prompt = require_text(body.prompt)
-    prompt_ids = await state.tokenize(raw_prompt_ids if body.raw else user_turn_ids, prompt)
-    spec = await generate_spec(state, body, prompt_ids, api_key)
+    spec = await state.text_spec(generate_input(body), api_key)
     scheduler_id = scheduler_request_id(request_id, 0, supplied)
     try:
         if body.stream:

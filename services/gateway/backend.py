@@ -14,18 +14,32 @@ from common.types import SamplingParams, TokenLogprob, Usage
 
 
 @dataclass(frozen=True)
-class GenerationRequest:
-    request_id: str
+class GenerationSpec:
+    """A checked request, ready for the scheduler (built by spec.build_spec).
+    max_tokens is the completion budget: at least 1, and within the context
+    with the prompt whenever the context length is known."""
     prompt_token_ids: tuple[int, ...]
     max_tokens: int
     sampling: SamplingParams = SamplingParams()
+    stop: tuple[str, ...] = ()  # stop strings: the gateway matches them, the scheduler never sees them
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
     client_id: str = "anonymous"
     session_id: str = ""
     priority: int = 0
-    trace_id: str = ""  # the HTTP/gRPC request id, sent as metadata for the logs
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the workers serve, as the scheduler reports it; None while unknown
+    (no worker has registered yet)."""
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+
+    @property
+    def known(self) -> bool:
+        return self.max_model_len is not None and self.vocab_size is not None
 
 
 @dataclass(frozen=True)
@@ -100,9 +114,11 @@ class Unavailable(BackendError):
 
 
 class SchedulerBackend(Protocol):
-    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    def generate(self, spec: GenerationSpec, request_id: str,
+                 trace_id: str = "") -> AsyncIterator[GenerationEvent]:
         """Streams the request's events; raises a BackendError on rejection.
-        Closing the iterator early cancels the request."""
+        Closing the iterator early cancels the request. request_id is the
+        scheduler's (unique); trace_id, the client's, goes along for the logs."""
         ...
 
     async def cancel(self, request_id: str) -> bool: ...
@@ -113,8 +129,8 @@ class SchedulerBackend(Protocol):
 
     async def readiness(self) -> Readiness: ...
 
-    async def max_model_len(self) -> int | None:
-        """The context length the workers serve, or None while unknown."""
+    async def model_info(self) -> ModelInfo:
+        """What the workers serve, as far as the scheduler knows yet."""
         ...
 
     async def close(self) -> None: ...

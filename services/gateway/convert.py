@@ -13,14 +13,16 @@ from services.gateway.backend import (
     BackendError,
     Finish,
     GenerationEvent,
-    GenerationRequest,
+    GenerationSpec,
     InvalidGeneration,
+    ModelInfo,
     Overloaded,
     SchedulerView,
     TokenOutput,
     Unavailable,
     WorkerView,
 )
+from services.gateway.spec import RequestFields, TextInput
 from services.gateway.validation import SamplingInput
 
 DEFAULT_RETRY_AFTER_S = 1
@@ -43,19 +45,26 @@ def sampling_input_from_proto(message: common_pb2.SamplingParams) -> SamplingInp
     )
 
 
-def generate_request_to_proto(request: GenerationRequest) -> scheduler_pb2.GenerateRequest:
+def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> scheduler_pb2.GenerateRequest:
+    """Everything but the stop strings, which the gateway matches itself."""
     return scheduler_pb2.GenerateRequest(
-        request_id=request.request_id,
-        prompt_token_ids=list(request.prompt_token_ids),
-        max_tokens=request.max_tokens,
-        sampling=sampling_to_proto(request.sampling),
-        stop_token_ids=list(request.stop_token_ids),
-        ignore_eos=request.ignore_eos,
-        min_tokens=request.min_tokens,
-        client_id=request.client_id,
-        session_id=request.session_id,
-        priority=request.priority,
+        request_id=request_id,
+        prompt_token_ids=list(spec.prompt_token_ids),
+        max_tokens=spec.max_tokens,
+        sampling=sampling_to_proto(spec.sampling),
+        stop_token_ids=list(spec.stop_token_ids),
+        ignore_eos=spec.ignore_eos,
+        min_tokens=spec.min_tokens,
+        client_id=spec.client_id,
+        session_id=spec.session_id,
+        priority=spec.priority,
     )
+
+
+def model_info_from_proto(message: scheduler_pb2.ModelInfo) -> ModelInfo:
+    """Zeros (no worker registered yet) become None: unknown."""
+    return ModelInfo(max_model_len=message.max_model_len or None,
+                     vocab_size=message.vocab_size or None)
 
 
 def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
@@ -134,20 +143,13 @@ def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
     return BackendError(f"scheduler error {code.name}: {details}")
 
 
-def text_request_fields(message: gateway_pb2.TextRequest) -> dict[str, Any]:
-    """The gRPC text API's request as plain keyword values."""
-    return {
-        "prompt": message.prompt,
-        "max_tokens": message.max_tokens or None,
-        "sampling": sampling_input_from_proto(message.sampling),
-        "stop": tuple(message.stop),
-        "raw": message.raw,
-        "session_id": message.session_id,
-        "priority": message.priority,
-        "user": message.user,
-        "ignore_eos": message.ignore_eos,
-        "min_tokens": message.min_tokens,
-    }
+def text_input_from_proto(message: gateway_pb2.TextRequest) -> TextInput:
+    """The gRPC text API's request, left for the same checks as /generate's."""
+    return TextInput(prompt=message.prompt, raw=message.raw, fields=RequestFields(
+        sampling=sampling_input_from_proto(message.sampling), default_temperature=0.0,
+        max_tokens=message.max_tokens or None, stop=tuple(message.stop),
+        ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
+        session_id=message.session_id, user=message.user))
 
 
 def text_chunk_to_proto(text: str, token_ids: tuple[int, ...], finish_reason: str | None,

@@ -12,12 +12,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from common.latency_tracker import LatencyTracker, RequestRecord
-from common.types import SamplingParams, Usage
+from common.types import Usage
 from services.gateway.backend import (
     BackendError,
     Finish,
     GenerationEvent,
-    GenerationRequest,
+    GenerationSpec,
     SchedulerBackend,
     TokenOutput,
 )
@@ -31,21 +31,6 @@ STOP_DRAIN_TIMEOUT_S = 2.0
 
 class GenerationFailed(BackendError):
     """The scheduler ended the request with finish_reason "error"."""
-
-
-@dataclass(frozen=True)
-class GenerationSpec:
-    """A validated request, ready for the scheduler."""
-    prompt_token_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    client_id: str = "anonymous"
-    session_id: str = ""
-    priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,18 +86,12 @@ class GenerationService:
                      trace_id: str = "") -> AsyncIterator[TextDelta]:
         """Yields one TextDelta per token, then a finishing one. Raises
         BackendError when the scheduler rejects or fails the request."""
-        request = GenerationRequest(
-            request_id=request_id, prompt_token_ids=spec.prompt_token_ids,
-            max_tokens=spec.max_tokens, sampling=spec.sampling,
-            stop_token_ids=spec.stop_token_ids, ignore_eos=spec.ignore_eos,
-            min_tokens=spec.min_tokens, client_id=spec.client_id, session_id=spec.session_id,
-            priority=spec.priority, trace_id=trace_id)
         detokenizer = IncrementalDetokenizer(self._tokenizer, spec.prompt_token_ids)
         stops = StopStringMatcher(spec.stop)
         progress = _Progress(self._clock())
         self._metrics.in_flight.inc()
         try:
-            async with aclosing(self._backend.generate(request)) as events:
+            async with aclosing(self._backend.generate(spec, request_id, trace_id)) as events:
                 async for event in events:
                     for position, token in enumerate(event.tokens):
                         self._note_token(progress)

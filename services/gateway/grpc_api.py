@@ -15,19 +15,9 @@ from common.grpc_server import request_id_from
 from common.logs import request_id_var
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import convert
-from services.gateway.backend import BackendError
-from services.gateway.chat_template import raw_prompt_ids, turn_stop_token_ids, user_turn_ids
+from services.gateway.backend import BackendError, GenerationSpec
 from services.gateway.errors import ApiError, from_backend, unauthorized
-from services.gateway.generation import GenerationSpec
-from services.gateway.state import GatewayState, require_text, scheduler_request_id
-from services.gateway.validation import (
-    build_sampling,
-    check_min_tokens,
-    check_priority,
-    client_id_for,
-    normalize_stop,
-    resolve_max_tokens,
-)
+from services.gateway.state import GatewayState, scheduler_request_id
 
 SERVICE_NAME = "fairserve.v1.TextGeneration"
 _STATUS_CODES = {
@@ -76,22 +66,7 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
         supplied = request_id_from(context)
         trace_id = supplied or uuid.uuid4().hex
         request_id_var.set(trace_id)
-        fields = convert.text_request_fields(request)
-        prompt = require_text(fields["prompt"])
-        builder = raw_prompt_ids if fields["raw"] else user_turn_ids
-        prompt_ids = await self._state.tokenize(builder, prompt)
-        sampling = build_sampling(fields["sampling"], default_temperature=0.0)
-        max_tokens = resolve_max_tokens(fields["max_tokens"], len(prompt_ids),
-                                        self._state.settings.default_max_tokens,
-                                        await self._state.max_model_len())
-        spec = GenerationSpec(
-            prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling,
-            stop=normalize_stop(fields["stop"]),
-            stop_token_ids=() if fields["raw"] else turn_stop_token_ids(self._state.tokenizer),
-            ignore_eos=fields["ignore_eos"],
-            min_tokens=check_min_tokens(fields["min_tokens"], max_tokens),
-            client_id=client_id_for(fields["session_id"], fields["user"], api_key),
-            session_id=fields["session_id"], priority=check_priority(fields["priority"]))
+        spec = await self._state.text_spec(convert.text_input_from_proto(request), api_key)
         return spec, scheduler_request_id(trace_id, 0, supplied is not None), trace_id
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:

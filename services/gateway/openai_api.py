@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from common.types import SamplingParams, Usage
-from services.gateway.backend import BackendError
+from common.types import Usage
+from services.gateway.backend import BackendError, GenerationSpec
 from services.gateway.chat_template import (
     ChatMessage,
     chat_prompt_ids,
@@ -22,7 +22,7 @@ from services.gateway.chat_template import (
     turn_stop_token_ids,
 )
 from services.gateway.errors import bad_request, from_backend
-from services.gateway.generation import GenerationSpec, TextDelta, merge_streams
+from services.gateway.generation import TextDelta, merge_streams
 from services.gateway.openai_format import (
     ChatFormat,
     ChoiceResult,
@@ -37,6 +37,7 @@ from services.gateway.schemas import (
     ModelCard,
     ModelList,
 )
+from services.gateway.spec import RequestFields, build_spec
 from services.gateway.sse import DONE, event_stream, sse_data
 from services.gateway.state import (
     GatewayState,
@@ -48,16 +49,9 @@ from services.gateway.state import (
 from services.gateway.validation import (
     MAX_TOP_LOGPROBS,
     SamplingInput,
-    build_sampling,
     check_int,
-    check_min_tokens,
     check_n,
-    check_priority,
-    check_prompt_ids,
     check_text,
-    client_id_for,
-    normalize_stop,
-    resolve_max_tokens,
 )
 
 router = APIRouter(prefix="/v1")
@@ -91,7 +85,7 @@ def _request_info(request: Request, state: GatewayState) -> RequestInfo:
 async def list_models(request: Request) -> ModelList:
     state = _state(request)
     card = ModelCard(id=state.settings.model_id, created=int(time.time()),
-                     max_model_len=await state.max_model_len())
+                     max_model_len=(await state.limits()).max_model_len)
     return ModelList(data=[card])
 
 
@@ -103,10 +97,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
         raise bad_request("echo is not supported.", "echo", "unsupported")
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     prompts = await _completion_prompts(state, body.prompt)
-    sampling = build_sampling(_sampling_input(body, logprobs=body.logprobs is not None,
-                                              top_logprobs=body.logprobs), default_temperature=1.0)
-    choices = await _choices(state, body, prompts, sampling, body.max_tokens, "max_tokens",
-                             stop_token_ids=(), api_key=info.api_key)
+    choices = await _choices(state, prompts, completion_fields(body), check_n(body.n), info.api_key)
     response_id = f"cmpl-{info.request_id}"
     formatter = CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
     return await _respond(request, state, info, choices, bool(body.stream),
@@ -121,13 +112,8 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     messages = [_chat_message(message, index) for index, message in enumerate(body.messages)]
     prompt_ids = await state.tokenize(chat_prompt_ids, messages, param="messages")
-    sampling = build_sampling(_sampling_input(body, logprobs=bool(body.logprobs),
-                                              top_logprobs=body.top_logprobs), default_temperature=1.0)
-    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    choices = await _choices(state, body, [prompt_ids], sampling, max_tokens, param,
-                             stop_token_ids=turn_stop_token_ids(state.tokenizer),
-                             api_key=info.api_key)
+    fields = chat_fields(body, turn_stop_token_ids(state.tokenizer))
+    choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.api_key)
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter)
@@ -135,6 +121,31 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
 
 def _include_usage(options: Any) -> bool:
     return bool(options is not None and options.include_usage)
+
+
+def completion_fields(body: CompletionBody) -> RequestFields:
+    """What a /v1/completions body asks for: its prompts are sent as they are."""
+    return _request_fields(body, _sampling_input(body, logprobs=body.logprobs is not None,
+                                                 top_logprobs=body.logprobs),
+                           max_tokens=body.max_tokens)
+
+
+def chat_fields(body: ChatCompletionBody, turn_stop_ids: tuple[int, ...]) -> RequestFields:
+    """What a /v1/chat/completions body asks for: the reply ends with the turn."""
+    sampling = _sampling_input(body, logprobs=bool(body.logprobs), top_logprobs=body.top_logprobs)
+    newer = body.max_completion_tokens is not None  # OpenAI's newer name wins
+    return _request_fields(
+        body, sampling, max_tokens=body.max_completion_tokens if newer else body.max_tokens,
+        max_tokens_param="max_completion_tokens" if newer else "max_tokens",
+        prompt_param="messages", stop_token_ids=turn_stop_ids)
+
+
+def _request_fields(body: CompletionBody | ChatCompletionBody, sampling: SamplingInput,
+                    **door: Any) -> RequestFields:
+    return RequestFields(sampling=sampling, default_temperature=1.0, stop=body.stop,
+                         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
+                         priority=body.priority, session_id=body.session_id, user=body.user,
+                         **door)
 
 
 def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
@@ -163,51 +174,40 @@ def _chat_message(message: ChatMessageBody, index: int) -> ChatMessage:
 
 
 async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int]]:
+    """The prompts as token ids; ids a client gave are checked in build_spec."""
     if isinstance(prompt, str):
         return [await state.tokenize(raw_prompt_ids, require_text(prompt))]
     if not prompt:
         raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
     if isinstance(prompt[0], int):   # one prompt of token ids: its length is no count of prompts
-        check_prompt_ids(prompt, state.vocab_size)
         return [list(prompt)]
     if len(prompt) > MAX_CHOICES:
         raise bad_request(f"At most {MAX_CHOICES} prompts per request, got {len(prompt)}.", "prompt")
     if isinstance(prompt[0], list):
-        for ids in prompt:
-            check_prompt_ids(ids, state.vocab_size)
         return [list(ids) for ids in prompt]
     return [await state.tokenize(raw_prompt_ids, require_text(text)) for text in prompt]
 
 
-async def _choices(state: GatewayState, body: CompletionBody | ChatCompletionBody,
-                   prompts: Sequence[list[int]], sampling: SamplingParams,
-                   requested_max_tokens: int | None, max_tokens_param: str,
-                   stop_token_ids: tuple[int, ...], api_key: str | None) -> list[Choice]:
-    n = check_n(body.n)
+async def _choices(state: GatewayState, prompts: Sequence[list[int]], fields: RequestFields,
+                   n: int, api_key: str | None) -> list[Choice]:
     if n * len(prompts) > MAX_CHOICES:
         raise bad_request(f"n times the number of prompts must be at most {MAX_CHOICES}, "
                           f"got {n * len(prompts)}.", "n")
-    stop = normalize_stop(body.stop)
-    priority = check_priority(body.priority)
-    max_model_len = await state.max_model_len()
-    client_id = client_id_for(body.session_id, body.user, api_key)
+    limits = await state.limits()
     choices: list[Choice] = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(requested_max_tokens, len(prompt_ids),
-                                        state.settings.default_max_tokens, max_model_len,
-                                        max_tokens_param)
-        min_tokens = check_min_tokens(body.min_tokens, max_tokens)
+        spec = build_spec(fields, prompt_ids, limits, api_key)
         for sample in range(n):
-            # Distinct but reproducible seeds, so n > 1 gives n different samples.
-            seed = sampling.seed + sample if sampling.seed is not None and sample else sampling.seed
-            spec = GenerationSpec(
-                prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens,
-                sampling=dataclasses.replace(sampling, seed=seed), stop=stop,
-                stop_token_ids=stop_token_ids, ignore_eos=bool(body.ignore_eos),
-                min_tokens=min_tokens, client_id=client_id, session_id=body.session_id or "",
-                priority=priority)
-            choices.append(Choice(len(choices), prompt_index, spec))
+            choices.append(Choice(len(choices), prompt_index, _nth_sample(spec, sample)))
     return choices
+
+
+def _nth_sample(spec: GenerationSpec, sample: int) -> GenerationSpec:
+    """Distinct but reproducible seeds, so n > 1 gives n different samples."""
+    seed = spec.sampling.seed
+    if seed is None or sample == 0:
+        return spec
+    return dataclasses.replace(spec, sampling=dataclasses.replace(spec.sampling, seed=seed + sample))
 
 
 async def _respond(request: Request, state: GatewayState, info: RequestInfo,

@@ -10,19 +10,13 @@ from typing import Any
 import grpc
 
 from common.grpc_server import check_health, insecure_channel, request_metadata
-from fairserve.v1 import (
-    common_pb2,
-    kvindex_pb2_grpc,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
-)
+from fairserve.v1 import common_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
 from services.gateway.backend import (
     BackendError,
     GenerationEvent,
-    GenerationRequest,
+    GenerationSpec,
+    ModelInfo,
     Readiness,
     SchedulerView,
     Unavailable,
@@ -38,12 +32,13 @@ class SchedulerClient:
         self._kvcache_channel = insecure_channel(kvcache_addr)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._kvcache = kvindex_pb2_grpc.KvIndexStub(self._kvcache_channel)
-        self._max_model_len: int | None = None
+        self._model_info: ModelInfo | None = None  # once fully known, kept
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
+    async def generate(self, spec: GenerationSpec, request_id: str,
+                       trace_id: str = "") -> AsyncIterator[GenerationEvent]:
         call = self._scheduler.Generate(
-            convert.generate_request_to_proto(request),
-            metadata=request_metadata(request.trace_id or request.request_id),
+            convert.generate_request_to_proto(spec, request_id),
+            metadata=request_metadata(trace_id or request_id),
         )
         try:
             async for message in call:
@@ -90,28 +85,20 @@ class SchedulerClient:
             return Readiness(False, "kvcache service is not serving")
         return Readiness(True)
 
-    async def max_model_len(self) -> int | None:
-        if self._max_model_len is None:
-            self._max_model_len = await self._ask_workers_max_model_len()
-        return self._max_model_len
-
-    async def _ask_workers_max_model_len(self) -> int | None:
+    async def model_info(self) -> ModelInfo:
+        """Asks the scheduler until a worker has registered, then keeps the answer."""
+        if self._model_info is not None:
+            return self._model_info
         try:
-            view = await self.scheduler_stats()
-        except BackendError:
-            return None
-        for worker in view.workers:
-            if not worker.healthy or not worker.address:
-                continue
-            async with insecure_channel(worker.address) as channel:
-                try:
-                    info = await worker_pb2_grpc.WorkerStub(channel).Info(
-                        worker_pb2.InfoRequest(), timeout=PROBE_TIMEOUT_S)
-                except grpc.aio.AioRpcError:
-                    continue
-            if info.max_model_len > 0:
-                return info.max_model_len
-        return None
+            reply = await self._scheduler.GetModelInfo(scheduler_pb2.ModelInfoRequest(),
+                                                       timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            log.debug("model info unavailable", extra={"error": error.code().name})
+            return ModelInfo()
+        info = convert.model_info_from_proto(reply)
+        if info.known:
+            self._model_info = info
+        return info
 
     async def close(self) -> None:
         await self._scheduler_channel.close()

@@ -4,20 +4,27 @@ app.state and used by every endpoint (HTTP and gRPC)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, TypeVar
 
-from services.gateway.backend import SchedulerBackend
-from services.gateway.chat_template import ChatTemplateError
 from starlette.requests import Request
 
+from services.gateway.backend import GenerationSpec, SchedulerBackend
+from services.gateway.chat_template import (
+    ChatTemplateError,
+    raw_prompt_ids,
+    turn_stop_token_ids,
+    user_turn_ids,
+)
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
+from services.gateway.spec import Limits, TextInput, build_spec
 from services.gateway.validation import check_text
 
 T = TypeVar("T")
@@ -33,13 +40,26 @@ class GatewayState:
     metrics: GatewayMetrics
 
     @cached_property
-    def vocab_size(self) -> int:
+    def tokenizer_size(self) -> int:
         return len(self.tokenizer)
 
-    async def max_model_len(self) -> int | None:
-        if self.settings.max_model_len > 0:
-            return self.settings.max_model_len
-        return await self.backend.max_model_len()
+    async def limits(self) -> Limits:
+        """The MAX_MODEL_LEN setting, else the workers' context length (None
+        until a worker has registered); the model's vocabulary size, else, until
+        a worker has registered, the tokenizer's."""
+        model = await self.backend.model_info()
+        return Limits(default_max_tokens=self.settings.default_max_tokens,
+                      max_model_len=self.settings.max_model_len or model.max_model_len,
+                      vocab_size=model.vocab_size or self.tokenizer_size)
+
+    async def text_spec(self, request: TextInput, api_key: str | None) -> GenerationSpec:
+        """The text API's spec (/generate, gRPC): a raw prompt is sent as is,
+        else it becomes one user turn, which ends at the template's turn end."""
+        build = raw_prompt_ids if request.raw else user_turn_ids
+        prompt_ids = await self.tokenize(build, require_text(request.prompt))
+        stops = () if request.raw else turn_stop_token_ids(self.tokenizer)
+        fields = dataclasses.replace(request.fields, stop_token_ids=stops)
+        return build_spec(fields, prompt_ids, await self.limits(), api_key)
 
     async def tokenize(self, build: Callable[..., list[int]], *args: Any,
                        param: str = "prompt") -> list[int]:

@@ -124,13 +124,17 @@ def check_min_tokens(min_tokens: int | None, max_tokens: int) -> int:
     return min_tokens or 0
 
 
-def check_prompt_ids(ids: Sequence[int], vocab_size: int, param: str = "prompt") -> None:
+def check_prompt_ids(ids: Sequence[int], vocab_size: int | None, param: str = "prompt") -> None:
+    """Not empty, and every id within the vocabulary (when its size is known)."""
     if not ids:
         raise bad_request("The prompt is empty.", param, "empty_prompt")
-    for token_id in ids:
-        if not 0 <= token_id < vocab_size:
-            raise bad_request(f"Token id {token_id} is outside the vocabulary "
-                              f"[0, {vocab_size}).", param)
+    if vocab_size is None:
+        return
+    lowest, highest = min(ids), max(ids)
+    if lowest < 0 or highest >= vocab_size:
+        token_id = lowest if lowest < 0 else highest
+        raise bad_request(f"Token id {token_id} in {param} is outside the model's vocabulary "
+                          f"[0, {vocab_size}).", param)
 
 
 def check_text(text: str, param: str) -> str:

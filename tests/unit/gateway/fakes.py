@@ -17,7 +17,8 @@ from services.gateway.backend import (
     BackendError,
     Finish,
     GenerationEvent,
-    GenerationRequest,
+    GenerationSpec,
+    ModelInfo,
     Readiness,
     SchedulerView,
     TokenOutput,
@@ -27,6 +28,14 @@ from services.gateway.backend import (
 EOS_ID = 1
 
 
+@dataclass(frozen=True)
+class SentRequest:
+    """One generate call the fake received."""
+    spec: GenerationSpec
+    request_id: str
+    trace_id: str
+
+
 @dataclass
 class FakeScheduler:
     """Replies with `reply_ids` (cut at max_tokens), one event per token.
@@ -34,66 +43,68 @@ class FakeScheduler:
     A token in stop_token_ids or EOS (unless ignore_eos) ends the request with
     "stop". Cancel() ends a running stream with "cancelled" at the next token.
     """
-    reply_ids: Sequence[int] | Callable[[GenerationRequest], Sequence[int]] = ()
+    reply_ids: Sequence[int] | Callable[[GenerationSpec], Sequence[int]] = ()
     token_delay_s: float = 0.0
     reject: BackendError | None = None
     finish_error: str | None = None
     cached_tokens: int = 0
     model_len: int | None = 512
+    vocab_size: int | None = None  # None: no worker has told it yet
     healthy_workers: int = 1
     kvcache_serving: bool = True
-    requests: list[GenerationRequest] = field(default_factory=list)
+    requests: list[SentRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
 
-    def reply_for(self, request: GenerationRequest) -> list[int]:
+    def reply_for(self, spec: GenerationSpec) -> list[int]:
         if callable(self.reply_ids):
-            return list(self.reply_ids(request))
+            return list(self.reply_ids(spec))
         return list(self.reply_ids)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationEvent]:
-        self.requests.append(request)
+    async def generate(self, spec: GenerationSpec, request_id: str,
+                       trace_id: str = "") -> AsyncIterator[GenerationEvent]:
+        self.requests.append(SentRequest(spec, request_id, trace_id))
         if self.reject is not None:
             raise self.reject
         produced = 0
         done = False
         try:
-            for token_id in self.reply_for(request)[:request.max_tokens]:
+            for token_id in self.reply_for(spec)[:spec.max_tokens]:
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
-                if request.request_id in self.cancelled:
+                if request_id in self.cancelled:
                     done = True
-                    yield self._finish(request, "cancelled", produced)
+                    yield self._finish(spec, "cancelled", produced)
                     return
                 produced += 1
-                token = (TokenOutput(token_id, self._logprob(request, token_id)),)
-                ends = token_id in request.stop_token_ids or (
-                    token_id == EOS_ID and not request.ignore_eos and produced >= request.min_tokens)
+                token = (TokenOutput(token_id, self._logprob(spec, token_id)),)
+                ends = token_id in spec.stop_token_ids or (
+                    token_id == EOS_ID and not spec.ignore_eos and produced >= spec.min_tokens)
                 if ends:  # like the scheduler: the last token and the finish travel together
                     done = True
-                    yield GenerationEvent(tokens=token, finish=self._finish(request, "stop", produced).finish)
+                    yield GenerationEvent(tokens=token, finish=self._finish(spec, "stop", produced).finish)
                     return
                 yield GenerationEvent(tokens=token)
             done = True
             if self.finish_error is not None:
                 yield GenerationEvent(finish=Finish("error", Usage(0, 0, 0), self.finish_error))
                 return
-            reason = "length" if produced >= request.max_tokens else "stop"
-            yield self._finish(request, reason, produced)
+            reason = "length" if produced >= spec.max_tokens else "stop"
+            yield self._finish(spec, reason, produced)
         finally:
-            (self.finished if done else self.abandoned).append(request.request_id)
+            (self.finished if done else self.abandoned).append(request_id)
 
-    def _finish(self, request: GenerationRequest, reason: str, produced: int) -> GenerationEvent:
-        usage = Usage(len(request.prompt_token_ids), produced, self.cached_tokens)
+    def _finish(self, spec: GenerationSpec, reason: str, produced: int) -> GenerationEvent:
+        usage = Usage(len(spec.prompt_token_ids), produced, self.cached_tokens)
         return GenerationEvent(finish=Finish(reason, usage))
 
     @staticmethod
-    def _logprob(request: GenerationRequest, token_id: int) -> TokenLogprob | None:
-        if not request.sampling.logprobs:
+    def _logprob(spec: GenerationSpec, token_id: int) -> TokenLogprob | None:
+        if not spec.sampling.logprobs:
             return None
         top = (TopLogprob(token_id, -0.25), TopLogprob(token_id + 1, -1.5), TopLogprob(7, -3.0))
-        return TokenLogprob(-0.25, top[:request.sampling.top_logprobs])
+        return TokenLogprob(-0.25, top[:spec.sampling.top_logprobs])
 
     async def cancel(self, request_id: str) -> bool:
         self.cancelled.append(request_id)
@@ -114,8 +125,8 @@ class FakeScheduler:
             return Readiness(False, "kvcache service is not serving")
         return Readiness(True)
 
-    async def max_model_len(self) -> int | None:
-        return self.model_len
+    async def model_info(self) -> ModelInfo:
+        return ModelInfo(max_model_len=self.model_len, vocab_size=self.vocab_size)
 
     async def close(self) -> None:
         return None

@@ -43,10 +43,10 @@ async def test_non_stream_returns_text_finish_and_usage(client: httpx.AsyncClien
         "usage": {"prompt_tokens": len(prompt_ids), "completion_tokens": len(reply_ids),
                   "cached_tokens": 3}}
     sent = fake.requests[0]
-    assert list(sent.prompt_token_ids) == prompt_ids
-    assert sent.max_tokens == 128 and sent.sampling.temperature == 0.0
-    assert sent.stop_token_ids == (tokenizer.convert_tokens_to_ids("<end_of_turn>"),)
-    assert sent.client_id == "anonymous"
+    assert list(sent.spec.prompt_token_ids) == prompt_ids
+    assert sent.spec.max_tokens == 128 and sent.spec.sampling.temperature == 0.0
+    assert sent.spec.stop_token_ids == (tokenizer.convert_tokens_to_ids("<end_of_turn>"),)
+    assert sent.spec.client_id == "anonymous"
 
 
 async def test_stream_sends_one_event_per_token_then_finish(client: httpx.AsyncClient,
@@ -70,8 +70,9 @@ async def test_raw_prompt_is_sent_as_is(client: httpx.AsyncClient, fake: FakeSch
                                    "stream": False, "max_tokens": 3})
     assert response.json()["finish_reason"] == "length"
     assert response.json()["usage"]["completion_tokens"] == 3
-    assert list(fake.requests[0].prompt_token_ids) == raw_prompt_ids(tokenizer, "The capital of France is")
-    assert fake.requests[0].stop_token_ids == ()
+    sent = fake.requests[0].spec
+    assert list(sent.prompt_token_ids) == raw_prompt_ids(tokenizer, "The capital of France is")
+    assert sent.stop_token_ids == ()
 
 
 async def test_sampling_fields_and_fairness_client_reach_the_scheduler(
@@ -79,9 +80,9 @@ async def test_sampling_fields_and_fairness_client_reach_the_scheduler(
     await post(client, {"prompt": "Hi", "stream": False, "temperature": 0.7, "top_p": 0.9,
                         "top_k": 40, "seed": 7, "session_id": "s-1", "priority": 2})
     sent = fake.requests[0]
-    assert (sent.sampling.temperature, sent.sampling.top_p, sent.sampling.top_k,
-            sent.sampling.seed) == (pytest.approx(0.7), pytest.approx(0.9), 40, 7)
-    assert (sent.client_id, sent.session_id, sent.priority) == ("s-1", "s-1", 2)
+    assert (sent.spec.sampling.temperature, sent.spec.sampling.top_p, sent.spec.sampling.top_k,
+            sent.spec.sampling.seed) == (pytest.approx(0.7), pytest.approx(0.9), 40, 7)
+    assert (sent.spec.client_id, sent.spec.session_id, sent.spec.priority) == ("s-1", "s-1", 2)
 
 
 async def test_stop_string_cuts_the_text_and_cancels(client: httpx.AsyncClient,
@@ -153,7 +154,7 @@ async def test_default_max_tokens_shrinks_to_the_room_left(make_app: Callable[..
     transport = httpx.ASGITransport(app=make_app(fake))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
         await post(http, {"prompt": "Hi", "stream": False})
-    assert fake.requests[0].max_tokens == 40 - len(user_turn_ids(tokenizer, "Hi"))
+    assert fake.requests[0].spec.max_tokens == 40 - len(user_turn_ids(tokenizer, "Hi"))
 
 
 @pytest.mark.parametrize("body", [{"prompt": "x", "max_tokens": "many"}, {"max_tokens": 3},
@@ -205,7 +206,7 @@ async def test_api_keys_are_required_when_set(make_app: Callable[..., Any],
         ok = await post(http, body, headers={"Authorization": "Bearer k2"})
         assert ok.status_code == 200
         assert (await http.get("/health")).status_code == 200
-    assert fake.requests[0].client_id == "k2"
+    assert fake.requests[0].spec.client_id == "k2"
 
 
 @pytest.mark.parametrize("stream", [True, False])

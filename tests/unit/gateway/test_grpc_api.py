@@ -48,8 +48,8 @@ async def test_unary_generate(text_api: Callable[..., Any], fake: FakeScheduler,
     assert reply.text == REPLY_TEXT and reply.finish_reason == "stop"
     assert reply.usage.completion_tokens == len(reply_ids)
     sent = fake.requests[0]
-    assert sent.client_id == "bob" and sent.trace_id == "grpc-1"
-    assert sent.sampling.temperature == 0.0 and sent.max_tokens == 128
+    assert sent.spec.client_id == "bob" and sent.trace_id == "grpc-1"
+    assert sent.spec.sampling.temperature == 0.0 and sent.spec.max_tokens == 128
 
 
 async def test_stream_raw_with_stop(text_api: Callable[..., Any], fake: FakeScheduler,
@@ -62,8 +62,8 @@ async def test_stream_raw_with_stop(text_api: Callable[..., Any], fake: FakeSche
     assert chunks[-1].finish_reason == "stop" and chunks[-1].usage.prompt_tokens > 0
     assert all(chunk.token_ids for chunk in chunks[:-1])
     sent = fake.requests[0]
-    assert list(sent.prompt_token_ids) == raw_prompt_ids(tokenizer, "The capital")
-    assert sent.sampling.seed == 3 and sent.max_tokens == 50
+    assert list(sent.spec.prompt_token_ids) == raw_prompt_ids(tokenizer, "The capital")
+    assert sent.spec.sampling.seed == 3 and sent.spec.max_tokens == 50
     assert fake.cancelled == [sent.request_id]
 
 

@@ -51,8 +51,8 @@ def test_completion_sends_the_prompt_as_is(api: openai.OpenAI, fake: FakeSchedul
     choice = completion.choices[0]
     assert choice.text == tokenizer.decode(reply_ids[:4]) and choice.finish_reason == "length"
     prompt_ids = raw_prompt_ids(tokenizer, "The capital of France is")
-    assert list(fake.requests[0].prompt_token_ids) == prompt_ids
-    assert fake.requests[0].stop_token_ids == ()
+    assert list(fake.requests[0].spec.prompt_token_ids) == prompt_ids
+    assert fake.requests[0].spec.stop_token_ids == ()
     assert completion.usage.prompt_tokens == len(prompt_ids)
     assert completion.usage.completion_tokens == 4
     assert completion.usage.total_tokens == len(prompt_ids) + 4
@@ -76,7 +76,7 @@ def test_completion_n_seed_stop_and_logprobs(api: openai.OpenAI, fake: FakeSched
     assert [choice.index for choice in completion.choices] == [0, 1]
     assert all(choice.text == "Paris is " for choice in completion.choices)
     assert all(choice.finish_reason == "stop" for choice in completion.choices)
-    assert sorted(request.sampling.seed for request in fake.requests) == [7, 8]
+    assert sorted(request.spec.sampling.seed for request in fake.requests) == [7, 8]
     assert len({request.request_id for request in fake.requests}) == 2
     logprobs = completion.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == len(logprobs.top_logprobs)
@@ -87,7 +87,7 @@ def test_completion_n_seed_stop_and_logprobs(api: openai.OpenAI, fake: FakeSched
 def test_completion_accepts_token_ids_and_batches(api: openai.OpenAI, fake: FakeScheduler) -> None:
     completion = api.completions.create(model=MODEL, prompt=[[2, 40, 41], [2, 50]], max_tokens=2)
     assert len(completion.choices) == 2
-    assert sorted(list(request.prompt_token_ids) for request in fake.requests) == [[2, 40, 41], [2, 50]]
+    assert sorted(list(request.spec.prompt_token_ids) for request in fake.requests) == [[2, 40, 41], [2, 50]]
     assert completion.usage.prompt_tokens == 5 and completion.usage.completion_tokens == 4
 
 
@@ -101,9 +101,9 @@ def test_chat_applies_the_template(api: openai.OpenAI, fake: FakeScheduler, toke
     assert reply.choices[0].finish_reason == "stop"
     expected = chat_prompt_ids(tokenizer, [ChatMessage("system", "Be brief."), ChatMessage("user", "Hi")])
     sent = fake.requests[0]
-    assert list(sent.prompt_token_ids) == expected
-    assert sent.stop_token_ids == (tokenizer.convert_tokens_to_ids("<end_of_turn>"),)
-    assert sent.client_id == "alice" and sent.sampling.temperature == 1.0
+    assert list(sent.spec.prompt_token_ids) == expected
+    assert sent.spec.stop_token_ids == (tokenizer.convert_tokens_to_ids("<end_of_turn>"),)
+    assert sent.spec.client_id == "alice" and sent.spec.sampling.temperature == 1.0
     assert reply.usage.prompt_tokens == len(expected)
     assert reply.usage.completion_tokens == len(reply_ids)
 
@@ -131,11 +131,11 @@ def test_chat_logprobs_and_vllm_extras(api: openai.OpenAI, fake: FakeScheduler) 
     assert len(content) == 3 and all(len(entry.top_logprobs) == 2 for entry in content)
     assert content[0].bytes == list(content[0].token.encode())
     sent = fake.requests[0]
-    assert sent.max_tokens == 3 and sent.min_tokens == 2 and sent.ignore_eos
-    assert (sent.sampling.top_k, sent.sampling.seed, sent.priority) == (5, 11, 4)
-    assert sent.sampling.min_p == pytest.approx(0.1)
-    assert sent.sampling.repetition_penalty == pytest.approx(1.2)
-    assert (sent.client_id, sent.session_id) == ("sess", "sess")
+    assert sent.spec.max_tokens == 3 and sent.spec.min_tokens == 2 and sent.spec.ignore_eos
+    assert (sent.spec.sampling.top_k, sent.spec.sampling.seed, sent.spec.priority) == (5, 11, 4)
+    assert sent.spec.sampling.min_p == pytest.approx(0.1)
+    assert sent.spec.sampling.repetition_penalty == pytest.approx(1.2)
+    assert (sent.spec.client_id, sent.spec.session_id) == ("sess", "sess")
 
 
 def test_errors_reach_the_client_as_openai_errors(api: openai.OpenAI, fake: FakeScheduler) -> None:
@@ -174,7 +174,7 @@ def test_api_key_is_checked_and_becomes_the_client(serve: Callable[..., ServerTh
         wrong.models.list()
     right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret", max_retries=0)
     right.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert fake.requests[0].client_id == "secret"
+    assert fake.requests[0].spec.client_id == "secret"
 
 
 def test_chat_logprob_bytes_of_split_characters(serve: Callable[..., ServerThread],

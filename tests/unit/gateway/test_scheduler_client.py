@@ -13,14 +13,14 @@ import pytest
 from common.convert import sampling_from_proto
 from common.grpc_server import GrpcServer
 from common.types import SamplingParams
-from fairserve.v1 import (
-    common_pb2,
-    scheduler_pb2,
-    scheduler_pb2_grpc,
-    worker_pb2,
-    worker_pb2_grpc,
+from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.backend import (
+    GenerationSpec,
+    InvalidGeneration,
+    ModelInfo,
+    Overloaded,
+    Unavailable,
 )
-from services.gateway.backend import GenerationRequest, InvalidGeneration, Overloaded, Unavailable
 from services.gateway.scheduler_client import SchedulerClient
 
 
@@ -31,6 +31,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.cancelled_streams = 0
         self.cancel_ids: list[str] = []
         self.worker_address = ""
+        self.model_info_calls = 0
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
@@ -70,19 +71,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                                                healthy=True)] if self.worker_address else []
         return scheduler_pb2.SchedulerStats(pending=1, workers=workers, policy="fcfs")
 
-
-class WorkerServicer(worker_pb2_grpc.WorkerServicer):
-    async def Info(self, request: worker_pb2.InfoRequest,
-                   context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
-        return worker_pb2.WorkerInfo(worker_id="w0", max_model_len=777)
+    async def GetModelInfo(self, request: scheduler_pb2.ModelInfoRequest,
+                           context: grpc.aio.ServicerContext) -> scheduler_pb2.ModelInfo:
+        self.model_info_calls += 1
+        if not self.worker_address:
+            return scheduler_pb2.ModelInfo()
+        return scheduler_pb2.ModelInfo(max_model_len=777, vocab_size=384)
 
 
 @pytest.fixture
 async def backend() -> AsyncIterator[tuple[SchedulerClient, SchedulerServicer, GrpcServer]]:
     scheduler = SchedulerServicer()
-    server = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler),
-                         (worker_pb2_grpc.add_WorkerServicer_to_server, WorkerServicer())],
-                        ["fairserve.v1.Scheduler", "fairserve.v1.Worker"], "127.0.0.1", 0)
+    server = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)],
+                        ["fairserve.v1.Scheduler"], "127.0.0.1", 0)
     await server.start()
     await server.set_serving(True)
     address = f"127.0.0.1:{server.port}"
@@ -92,24 +93,25 @@ async def backend() -> AsyncIterator[tuple[SchedulerClient, SchedulerServicer, G
     await server.stop(0)
 
 
-def request(**overrides: Any) -> GenerationRequest:
-    values: dict[str, Any] = dict(request_id="r1.0", prompt_token_ids=(2, 5, 6), max_tokens=3,
+def request(**overrides: Any) -> GenerationSpec:
+    values: dict[str, Any] = dict(prompt_token_ids=(2, 5, 6), max_tokens=3,
                                   sampling=SamplingParams(temperature=0.5, seed=-1, logprobs=True,
                                                           top_logprobs=1),
-                                  client_id="alice", trace_id="r1")
+                                  stop=("never sent",), client_id="alice")
     values.update(overrides)
-    return GenerationRequest(**values)
+    return GenerationSpec(**values)
 
 
 async def test_generate_streams_plain_events_with_request_id_metadata(backend: Any) -> None:
     client, scheduler, _server = backend
-    events = [event async for event in client.generate(request())]
+    events = [event async for event in client.generate(request(), "r1.0", trace_id="r1")]
     assert [event.tokens[0].token_id for event in events[:-1]] == [10, 11, 12]
     assert events[0].tokens[0].logprob.top[0].token_id == 10
     assert events[-1].finish.reason == "length"
     assert events[-1].finish.usage.cached_tokens == 2
     assert scheduler.metadata[0]["x-request-id"] == "r1"
     sent = scheduler.requests[0]
+    assert sent.request_id == "r1.0" and sent.max_tokens == 3
     assert sent.client_id == "alice" and list(sent.prompt_token_ids) == [2, 5, 6]
     assert sent.sampling.seed == 2**64 - 1  # a negative seed survives as uint64
     assert sampling_from_proto(sent.sampling).temperature == pytest.approx(0.5)
@@ -118,23 +120,24 @@ async def test_generate_streams_plain_events_with_request_id_metadata(backend: A
 async def test_rejections_become_backend_errors(backend: Any) -> None:
     client, _scheduler, _server = backend
     with pytest.raises(Overloaded) as busy:
-        [event async for event in client.generate(request(client_id="busy"))]
+        [event async for event in client.generate(request(client_id="busy"), "r1.0")]
     assert busy.value.retry_after_s == 5
     with pytest.raises(Unavailable, match="hold") as held:
-        [event async for event in client.generate(request(client_id="held"))]
+        [event async for event in client.generate(request(client_id="held"), "r1.0")]
     assert held.value.retry_after_s == 7
     with pytest.raises(InvalidGeneration, match="9000"):
-        [event async for event in client.generate(request(client_id="huge"))]
+        [event async for event in client.generate(request(client_id="huge"), "r1.0")]
     dead = SchedulerClient("127.0.0.1:1", "127.0.0.1:1")
     with pytest.raises(Unavailable):
-        [event async for event in dead.generate(request())]
+        [event async for event in dead.generate(request(), "r1.0")]
     assert not (await dead.readiness()).ready
+    assert await dead.model_info() == ModelInfo()  # unreachable: unknown, asked again later
     await dead.close()
 
 
 async def test_closing_the_stream_cancels_the_rpc(backend: Any) -> None:
     client, scheduler, _server = backend
-    async with aclosing(client.generate(request(max_tokens=500))) as events:
+    async with aclosing(client.generate(request(max_tokens=500), "r1.0")) as events:
         await anext(events)
     for _ in range(100):
         if scheduler.cancelled_streams:
@@ -150,8 +153,17 @@ async def test_readiness_needs_a_worker_and_the_kvcache(backend: Any) -> None:
     assert not not_ready.ready and "worker" in not_ready.reason
     scheduler.worker_address = f"127.0.0.1:{server.port}"
     assert (await client.readiness()).ready
-    assert await client.max_model_len() == 777
     assert (await client.scheduler_stats()).details["policy"] == "fcfs"
     await server.set_serving(False)
     down = await client.readiness()
     assert not down.ready and "kvcache" in down.reason
+
+
+async def test_model_info_comes_from_the_scheduler_and_is_kept_once_known(backend: Any) -> None:
+    client, scheduler, server = backend
+    assert await client.model_info() == ModelInfo()  # no worker registered yet
+    assert await client.model_info() == ModelInfo()  # so it asks again
+    scheduler.worker_address = f"127.0.0.1:{server.port}"
+    assert await client.model_info() == ModelInfo(max_model_len=777, vocab_size=384)
+    assert await client.model_info() == ModelInfo(max_model_len=777, vocab_size=384)
+    assert scheduler.model_info_calls == 3

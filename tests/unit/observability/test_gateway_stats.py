@@ -14,7 +14,7 @@ from services.gateway.app import create_app
 from services.gateway.backend import (
     Finish,
     GenerationEvent,
-    GenerationRequest,
+    GenerationSpec,
     Overloaded,
     SchedulerView,
     Unavailable,
@@ -33,8 +33,8 @@ class StatsScheduler(FakeScheduler):
     scheduler_down = False
     kvcache_down = False
 
-    def _finish(self, request: GenerationRequest, reason: str, produced: int) -> GenerationEvent:
-        usage = Usage(len(request.prompt_token_ids), produced, 0)
+    def _finish(self, spec: GenerationSpec, reason: str, produced: int) -> GenerationEvent:
+        usage = Usage(len(spec.prompt_token_ids), produced, 0)
         return GenerationEvent(finish=Finish(reason, usage, queue_wait_s=0.025))
 
     async def scheduler_stats(self) -> SchedulerView:

@@ -1,0 +1,76 @@
+"""The one request shape. Each front door (/generate, the OpenAI endpoints,
+the gRPC text API) says what its client asked for as RequestFields, and
+build_spec checks them into the GenerationSpec that generation.py streams
+and convert.py sends to the scheduler. Every failed check is a 400 that
+names the field."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.gateway.backend import GenerationSpec
+from services.gateway.validation import (
+    SamplingInput,
+    build_sampling,
+    check_min_tokens,
+    check_priority,
+    check_prompt_ids,
+    client_id_for,
+    normalize_stop,
+    resolve_max_tokens,
+)
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """A request's parameters as its client gave them, not yet checked.
+    max_tokens is the budget asked for (None: the default); the *_param
+    names are what errors call the fields at this door."""
+    sampling: SamplingInput = SamplingInput()
+    default_temperature: float = 0.0    # the text API is greedy by default, OpenAI's is not
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"
+    prompt_param: str = "prompt"
+    stop: str | Sequence[str] | None = None
+    stop_token_ids: tuple[int, ...] = ()  # the door's: the chat template's end of turn
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    priority: int | None = None
+    session_id: str | None = None
+    user: str | None = None
+
+
+@dataclass(frozen=True)
+class TextInput:
+    """A text API request (/generate, gRPC): a prompt, as is when raw, else
+    one user turn of the chat template."""
+    prompt: str
+    raw: bool
+    fields: RequestFields
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What requests are checked against: the gateway's default budget, the
+    context length (None while unknown) and the vocabulary size."""
+    default_max_tokens: int
+    max_model_len: int | None
+    vocab_size: int | None
+
+
+def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
+               api_key: str | None = None) -> GenerationSpec:
+    """The one way a request becomes a GenerationSpec, at every door."""
+    check_prompt_ids(prompt_ids, limits.vocab_size, fields.prompt_param)
+    sampling = build_sampling(fields.sampling, fields.default_temperature)
+    stop = normalize_stop(fields.stop)
+    priority = check_priority(fields.priority)
+    max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
+                                    limits.max_model_len, fields.max_tokens_param)
+    return GenerationSpec(
+        prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling, stop=stop,
+        stop_token_ids=fields.stop_token_ids, ignore_eos=bool(fields.ignore_eos),
+        min_tokens=check_min_tokens(fields.min_tokens, max_tokens),
+        client_id=client_id_for(fields.session_id, fields.user, api_key),
+        session_id=fields.session_id or "", priority=priority)

@@ -1,0 +1,151 @@
+"""The one request shape: every front door says what its client asked for as
+RequestFields, and build_spec alone turns them into the GenerationSpec the
+scheduler is sent, checked against the model's limits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+
+from common.types import SamplingParams
+from fairserve.v1 import common_pb2, gateway_pb2
+from services.gateway.app import generate_input
+from services.gateway.backend import GenerationSpec
+from services.gateway.convert import generate_request_to_proto, text_input_from_proto
+from services.gateway.errors import ApiError
+from services.gateway.openai_api import chat_fields, completion_fields
+from services.gateway.schemas import ChatCompletionBody, CompletionBody, GenerateBody
+from services.gateway.spec import Limits, RequestFields, TextInput, build_spec
+from services.gateway.validation import SamplingInput
+from tests.unit.gateway.fakes import FakeScheduler
+
+LIMITS = Limits(default_max_tokens=128, max_model_len=512, vocab_size=384)
+PROMPT = (2, 40, 41)
+ASKED = dict(max_tokens=7, temperature=0.5, seed=3, stop=["end"], ignore_eos=True, min_tokens=2,
+             priority=4, session_id="s-1", user="bob")
+CHECKED = GenerationSpec(
+    prompt_token_ids=PROMPT, max_tokens=7, sampling=SamplingParams(temperature=0.5, seed=3),
+    stop=("end",), ignore_eos=True, min_tokens=2, client_id="s-1", session_id="s-1", priority=4)
+
+
+def api_error(call: Callable[[], Any]) -> ApiError:
+    with pytest.raises(ApiError) as raised:
+        call()
+    assert raised.value.status == 400
+    return raised.value
+
+
+def test_build_spec_resolves_the_defaults() -> None:
+    spec = build_spec(RequestFields(), PROMPT, LIMITS)
+    assert spec == GenerationSpec(prompt_token_ids=PROMPT, max_tokens=128,
+                                  sampling=SamplingParams(temperature=0.0))
+    assert build_spec(RequestFields(user="bob"), PROMPT, LIMITS, api_key="k").client_id == "bob"
+    assert build_spec(RequestFields(), PROMPT, LIMITS, api_key="k").client_id == "k"
+
+
+def test_the_default_budget_shrinks_to_the_room_the_prompt_leaves() -> None:
+    small = Limits(default_max_tokens=128, max_model_len=10, vocab_size=384)
+    assert build_spec(RequestFields(), PROMPT, small).max_tokens == 7
+    unknown = Limits(default_max_tokens=128, max_model_len=None, vocab_size=None)
+    assert build_spec(RequestFields(), PROMPT, unknown).max_tokens == 128
+    error = api_error(lambda: build_spec(RequestFields(max_tokens=8), PROMPT, small))
+    assert error.param == "max_tokens" and error.code == "context_length_exceeded"
+    error = api_error(lambda: build_spec(
+        RequestFields(max_tokens=8, max_tokens_param="max_completion_tokens"), PROMPT, small))
+    assert error.param == "max_completion_tokens"
+
+
+@pytest.mark.parametrize(("ids", "bad"), [((2, 384), "384"), ((-1, 5), "-1"), ((2, 10**12), str(10**12))])
+def test_token_ids_outside_the_vocabulary_are_400_naming_the_field(ids: tuple[int, ...],
+                                                                   bad: str) -> None:
+    error = api_error(lambda: build_spec(RequestFields(), ids, LIMITS))
+    assert error.param == "prompt"
+    assert f"Token id {bad} in prompt" in error.message and "[0, 384)" in error.message
+    chat = api_error(lambda: build_spec(RequestFields(prompt_param="messages"), ids, LIMITS))
+    assert chat.param == "messages"
+
+
+def test_an_unknown_vocabulary_checks_no_range_but_still_emptiness() -> None:
+    unknown = Limits(default_max_tokens=128, max_model_len=None, vocab_size=None)
+    assert build_spec(RequestFields(), (2, 10**6), unknown).prompt_token_ids == (2, 10**6)
+    assert api_error(lambda: build_spec(RequestFields(), (), unknown)).code == "empty_prompt"
+
+
+def test_generate_body_builds_the_spec() -> None:
+    text = generate_input(GenerateBody(prompt="Hi", raw=True, **ASKED))
+    assert (text.prompt, text.raw) == ("Hi", True)
+    assert build_spec(text.fields, PROMPT, LIMITS) == CHECKED
+
+
+def test_grpc_text_request_builds_the_same_spec() -> None:
+    asked = {key: value for key, value in ASKED.items() if key not in ("temperature", "seed")}
+    message = gateway_pb2.TextRequest(prompt="Hi", raw=True, sampling=common_pb2.SamplingParams(
+        temperature=0.5, seed=3), **asked)
+    text = text_input_from_proto(message)
+    assert (text.prompt, text.raw) == ("Hi", True)
+    assert build_spec(text.fields, PROMPT, LIMITS) == CHECKED
+    rest = build_spec(text_input_from_proto(gateway_pb2.TextRequest(prompt="Hi")).fields, PROMPT,
+                      LIMITS)
+    assert rest == build_spec(generate_input(GenerateBody(prompt="Hi")).fields, PROMPT, LIMITS)
+
+
+def test_openai_bodies_build_the_same_spec() -> None:
+    assert build_spec(completion_fields(CompletionBody(prompt="Hi", **ASKED)), PROMPT, LIMITS) == CHECKED
+    chat = ChatCompletionBody(messages=[{"role": "user", "content": "Hi"}], **ASKED)
+    assert build_spec(chat_fields(chat, (106,)), PROMPT, LIMITS) == replace(CHECKED, stop_token_ids=(106,))
+    default = build_spec(completion_fields(CompletionBody(prompt="Hi")), PROMPT, LIMITS)
+    assert default.sampling.temperature == 1.0 and default.max_tokens == 128
+    completion_budget = chat.model_copy(update={"max_completion_tokens": 600})
+    error = api_error(lambda: build_spec(chat_fields(completion_budget, ()), PROMPT, LIMITS))
+    assert error.param == "max_completion_tokens"
+
+
+def test_the_spec_goes_to_the_scheduler_without_its_stop_strings() -> None:
+    message = generate_request_to_proto(CHECKED, "r1.0")
+    assert message.request_id == "r1.0" and list(message.prompt_token_ids) == list(PROMPT)
+    assert (message.max_tokens, message.min_tokens, message.ignore_eos) == (7, 2, True)
+    assert (message.client_id, message.session_id, message.priority) == ("s-1", "s-1", 4)
+    assert message.sampling.seed == 3 and "stop" not in message.DESCRIPTOR.fields_by_name
+
+
+async def test_completion_token_ids_are_checked_against_the_models_vocabulary(
+        make_app: Callable[..., Any], fake: FakeScheduler) -> None:
+    fake.vocab_size = 100  # what the workers told the scheduler; the tokenizer has 384
+    transport = httpx.ASGITransport(app=make_app(fake))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        bad = await http.post("/v1/completions", json={"prompt": [[2, 40], [2, 150]], "max_tokens": 2})
+        assert bad.status_code == 400
+        error = bad.json()["error"]
+        assert error["param"] == "prompt" and "150" in error["message"] and "[0, 100)" in error["message"]
+        ok = await http.post("/v1/completions", json={"prompt": [2, 99], "max_tokens": 2})
+        assert ok.status_code == 200
+    assert fake.requests[0].spec.prompt_token_ids == (2, 99)
+
+
+async def test_before_any_worker_registers_the_tokenizer_bounds_token_ids(
+        make_app: Callable[..., Any], fake: FakeScheduler) -> None:
+    fake.model_len = fake.vocab_size = None  # no worker yet
+    transport = httpx.ASGITransport(app=make_app(fake))
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        bad = await http.post("/v1/completions", json={"prompt": [2, 384]})
+        assert bad.status_code == 400 and "[0, 384)" in bad.json()["error"]["message"]
+        assert (await http.post("/v1/completions", json={"prompt": [2, 383]})).status_code == 200
+        models = (await http.get("/v1/models")).json()
+        assert models["data"][0]["max_model_len"] is None
+        fake.model_len = 64  # a worker registered
+        models = (await http.get("/v1/models")).json()
+        assert models["data"][0]["max_model_len"] == 64
+
+
+async def test_the_max_model_len_setting_still_overrides_the_workers(
+        make_app: Callable[..., Any], fake: FakeScheduler) -> None:
+    fake.vocab_size = 300
+    state = make_app(fake, max_model_len=10).state.gateway
+    assert await state.limits() == Limits(default_max_tokens=128, max_model_len=10, vocab_size=300)
+    spec = await state.text_spec(TextInput("Hi", raw=True, fields=RequestFields(
+        sampling=SamplingInput(temperature=0.2))), api_key=None)
+    assert spec.max_tokens == 10 - len(spec.prompt_token_ids) and spec.stop_token_ids == ()
