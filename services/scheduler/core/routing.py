@@ -69,3 +69,12 @@ def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
         if shared > hints.get(worker.worker_id, 0):
             hints[worker.worker_id] = shared
     return hints
+
+
+def route(prompt: tuple[int, ...], session_id: str, workers: Sequence[WorkerState], sessions: SessionMap,
+          cached_prefix_tokens: Mapping[str, int], min_tokens: int) -> WorkerState | None:
+    """The worker for a new request (None: no worker): its session's, else the
+    one holding or about to hold the longest prefix of `prompt`, else the least loaded."""
+    session_worker = sessions.get(session_id) if session_id else None
+    hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens)
+    return choose_worker(workers, session_worker, hints)

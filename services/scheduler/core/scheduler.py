@@ -1,6 +1,7 @@
-"""The scheduling core: queues, admission, step planning and bookkeeping for
-every worker. Pure and synchronous; the transport calls it from one event
-loop, feeds it step outcomes and delivers the request updates it returns.
+"""The scheduling core: the loop that plans each worker's steps, applies their
+results and moves requests through their lifecycle. Pure and synchronous; the
+transport calls it from one event loop, feeds it step outcomes and delivers
+the request updates it returns.
 
 Life of a request: submit() puts it in its worker's pending queue (or
 rejects it). plan_step() admits pending requests under the gates, sends
@@ -8,6 +9,15 @@ their prompts in chunks (prefilling), then one decode per step (active).
 apply_step() turns the worker's results into token events and finishes.
 A sequence that loses its blocks to a preemption goes back to pending with
 its generated tokens and is later recomputed from prompt + output.
+
+The decisions live in their own modules, which take plain values: routing
+(which worker), gates (reject, hold, time out), policy (admission order and
+the VTC), prefix_share (followers wait for a leader's blocks), slot_fairness
+(who gives up a slot, who is preempted first), room (blocks to grow, victims
+to make room), speculation (the draft allowance), stopping (finish reasons).
+So does the bookkeeping: request_book (the moves between a worker's lists),
+step_builder (one step's budgets), in_flight (steps sent, not yet applied),
+failover (requests of a gone worker), counters (totals and stats).
 """
 
 from __future__ import annotations
@@ -17,36 +27,29 @@ from dataclasses import replace
 from itertools import count
 
 from common.sequence_ids import sequence_id
-from common.types import SamplingParams, Usage
+from common.types import TokenLogprob
 
 from services.scheduler.core import gates
 from services.scheduler.core.counters import CoreCounters, core_stats
-from services.scheduler.core.policy import VirtualTokenCounter, WaitingClients, pick_next
+from services.scheduler.core.failover import Failover, Stranded
+from services.scheduler.core.in_flight import dispatch, retire
+from services.scheduler.core.policy import VirtualTokenCounter, pick_next
 from services.scheduler.core.prefix_share import blocked_by_leaders
+from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
-from services.scheduler.core.routing import SessionMap, choose_worker, prefix_hints
+from services.scheduler.core.routing import SessionMap, route
 from services.scheduler.core.slot_fairness import preemption_victim, slot_victim
 from services.scheduler.core.speculation import draft_allowance, speculating
 from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
-from services.scheduler.core.step_builder import StepBuilder, tokens_to_compute
+from services.scheduler.core.step_builder import StepBuilder
+from services.scheduler.core.stopping import finish_reason
 from services.scheduler.core.types import (
-    OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, NewSequence,
-    PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan,
-    SubmitResult, TokenOut, WorkerSpec,
+    OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolSnapshot,
+    PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan, SubmitResult,
+    TokenOut, WorkerSpec,
 )
 
 ANONYMOUS_CLIENT = "anonymous"
-MAX_TRACKED_CLIENTS = 10000
-
-
-def worker_sampling(request: RequestState) -> SamplingParams:
-    """The request's sampling settings plus what the worker must ban until
-    min_tokens: a stop token sampled early would be generated and then ignored."""
-    spec = request.spec
-    if spec.min_tokens <= 0:
-        return spec.sampling
-    return replace(spec.sampling, min_tokens=spec.min_tokens,
-                   stop_token_ids=tuple(sorted(spec.stop_token_ids)))
 
 
 class SchedulerCore:
@@ -56,14 +59,17 @@ class SchedulerCore:
         self._clock = clock
         self._new_id = new_id
         self._workers: dict[str, WorkerState] = {}
-        self._requests: dict[str, RequestState] = {}
-        self._by_seq: dict[str, RequestState] = {}
         self._vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight)
-        self._waiting_by_client = WaitingClients(self._vtc)
+        self._counts = CoreCounters()
+        self._book = RequestBook(self._vtc, self._counts)
+        # The book's maps: the loop reads the first two; the accounting tests
+        # check all three are empty once every request has ended.
+        self._requests, self._by_seq = self._book.requests, self._book.by_seq
+        self._waiting_by_client = self._book.waiting
         self._sessions = SessionMap()
+        self._failover = Failover(self._book, self._sessions, config.max_active_kv_tokens)
         self._arrivals = count()
         self._step_ids = count(1)
-        self._counts = CoreCounters()
 
     @property
     def config(self) -> CoreConfig:
@@ -75,14 +81,12 @@ class SchedulerCore:
         """Registers a worker. A worker that registers again has restarted: what it
         was running is resumed by recompute (here or on another worker), what
         waited for it keeps waiting."""
-        stranded: tuple[list[RequestState], list[RequestState]] = ([], [])
         old = self._workers.get(spec.worker_id)
-        if old is not None:
-            stranded = self._release_worker(old)
+        stranded = self._failover.release(old) if old is not None else Stranded()
         pool = PoolSnapshot(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
                             cached_blocks=0, used_blocks=0)
         self._workers[spec.worker_id] = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
-        return self._rehome(*stranded, f"worker {spec.worker_id} restarted")
+        return self._failover.rehome(stranded, list(self._workers.values()), f"worker {spec.worker_id} restarted")
 
     def heartbeat(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
@@ -100,9 +104,9 @@ class SchedulerCore:
         worker = self._workers.get(worker_id)
         if worker is None:
             return []
-        stranded = self._release_worker(worker)
+        stranded = self._failover.release(worker)
         del self._workers[worker_id]
-        return self._rehome(*stranded, message)
+        return self._failover.rehome(stranded, list(self._workers.values()), message)
 
     def worker_ids(self) -> list[str]:
         return list(self._workers)
@@ -129,7 +133,7 @@ class SchedulerCore:
                 waited = now - request.arrival_s
                 if gates.timed_out(request.admitted_once, waited, timeout_s):
                     message = gates.timeout_message(request.held_by, waited, timeout_s)
-                    updates.append(self._reject_waiting(worker, request, Gate.TIMEOUT, message))
+                    updates.append(self._book.reject(worker, request, Gate.TIMEOUT, message))
         return ExpireOutcome(updates=tuple(updates), removed_workers=tuple(removed))
 
     # ---- requests ----
@@ -144,7 +148,9 @@ class SchedulerCore:
                                        num_waiting, self._config.max_queue_len)
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
-        worker = self._route(spec, cached_prefix_tokens or {})
+        worker = route(spec.prompt_token_ids, spec.session_id, list(self._workers.values()), self._sessions,
+                       cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens)
+        assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len)
         problem = gates.never_fit(worker.spec, prompt_len, max_tokens, self._config.max_active_kv_tokens)
@@ -155,18 +161,8 @@ class SchedulerCore:
         request = RequestState(spec=spec, client_id=spec.client_id or ANONYMOUS_CLIENT, max_tokens=max_tokens,
                                arrival_s=self._clock(), arrival_order=next(self._arrivals),
                                worker_id=worker.worker_id)
-        self._requests[spec.request_id] = request
-        self._enqueue(worker, request, arriving=True)
+        self._book.add(worker, request)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
-
-    def _route(self, spec: RequestSpec, cached_prefix_tokens: Mapping[str, int]) -> WorkerState:
-        session_worker = self._sessions.get(spec.session_id) if spec.session_id else None
-        workers = list(self._workers.values())
-        hints = prefix_hints(spec.prompt_token_ids, workers, cached_prefix_tokens,
-                             self._config.prefix_wait_min_tokens)
-        worker = choose_worker(workers, session_worker, hints)
-        assert worker is not None
-        return worker
 
     def cancel(self, request_id: str) -> tuple[bool, list[RequestUpdate]]:
         """Ends a request now; its sequence is freed in its worker's next step."""
@@ -205,7 +201,7 @@ class SchedulerCore:
         worker.last_step_was_prefill = plan.has_prefill and not plan.has_decode
         step = plan.build(after_step_id=worker.in_flight[-1].plan.step_id if worker.in_flight else 0)
         if step is not None:
-            worker.in_flight.append(InFlightStep(step, plan.available_blocks, self._dispatch(step)))
+            worker.in_flight.append(InFlightStep(step, plan.available_blocks, dispatch(step, self._by_seq)))
         return step
 
     def apply_step(self, worker_id: str, outcome: StepOutcome) -> list[RequestUpdate]:
@@ -215,28 +211,8 @@ class SchedulerCore:
             return []
         if not worker.in_flight or worker.in_flight[0].plan.step_id != outcome.step_id:
             return []  # a step of an earlier registration of this worker
-        done = worker.in_flight.pop(0)
-        # A step planned before the last refusal was known repeats it; one planned
-        # after it that ran lifts it.
-        echoes_refusal = worker.refused_allocation and done.plan.step_id <= worker.refusal_seen_by_step
-        if not echoes_refusal:
-            worker.refused_allocation = False
-        # Later plans started from this one's estimate of the pool: correct them.
-        surprise = outcome.pool.available_blocks - done.available_after
-        worker.in_flight = [replace(step, available_after=step.available_after + surprise)
-                            for step in worker.in_flight]
-        worker.pool = outcome.pool
-        worker.steps += 1
-        worker.last_step_ms = outcome.forward_ms
-        worker.last_batch_size = len(done.plan.work)
-        for seq_id in done.sampling:
-            request = self._by_seq.get(seq_id)
-            if request is not None and request.worker_id == worker_id:
-                request.inflight_samples -= 1
-        for item in done.plan.work:
-            request = self._by_seq.get(item.seq_id)
-            if item.draft_tokens and request is not None and request.worker_id == worker_id:
-                request.inflight_drafts -= item.draft_tokens
+        done, echoes_refusal = worker.settle(outcome)
+        retire(done, self._by_seq, worker_id)
         later_tokens = worker.tokens_in_flight()
         updates: list[RequestUpdate] = []
         for result in outcome.results:
@@ -247,18 +223,6 @@ class SchedulerCore:
             if update is not None:
                 updates.append(update)
         return updates
-
-    def _dispatch(self, step: StepPlan) -> frozenset[str]:
-        """Counts a planned step's work as done; returns the sequences it should sample."""
-        sampling = set()
-        for item in step.work:
-            request = self._by_seq[item.seq_id]
-            request.num_computed += tokens_to_compute(item)
-            request.inflight_drafts += item.draft_tokens
-            if request.num_computed >= request.worker_tokens:
-                request.inflight_samples += 1
-                sampling.add(item.seq_id)
-        return frozenset(sampling)
 
     # ---- statistics ----
 
@@ -366,24 +330,12 @@ class SchedulerCore:
                              self._config.policy, self._config.max_batch_size)
         if victim is None:
             return False
-        self._preempt(worker, victim, plan)
+        self._book.preempt(worker, victim, plan)
         return True
 
     def _admit(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
-        if not request.admitted_once:
-            request.admitted_once = True
-            request.queue_wait_s = self._clock() - request.arrival_s
-            self._counts.count_admission(request.queue_wait_s)
-            self._vtc.charge_prompt(request.client_id, len(request.prompt))
-        self._dequeue(worker, request)
         seq_id = sequence_id(request.request_id, self._new_id())
-        request.seq_id, request.num_computed, request.phase = seq_id, 0, Phase.PREFILLING
-        worker.prefilling.append(request)
-        worker.reserved_kv_tokens += request.kv_reservation
-        self._by_seq[seq_id] = request
-        plan.new_sequences.append(NewSequence(seq_id=seq_id, prompt_token_ids=request.prompt,
-                                              output_token_ids=tuple(request.output),
-                                              sampling=worker_sampling(request)))
+        plan.new_sequences.append(self._book.admit(worker, request, seq_id, now=self._clock()))
         num_tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
         plan.add(seq_id, num_tokens, blocks_for(num_tokens, worker.spec.block_size), is_decode=False)
 
@@ -395,7 +347,7 @@ class SchedulerCore:
             worker.running, requester, needed_blocks - plan.available_blocks,
             freed_blocks=lambda r: worker.blocks_held(r) + plan.planned_blocks(r.seq_id or ""))
         for victim in victims:
-            self._preempt(worker, victim, plan)
+            self._book.preempt(worker, victim, plan)
         return keeps_place
 
     # ---- results ----
@@ -412,11 +364,9 @@ class SchedulerCore:
             # Nothing changed on the worker; make room for the next step. Steps
             # already in flight were planned without knowing: their refusals are
             # echoes of this one and make no more room, and they do not lift it.
-            if echoes_refusal:
-                return None
-            worker.refused_allocation = True
-            worker.refusal_seen_by_step = worker.in_flight[-1].plan.step_id if worker.in_flight else 0
-            self._preempt(worker, preemption_victim(worker.running))
+            if not echoes_refusal:
+                worker.note_refusal()
+                self._book.preempt(worker, preemption_victim(worker.running))
             return None
         if result.error:
             finish = self._finish(request, FinishReason.ERROR,
@@ -426,164 +376,26 @@ class SchedulerCore:
             request.cached_tokens = min(result.num_cached_tokens, len(request.prompt))
         if not tokens:
             return None
-        if request.phase is Phase.PREFILLING:
-            worker.prefilling.remove(request)
-            worker.active.append(request)
-            request.phase = Phase.ACTIVE
-        logprobs = (result.logprob, *result.more_logprobs)
+        self._book.activate(worker, request)
+        return self._stream(worker, request, tokens, (result.logprob, *result.more_logprobs))
+
+    def _stream(self, worker: WorkerState, request: RequestState, tokens: tuple[int, ...],
+                logprobs: tuple[TokenLogprob | None, ...]) -> RequestUpdate:
+        """Appends a step's sampled tokens to the request's output, up to the
+        first one that finishes it."""
         out: list[TokenOut] = []
         finish = None
         for index, token_id in enumerate(tokens):
             request.output.append(token_id)
             self._vtc.charge_output(request.client_id)
             out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
-            reason = self._finish_reason(worker, request, token_id)
+            reason = finish_reason(request.spec, request.max_tokens, len(request.output), token_id,
+                                   worker.spec.eos_token_ids)
             if reason is not None:
                 # Speculative tokens past a stop or max_tokens are dropped.
                 finish = self._finish(request, reason)
                 break
         return RequestUpdate(request.request_id, tokens=tuple(out), finish=finish)
 
-    @staticmethod
-    def _finish_reason(worker: WorkerState, request: RequestState, token_id: int) -> FinishReason | None:
-        spec = request.spec
-        generated = len(request.output)
-        if generated >= spec.min_tokens:
-            if not spec.ignore_eos and token_id in worker.spec.eos_token_ids:
-                return FinishReason.STOP
-            if token_id in spec.stop_token_ids:
-                return FinishReason.STOP
-        if generated >= request.max_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    # ---- moving requests between queues ----
-
-    def _enqueue(self, worker: WorkerState, request: RequestState, arriving: bool = False) -> None:
-        """Queues `request` on `worker`: a new arrival, or one admitted before."""
-        request.phase = Phase.PENDING
-        worker.pending.append(request)
-        if arriving:
-            self._waiting_by_client.arrive(request.client_id)
-        else:
-            self._waiting_by_client.requeue(request.client_id)
-
-    def _dequeue(self, worker: WorkerState, request: RequestState) -> None:
-        worker.pending.remove(request)
-        self._waiting_by_client.leave(request.client_id)
-
-    def _detach(self, worker: WorkerState, request: RequestState,
-                plan: StepBuilder | None = None) -> None:
-        """Takes a request out of its worker's queues and frees its sequence
-        (in `plan` when one is being built, else in the next step)."""
-        if request.phase is Phase.PENDING:
-            self._dequeue(worker, request)
-            return
-        (worker.prefilling if request.phase is Phase.PREFILLING else worker.active).remove(request)
-        worker.reserved_kv_tokens -= request.kv_reservation
-        if request.seq_id is not None:
-            seq_id, blocks = request.seq_id, worker.blocks_held(request)
-            del self._by_seq[seq_id]
-            if plan is not None:
-                plan.free(seq_id, blocks)
-            else:
-                worker.free_in_next_step(seq_id, blocks)
-        request.seq_id, request.num_computed, request.inflight_samples = None, 0, 0
-        request.inflight_drafts = 0
-
-    def _preempt(self, worker: WorkerState, request: RequestState,
-                 plan: StepBuilder | None = None) -> None:
-        self._detach(worker, request, plan)
-        request.resumed = True
-        self._enqueue(worker, request)
-        self._counts.preemptions += 1
-
     def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:
-        worker = self._workers.get(request.worker_id)
-        if worker is not None:
-            self._detach(worker, request)
-        self._requests.pop(request.request_id, None)
-        self._counts.count_finish(reason)
-        self._forget_idle_clients()
-        usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
-                      cached_tokens=request.cached_tokens or 0)
-        return Finish(reason=reason, usage=usage, message=message, queue_wait_s=request.queue_wait_s)
-
-    def _reject_waiting(self, worker: WorkerState, request: RequestState, gate: Gate,
-                        message: str) -> RequestUpdate:
-        self._dequeue(worker, request)
-        self._requests.pop(request.request_id, None)
-        self._counts.count_rejection(gate)
-        return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
-
-    def _release_worker(self, worker: WorkerState) -> tuple[list[RequestState], list[RequestState]]:
-        """Empties a worker that is gone: (requests that never ran, still counted as
-        waiting; requests that ran there, to resume elsewhere: the running ones,
-        detached, and preempted ones that were waiting, still counted as waiting)."""
-        fresh = [r for r in worker.pending if not r.admitted_once]
-        resumable = [r for r in worker.pending if r.admitted_once]
-        worker.pending = []
-        running = worker.running
-        for request in running:
-            self._detach(worker, request)
-            request.resumed = True
-        worker.take_frees()    # the worker is gone: nothing to free there
-        self._sessions.forget_worker(worker.worker_id)
-        return fresh, resumable + running
-
-    def _rehome(self, fresh: list[RequestState], resumable: list[RequestState],
-                reason: str) -> list[RequestUpdate]:
-        updates: list[RequestUpdate] = []
-        for request in resumable:
-            updates.extend(self._migrate(request, reason))
-        for request in fresh:
-            updates.extend(self._reroute(request))
-        return updates
-
-    def _migrate(self, request: RequestState, reason: str) -> list[RequestUpdate]:
-        """Queues a request that ran on a worker that is gone on another worker, to be
-        resumed from its prompt and the tokens it has produced."""
-        waiting = request.phase is Phase.PENDING     # preempted before: still counted as waiting
-        target = choose_worker(list(self._workers.values()), None, {})
-        problem = "no worker is left to resume it" if target is None else gates.never_fit(
-            target.spec, len(request.prompt), request.max_tokens, self._config.max_active_kv_tokens)
-        if problem:
-            if waiting:
-                self._waiting_by_client.leave(request.client_id)
-            request.worker_id = ""
-            finish = self._finish(request, FinishReason.ERROR, f"{reason}; {problem}")
-            return [RequestUpdate(request.request_id, finish=finish)]
-        assert target is not None
-        self._move_to(target, request, counted_as_waiting=waiting)
-        self._counts.migrations += 1
-        return []
-
-    def _reroute(self, request: RequestState) -> list[RequestUpdate]:
-        """Moves a request that was only waiting (already out of its old
-        worker's queue, still counted as waiting) to another worker."""
-        target = choose_worker(list(self._workers.values()), None, {})
-        if target is None:
-            self._waiting_by_client.leave(request.client_id)
-            self._requests.pop(request.request_id, None)
-            self._counts.count_rejection(Gate.NO_WORKER)
-            rejection = Rejection(Gate.NO_WORKER, "no worker is left to serve the request")
-            return [RequestUpdate(request.request_id, rejection=rejection)]
-        self._move_to(target, request, counted_as_waiting=True)
-        return []
-
-    def _move_to(self, target: WorkerState, request: RequestState, counted_as_waiting: bool) -> None:
-        """Queues `request` on `target`; its session follows it."""
-        request.worker_id = target.worker_id
-        if request.spec.session_id:
-            self._sessions.remember(request.spec.session_id, target.worker_id)
-        if counted_as_waiting:
-            target.pending.append(request)
-        else:
-            self._enqueue(target, request)
-
-    def _forget_idle_clients(self) -> None:
-        if len(self._vtc) <= MAX_TRACKED_CLIENTS:
-            return
-        busy = {r.client_id for r in self._requests.values()}
-        idle = [c.client_id for c in self._vtc.snapshot() if c.client_id not in busy]
-        self._vtc.forget(idle[: len(self._vtc) - MAX_TRACKED_CLIENTS // 2])
+        return self._book.finish(self._workers.get(request.worker_id), request, reason, message)

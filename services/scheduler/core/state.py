@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from common.types import SamplingParams
 
 from services.scheduler.core.step_builder import tokens_to_compute
-from services.scheduler.core.types import Gate, PoolSnapshot, RequestSpec, StepPlan, WorkerSpec
+from services.scheduler.core.types import Gate, PoolSnapshot, RequestSpec, StepOutcome, StepPlan, WorkerSpec
 
 
 class Phase(StrEnum):
@@ -135,6 +135,31 @@ class WorkerState:
     @property
     def load(self) -> int:
         return len(self.pending) + len(self.prefilling) + len(self.active)
+
+    def settle(self, outcome: StepOutcome) -> tuple[InFlightStep, bool]:
+        """Retires the oldest step in flight, which `outcome` answers: the pool
+        becomes what the worker reports, and the later steps' estimates move by
+        the difference from what this one expected. Returns the step and whether
+        a refusal in it only echoes the last one (it was planned before that
+        refusal was known); a step planned after it that ran lifts the refusal."""
+        done = self.in_flight.pop(0)
+        echoes_refusal = self.refused_allocation and done.plan.step_id <= self.refusal_seen_by_step
+        if not echoes_refusal:
+            self.refused_allocation = False
+        surprise = outcome.pool.available_blocks - done.available_after
+        self.in_flight = [replace(step, available_after=step.available_after + surprise)
+                          for step in self.in_flight]
+        self.pool = outcome.pool
+        self.steps += 1
+        self.last_step_ms = outcome.forward_ms
+        self.last_batch_size = len(done.plan.work)
+        return done, echoes_refusal
+
+    def note_refusal(self) -> None:
+        """The worker refused an allocation: admit nothing until a step planned
+        after the ones now in flight has run."""
+        self.refused_allocation = True
+        self.refusal_seen_by_step = self.in_flight[-1].plan.step_id if self.in_flight else 0
 
     def free_in_next_step(self, seq_id: str, blocks: int) -> None:
         """Frees a sequence in the next step planned; its blocks count as

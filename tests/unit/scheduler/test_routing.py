@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.routing import SessionMap, choose_worker, prefix_hints
+from services.scheduler.core.routing import SessionMap, choose_worker, prefix_hints, route
 from services.scheduler.core.state import Phase
 
 from tests.unit.scheduler.plain_state import make_request, make_worker
@@ -47,3 +47,14 @@ def test_prefix_hints_raise_a_worker_that_is_filling_the_prefix() -> None:
     assert prefix_hints(prompt, [filling, other], {}, min_tokens=0) == {}
     assert prefix_hints(prompt, [filling], {}, min_tokens=8) == {}   # one worker: nothing to choose
     assert prefix_hints(prompt[:6] + (0,) * 20, [filling, other], {}, min_tokens=8) == {}  # shares only 6
+
+
+def test_route_uses_the_session_then_the_hints_and_remembers_nothing_itself() -> None:
+    first, second = make_worker("w0"), make_worker("w1")
+    sessions = SessionMap()
+    sessions.remember("s", "w1")
+    assert route((1, 2, 3), "s", [first, second], sessions, {"w0": 3}, min_tokens=8) is second
+    assert route((1, 2, 3), "", [first, second], sessions, {"w1": 3}, min_tokens=8) is second
+    assert route((1, 2, 3), "other", [first, second], sessions, {}, min_tokens=8) is first
+    assert sessions.get("other") is None
+    assert route((1, 2, 3), "", [], sessions, {}, min_tokens=8) is None

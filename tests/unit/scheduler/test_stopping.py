@@ -1,0 +1,40 @@
+"""Finish reasons, token by token."""
+
+from __future__ import annotations
+
+from services.scheduler.core.stopping import finish_reason
+from services.scheduler.core.types import FinishReason, RequestSpec
+
+EOS = frozenset({1})
+
+
+def _spec(**fields: object) -> RequestSpec:
+    return RequestSpec(request_id="r", prompt_token_ids=(5,), max_tokens=4, **fields)  # type: ignore[arg-type]
+
+
+def test_eos_and_stop_tokens_stop_and_other_tokens_go_on() -> None:
+    spec = _spec(stop_token_ids=frozenset({9}))
+    assert finish_reason(spec, 4, generated=1, token_id=1, eos_token_ids=EOS) is FinishReason.STOP
+    assert finish_reason(spec, 4, generated=1, token_id=9, eos_token_ids=EOS) is FinishReason.STOP
+    assert finish_reason(spec, 4, generated=1, token_id=7, eos_token_ids=EOS) is None
+
+
+def test_max_tokens_ends_with_length_unless_the_last_token_is_a_stop() -> None:
+    spec = _spec()
+    assert finish_reason(spec, 4, generated=4, token_id=7, eos_token_ids=EOS) is FinishReason.LENGTH
+    assert finish_reason(spec, 4, generated=4, token_id=1, eos_token_ids=EOS) is FinishReason.STOP
+    assert finish_reason(spec, 6, generated=4, token_id=7, eos_token_ids=EOS) is None   # max_tokens resolved at submit
+
+
+def test_below_min_tokens_only_max_tokens_stops() -> None:
+    spec = _spec(min_tokens=3, stop_token_ids=frozenset({9}))
+    assert finish_reason(spec, 4, generated=2, token_id=1, eos_token_ids=EOS) is None
+    assert finish_reason(spec, 4, generated=2, token_id=9, eos_token_ids=EOS) is None
+    assert finish_reason(spec, 4, generated=3, token_id=9, eos_token_ids=EOS) is FinishReason.STOP
+    assert finish_reason(spec, 2, generated=2, token_id=7, eos_token_ids=EOS) is FinishReason.LENGTH
+
+
+def test_ignore_eos_keeps_the_stop_tokens() -> None:
+    spec = _spec(ignore_eos=True, stop_token_ids=frozenset({9}))
+    assert finish_reason(spec, 4, generated=1, token_id=1, eos_token_ids=EOS) is None
+    assert finish_reason(spec, 4, generated=1, token_id=9, eos_token_ids=EOS) is FinishReason.STOP
