@@ -24,8 +24,8 @@ import torch
 
 from benchmarks.machine import cpu_name
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
-from services.worker.engine.decode_graphs import EagerCapture
-from services.worker.engine.varlen_attention import import_flash_attn
+from services.worker.engine.cuda.decode_graphs import EagerCapture
+from services.worker.engine.cuda.varlen_attention import import_flash_attn
 
 
 @dataclass(frozen=True)

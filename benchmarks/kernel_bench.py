@@ -25,12 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.machine import cpu_name
-from services.worker.engine.lm_head_screen import load_native_matmul
-from services.worker.engine.native_build import default_cache_dir
-from services.worker.engine.native_decode import load_decode_kernel
-from services.worker.engine.native_ops import load_skinny_linear
+from services.worker.engine.cpu.lm_head_screen import load_native_matmul
+from services.worker.engine.cpu.native_build import default_cache_dir
+from services.worker.engine.cpu.native_decode import load_decode_kernel
+from services.worker.engine.cpu.native_ops import load_skinny_linear
 from services.worker.engine.sampler import row_argmax
-from services.worker.engine.weight_codes import load_coded_linear
+from services.worker.engine.cpu.weight_codes import load_coded_linear
 
 
 @dataclass(frozen=True)

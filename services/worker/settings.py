@@ -13,13 +13,13 @@ from common.settings import EnvReader, SettingsError
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")   # services/worker/engine/eviction.py
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/varlen_attention.py
-CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/cpu_linear.py
-LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/lm_head_screen.py
-DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")      # services/worker/engine/native_decode.py
-CPU_NATIVE_KERNELS_MODES = ("auto", "off")                     # services/worker/engine/native_ops.py
-DIRECT_FORWARD_MODES = ("auto", "off")                         # services/worker/engine/direct_forward.py
-CPU_WEIGHT_CODES_MODES = ("auto", "off")                       # services/worker/engine/weight_codes.py
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/cuda/varlen_attention.py
+CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/cpu/cpu_linear.py
+LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
+DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")      # services/worker/engine/cpu/native_decode.py
+CPU_NATIVE_KERNELS_MODES = ("auto", "off")                     # services/worker/engine/cpu/native_ops.py
+DIRECT_FORWARD_MODES = ("auto", "off")                         # services/worker/engine/cpu/direct_forward.py
+CPU_WEIGHT_CODES_MODES = ("auto", "off")                       # services/worker/engine/cpu/weight_codes.py
 
 
 def default_advertise_host(bind_host: str) -> str:

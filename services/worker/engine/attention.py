@@ -16,14 +16,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from services.worker.engine.block_pool import PagedKVCache
-from services.worker.engine.native_decode import NativeDecodeAttention
-from services.worker.engine.varlen_attention import VarlenKernel
+
+if TYPE_CHECKING:   # the device kernels are handed in; the core does not load them
+    from services.worker.engine.cpu.native_decode import NativeDecodeAttention
+    from services.worker.engine.cuda.varlen_attention import VarlenKernel
 
 ATTENTION_NAME = "fairserve_paged"
 

@@ -19,31 +19,31 @@ import torch
 
 from common.block_hash import ROOT_HASH, block_hash
 from services.kvcache.prompt_hash import partial_block_hash
-from services.worker.engine import decode_graphs
+from services.worker.engine.cuda import decode_graphs
 from services.worker.engine import types as t
-from services.worker.engine import weight_codes
+from services.worker.engine.cpu import weight_codes
 from services.worker.engine.attention import ATTENTION_NAME, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache, PartialBlock
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, pack_linears,
+from services.worker.engine.cpu.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, pack_linears,
                                                resolve_kernel_plan)
-from services.worker.engine.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
-from services.worker.engine.direct_forward import DirectForward
+from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs, DecodeRows, GraphCapture
+from services.worker.engine.cpu.direct_forward import DirectForward
 from services.worker.engine.device import dtype_name, free_device_memory, resolve_device, resolve_dtype
 from services.worker.engine.eviction import EVICTION_POLICIES
-from services.worker.engine.fused_mlp import fuse_gated_mlps
-from services.worker.engine.fused_norms import fuse_rms_norms
-from services.worker.engine.host_memory import keep_freed_host_memory
-from services.worker.engine.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
+from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
+from services.worker.engine.cpu.fused_norms import fuse_rms_norms
+from services.worker.engine.cpu.host_memory import keep_freed_host_memory
+from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
 from services.worker.engine.prompt_logits import PromptKey, PromptLogitsCache, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest, Sampler, tokens_drawn_from
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
-from services.worker.engine.native_build import default_cache_dir as default_kernel_dir
-from services.worker.engine.native_decode import load_decode_kernel
-from services.worker.engine.native_layers import NativeDecodeLayers
-from services.worker.engine.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
-from services.worker.engine.weight_codes import load_coded_linear
-from services.worker.engine.varlen_attention import load_varlen_kernel
+from services.worker.engine.cpu.native_build import default_cache_dir as default_kernel_dir
+from services.worker.engine.cpu.native_decode import load_decode_kernel
+from services.worker.engine.cpu.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
+from services.worker.engine.cpu.weight_codes import load_coded_linear
+from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 
 
 @dataclass

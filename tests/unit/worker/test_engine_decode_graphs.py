@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
-from services.worker.engine import decode_graphs
-from services.worker.engine.decode_graphs import (
+from services.worker.engine.cuda import decode_graphs
+from services.worker.engine.cuda.decode_graphs import (
     CudaGraphCapture,
     DecodeGraphs,
     EagerCapture,

@@ -10,7 +10,7 @@ from common.types import SamplingParams
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
 from services.worker.engine import engine as engine_module
 from services.worker.engine.engine import MIN_SCREENED_VOCAB
-from services.worker.engine.lm_head_screen import LMHeadScreen, screening_available
+from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, screening_available
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model
 from tests.unit.worker.test_engine_speculation import repetitive_prompt

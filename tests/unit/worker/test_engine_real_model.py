@@ -7,7 +7,7 @@ import torch
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine import Engine, EngineConfig
-from services.worker.engine.lm_head_screen import screening_available
+from services.worker.engine.cpu.lm_head_screen import screening_available
 from tests.unit.worker.engine_helpers import Driver
 
 PROMPTS = {

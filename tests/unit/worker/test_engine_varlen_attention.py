@@ -11,8 +11,8 @@ import torch
 
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine import engine as engine_module
-from services.worker.engine import varlen_attention
-from services.worker.engine.varlen_attention import VarlenKernel, load_varlen_kernel, reference_varlen_attention
+from services.worker.engine.cuda import varlen_attention
+from services.worker.engine.cuda.varlen_attention import VarlenKernel, load_varlen_kernel, reference_varlen_attention
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (
     CONFIGS,

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from services.worker.engine import host_memory
+from services.worker.engine.cpu import host_memory
 
 
 def test_tuning_applies_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:

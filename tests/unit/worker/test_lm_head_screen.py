@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import lm_head_screen
-from services.worker.engine.lm_head_screen import (
+from services.worker.engine.cpu import lm_head_screen
+from services.worker.engine.cpu.lm_head_screen import (
     NATIVE_TILE, LMHeadScreen, NativeInt8Matmul, load_native_matmul, screening_available,
 )
-from services.worker.engine.native_build import default_cache_dir
+from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.sampler import SampleRequest, Sampler, tokens_drawn_from
 
 VOCAB, HIDDEN = 6000, 64

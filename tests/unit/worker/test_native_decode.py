@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import native_build, native_decode
-from services.worker.engine.native_build import build
-from services.worker.engine.native_decode import (
+from services.worker.engine.cpu import native_build, native_decode
+from services.worker.engine.cpu.native_build import build
+from services.worker.engine.cpu.native_decode import (
     MIN_SPLIT_CONTEXT, NativeDecodeAttention, load_decode_kernel, reference_decode_attention,
 )
 

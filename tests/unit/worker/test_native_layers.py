@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.engine.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.native_layers import NativeDecodeLayers
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (
     CONFIGS,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.engine.cpu_linear import PackedLinear
-from services.worker.engine.native_build import default_cache_dir
-from services.worker.engine.native_ops import load_skinny_linear
-from services.worker.engine.weight_codes import MAX_ROWS, PANEL, NativeCodedLinear, load_coded_linear
+from services.worker.engine.cpu.cpu_linear import PackedLinear
+from services.worker.engine.cpu.native_build import default_cache_dir
+from services.worker.engine.cpu.native_ops import load_skinny_linear
+from services.worker.engine.cpu.weight_codes import MAX_ROWS, PANEL, NativeCodedLinear, load_coded_linear
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.native_build import load_binding
+from services.worker.engine.cpu.native_build import load_binding
 
 GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
 PANEL = 32               # output rows per panel of the kernel's layout

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from services.worker.engine.module_swap import swap_modules
-from services.worker.engine.native_ops import NativeElementwise
+from services.worker.engine.cpu.module_swap import swap_modules
+from services.worker.engine.cpu.native_ops import NativeElementwise
 
 PROBE_ROWS = 16
 TOLERANCE = 1e-5          # relative to the largest output of the probe

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.native_build import load_binding
+from services.worker.engine.cpu.native_build import load_binding
 
 ACTIVATIONS = {"gelu_tanh": 0, "silu": 1}
 

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.attention import StepMetadata, paged_attention_forward
-from services.worker.engine.native_layers import NativeDecodeLayers
-from services.worker.engine.native_ops import NativeElementwise
+from services.worker.engine.cpu.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.native_ops import NativeElementwise
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ROPE_TOLERANCE = 1e-5      # native RoPE against transformers', relative to the probe's largest output

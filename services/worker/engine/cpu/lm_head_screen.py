@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.native_build import load_binding
+from services.worker.engine.cpu.native_build import load_binding
 
 log = logging.getLogger(__name__)
 

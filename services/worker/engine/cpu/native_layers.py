@@ -19,13 +19,13 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.attention import StepMetadata
-from services.worker.engine.cpu_linear import PackedLinear
-from services.worker.engine.fused_mlp import FusedGatedMLP
-from services.worker.engine.fused_norms import FusedRMSNorm
-from services.worker.engine.native_build import NativeBuildError, load_library
-from services.worker.engine.native_decode import MIN_SPLIT_CONTEXT, VECTOR_WIDTH, NativeDecodeAttention
-from services.worker.engine.native_ops import ACTIVATIONS, NativeElementwise
-from services.worker.engine.weight_codes import CodedWeight, NativeCodedLinear
+from services.worker.engine.cpu.cpu_linear import PackedLinear
+from services.worker.engine.cpu.fused_mlp import FusedGatedMLP
+from services.worker.engine.cpu.fused_norms import FusedRMSNorm
+from services.worker.engine.cpu.native_build import NativeBuildError, load_library
+from services.worker.engine.cpu.native_decode import MIN_SPLIT_CONTEXT, VECTOR_WIDTH, NativeDecodeAttention
+from services.worker.engine.cpu.native_ops import ACTIVATIONS, NativeElementwise
+from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
 
 log = logging.getLogger(__name__)
 

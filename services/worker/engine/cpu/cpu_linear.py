@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.native_ops import NativeSkinnyLinear
-from services.worker.engine.weight_codes import CodedWeight, NativeCodedLinear
+from services.worker.engine.cpu.native_ops import NativeSkinnyLinear
+from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
 
 log = logging.getLogger(__name__)
 
