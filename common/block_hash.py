@@ -3,6 +3,10 @@
 A full block of `block_size` tokens is identified by hash(parent, tokens,
 model), so equal hashes mean equal prefixes. Hashes are 63-bit unsigned so
 they fit protobuf uint64 and Redis integers alike. 0 is the root's hash.
+
+A prompt's partial last block is hashed like a full one, chained to the last
+full block, so its hash identifies the entire prompt: workers publish it (the
+exact-match fast path) and lookups by token ids compute the same value.
 """
 
 from __future__ import annotations
@@ -10,9 +14,17 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 ROOT_HASH = 0
 _MASK = (1 << 63) - 1
+
+
+@dataclass(frozen=True)
+class PromptHashes:
+    block_hashes: tuple[int, ...]
+    partial_hash: int     # 0 when the prompt ends on a block boundary
+    partial_tokens: int
 
 
 def block_hash(parent: int, tokens: Sequence[int], model_key: str = "") -> int:
@@ -27,8 +39,37 @@ def block_hash(parent: int, tokens: Sequence[int], model_key: str = "") -> int:
 def chain_hashes(tokens: Sequence[int], block_size: int, model_key: str = "",
                  parent: int = ROOT_HASH) -> list[int]:
     """Hashes of every *full* block of `tokens`, in prefix order."""
-    hashes: list[int] = []
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start:start + block_size], model_key)
+    return _append_chain([], parent, tokens, 0, block_size, model_key)
+
+
+def extend_chain(hashes: list[int], tokens: Sequence[int], block_size: int, model_key: str = "") -> list[int]:
+    """`hashes`, the chain of the first len(hashes) full blocks of `tokens`, extended in
+    place to every full block of `tokens` (a growing sequence hashes each block once)."""
+    parent = hashes[-1] if hashes else ROOT_HASH
+    return _append_chain(hashes, parent, tokens, len(hashes) * block_size, block_size, model_key)
+
+
+def parent_of(hashes: Sequence[int], num_blocks: int) -> int:
+    """The hash the block after the first `num_blocks` blocks of chain `hashes` chains to."""
+    return hashes[num_blocks - 1] if num_blocks else ROOT_HASH
+
+
+def partial_block_hash(parent: int, tail_tokens: Sequence[int], model_key: str = "") -> int:
+    """The hash of a partial last block (tokens after the full blocks); 0 when there are none."""
+    return block_hash(parent, tail_tokens, model_key) if tail_tokens else 0
+
+
+def prompt_hashes(tokens: Sequence[int], block_size: int, model_key: str = "") -> PromptHashes:
+    """A whole prompt's full-block chain and its partial last block's hash."""
+    blocks = chain_hashes(tokens, block_size, model_key)
+    tail = tokens[len(blocks) * block_size:]
+    return PromptHashes(tuple(blocks), partial_block_hash(parent_of(blocks, len(blocks)), tail, model_key),
+                        len(tail))
+
+
+def _append_chain(hashes: list[int], parent: int, tokens: Sequence[int], start: int, block_size: int,
+                  model_key: str) -> list[int]:
+    for begin in range(start, len(tokens) - block_size + 1, block_size):
+        parent = block_hash(parent, tokens[begin:begin + block_size], model_key)
         hashes.append(parent)
     return hashes

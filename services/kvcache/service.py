@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from common.block_hash import prompt_hashes
 from services.kvcache.backend import IndexBackend
 from services.kvcache.kv_types import (
     IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
 )
 from services.kvcache.metrics import KvCacheMetrics
-from services.kvcache.prompt_hash import prompt_hashes
 from services.kvcache.rules import validate_chain, validate_event
 
 

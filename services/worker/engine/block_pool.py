@@ -9,7 +9,7 @@ A partial entry is the computed head of a sequence's last, partly filled block,
 keyed by its parent's hash and its tokens. It is only ever copied from (the
 exact-match path), never put in a block table. When a whole prompt ends inside
 it, the engine gives it an alias: the prompt's partial-block hash
-(services/kvcache/prompt_hash.py), under which the KV index knows it. An alias
+(common/block_hash.py), under which the KV index knows it. An alias
 is published (STORED with partial_hash, no full hashes) when the first entry
 carrying it is kept, and withdrawn (REMOVED) when the last one is forgotten, or
 as soon as its parent's full-block hash is: the index only keeps a partial

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common.block_hash import ROOT_HASH, block_hash
-from services.kvcache.prompt_hash import partial_block_hash
+from common.block_hash import ROOT_HASH, extend_chain, partial_block_hash
 from services.worker.engine.cuda import decode_graphs
 from services.worker.engine import types as t
 from services.worker.engine.cpu import weight_codes
@@ -58,11 +57,7 @@ class _Sequence:
     ngrams: NgramIndex | None = None    # built on the first speculative decode
 
     def full_block_hashes(self, block_size: int, model_key: str) -> list[int]:
-        parent = self.hashes[-1] if self.hashes else ROOT_HASH
-        for start in range(len(self.hashes) * block_size, len(self.tokens) - block_size + 1, block_size):
-            parent = block_hash(parent, self.tokens[start:start + block_size], model_key)
-            self.hashes.append(parent)
-        return self.hashes
+        return extend_chain(self.hashes, self.tokens, block_size, model_key)
 
 
 @dataclass

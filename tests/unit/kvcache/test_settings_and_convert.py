@@ -2,14 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from common.block_hash import chain_hashes
+from common.block_hash import chain_hashes, prompt_hashes
 from common.settings import SettingsError
 from services.kvcache import convert
 from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, IndexStats, KvEvent, LookupResult, PublishBatch,
     PublishResult, WorkerMatch,
 )
-from services.kvcache.prompt_hash import prompt_hashes
 from services.kvcache.settings import KvCacheSettings
 
 

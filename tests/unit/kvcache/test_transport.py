@@ -17,13 +17,13 @@ import grpc
 import pytest
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc
 
+from common.block_hash import prompt_hashes
 from common.grpc_server import GrpcServer, check_health, insecure_channel
 from services.kvcache.backend import MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import (
     BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult,
 )
-from services.kvcache.prompt_hash import prompt_hashes
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.server import SERVICE_NAME, build_server
 from services.kvcache.service import KvIndexService

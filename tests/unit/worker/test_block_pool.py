@@ -6,8 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.block_hash import ROOT_HASH, chain_hashes
-from services.kvcache.prompt_hash import partial_block_hash
+from common.block_hash import ROOT_HASH, chain_hashes, partial_block_hash
 from services.kvcache.radix_index import RadixIndex
 from services.worker.engine.block_pool import BlockPool, PartialBlock, PoolInvariantError
 from services.worker.engine.types import CLEARED, REMOVED, STORED, BlockEvent

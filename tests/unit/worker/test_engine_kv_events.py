@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import random
 
+from common.block_hash import prompt_hashes
 from services.kvcache.backend import MemoryBackend
 from services.kvcache.kv_types import LookupQuery, WorkerMatch
-from services.kvcache.prompt_hash import prompt_hashes
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.engine import Engine, StepBatch
 from services.worker.engine.types import REMOVED, STORED, BlockEvent

@@ -1,0 +1,37 @@
+"""The shared block hashes: pinned values, and the incremental chain agreeing with the whole one."""
+
+from __future__ import annotations
+
+from common.block_hash import (ROOT_HASH, block_hash, chain_hashes, extend_chain, parent_of, partial_block_hash,
+                               prompt_hashes)
+
+TOKENS = list(range(10))
+
+
+def test_hash_values_are_pinned() -> None:
+    # Workers, the index and stored snapshots must agree across versions.
+    assert block_hash(ROOT_HASH, [1, 2, 3]) == 44643602327473170
+    assert chain_hashes(TOKENS, 4, "m") == [8151903867957196413, 7301574251545088063]
+    hashes = prompt_hashes(TOKENS, 4, "m")
+    assert hashes.block_hashes == (8151903867957196413, 7301574251545088063)
+    assert (hashes.partial_hash, hashes.partial_tokens) == (6732824221534243284, 2)
+
+
+def test_extend_chain_hashes_each_new_full_block_once_in_place() -> None:
+    hashes: list[int] = []
+    for length in range(len(TOKENS) + 1):
+        assert extend_chain(hashes, TOKENS[:length], 4, "m") is hashes
+        assert hashes == chain_hashes(TOKENS[:length], 4, "m")
+
+
+def test_chain_from_a_parent_continues_the_chain() -> None:
+    whole = chain_hashes(TOKENS, 2, "m")
+    assert chain_hashes(TOKENS[4:], 2, "m", parent=whole[1]) == whole[2:]
+
+
+def test_partial_block_hash_chains_to_the_last_full_block() -> None:
+    blocks = chain_hashes(TOKENS, 4, "m")
+    assert parent_of(blocks, 0) == ROOT_HASH and parent_of(blocks, 2) == blocks[1]
+    assert partial_block_hash(blocks[1], TOKENS[8:], "m") == prompt_hashes(TOKENS, 4, "m").partial_hash
+    assert partial_block_hash(blocks[1], [], "m") == 0
+    assert prompt_hashes(TOKENS[:8], 4, "m").partial_hash == 0
