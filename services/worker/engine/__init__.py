@@ -2,6 +2,9 @@
 
 A pure library (no gRPC, no protobuf) so it can be tested and benchmarked on
 its own; services/worker/server.py puts the transport on top of it.
+
+The core (the step: sequences, planning, the forward, sampling, the KV pool) is
+at this level; the device speed-ups are apart, in cpu/ and cuda/.
 """
 
 from services.worker.engine.config import EngineConfig

@@ -36,3 +36,9 @@ class EngineConfig:
     lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head
     ngram_min: int = 2                 # speculation: shortest suffix looked up earlier in the sequence
     ngram_max: int = 4                 # speculation: longest suffix looked up
+
+
+def require_choice(what: str, value: str, choices: tuple[str, ...]) -> None:
+    """Raises ValueError naming `what` when `value` is not one of `choices`."""
+    if value not in choices:
+        raise ValueError(f"unknown {what} {value!r}; expected one of {', '.join(choices)}")

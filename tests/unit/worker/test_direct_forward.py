@@ -57,7 +57,7 @@ def test_with_the_c_rope_the_tokens_are_generates(kind: str) -> None:
 def test_other_layer_classes_keep_transformers_forward(other: str) -> None:
     engine, _ = recording_engine(other)
     assert engine.direct_forward == "transformers"
-    assert DirectForward.create(engine._base) is None
+    assert DirectForward.create(engine.prepared.base) is None
 
 
 def test_the_c_rope_matches_transformers() -> None:

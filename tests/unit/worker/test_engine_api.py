@@ -126,9 +126,9 @@ def test_unknown_eviction_policy_is_rejected() -> None:
 
 
 def test_memory_fraction_sizes_the_pool_from_available_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    import services.worker.engine.engine as engine_module
+    from services.worker.engine import sizing
 
-    monkeypatch.setattr(engine_module, "free_device_memory", lambda device: 64 << 20)
+    monkeypatch.setattr(sizing, "free_device_memory", lambda device: 64 << 20)
     engine = make_engine("gemma3", num_blocks=0, block_size=4, kv_memory_fraction=0.25)
     # A quarter of 64 MiB at 2 KiB per block (see above).
     assert engine.info.num_blocks == (16 << 20) // 2048

@@ -45,8 +45,8 @@ def test_native_decodes_match_transformers_and_sdpa(kind: str) -> None:
         engine, recorder = recording_engine(kind, decode_attention=backend)
         assert engine.decode_attention == backend
         if backend == "native":
-            assert engine._decode_kernel is not None
-            engine._decode_kernel = counting = CountingKernel(engine._decode_kernel)
+            assert engine.forward.decode_kernel is not None
+            engine.forward.decode_kernel = counting = CountingKernel(engine.forward.decode_kernel)
         outputs[backend] = Driver(engine).run(prompts, max_new_tokens=12)
         assert_rows_match(reference_model(kind), recorder, LOGITS_ATOL)
     assert counting.rows > 0

@@ -8,9 +8,9 @@ import torch
 
 from common.types import SamplingParams
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
-from services.worker.engine import engine as engine_module
-from services.worker.engine.engine import MIN_SCREENED_VOCAB
+from services.worker.engine.cpu import screen_loader
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, screening_available
+from services.worker.engine.cpu.screen_loader import MIN_SCREENED_VOCAB
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model
 from tests.unit.worker.test_engine_speculation import repetitive_prompt
@@ -35,25 +35,26 @@ def test_greedy_with_the_screen_equals_generate(kind: str) -> None:
 
 @pytest.mark.skipif(not screening_available(), reason="no fbgemm int8 kernel on this CPU")
 def test_without_the_c_kernel_fbgemm_screens_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(engine_module, "load_native_matmul", lambda cache_dir: None)
+    monkeypatch.setattr(screen_loader, "load_native_matmul", lambda cache_dir: None)
     prompts = {"a": prompt_of(5), "b": prompt_of(17, salt=1)}
     engine = make_engine("gemma3", lm_head_screen="on")
-    assert engine._screen is not None and engine._screen.kernel == "fbgemm"
+    screen = engine.prepared.screen.screen
+    assert screen is not None and screen.kernel == "fbgemm"
     driver = Driver(engine)
     assert_greedy_matches(reference_model("gemma3"), prompts, driver.run(prompts, 10), 10)
     assert screened_rows(driver)[0] > 0
 
 
 def test_the_screen_uses_the_c_kernel_where_it_builds() -> None:
-    engine = make_engine("llama", lm_head_screen="on")
-    assert engine._screen is not None and engine._screen.kernel == "native"
-    assert engine._screen_max_rows(engine._screen) == engine_module.DEFAULT_SCREEN_MAX_ROWS["native"]
+    loader = make_engine("llama", lm_head_screen="on").prepared.screen
+    assert loader.screen is not None and loader.screen.kernel == "native"
+    assert loader.max_rows(loader.screen) == screen_loader.DEFAULT_SCREEN_MAX_ROWS["native"]
 
 
 @pytest.mark.skipif(not screening_available(), reason="no fbgemm int8 kernel on this CPU")
 def test_with_the_c_kernels_off_the_screen_uses_fbgemm() -> None:
-    engine = make_engine("llama", lm_head_screen="on", cpu_native_kernels="off")
-    assert engine._screen is not None and engine._screen.kernel == "fbgemm"
+    screen = make_engine("llama", lm_head_screen="on", cpu_native_kernels="off").prepared.screen.screen
+    assert screen is not None and screen.kernel == "fbgemm"
 
 
 def test_every_sampling_kind_gives_the_tokens_of_the_full_head() -> None:

@@ -33,6 +33,6 @@ def kind(request: pytest.FixtureRequest) -> str:
 def test_shared_layers_own_no_cache_and_read_their_source(kind: str) -> None:
     engine = make_engine(kind)
     # Layers 3-5 reuse KV: sliding layers read layer 1 (the last storing sliding layer), global ones layer 2.
-    assert engine._cache_layer == [0, 1, 2, 1, 1, 2]
+    assert engine.forward.cache_layer == [0, 1, 2, 1, 1, 2]
     assert [k is None for k in engine.kv.keys] == [False, False, False, True, True, True]
     assert engine.kv.keys[2].shape[-1] == 32 and engine.kv.keys[0].shape[-1] == 16

@@ -57,10 +57,10 @@ class CountingLayers:
 def test_the_c_layers_give_the_python_layers_logits_bitwise(coded_gemma3: torch.nn.Module) -> None:
     engine, recorder = _engine(coded_gemma3)
     assert engine.direct_forward == "direct (C decode layers)"
-    counting = CountingLayers(engine._direct.native_layers)
-    engine._direct.native_layers = counting
+    counting = CountingLayers(engine.forward.direct.native_layers)
+    engine.forward.direct.native_layers = counting
     python, python_recorder = _engine(coded_gemma3)
-    python._direct.native_layers = None
+    python.forward.direct.native_layers = None
     assert python.direct_forward == "direct (native RoPE)"
     tokens = Driver(engine).run(PROMPTS, 10, CHUNKS)
     assert Driver(python).run(PROMPTS, 10, CHUNKS) == tokens
@@ -72,10 +72,10 @@ def test_the_c_layers_give_the_python_layers_logits_bitwise(coded_gemma3: torch.
 
 def test_steps_with_prefill_chunks_or_too_many_rows_keep_the_python_layers(coded_gemma3: torch.nn.Module) -> None:
     engine, _ = _engine(coded_gemma3)
-    layers = engine._direct.native_layers
+    layers = engine.forward.direct.native_layers
     assert layers is not None
     counting = CountingLayers(layers)
-    engine._direct.native_layers = counting
+    engine.forward.direct.native_layers = counting
     layers.max_rows = 2                           # 3 decodes a step are more than it takes
     prompts = {"a": prompt_of(5, 1), "b": prompt_of(6, 2), "c": prompt_of(7, 3)}
     tokens = Driver(engine).run(prompts, 6)
@@ -87,10 +87,10 @@ def test_steps_with_prefill_chunks_or_too_many_rows_keep_the_python_layers(coded
                                     {"decode_attention": "sdpa"}])
 def test_without_every_c_piece_the_python_layers_serve(coded_gemma3: torch.nn.Module, config: dict) -> None:
     engine, _ = _engine(coded_gemma3, **config)
-    layers = engine._direct.native_layers if engine._direct is not None else None
+    layers = engine.forward.direct.native_layers if engine.forward.direct is not None else None
     if layers is not None:                         # built, but the step's attention is not native
         counting = CountingLayers(layers)
-        engine._direct.native_layers = counting
+        engine.forward.direct.native_layers = counting
     prompts = {"a": prompt_of(5, 1), "b": prompt_of(9, 2)}
     tokens = Driver(engine).run(prompts, 6)
     assert layers is None or counting.steps == 0
@@ -103,9 +103,9 @@ def test_other_layer_shapes_keep_the_python_layers(kind: str) -> None:
     snap_to_codes(model)
     engine, _ = _engine(model)
     assert engine.coded_linears > 0
-    assert engine._direct.native_layers is None
+    assert engine.forward.direct.native_layers is None
 
 
 def test_random_weights_keep_the_python_layers() -> None:
     engine, _ = _engine(build_model(CONFIGS["gemma3"]()))
-    assert engine._direct.native_layers is None
+    assert engine.forward.direct.native_layers is None

@@ -1,0 +1,79 @@
+"""When an engine's LM head screen (lm_head_screen.py) is built, and how many rows it serves.
+
+Float32 CPU engines only: built at start-up (`on`), or for large vocabularies in a
+background thread (`auto`: packing the int8 head takes seconds; steps use the full
+head until it is ready), or not at all (`off`, other devices and dtypes, a head
+with a bias). A failed build is logged and leaves the full head serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.config import EngineConfig, require_choice
+from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
+
+LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
+MIN_SCREENED_VOCAB = 32768   # `auto` screens vocabularies this large, where the LM head dominates a decode
+# Screened rows per step at most when LM_HEAD_SCREEN_MAX_ROWS is 0, by the screen's kernel: past
+# these the full head was faster on a 2-core AMD EPYC (fbgemm's op costs two rows per row).
+DEFAULT_SCREEN_MAX_ROWS = {"native": 32, "fbgemm": 8}
+
+log = logging.getLogger(__name__)
+
+
+class ScreenLoader:
+    def __init__(self, config: EngineConfig, softcap: float | None, kernel_cache_dir: Path,
+                 native_kernels: bool) -> None:
+        require_choice("LM head screen mode", config.lm_head_screen, LM_HEAD_SCREEN_MODES)
+        if config.lm_head_screen_max_rows < 0:
+            raise ValueError("lm_head_screen_max_rows must be >= 0 (0: by the screen's kernel)")
+        self.mode = config.lm_head_screen
+        self.setting_max_rows = config.lm_head_screen_max_rows
+        self.screen: LMHeadScreen | None = None
+        self._softcap = softcap
+        self._kernel_cache_dir = kernel_cache_dir
+        self._native_kernels = native_kernels
+        self._ready = threading.Event()
+
+    def start(self, head: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """Builds the screen of `head` now, in the background, or not, by the mode."""
+        weight = getattr(head, "weight", None)
+        if (self.mode == "off" or device.type != "cpu" or dtype != torch.float32
+                or weight is None or getattr(head, "bias", None) is not None):
+            self._ready.set()
+            return
+        if self.mode == "on":
+            self._build(weight)
+        elif weight.shape[0] >= MIN_SCREENED_VOCAB:
+            threading.Thread(target=self._build, args=(weight,), name="lm-head-screen", daemon=True).start()
+        else:
+            self._ready.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the screen is built or known not to be."""
+        return self._ready.wait(timeout)
+
+    def max_rows(self, screen: LMHeadScreen) -> int:
+        """Screened rows per step at most: the setting, or past where the full head is faster."""
+        return self.setting_max_rows or DEFAULT_SCREEN_MAX_ROWS[screen.kernel]
+
+    def _build(self, weight: torch.Tensor) -> None:
+        try:
+            started = time.perf_counter()
+            native = load_native_matmul(self._kernel_cache_dir) if self._native_kernels else None
+            if native is None and not screening_available():
+                return
+            self.screen = LMHeadScreen.create(weight, self._softcap, native)
+            if self.screen is not None:
+                log.info("LM head screen ready in %.1f s (%s kernel)", time.perf_counter() - started,
+                         self.screen.kernel)
+        except Exception:   # the full head keeps serving; the failure is only logged
+            log.exception("LM head screen could not be built; the full LM head serves every row")
+        finally:
+            self._ready.set()

@@ -1,0 +1,151 @@
+"""The CPU speed-ups applied to a loaded model, in order, and what each one took.
+
+RMSNorms fused (every device; as a C kernel in float32 on CPU), gated MLPs fused,
+linear weights pre-packed (cpu_linear.py), few-row steps routed to the C linear
+and, where weights are exact 8-bit codes, to the coded linear (weight_codes.py),
+then the direct forward (direct_forward.py) with its one-call C decode layers
+(native_layers.py). Each is optional and switched by its setting; what is not
+applied leaves transformers' modules as they were.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.config import EngineConfig, require_choice
+from services.worker.engine.cpu import weight_codes
+from services.worker.engine.cpu.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, pack_linears,
+                                                   resolve_kernel_plan)
+from services.worker.engine.cpu.direct_forward import DirectForward
+from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
+from services.worker.engine.cpu.fused_norms import fuse_rms_norms
+from services.worker.engine.cpu.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
+from services.worker.engine.cpu.weight_codes import load_coded_linear
+
+CPU_NATIVE_KERNELS_MODES = ("auto", "off")
+DIRECT_FORWARD_MODES = ("auto", "off")
+CPU_WEIGHT_CODES_MODES = ("auto", "off")
+# Rows per step up to which linear layers use the C kernel: past 8 the packed BLAS kernels
+# were faster on the AMD EPYC (the C kernel holds up to 8 rows in registers per weight pass).
+SKINNY_MAX_ROWS = 8
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Speedups:
+    lm_head: torch.nn.Module               # the model's output embeddings, packed when the layers are
+    native_kernels: bool = False           # the C kernels of CPU_NATIVE_KERNELS may serve
+    fused_norms: int = 0
+    fused_mlps: int = 0
+    linear_kernel: KernelPlan | None = None
+    native_linears: int = 0                # packed linears whose few-row steps run the C kernel
+    coded_linears: int = 0                 # packed linears whose few-row steps run from 8-bit codes
+    prefill_linear_kernel: str | None = None   # the coded linears' packs, when they differ from the plan's
+    direct: DirectForward | None = None
+
+
+@dataclass(frozen=True)
+class _Target:
+    config: EngineConfig
+    device: torch.device
+    dtype: torch.dtype
+    kernel_cache_dir: Path
+
+
+def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: EngineConfig, device: torch.device,
+                   dtype: torch.dtype, kernel_cache_dir: Path) -> Speedups:
+    """Applies the speed-ups that `config` allows on `device` to `base` (modules swapped in
+    place) and returns what was applied, with the LM head the engine calls."""
+    target = _Target(config, device, dtype, kernel_cache_dir)
+    done = Speedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
+    native_ops = load_elementwise(kernel_cache_dir) if done.native_kernels else None
+    done.fused_norms = fuse_rms_norms(base, native_ops)
+    done.fused_mlps = fuse_gated_mlps(base, native_ops) if native_ops is not None else 0
+    done.linear_kernel = _packed_kernel_plan(target)
+    if done.linear_kernel is not None:
+        pack_linears(base, {dtype: done.linear_kernel})
+        if isinstance(lm_head, torch.nn.Linear):
+            done.lm_head = PackedLinear(lm_head, done.linear_kernel.lm_head_max_rows, done.linear_kernel.kernel)
+    done.native_linears = _route_few_rows_to_native(target, base, done.lm_head) if done.native_kernels else 0
+    done.coded_linears = _route_few_rows_to_codes(target, base, done)
+    done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
+    return done
+
+
+def _native_kernels_enabled(target: _Target) -> bool:
+    """Whether the C kernels of CPU_NATIVE_KERNELS (norms, gated activations, few-row
+    linears, the screen's int8 kernel) may serve: `auto` on CPU in float32."""
+    mode = target.config.cpu_native_kernels
+    require_choice("CPU native kernels mode", mode, CPU_NATIVE_KERNELS_MODES)
+    return mode == "auto" and target.device.type == "cpu" and target.dtype == torch.float32
+
+
+def _packed_kernel_plan(target: _Target) -> KernelPlan | None:
+    """Pre-packed weights on CPU (cpu_linear.py: MKL or oneDNN for float32, whichever
+    is faster on this CPU, oneDNN for bfloat16): decode batches of a few rows then
+    cost about what one row does. None: plain linears."""
+    if not target.config.cpu_packed_weights or target.device.type != "cpu":
+        return None
+    return resolve_kernel_plan(target.config.cpu_linear_kernel, target.dtype)
+
+
+def _packed_linears(base: torch.nn.Module, lm_head: torch.nn.Module) -> list[PackedLinear]:
+    return [m for m in (*base.modules(), lm_head) if isinstance(m, PackedLinear)]
+
+
+def _route_few_rows_to_native(target: _Target, base: torch.nn.Module, lm_head: torch.nn.Module) -> int:
+    """Packed linears (layers and LM head) run steps of at most SKINNY_MAX_ROWS rows
+    through the C kernel; returns how many."""
+    kernel = load_skinny_linear(target.kernel_cache_dir)
+    if kernel is None:
+        return 0
+    return sum(1 for linear in _packed_linears(base, lm_head) if linear.use_native(kernel, SKINNY_MAX_ROWS))
+
+
+def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speedups) -> int:
+    """Packed linears whose float32 weights are exact 8-bit codes (weight_codes.py) run
+    steps of at most weight_codes.MAX_ROWS rows through the coded kernel; returns how many.
+    Sets `done.prefill_linear_kernel` when the coded layers' packs change kernel."""
+    require_choice("CPU weight codes mode", target.config.cpu_weight_codes, CPU_WEIGHT_CODES_MODES)
+    if target.config.cpu_weight_codes == "off" or not done.native_kernels:
+        return 0
+    kernel = load_coded_linear(target.kernel_cache_dir)
+    if kernel is None:
+        return 0
+    started = time.perf_counter()
+    linears = _packed_linears(base, done.lm_head)
+    coded = [linear for linear in linears if linear.use_codes(kernel, weight_codes.MAX_ROWS)]
+    if coded:
+        log.info("%d of %d linears kept as exact 8-bit weight codes (%.0f MB) in %.1f s", len(coded),
+                 len(linears), sum(linear.coded.nbytes for linear in coded) / 1e6,
+                 time.perf_counter() - started)
+        # The layers' packs now serve prefill chunks only: the kernel faster there may be
+        # another. (The LM head's keeps its kernel: past 32 rows it only serves prompt logprobs.)
+        prefill_kernel = choose_prefill_kernel() if target.config.cpu_linear_kernel == "auto" else None
+        if prefill_kernel is not None:
+            for linear in coded:
+                if linear is not done.lm_head and linear.kernel != prefill_kernel:
+                    linear.repack_for_prefill(prefill_kernel)
+            done.prefill_linear_kernel = prefill_kernel
+    return len(coded)
+
+
+def _direct_forward(target: _Target, base: torch.nn.Module, native_ops: NativeElementwise | None,
+                    coded_linears: int) -> DirectForward | None:
+    """The base model's forward without transformers' module dispatch (direct_forward.py):
+    `auto` on CPU for the layer classes it writes out; None keeps transformers' forward."""
+    require_choice("direct forward mode", target.config.direct_forward, DIRECT_FORWARD_MODES)
+    if target.config.direct_forward == "off" or target.device.type != "cpu":
+        return None
+    direct = DirectForward.create(base, native_ops)
+    if direct is not None and direct.native_rope and coded_linears:
+        direct.native_layers = NativeDecodeLayers.create(base, direct.layer_types, native_ops,
+                                                         target.kernel_cache_dir)
+    return direct

@@ -1,0 +1,74 @@
+"""One packed forward of a step: the base model's last hidden states of the rows that
+sample, from a replayed decode graph (CUDA, decode-only steps), else from the direct
+forward (CPU) or transformers' forward, with every attention layer reading and writing
+the paged KV cache through the step's metadata (step_inputs.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.engine.attention import StepMetadata
+from services.worker.engine.block_pool import BlockPool, PagedKVCache
+from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows
+from services.worker.engine.model import PreparedModel
+from services.worker.engine.planning import Planned
+from services.worker.engine.step_inputs import build_step_inputs, slot
+
+if TYPE_CHECKING:
+    from services.worker.engine.cpu.native_decode import NativeDecodeAttention
+    from services.worker.engine.cuda.varlen_attention import VarlenKernel
+
+
+class Forward:
+    def __init__(self, prepared: PreparedModel, kv: PagedKVCache, cache_layer: list[int], pool: BlockPool,
+                 varlen: VarlenKernel | None, decode_kernel: NativeDecodeAttention | None) -> None:
+        self.base = prepared.base
+        self.direct = prepared.speedups.direct
+        self.mask_by_type = prepared.mask_by_type
+        self.device = prepared.device
+        self.kv = kv
+        self.cache_layer = cache_layer
+        self.pool = pool
+        self.varlen = varlen
+        self.decode_kernel = decode_kernel
+        self.graphs: DecodeGraphs | None = None   # set once captured graphs can call hidden_states
+
+    def sampling_hidden_states(self, planned: list[Planned]) -> tuple[list[Planned], torch.Tensor]:
+        """One packed forward over `planned`; the final hidden states of the rows that sample,
+        with the plan of each row."""
+        # Decodes first (one row each), then prefill chunks and verified drafts as contiguous runs.
+        order = sorted(planned, key=lambda p: p.rows != 1)
+        rows = self._decode_with_graphs(order)
+        if rows is not None:
+            return order, rows
+        inputs = build_step_inputs(order, self.pool, self.kv, self.cache_layer, self.device,
+                                   varlen=self.varlen, decode_kernel=self.decode_kernel)
+        hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
+        if not inputs.sample_plans:
+            return [], hidden[:0]
+        return inputs.sample_plans, hidden[torch.tensor(inputs.sample_rows, device=self.device)]
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+        """The base model's last hidden states of the packed rows, [T, hidden]."""
+        if self.direct is not None:
+            return self.direct(input_ids, positions, meta)
+        return self.base(input_ids=input_ids[None], position_ids=positions[None],
+                         attention_mask=self.mask_by_type, use_cache=False,
+                         paged_metadata=meta).last_hidden_state[0]
+
+    def _decode_with_graphs(self, order: list[Planned]) -> torch.Tensor | None:
+        """Hidden states of a decode-only step from a captured graph, or None (no graphs,
+        not decode-only, no bucket fits, or graphs turned off)."""
+        if self.graphs is None or not all(p.rows == 1 and p.samples for p in order):
+            return None
+        tables = [self.pool.table(p.seq.seq_id) for p in order]
+        block_size = self.pool.block_size
+        return self.graphs.run(DecodeRows(
+            token_ids=[p.seq.tokens[p.start] for p in order],
+            positions=[p.start for p in order],
+            slots=[slot(table, p.start, block_size) for p, table in zip(order, tables)],
+            ctx_lens=[p.end for p in order],
+            block_tables=tables))

@@ -1,0 +1,85 @@
+"""The model an engine runs, prepared in one call: loaded (or handed in), placed on
+its device and dtype, switched to the paged attention function, given the device's
+speed-ups (cpu/speedups.py) and the LM head screen (cpu/screen_loader.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PretrainedConfig
+
+from services.worker.engine.attention import ATTENTION_NAME
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.cpu.host_memory import keep_freed_host_memory
+from services.worker.engine.cpu.native_build import default_cache_dir as default_kernel_dir
+from services.worker.engine.cpu.screen_loader import ScreenLoader
+from services.worker.engine.cpu.speedups import Speedups, apply_speedups
+from services.worker.engine.device import resolve_device, resolve_dtype
+
+
+@dataclass
+class PreparedModel:
+    model: torch.nn.Module
+    model_config: PretrainedConfig      # the text decoder's config (Gemma 4 wraps it in a multimodal one)
+    base: torch.nn.Module               # the text decoder without its LM head
+    device: torch.device
+    dtype: torch.dtype
+    kernel_cache_dir: Path
+    speedups: Speedups
+    screen: ScreenLoader
+    softcap: float | None               # final logit soft-capping, if the model has it
+    mask_by_type: dict | None           # the attention mask argument: a None per layer type, or None
+    eos_token_ids: list[int]
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.speedups.lm_head
+
+
+def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) -> PreparedModel:
+    """`model` (else the checkpoint in config.model_dir) ready for the engine's steps."""
+    if config.torch_threads > 0:
+        torch.set_num_threads(config.torch_threads)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    if device.type == "cpu":
+        keep_freed_host_memory()
+    model = model if model is not None else _load_model(config.model_dir, dtype)
+    model.to(device=device, dtype=dtype).eval()
+    model.set_attn_implementation(ATTENTION_NAME)
+    # Multimodal checkpoints (Gemma 4) wrap the text decoder; only the text path runs here.
+    model_config = model.config.get_text_config()
+    if getattr(model_config, "attn_logit_softcapping", None):
+        raise ValueError("attention logit softcapping is not supported by the paged attention path")
+    base = model.base_model
+    base = getattr(base, "language_model", base)
+    kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
+    speedups = apply_speedups(base, model.get_output_embeddings(), config, device, dtype, kernel_cache_dir)
+    softcap = getattr(model_config, "final_logit_softcapping", None)
+    screen = ScreenLoader(config, softcap, kernel_cache_dir, speedups.native_kernels)
+    screen.start(model.get_output_embeddings(), device, dtype)
+    layer_types = getattr(model_config, "layer_types", None)
+    return PreparedModel(
+        model=model, model_config=model_config, base=base, device=device, dtype=dtype,
+        kernel_cache_dir=kernel_cache_dir, speedups=speedups, screen=screen, softcap=softcap,
+        mask_by_type={kind: None for kind in set(layer_types)} if layer_types else None,
+        eos_token_ids=_eos_token_ids(model))
+
+
+def _load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+
+def _eos_token_ids(model: torch.nn.Module) -> list[int]:
+    generation = getattr(model, "generation_config", None)
+    value = getattr(generation, "eos_token_id", None) if generation is not None else None
+    if value is None:
+        value = getattr(model.config.get_text_config(), "eos_token_id", None)
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]

@@ -1,0 +1,222 @@
+"""Which tokens each work item of a step computes, and the blocks they need.
+
+A work item is checked (known sequence, once per step, something to compute,
+inside the model's context), then planned: a started decode may verify n-gram
+drafts; a new sequence first tries the exact-match path (an identical prompt's
+cached K/V and last logits: nothing is computed), else reuses its leading
+cached full blocks and copies the longest shared run of a cached block after
+them; then the pool grows its block table to cover the chunk. A plan the pool
+cannot cover fails the item with "out_of_blocks" and changes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from common.block_hash import parent_of
+from services.worker.engine import types as t
+from services.worker.engine.block_pool import BlockPool, PagedKVCache
+from services.worker.engine.prompt_logits import PromptLogitsCache
+from services.worker.engine.sequences import Sequences, SequenceState
+from services.worker.engine.speculation import NgramIndex
+
+MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
+
+
+@dataclass
+class Planned:
+    seq: SequenceState
+    start: int
+    num_tokens: int
+    cached_tokens: int
+    result_index: int
+    cached_logits: torch.Tensor | None = None   # exact match: sample from these, compute nothing
+    drafts: list[int] = field(default_factory=list)   # speculative tokens verified after a decode
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_tokens
+
+    @property
+    def rows(self) -> int:
+        """Rows of the packed batch: the chunk's tokens, then any drafts."""
+        return self.num_tokens + len(self.drafts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens of this chunk at prompt positions (a resumed sequence's outputs are not)."""
+        return max(0, min(self.end, len(self.seq.request.prompt_token_ids)) - self.start)
+
+    @property
+    def samples(self) -> bool:
+        return self.end == len(self.seq.tokens)
+
+
+@dataclass(frozen=True)
+class PlanLimits:
+    block_size: int
+    model_key: str
+    max_model_len: int
+    ngram_min: int
+    ngram_max: int
+
+
+class StepPlanner:
+    def __init__(self, sequences: Sequences, pool: BlockPool, kv: PagedKVCache, prompt_logits: PromptLogitsCache,
+                 limits: PlanLimits) -> None:
+        self.sequences = sequences
+        self.pool = pool
+        self.kv = kv
+        self.prompt_logits = prompt_logits
+        self.limits = limits
+        self.block_size = limits.block_size
+
+    def plan(self, work: list[t.WorkItem], results: list[t.SeqResult]) -> list[Planned]:
+        """The plans of `work`, in order; appends every item's result (or error) to `results`."""
+        planned: list[Planned] = []
+        seen: set[str] = set()
+        for item in work:
+            seq = self.sequences.get(item.seq_id)
+            error = self._work_error(item, seq, seen)
+            seen.add(item.seq_id)
+            if error:
+                computed = seq.num_computed if seq is not None else 0
+                results.append(t.SeqResult(item.seq_id, computed, error=error))
+                continue
+            assert seq is not None
+            plan = self._plan_one(seq, item.max_tokens, len(results), item.draft_tokens)
+            if plan is None:
+                results.append(t.SeqResult(item.seq_id, seq.num_computed, error=t.OUT_OF_BLOCKS))
+                continue
+            results.append(t.SeqResult(item.seq_id, plan.end, plan.cached_tokens))
+            planned.append(plan)
+        return planned
+
+    def _work_error(self, item: t.WorkItem, seq: SequenceState | None, seen: set[str]) -> str:
+        if seq is None:
+            return t.UNKNOWN_SEQUENCE
+        if item.seq_id in seen:
+            return t.DUPLICATE_WORK
+        if item.max_tokens <= 0:
+            return t.INVALID_MAX_TOKENS
+        if seq.num_computed >= len(seq.tokens):
+            return t.NOTHING_TO_COMPUTE
+        if len(seq.tokens) > self.limits.max_model_len:
+            return t.EXCEEDS_MAX_MODEL_LEN
+        return ""
+
+    def _plan_one(self, seq: SequenceState, max_tokens: int, result_index: int,
+                  draft_tokens: int = 0) -> Planned | None:
+        if seq.started and draft_tokens > 0 and len(seq.tokens) - seq.num_computed == 1:
+            speculative = self._plan_speculative(seq, draft_tokens, result_index)
+            if speculative is not None:
+                return speculative
+        fresh = not seq.started and self.pool.enable_prefix_caching
+        if fresh:
+            exact = self._plan_exact(seq, result_index)
+            if exact is not None:
+                return exact
+        cached_blocks, tail_source, copied = self._reusable(seq) if fresh else ([], None, 0)
+        start = len(cached_blocks) * self.block_size if fresh else seq.num_computed
+        num_tokens = min(max_tokens, len(seq.tokens) - start - copied)
+        if not self._allocate(seq, start + copied + num_tokens, cached_blocks, tail_source, copied):
+            if tail_source is None:
+                return None
+            # Holding the copy source can be what leaves the pool one block short.
+            tail_source, copied = None, 0
+            num_tokens = min(max_tokens, len(seq.tokens) - start)
+            if not self._allocate(seq, start + num_tokens, cached_blocks, None, 0):
+                return None
+        start += copied
+        cached_tokens = 0
+        if not seq.started:
+            seq.started = True
+            cached_tokens = start
+            seq.num_computed = start
+            seq.num_registered_blocks = len(cached_blocks)
+            self.pool.record_prefix_query(len(seq.tokens), cached_tokens)
+        return Planned(seq, start, num_tokens, cached_tokens, result_index)
+
+    def _reusable(self, seq: SequenceState) -> tuple[list[int], int | None, int]:
+        """A new sequence's leading cached blocks, and the block (or None) whose first slots
+        are copied after them, with how many."""
+        cached_blocks, tail = self._find_cached(seq)
+        if tail is None:
+            return cached_blocks, None, 0
+        # Keep at least the last token to compute: its logits give the next token.
+        rest = len(seq.tokens) - 1 - len(cached_blocks) * self.block_size
+        copied = min(tail[1], rest)
+        # A lone shared token (a BOS) is not worth a copy; a whole tail always is.
+        if copied <= 0 or (copied < MIN_PARTIAL_COPY and copied < rest):
+            return cached_blocks, None, 0
+        return cached_blocks, tail[0], copied
+
+    def _plan_speculative(self, seq: SequenceState, draft_tokens: int, result_index: int) -> Planned | None:
+        """A decode that also verifies n-gram drafts, or None (no draft, or no room for
+        their slots: the plain decode is planned instead)."""
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.limits.ngram_min, self.limits.ngram_max)
+        # Every verified row stays inside the model's context.
+        limit = min(draft_tokens, self.limits.max_model_len - len(seq.tokens))
+        drafts = seq.ngrams.propose(seq.tokens, limit)
+        if not drafts or not self.pool.allocate(seq.seq_id, len(seq.tokens) + len(drafts)):
+            return None
+        return Planned(seq, seq.num_computed, 1, 0, result_index, drafts=drafts)
+
+    def _plan_exact(self, seq: SequenceState, result_index: int) -> Planned | None:
+        """An identical prompt whose last-position logits and every token's K/V are cached:
+        its blocks are reused (the partial last one copied) and nothing is computed."""
+        key = seq.prompt_key(self.block_size, self.limits.model_key)
+        if key is None or not self.prompt_logits.contains(key):
+            return None
+        hashes = seq.full_block_hashes(self.block_size, self.limits.model_key)
+        full = len(seq.tokens) // self.block_size
+        blocks = self.pool.find_cached_prefix(hashes[:full])
+        if len(blocks) < full:
+            return None
+        rest = len(seq.tokens) - full * self.block_size
+        tail_source = None
+        if rest:
+            tail = self.pool.find_longest_tail(key[0], seq.tokens[full * self.block_size:])
+            if tail is None or tail[1] < rest:
+                return None
+            tail_source = tail[0]
+        if not self._allocate(seq, len(seq.tokens), blocks, tail_source, rest):
+            return None
+        logits = self.prompt_logits.get(key)
+        assert logits is not None
+        seq.started = True
+        seq.num_computed = len(seq.tokens)
+        seq.num_registered_blocks = full
+        self.pool.record_prefix_query(len(seq.tokens), len(seq.tokens))
+        return Planned(seq, len(seq.tokens), 0, len(seq.tokens), result_index, cached_logits=logits)
+
+    def _find_cached(self, seq: SequenceState) -> tuple[list[int], tuple[int, int] | None]:
+        """`seq`'s leading cached full blocks, and the cached block (full or a kept partial)
+        after them that shares the longest run of `seq`'s next tokens, with that run's
+        length: its slots are copied into a block of `seq`'s own. An identical prompt
+        copies its whole tail; a prompt that differs inside a block keeps the part before."""
+        hashes = seq.full_block_hashes(self.block_size, self.limits.model_key)
+        # Keep at least the last token to compute: its logits give the next token.
+        reusable = (len(seq.tokens) - 1) // self.block_size
+        blocks = self.pool.find_cached_prefix(hashes[:reusable])
+        start = len(blocks) * self.block_size
+        tail = seq.tokens[start:start + self.block_size]
+        if len(tail) < 2:
+            return blocks, None
+        return blocks, self.pool.find_longest_tail(parent_of(hashes, len(blocks)), tail)
+
+    def _allocate(self, seq: SequenceState, num_tokens: int, cached_blocks: list[int],
+                  tail_source: int | None, copied: int) -> bool:
+        """Grows `seq`'s table to `num_tokens` tokens; with a tail source, copies its first
+        `copied` slots into the block after the cached ones."""
+        if tail_source is None:
+            return self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
+        self.pool.hold(tail_source)     # the allocation must not evict the block copied from
+        allocated = self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
+        if allocated:
+            self.kv.copy_slots(tail_source, self.pool.table(seq.seq_id)[len(cached_blocks)], copied)
+        self.pool.release(tail_source)
+        return allocated

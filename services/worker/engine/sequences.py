@@ -1,0 +1,139 @@
+"""The engine's running sequences and what a step does to them.
+
+A sequence is its tokens (prompt + output; the last one is uncomputed after a
+sample), how many are computed, its sampling request and its chain of full-block
+hashes. `Sequences` registers and frees them (a freed sequence's computed
+partial last block is offered to the pool), applies a step's samples (accepted
+drafts, new tokens, results) and registers newly computed full blocks with the
+pool's prefix cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from common.block_hash import ROOT_HASH, extend_chain, parent_of, partial_block_hash
+from services.worker.engine import types as t
+from services.worker.engine.block_pool import BlockPool, PartialBlock
+from services.worker.engine.prompt_logits import PromptKey, prompt_key
+from services.worker.engine.sampler import SampledToken, SampleRequest
+from services.worker.engine.speculation import NgramIndex, accepted_prefix
+
+if TYPE_CHECKING:
+    from services.worker.engine.planning import Planned
+
+
+@dataclass
+class SequenceState:
+    seq_id: str
+    tokens: list[int]                   # prompt + output; the last one is uncomputed after a sample
+    request: SampleRequest
+    num_computed: int = 0
+    num_registered_blocks: int = 0      # leading full blocks whose hashes the pool knows
+    hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks of `tokens`
+    started: bool = False
+    ngrams: NgramIndex | None = None    # built on the first speculative decode
+
+    def full_block_hashes(self, block_size: int, model_key: str) -> list[int]:
+        return extend_chain(self.hashes, self.tokens, block_size, model_key)
+
+    def prompt_key(self, block_size: int, model_key: str) -> PromptKey | None:
+        """The logits-cache key of the prompt while nothing has been sampled after it."""
+        if self.request.num_sampled or len(self.tokens) != len(self.request.prompt_token_ids):
+            return None
+        hashes = self.full_block_hashes(block_size, model_key)
+        full = len(self.tokens) // block_size
+        return prompt_key(parent_of(hashes, full), self.tokens[full * block_size:])
+
+
+class Sequences:
+    def __init__(self, pool: BlockPool, block_size: int, model_key: str) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.model_key = model_key
+        self._by_id: dict[str, SequenceState] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __iter__(self) -> Iterator[SequenceState]:
+        return iter(self._by_id.values())
+
+    def get(self, seq_id: str) -> SequenceState | None:
+        return self._by_id.get(seq_id)
+
+    def free(self, seq_id: str) -> None:
+        seq = self._by_id.pop(seq_id, None)
+        self.pool.free(seq_id, self._partial_block(seq) if seq is not None else None)
+
+    def register(self, new: t.NewSequence) -> None:
+        self.free(new.seq_id)     # re-registering a sequence starts it over
+        tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
+        request = SampleRequest(params=new.sampling, prompt_token_ids=list(new.prompt_token_ids),
+                                output_token_ids=list(new.output_token_ids),
+                                num_sampled=len(new.output_token_ids))
+        self._by_id[new.seq_id] = SequenceState(new.seq_id, tokens, request)
+
+    def _partial_block(self, seq: SequenceState) -> PartialBlock | None:
+        """The computed head of `seq`'s partly filled last block, if it has one. When the
+        prompt ends inside it, it is aliased by the prompt's partial-block hash (the index's
+        exact-match key), even if generated tokens follow the prompt's in it."""
+        full, used = divmod(seq.num_computed, self.block_size)
+        if not used or not self.pool.enable_prefix_caching:
+            return None
+        parent = seq.full_block_hashes(self.block_size, self.model_key)[full - 1] if full else ROOT_HASH
+        start = full * self.block_size
+        prompt = seq.request.prompt_token_ids
+        alias = 0
+        if start < len(prompt) <= seq.num_computed:
+            alias = partial_block_hash(parent, prompt[start:], self.model_key)
+        return PartialBlock(full, tuple(seq.tokens[start:seq.num_computed]), parent, alias)
+
+    def commit(self, planned: list[Planned], sampled: list[tuple[Planned, list[SampledToken]]],
+               results: list[t.SeqResult]) -> int:
+        """Applies the step to the sequences and results; returns the drafts accepted."""
+        accepted = 0
+        emitted_by_plan: dict[int, list[SampledToken]] = {}
+        for plan, tokens in sampled:
+            kept = accepted_prefix(plan.drafts, [token.token_id for token in tokens])
+            emitted_by_plan[id(plan)] = tokens[:len(kept)]
+            accepted += len(kept) - 1
+        for plan in planned:
+            seq = plan.seq
+            emitted = emitted_by_plan.get(id(plan), [])
+            seq.num_computed = plan.end
+            if plan.drafts:
+                # Kept drafts are computed; rows past the last kept one were computed for nothing.
+                seq.num_computed += len(emitted) - 1
+                self.pool.shrink(seq.seq_id, seq.num_computed)
+                results[plan.result_index].num_computed_tokens = seq.num_computed
+            self._register_full_blocks(seq)
+            if emitted:
+                _append_sampled(seq, results[plan.result_index], emitted)
+        return accepted
+
+    def _register_full_blocks(self, seq: SequenceState) -> None:
+        if not self.pool.enable_prefix_caching:
+            return
+        full = seq.num_computed // self.block_size
+        first = seq.num_registered_blocks
+        if full <= first:
+            return
+        hashes = seq.full_block_hashes(self.block_size, self.model_key)
+        self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent_of(hashes, first), seq.tokens)
+        seq.num_registered_blocks = full
+
+
+def _append_sampled(seq: SequenceState, result: t.SeqResult, emitted: list[SampledToken]) -> None:
+    """The tokens a step sampled for `seq`, appended to it and reported in `result`."""
+    token_ids = [token.token_id for token in emitted]
+    seq.tokens.extend(token_ids)
+    seq.request.output_token_ids.extend(token_ids)
+    seq.request.num_sampled += len(token_ids)
+    result.sampled = True
+    result.token_id = token_ids[0]
+    result.logprob = emitted[0].logprob
+    result.more_token_ids = token_ids[1:]
+    result.more_logprobs = [token.logprob for token in emitted[1:]]
