@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.worker.engine.block_pool import PagedKVCache
+from services.worker.engine.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:   # the device kernels are handed in; the core does not load them
     from services.worker.engine.cpu.native_decode import NativeDecodeAttention

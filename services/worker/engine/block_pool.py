@@ -1,4 +1,4 @@
-"""Paged KV cache: device tensors for every layer plus block bookkeeping.
+"""The paged KV cache's block bookkeeping (its tensors are kv_cache.py's).
 
 Every block is in exactly one state:
   used    refcount > 0 (in at least one sequence's block table),
@@ -26,22 +26,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import make_eviction_policy
+from services.worker.engine.pool_invariants import PoolInvariants
 from services.worker.engine.types import BlockEvent, PoolStats
-
-
-class PoolInvariantError(AssertionError):
-    pass
-
-
-@dataclass(frozen=True)
-class LayerKVSpec:
-    """Shape of one layer's cache; a layer that reads another layer's cache owns none."""
-    num_kv_heads: int
-    head_dim: int
 
 
 @dataclass(frozen=True)
@@ -53,41 +41,7 @@ class PartialBlock:
     alias_hash: int = 0         # the whole prompt's partial-block hash when the prompt ends in it; 0: none
 
 
-class PagedKVCache:
-    """K and V tensors [num_blocks * block_size, kv_heads, head_dim] per owning layer,
-    allocated once. A token's slot is block_id * block_size + offset."""
-
-    def __init__(self, specs: Sequence[LayerKVSpec | None], num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        slots = num_blocks * block_size
-        self.keys: list[torch.Tensor | None] = []
-        self.values: list[torch.Tensor | None] = []
-        for spec in specs:
-            if spec is None:
-                self.keys.append(None)
-                self.values.append(None)
-                continue
-            shape = (slots, spec.num_kv_heads, spec.head_dim)
-            self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.values.append(torch.zeros(shape, dtype=dtype, device=device))
-        self.block_size = block_size
-
-    def copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
-        """Copies the K/V of the first `num_tokens` slots of `src_block` into `dst_block`."""
-        src = slice(src_block * self.block_size, src_block * self.block_size + num_tokens)
-        dst = slice(dst_block * self.block_size, dst_block * self.block_size + num_tokens)
-        for cache in (*self.keys, *self.values):
-            if cache is not None:
-                cache[dst] = cache[src]
-
-    @staticmethod
-    def bytes_per_block(specs: Sequence[LayerKVSpec | None], block_size: int, dtype: torch.dtype) -> int:
-        element = torch.empty((), dtype=dtype).element_size()
-        per_token = sum(2 * s.num_kv_heads * s.head_dim for s in specs if s is not None)
-        return per_token * block_size * element
-
-
-class BlockPool:
+class BlockPool(PoolInvariants):
     """Block ownership, reference counts and the prefix cache. Pure bookkeeping:
     it never touches tensors, so it is cheap to test exhaustively."""
 
@@ -317,94 +271,6 @@ class BlockPool:
         """Every published alias as (parent_hash, alias), once however many partial
         entries carry it; the parent is the root or a registered full block."""
         return [(self._parent_hash[next(iter(blocks))], alias) for alias, blocks in self._alias_blocks.items()]
-
-    def check_invariants(self) -> None:
-        """Raises PoolInvariantError when the bookkeeping is inconsistent (tests call it every step)."""
-        owners = [0] * self.num_blocks
-        for seq_id, table in self._tables.items():
-            if len(set(table)) != len(table):
-                raise PoolInvariantError(f"sequence {seq_id} holds a block twice: {table}")
-            for block in table:
-                owners[block] += 1
-        free = set(self._free)
-        if len(free) != len(self._free):
-            raise PoolInvariantError("a block is on the free list twice")
-        evictable = set(self._evictable)
-        for block in range(self.num_blocks):
-            count = self._refcount[block]
-            if count < 0:
-                raise PoolInvariantError(f"block {block} has refcount {count}")
-            if count != owners[block]:
-                raise PoolInvariantError(f"block {block} refcount {count} but {owners[block]} owners")
-            states = (count > 0) + (block in free) + (block in evictable)
-            if states != 1:
-                raise PoolInvariantError(f"block {block} is in {states} states")
-            self._check_entry(block, count, block in free)
-        for value, block in self._by_hash.items():
-            if self._block_hash[block] != value:
-                raise PoolInvariantError(f"hash map points {value} at block {block}")
-        self._check_tail_index()
-        self._check_aliases()
-        used = sum(1 for count in self._refcount if count > 0)
-        if len(free) + len(evictable) + used != self.num_blocks:
-            raise PoolInvariantError(f"free {len(free)} + cached {len(evictable)} + used {used} "
-                                     f"!= total {self.num_blocks}")
-        if self.stats().used_blocks != used:
-            raise PoolInvariantError(f"stats report {self.stats().used_blocks} used blocks, counted {used}")
-
-    def _check_entry(self, block: int, refcount: int, free: bool) -> None:
-        tokens = self._block_tokens[block]
-        value = self._block_hash[block]
-        partial = block in self._partials
-        if free and (tokens is not None or value is not None or partial):
-            raise PoolInvariantError(f"free block {block} still holds a hash or partial entry")
-        if refcount == 0 and not free and tokens is None:
-            raise PoolInvariantError(f"cached block {block} holds neither a hash nor a partial entry")
-        if partial and (refcount > 0 or value is not None or tokens is None
-                        or not 0 < len(tokens) < self.block_size):
-            raise PoolInvariantError(f"partial block {block} is referenced, hashed or malformed")
-        if value is not None and (tokens is None or len(tokens) != self.block_size):
-            raise PoolInvariantError(f"full block {block} does not hold its {self.block_size} tokens")
-        if not partial and value is None and tokens is not None:
-            raise PoolInvariantError(f"block {block} holds tokens but no entry")
-
-    def _check_tail_index(self) -> None:
-        indexed = 0
-        for (parent, first), blocks in self._tails.items():
-            for block in blocks:
-                tokens = self._block_tokens[block]
-                if tokens is None or tokens[0] != first or self._parent_hash[block] != parent:
-                    raise PoolInvariantError(f"tail index points ({parent}, {first}) at block {block}")
-                indexed += 1
-        holding = sum(1 for tokens in self._block_tokens if tokens is not None)
-        if indexed != holding:
-            raise PoolInvariantError(f"tail index lists {indexed} blocks, {holding} hold entries")
-        for block in self._held:
-            if self._block_tokens[block] is None:
-                raise PoolInvariantError(f"held block {block} holds no entry")
-
-    def _check_aliases(self) -> None:
-        under: dict[int, set[int]] = {}
-        carried = 0
-        for alias, blocks in self._alias_blocks.items():
-            if not alias or not blocks:
-                raise PoolInvariantError(f"alias {alias} is zero or carried by no block")
-            parents = {self._parent_hash[block] for block in blocks}
-            if len(parents) != 1:
-                raise PoolInvariantError(f"alias {alias} is carried under several parents {parents}")
-            (parent,) = parents
-            if parent != ROOT_HASH:
-                if parent not in self._by_hash:
-                    raise PoolInvariantError(f"alias {alias} is published under unregistered parent {parent}")
-                under.setdefault(parent, set()).add(alias)
-            for block in blocks:
-                if block not in self._partials or self._alias_of.get(block) != alias:
-                    raise PoolInvariantError(f"alias {alias} lists block {block}, not a partial entry carrying it")
-            carried += len(blocks)
-        if carried != len(self._alias_of):
-            raise PoolInvariantError(f"{len(self._alias_of)} blocks carry an alias, alias sets list {carried}")
-        if under != self._aliases_under:
-            raise PoolInvariantError("aliases by parent disagree with the alias sets")
 
     # ---- internals -----------------------------------------------------------------------
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine import types as t
-from services.worker.engine.block_pool import BlockPool, PagedKVCache
+from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.cpu_linear import KernelPlan
 from services.worker.engine.cpu.native_decode import load_decode_kernel
@@ -29,6 +29,7 @@ from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.device import dtype_name
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.forward import Forward
+from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
 from services.worker.engine.prompt_logits import PromptLogitsCache

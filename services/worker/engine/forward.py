@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.engine.attention import StepMetadata
-from services.worker.engine.block_pool import BlockPool, PagedKVCache
+from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows
+from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
 from services.worker.engine.step_inputs import build_step_inputs, slot

@@ -17,7 +17,8 @@ import torch
 
 from common.block_hash import parent_of
 from services.worker.engine import types as t
-from services.worker.engine.block_pool import BlockPool, PagedKVCache
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.prompt_logits import PromptLogitsCache
 from services.worker.engine.sequences import Sequences, SequenceState
 from services.worker.engine.speculation import NgramIndex

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from transformers import PretrainedConfig
 
-from services.worker.engine.block_pool import LayerKVSpec, PagedKVCache
+from services.worker.engine.kv_cache import LayerKVSpec, PagedKVCache
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.device import free_device_memory
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.engine.attention import PrefillChunk, StepMetadata
-from services.worker.engine.block_pool import BlockPool, PagedKVCache
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.planning import Planned
 
 if TYPE_CHECKING:

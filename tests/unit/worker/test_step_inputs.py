@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.block_pool import BlockPool, LayerKVSpec, PagedKVCache
+from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.kv_cache import LayerKVSpec, PagedKVCache
 from services.worker.engine.planning import Planned
 from services.worker.engine.sampler import SampleRequest
 from services.worker.engine.sequences import SequenceState

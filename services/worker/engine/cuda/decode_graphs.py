@@ -34,7 +34,7 @@ from typing import Protocol
 import torch
 
 from services.worker.engine.attention import StepMetadata
-from services.worker.engine.block_pool import PagedKVCache
+from services.worker.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger("worker.engine")
 
