@@ -7,13 +7,12 @@ from collections.abc import Sequence
 import grpc
 from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
 
-from common.convert import (
-    logprob_from_proto, logprob_to_proto, sampling_from_proto, sampling_to_proto, usage_to_proto,
-)
+from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
+# The Step messages are the worker's contract too: one translation for both services.
+from common.step_convert import step_batch_to_proto, step_output_from_proto  # noqa: F401
 
 from services.scheduler.core import (
-    CoreStats, Finish, Gate, PoolSnapshot, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan,
-    WorkerSpec,
+    CoreStats, Finish, Gate, RequestSpec, RequestUpdate, WorkerSpec,
 )
 
 REJECTION_CODES: dict[Gate, grpc.StatusCode] = {
@@ -53,43 +52,6 @@ def model_info_to_proto(infos: Sequence[worker_pb2.WorkerInfo]) -> scheduler_pb2
     vocabularies = [info.vocab_size for info in infos if info.vocab_size > 0]
     return scheduler_pb2.ModelInfo(max_model_len=min(lengths, default=0),
                                    vocab_size=min(vocabularies, default=0))
-
-
-def step_request_to_proto(plan: StepPlan) -> worker_pb2.StepRequest:
-    return worker_pb2.StepRequest(
-        step_id=plan.step_id,
-        new_sequences=[worker_pb2.NewSequence(seq_id=n.seq_id, prompt_token_ids=n.prompt_token_ids,
-                                              output_token_ids=n.output_token_ids,
-                                              sampling=sampling_to_proto(n.sampling))
-                       for n in plan.new_sequences],
-        work=[worker_pb2.WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens, draft_tokens=w.draft_tokens)
-              for w in plan.work],
-        free_seq_ids=plan.free_seq_ids,
-        after_step_id=plan.after_step_id,
-    )
-
-
-def pool_from_proto(message: worker_pb2.PoolStats) -> PoolSnapshot:
-    return PoolSnapshot(total_blocks=message.total_blocks, free_blocks=message.free_blocks,
-                        cached_blocks=message.cached_blocks, used_blocks=message.used_blocks,
-                        evictions=message.evictions)
-
-
-def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
-    return SeqResult(
-        seq_id=message.seq_id, num_computed_tokens=message.num_computed_tokens,
-        num_cached_tokens=message.num_cached_tokens, sampled=message.sampled,
-        token_id=message.token_id,
-        logprob=logprob_from_proto(message.logprob) if message.HasField("logprob") else None,
-        error=message.error, more_token_ids=tuple(message.more_token_ids),
-        more_logprobs=tuple(logprob_from_proto(logprob) for logprob in message.more_logprobs),
-    )
-
-
-def step_outcome_from_proto(message: worker_pb2.StepResponse) -> StepOutcome:
-    return StepOutcome(step_id=message.step_id,
-                       results=tuple(seq_result_from_proto(r) for r in message.results),
-                       pool=pool_from_proto(message.pool), forward_ms=message.forward_ms)
 
 
 def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEvent:

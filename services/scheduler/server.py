@@ -21,7 +21,7 @@ from common.grpc_server import GrpcServer, insecure_channel, request_id_from, re
 from common.sequence_ids import request_id_of
 
 from services.scheduler import convert
-from services.scheduler.core import RequestUpdate, SchedulerCore, StepPlan
+from services.scheduler.core import RequestUpdate, SchedulerCore, StepBatch
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings
 
@@ -247,7 +247,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self._metrics.observe_queue_waits(self._core.drain_queue_waits())
                     if plan is not None:
                         self._log_plan(worker_id, plan)
-                        call = asyncio.ensure_future(link.stub.Step(convert.step_request_to_proto(plan),
+                        call = asyncio.ensure_future(link.stub.Step(convert.step_batch_to_proto(plan),
                                                                     timeout=STEP_TIMEOUT_S))
                         sent.append(_SentStep(call, time.perf_counter()))
                         continue
@@ -265,7 +265,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     return
                 sent.popleft()
                 self._metrics.observe_step(worker_id, time.perf_counter() - oldest.sent_at)
-                self._deliver(self._core.apply_step(worker_id, convert.step_outcome_from_proto(reply)))
+                self._deliver(self._core.apply_step(worker_id, convert.step_output_from_proto(reply)))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # a bug must not leave this worker's requests hanging
@@ -316,7 +316,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     # ---- helpers ----
 
     @staticmethod
-    def _log_plan(worker_id: str, plan: StepPlan) -> None:
+    def _log_plan(worker_id: str, plan: StepBatch) -> None:
         for new in plan.new_sequences:
             log.info("sequence admitted", extra={
                 "request_id": request_id_of(new.seq_id), "seq_id": new.seq_id, "worker_id": worker_id,

@@ -3,13 +3,13 @@
 from services.scheduler.core.scheduler import SchedulerCore
 from services.scheduler.core.types import (
     CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, NewSequence, Policy,
-    PoolSnapshot, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepOutcome,
-    StepPlan, SubmitResult, TokenOut, WorkerSpec, WorkItem,
+    PoolStats, PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepBatch,
+    StepError, StepOutput, SubmitResult, TokenOut, WorkerSpec, WorkItem,
 )
 
 __all__ = [
     "CoreConfig", "CoreStats", "ExpireOutcome", "Finish", "FinishReason", "Gate", "NewSequence",
-    "Policy", "PoolSnapshot", "PrefillMode", "Rejection", "RequestSpec", "RequestUpdate",
-    "SchedulerCore", "SeqResult", "StepOutcome", "StepPlan", "SubmitResult", "TokenOut",
+    "Policy", "PoolStats", "PrefillMode", "Rejection", "RequestSpec", "RequestUpdate",
+    "SchedulerCore", "SeqResult", "StepBatch", "StepError", "StepOutput", "SubmitResult", "TokenOut",
     "WorkItem", "WorkerSpec",
 ]

@@ -17,16 +17,15 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from services.scheduler.core.state import InFlightStep, RequestState
-from services.scheduler.core.step_builder import tokens_to_compute
-from services.scheduler.core.types import StepPlan
+from services.scheduler.core.types import StepBatch
 
 
-def dispatch(step: StepPlan, by_seq: Mapping[str, RequestState]) -> frozenset[str]:
+def dispatch(step: StepBatch, by_seq: Mapping[str, RequestState]) -> frozenset[str]:
     """Counts a planned step's work as done; returns the sequences it should sample."""
     sampling = set()
     for item in step.work:
         request = by_seq[item.seq_id]
-        request.num_computed += tokens_to_compute(item)
+        request.num_computed += item.num_tokens
         request.inflight_drafts += item.draft_tokens
         if request.num_computed >= request.worker_tokens:
             request.inflight_samples += 1

@@ -44,8 +44,8 @@ from services.scheduler.core.state import InFlightStep, Phase, RequestState, Wor
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.stopping import finish_reason
 from services.scheduler.core.types import (
-    OUT_OF_BLOCKS, CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolSnapshot,
-    PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepOutcome, StepPlan, SubmitResult,
+    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats,
+    PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepBatch, StepError, StepOutput, SubmitResult,
     TokenOut, WorkerSpec,
 )
 
@@ -83,7 +83,7 @@ class SchedulerCore:
         waited for it keeps waiting."""
         old = self._workers.get(spec.worker_id)
         stranded = self._failover.release(old) if old is not None else Stranded()
-        pool = PoolSnapshot(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
+        pool = PoolStats(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
                             cached_blocks=0, used_blocks=0)
         self._workers[spec.worker_id] = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
         return self._failover.rehome(stranded, list(self._workers.values()), f"worker {spec.worker_id} restarted")
@@ -178,7 +178,7 @@ class SchedulerCore:
 
     # ---- steps ----
 
-    def plan_step(self, worker_id: str) -> StepPlan | None:
+    def plan_step(self, worker_id: str) -> StepBatch | None:
         """The next step for a worker, or None when it has nothing to do. With a
         step in flight (async scheduling) the plan assumes that step runs as
         planned: its chunks computed, its samples taken."""
@@ -204,7 +204,7 @@ class SchedulerCore:
             worker.in_flight.append(InFlightStep(step, plan.available_blocks, dispatch(step, self._by_seq)))
         return step
 
-    def apply_step(self, worker_id: str, outcome: StepOutcome) -> list[RequestUpdate]:
+    def apply_step(self, worker_id: str, outcome: StepOutput) -> list[RequestUpdate]:
         """Feeds a worker's step results back; returns what the streams get."""
         worker = self._workers.get(worker_id)
         if worker is None:
@@ -360,7 +360,7 @@ class SchedulerCore:
         tokens = (result.token_id, *result.more_token_ids) if result.sampled and not result.error else ()
         holds = request.worker_tokens + len(tokens)
         request.num_computed = min(result.num_computed_tokens + later_tokens, holds)
-        if result.error == OUT_OF_BLOCKS:
+        if result.error == StepError.OUT_OF_BLOCKS:
             # Nothing changed on the worker; make room for the next step. Steps
             # already in flight were planned without knowing: their refusals are
             # echoes of this one and make no more room, and they do not lift it.

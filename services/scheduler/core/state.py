@@ -8,8 +8,7 @@ from enum import StrEnum
 
 from common.types import SamplingParams
 
-from services.scheduler.core.step_builder import tokens_to_compute
-from services.scheduler.core.types import Gate, PoolSnapshot, RequestSpec, StepOutcome, StepPlan, WorkerSpec
+from services.scheduler.core.types import Gate, PoolStats, RequestSpec, StepOutput, StepBatch, WorkerSpec
 
 
 class Phase(StrEnum):
@@ -95,7 +94,7 @@ class RequestState:
 
 @dataclass(frozen=True)
 class InFlightStep:
-    plan: StepPlan
+    plan: StepBatch
     available_after: int          # pool blocks the plan expects to be left once it has run
     sampling: frozenset[str]      # sequences the plan expects to sample
 
@@ -103,7 +102,7 @@ class InFlightStep:
 @dataclass(eq=False)
 class WorkerState:
     spec: WorkerSpec
-    pool: PoolSnapshot
+    pool: PoolStats
     last_heartbeat_s: float
     pending: list[RequestState] = field(default_factory=list)
     prefilling: list[RequestState] = field(default_factory=list)
@@ -136,7 +135,7 @@ class WorkerState:
     def load(self) -> int:
         return len(self.pending) + len(self.prefilling) + len(self.active)
 
-    def settle(self, outcome: StepOutcome) -> tuple[InFlightStep, bool]:
+    def settle(self, outcome: StepOutput) -> tuple[InFlightStep, bool]:
         """Retires the oldest step in flight, which `outcome` answers: the pool
         becomes what the worker reports, and the later steps' estimates move by
         the difference from what this one expected. Returns the step and whether
@@ -186,5 +185,5 @@ class WorkerState:
         counts: Counter[str] = Counter()
         for step in self.in_flight:
             for item in step.plan.work:
-                counts[item.seq_id] += tokens_to_compute(item)
+                counts[item.seq_id] += item.num_tokens
         return counts

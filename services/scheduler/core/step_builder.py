@@ -15,14 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from services.scheduler.core.types import NewSequence, StepPlan, WorkItem
-
-
-def tokens_to_compute(item: WorkItem) -> int:
-    """Tokens a work item computes in its step. (WorkItem.max_tokens is that
-    per-step count, not the request's max_tokens; every reader in the core goes
-    through here.)"""
-    return item.max_tokens
+from services.scheduler.core.types import NewSequence, StepBatch, WorkItem
 
 
 class _Planned(NamedTuple):
@@ -76,11 +69,11 @@ class StepBuilder:
     def has_decode(self) -> bool:
         return any(planned.is_decode for planned in self._work.values())
 
-    def build(self, after_step_id: int = 0) -> StepPlan | None:
+    def build(self, after_step_id: int = 0) -> StepBatch | None:
         """The step to send, or None when it would do nothing."""
         if not (self._work or self.frees or self.new_sequences):
             return None
         work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts)
                      for seq_id, planned in self._work.items())
-        return StepPlan(step_id=self.step_id, new_sequences=tuple(self.new_sequences), work=work,
+        return StepBatch(step_id=self.step_id, new_sequences=tuple(self.new_sequences), work=work,
                         free_seq_ids=tuple(self.frees), after_step_id=after_step_id)

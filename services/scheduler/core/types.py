@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from common.step import (  # noqa: F401  (the step contract, re-exported for the core)
+    NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem,
+)
 from common.types import SamplingParams, TokenLogprob, Usage
 
 
@@ -35,9 +38,6 @@ class FinishReason(StrEnum):
     LENGTH = "length"
     CANCELLED = "cancelled"
     ERROR = "error"
-
-
-OUT_OF_BLOCKS = "out_of_blocks"
 
 
 @dataclass(frozen=True)
@@ -91,70 +91,7 @@ class WorkerSpec:
     eos_token_ids: frozenset[int] = frozenset()
 
 
-@dataclass(frozen=True)
-class PoolSnapshot:
-    total_blocks: int
-    free_blocks: int
-    cached_blocks: int
-    used_blocks: int
-    evictions: int = 0  # cached blocks the worker evicted since it started
-
-    @property
-    def available_blocks(self) -> int:
-        """Blocks an allocation can take: never used, or evictable."""
-        return self.free_blocks + self.cached_blocks
-
-
-# ---- one step, scheduler -> worker -> scheduler ----
-
-@dataclass(frozen=True)
-class NewSequence:
-    seq_id: str
-    prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
-    sampling: SamplingParams
-
-
-@dataclass(frozen=True)
-class WorkItem:
-    seq_id: str
-    max_tokens: int
-    draft_tokens: int = 0   # a decode may verify up to this many speculative tokens
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    step_id: int
-    new_sequences: tuple[NewSequence, ...]
-    work: tuple[WorkItem, ...]
-    free_seq_ids: tuple[str, ...]
-    after_step_id: int = 0  # the worker runs this step only after that one (0: no step in flight)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.max_tokens for item in self.work)
-
-
-@dataclass(frozen=True)
-class SeqResult:
-    seq_id: str
-    num_computed_tokens: int = 0
-    num_cached_tokens: int = 0
-    sampled: bool = False
-    token_id: int = 0
-    logprob: TokenLogprob | None = None
-    error: str = ""
-    # Accepted speculative tokens and the token sampled after them, after token_id.
-    more_token_ids: tuple[int, ...] = ()
-    more_logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    step_id: int
-    results: tuple[SeqResult, ...]
-    pool: PoolSnapshot
-    forward_ms: float = 0.0
+# One step, scheduler -> worker -> scheduler: common/step.py's contract, shared with the worker.
 
 
 # ---- what the clients see ----

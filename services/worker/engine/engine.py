@@ -1,7 +1,7 @@
 """Engine: one packed forward per step over prefill chunks and decodes.
 
 Step semantics (see proto/fairserve/v1/worker.proto): frees first, then new
-sequences are registered, then each work item computes up to max_tokens of its
+sequences are registered, then each work item computes up to num_tokens of its
 sequence's not-yet-computed tokens; when that reaches the end of the known
 tokens, one token is sampled and appended. A work item whose blocks cannot be
 allocated fails with "out_of_blocks" and changes nothing.
@@ -105,7 +105,7 @@ class Engine:
             sampled = self._forward(planned, logits_rows)
             forward_ms = (time.perf_counter() - started) * 1000.0
             accepted = self.sequences.commit(planned, sampled, results)
-        return t.StepOutput(results=results, pool=self.pool.stats(), forward_ms=forward_ms,
+        return t.StepOutput(results=tuple(results), pool=self.pool.stats(), forward_ms=forward_ms,
                             batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),

@@ -87,28 +87,28 @@ class StepPlanner:
                 results.append(t.SeqResult(item.seq_id, computed, error=error))
                 continue
             assert seq is not None
-            plan = self._plan_one(seq, item.max_tokens, len(results), item.draft_tokens)
+            plan = self._plan_one(seq, item.num_tokens, len(results), item.draft_tokens)
             if plan is None:
-                results.append(t.SeqResult(item.seq_id, seq.num_computed, error=t.OUT_OF_BLOCKS))
+                results.append(t.SeqResult(item.seq_id, seq.num_computed, error=t.StepError.OUT_OF_BLOCKS))
                 continue
             results.append(t.SeqResult(item.seq_id, plan.end, plan.cached_tokens))
             planned.append(plan)
         return planned
 
-    def _work_error(self, item: t.WorkItem, seq: SequenceState | None, seen: set[str]) -> str:
+    def _work_error(self, item: t.WorkItem, seq: SequenceState | None, seen: set[str]) -> t.StepError:
         if seq is None:
-            return t.UNKNOWN_SEQUENCE
+            return t.StepError.UNKNOWN_SEQUENCE
         if item.seq_id in seen:
-            return t.DUPLICATE_WORK
-        if item.max_tokens <= 0:
-            return t.INVALID_MAX_TOKENS
+            return t.StepError.DUPLICATE_WORK
+        if item.num_tokens <= 0:
+            return t.StepError.INVALID_NUM_TOKENS
         if seq.num_computed >= len(seq.tokens):
-            return t.NOTHING_TO_COMPUTE
+            return t.StepError.NOTHING_TO_COMPUTE
         if len(seq.tokens) > self.limits.max_model_len:
-            return t.EXCEEDS_MAX_MODEL_LEN
-        return ""
+            return t.StepError.EXCEEDS_MAX_MODEL_LEN
+        return t.StepError.NONE
 
-    def _plan_one(self, seq: SequenceState, max_tokens: int, result_index: int,
+    def _plan_one(self, seq: SequenceState, budget: int, result_index: int,
                   draft_tokens: int = 0) -> Planned | None:
         if seq.started and draft_tokens > 0 and len(seq.tokens) - seq.num_computed == 1:
             speculative = self._plan_speculative(seq, draft_tokens, result_index)
@@ -121,13 +121,13 @@ class StepPlanner:
                 return exact
         cached_blocks, tail_source, copied = self._reusable(seq) if fresh else ([], None, 0)
         start = len(cached_blocks) * self.block_size if fresh else seq.num_computed
-        num_tokens = min(max_tokens, len(seq.tokens) - start - copied)
+        num_tokens = min(budget, len(seq.tokens) - start - copied)
         if not self._allocate(seq, start + copied + num_tokens, cached_blocks, tail_source, copied):
             if tail_source is None:
                 return None
             # Holding the copy source can be what leaves the pool one block short.
             tail_source, copied = None, 0
-            num_tokens = min(max_tokens, len(seq.tokens) - start)
+            num_tokens = min(budget, len(seq.tokens) - start)
             if not self._allocate(seq, start + num_tokens, cached_blocks, None, 0):
                 return None
         start += copied

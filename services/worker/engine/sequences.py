@@ -135,5 +135,5 @@ def _append_sampled(seq: SequenceState, result: t.SeqResult, emitted: list[Sampl
     result.sampled = True
     result.token_id = token_ids[0]
     result.logprob = emitted[0].logprob
-    result.more_token_ids = token_ids[1:]
-    result.more_logprobs = [token.logprob for token in emitted[1:]]
+    result.more_token_ids = tuple(token_ids[1:])
+    result.more_logprobs = tuple(token.logprob for token in emitted[1:])

@@ -10,7 +10,7 @@ from prometheus_client import generate_latest
 
 from common.sequence_ids import request_id_of, sequence_id
 from services.scheduler import convert
-from services.scheduler.core import CoreConfig, PoolSnapshot, RequestUpdate, StepOutcome
+from services.scheduler.core import CoreConfig, PoolStats, RequestUpdate, StepOutput
 from services.scheduler.metrics import SchedulerMetrics
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness
@@ -63,8 +63,8 @@ def test_worker_stats_carry_the_pool_evictions_and_used_blocks() -> None:
     h.submit((1, 2, 3), max_tokens=2)
     plan = h.core.plan_step("w0")
     assert plan is not None
-    pool = PoolSnapshot(total_blocks=64, free_blocks=50, cached_blocks=10, used_blocks=4, evictions=7)
-    h.core.apply_step("w0", StepOutcome(step_id=plan.step_id, results=(), pool=pool))
+    pool = PoolStats(total_blocks=64, free_blocks=50, cached_blocks=10, used_blocks=4, evictions=7)
+    h.core.apply_step("w0", StepOutput(step_id=plan.step_id, results=(), pool=pool))
     summary = convert.stats_to_proto(h.core.stats()).workers[0]
     assert (summary.evictions, summary.used_blocks) == (7, 4)
     assert summary.last_batch_size == 1

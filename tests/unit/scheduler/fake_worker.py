@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from common.types import TokenLogprob
 
 from services.scheduler.core import (
-    PoolSnapshot, SeqResult, StepOutcome, StepPlan, WorkerSpec,
+    PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkerSpec,
 )
 
 EOS_TOKEN_ID = 1
@@ -67,7 +67,7 @@ class FakeEngine:
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
         self.by_key: dict[tuple[int, ...], int] = {}
         self.seqs: dict[str, FakeSequence] = {}
-        self.steps: list[StepPlan] = []
+        self.steps: list[StepBatch] = []
         self.out_of_blocks_errors = 0
 
     def spec(self, worker_id: str = "w0", address: str = "fake") -> WorkerSpec:
@@ -77,20 +77,20 @@ class FakeEngine:
 
     # ---- the Step contract ----
 
-    def step(self, plan: StepPlan) -> StepOutcome:
+    def step(self, plan: StepBatch) -> StepOutput:
         self.steps.append(plan)
         for seq_id in plan.free_seq_ids:
             self._free(seq_id)
         for new in plan.new_sequences:
             self._register(new.seq_id, [*new.prompt_token_ids, *new.output_token_ids],
                            new.sampling.logprobs)
-        results = tuple(self._work(item.seq_id, item.max_tokens, item.draft_tokens) for item in plan.work)
+        results = tuple(self._work(item.seq_id, item.num_tokens, item.draft_tokens) for item in plan.work)
         self.check_invariants()
-        return StepOutcome(step_id=plan.step_id, results=results, pool=self.pool(), forward_ms=1.0)
+        return StepOutput(step_id=plan.step_id, results=results, pool=self.pool(), forward_ms=1.0)
 
-    def pool(self) -> PoolSnapshot:
+    def pool(self) -> PoolStats:
         used = sum(1 for r in self.refcount if r > 0)
-        return PoolSnapshot(total_blocks=self.num_blocks,
+        return PoolStats(total_blocks=self.num_blocks,
                             free_blocks=len(self.free_blocks) + self.overstate_free_blocks,
                             cached_blocks=len(self.cached_blocks), used_blocks=used)
 
@@ -114,14 +114,14 @@ class FakeEngine:
     def _work(self, seq_id: str, max_tokens: int, draft_tokens: int = 0) -> SeqResult:
         seq = self.seqs.get(seq_id)
         if seq is None:
-            return SeqResult(seq_id=seq_id, error="unknown_sequence")
+            return SeqResult(seq_id=seq_id, error=StepError.UNKNOWN_SEQUENCE)
         count = min(max_tokens, len(seq.tokens) - seq.computed)
         if count <= 0:
-            return SeqResult(seq_id=seq_id, error="nothing_to_compute")
+            return SeqResult(seq_id=seq_id, error=StepError.NOTHING_TO_COMPUTE)
         needed = -(-(seq.computed + count) // self.block_size) - len(seq.blocks)
         if needed > len(self.free_blocks) + len(self.cached_blocks):
             self.out_of_blocks_errors += 1
-            return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, error="out_of_blocks")
+            return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, error=StepError.OUT_OF_BLOCKS)
         drafts = min(draft_tokens, self.accepted_drafts) if len(seq.tokens) - seq.computed == 1 else 0
         extra = -(-(seq.computed + count + drafts) // self.block_size) - len(seq.blocks) - needed
         if drafts and needed + extra > len(self.free_blocks) + len(self.cached_blocks):

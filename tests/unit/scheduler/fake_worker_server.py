@@ -7,25 +7,11 @@ import asyncio
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.convert import logprob_to_proto, sampling_from_proto
 from common.grpc_server import GrpcServer, insecure_channel
+from common.step_convert import step_batch_from_proto, step_output_to_proto
 from common.step_order import StepOrder
 
-from services.scheduler.core import NewSequence, StepPlan, WorkItem
-
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine
-
-
-def plan_from_proto(message: worker_pb2.StepRequest) -> StepPlan:
-    return StepPlan(
-        step_id=message.step_id,
-        new_sequences=tuple(NewSequence(seq_id=n.seq_id, prompt_token_ids=tuple(n.prompt_token_ids),
-                                        output_token_ids=tuple(n.output_token_ids),
-                                        sampling=sampling_from_proto(n.sampling))
-                            for n in message.new_sequences),
-        work=tuple(WorkItem(seq_id=w.seq_id, max_tokens=w.max_tokens) for w in message.work),
-        free_seq_ids=tuple(message.free_seq_ids), after_step_id=message.after_step_id,
-    )
 
 
 class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -44,18 +30,8 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
             await self.running.wait()
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)
-            outcome = self.engine.step(plan_from_proto(request))
-        reply = worker_pb2.StepResponse(step_id=outcome.step_id, forward_ms=outcome.forward_ms)
-        for result in outcome.results:
-            item = reply.results.add(seq_id=result.seq_id, num_computed_tokens=result.num_computed_tokens,
-                                     num_cached_tokens=result.num_cached_tokens, sampled=result.sampled,
-                                     token_id=result.token_id, error=result.error)
-            if result.logprob is not None:
-                item.logprob.CopyFrom(logprob_to_proto(result.logprob))
-        pool = outcome.pool
-        reply.pool.CopyFrom(worker_pb2.PoolStats(total_blocks=pool.total_blocks, free_blocks=pool.free_blocks,
-                                                 cached_blocks=pool.cached_blocks, used_blocks=pool.used_blocks))
-        return reply
+            outcome = self.engine.step(step_batch_from_proto(request))
+        return step_output_to_proto(outcome)
 
     async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return worker_pb2.WorkerInfo(worker_id=self.worker_id, model_name="fake", block_size=self.engine.block_size,

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from services.scheduler.core import (
-    CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SchedulerCore, StepPlan,
+    CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SchedulerCore, StepBatch,
     SubmitResult, TokenOut,
 )
 
@@ -58,11 +58,11 @@ class Harness:
             self.core.add_worker(engine.spec(worker_id))
         self.step_s = step_s
         self.streams: dict[str, Stream] = {}
-        self.plans: dict[str, list[StepPlan]] = {w: [] for w in self.engines}
+        self.plans: dict[str, list[StepBatch]] = {w: [] for w in self.engines}
         # Sent and not yet run, per worker: with config.max_steps_in_flight 2 the next
         # step is planned before the current one's outcome is applied, as the
         # transport does with async scheduling.
-        self.sent: dict[str, list[StepPlan]] = {w: [] for w in self.engines}
+        self.sent: dict[str, list[StepBatch]] = {w: [] for w in self.engines}
         self.steps = 0
 
     def submit(self, prompt: Iterable[int], max_tokens: int = 8, request_id: str = "",

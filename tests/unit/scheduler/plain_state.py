@@ -4,7 +4,7 @@ policy modules directly (no SchedulerCore, no engine)."""
 from __future__ import annotations
 
 from services.scheduler.core.state import Phase, RequestState, WorkerState
-from services.scheduler.core.types import PoolSnapshot, RequestSpec, WorkerSpec
+from services.scheduler.core.types import PoolStats, RequestSpec, WorkerSpec
 
 
 def make_request(arrival: int, *, priority: int = 0, client: str = "a", prompt: tuple[int, ...] = (1, 2, 3, 4),
@@ -28,5 +28,5 @@ def make_worker(worker_id: str = "w0", *, num_blocks: int = 64, free_blocks: int
     spec = WorkerSpec(worker_id=worker_id, address=f"{worker_id}:1", block_size=block_size,
                       num_blocks=num_blocks, max_model_len=4096)
     free = num_blocks if free_blocks is None else free_blocks
-    pool = PoolSnapshot(total_blocks=num_blocks, free_blocks=free, cached_blocks=0, used_blocks=num_blocks - free)
+    pool = PoolStats(total_blocks=num_blocks, free_blocks=free, cached_blocks=0, used_blocks=num_blocks - free)
     return WorkerState(spec=spec, pool=pool, last_heartbeat_s=0.0, reserved_kv_tokens=reserved_kv_tokens)

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from services.scheduler.core import CoreConfig, FinishReason, StepOutcome, StepPlan
+from services.scheduler.core import CoreConfig, FinishReason, StepOutput, StepBatch
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, hashed_next_token, reference_output
 from tests.unit.scheduler.harness import Harness
@@ -21,7 +21,7 @@ class CountingEngine(FakeEngine):
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self.sampled: Counter[str] = Counter()
 
-    def step(self, plan: StepPlan) -> StepOutcome:
+    def step(self, plan: StepBatch) -> StepOutput:
         outcome = super().step(plan)
         for result in outcome.results:
             if result.sampled:
@@ -37,9 +37,9 @@ def test_the_next_step_is_planned_from_the_one_in_flight() -> None:
     assert first is not None and second is not None
     assert first.after_step_id == 0 and second.after_step_id == first.step_id
     (new,) = first.new_sequences
-    assert [(w.seq_id, w.max_tokens) for w in first.work] == [(new.seq_id, 4)]
+    assert [(w.seq_id, w.num_tokens) for w in first.work] == [(new.seq_id, 4)]
     # The prompt's last token samples in the first step, so the second decodes the token it samples.
-    assert [(w.seq_id, w.max_tokens) for w in second.work] == [(new.seq_id, 1)]
+    assert [(w.seq_id, w.num_tokens) for w in second.work] == [(new.seq_id, 1)]
     with pytest.raises(RuntimeError, match="in flight"):
         h.core.plan_step("w0")
     engine = h.engines["w0"]
@@ -53,7 +53,7 @@ def test_an_outcome_out_of_order_is_ignored() -> None:
     h.submit(range(10, 14), max_tokens=5)
     first, second = h.core.plan_step("w0"), h.core.plan_step("w0")
     assert first is not None and second is not None
-    stale = StepOutcome(step_id=second.step_id, results=(), pool=h.engines["w0"].pool(), forward_ms=1.0)
+    stale = StepOutput(step_id=second.step_id, results=(), pool=h.engines["w0"].pool(), forward_ms=1.0)
     assert h.core.apply_step("w0", stale) == []
     assert [s.plan.step_id for s in h.core._workers["w0"].in_flight] == [first.step_id, second.step_id]
 

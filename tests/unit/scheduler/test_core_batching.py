@@ -21,7 +21,7 @@ def test_a_new_request_joins_the_running_batch_at_the_next_step() -> None:
     h.step()
     joined = h.plans["w0"][-1]
     assert [n.prompt_token_ids for n in joined.new_sequences] == [PROMPT[::-1]]
-    assert len(joined.work) == 2 and joined.work[0].max_tokens == 1  # a's decode rides along
+    assert len(joined.work) == 2 and joined.work[0].num_tokens == 1  # a's decode rides along
     h.run()
     assert h.streams[a].token_ids == reference_output(PROMPT, 6)
     assert h.streams[b].token_ids == reference_output(PROMPT[::-1], 3)
@@ -147,7 +147,7 @@ def test_batch_size_and_token_budgets_bound_every_step() -> None:
     for plan in h.plans["w0"]:
         assert len(plan.work) <= 3
         assert plan.num_tokens <= 20
-        assert all(item.max_tokens <= 16 for item in plan.work)
+        assert all(item.num_tokens <= 16 for item in plan.work)
     for i, rid in enumerate(ids):
         assert h.streams[rid].token_ids == reference_output(tuple(range(i, i + 30)), 5)
     assert h.core.stats().admitted == 7

@@ -27,8 +27,8 @@ def test_mixed_mode_chunks_ride_with_the_running_decodes() -> None:
     for plan, chunk in zip(chunk_steps, (32, 32, 32, 4)):
         decode_items = [w for w in plan.work if w.seq_id in decode_seqs]
         chunk_items = [w for w in plan.work if w.seq_id not in decode_seqs]
-        assert [w.max_tokens for w in decode_items] == [1, 1, 1]  # every decoder advances each step
-        assert [w.max_tokens for w in chunk_items] == [chunk]
+        assert [w.num_tokens for w in decode_items] == [1, 1, 1]  # every decoder advances each step
+        assert [w.num_tokens for w in chunk_items] == [chunk]
     assert h.streams[long_id].first_token_step == h.steps - 1
     h.run()
     assert h.streams[long_id].token_ids == reference_output(LONG_PROMPT, 4)
@@ -132,8 +132,8 @@ def test_a_4k_prompt_adds_at_most_one_chunk_to_each_step_of_eight_decoding_strea
         h.step()
     decode_seqs = {n.seq_id for n in h.plans["w0"][0].new_sequences}
     for plan in h.plans["w0"][1:9]:
-        decodes = [w.max_tokens for w in plan.work if w.seq_id in decode_seqs]
-        chunks = [w.max_tokens for w in plan.work if w.seq_id not in decode_seqs]
+        decodes = [w.num_tokens for w in plan.work if w.seq_id in decode_seqs]
+        chunks = [w.num_tokens for w in plan.work if w.seq_id not in decode_seqs]
         assert decodes == [1] * 8  # no decoding stream skips a step for the prompt
         assert chunks == [512]     # and each step carries one chunk more, no more
     assert h.streams[long_id].first_token_step == 8

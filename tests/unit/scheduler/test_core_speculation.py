@@ -97,12 +97,12 @@ def test_no_drafts_above_the_batch_limit_and_drafts_use_the_token_budget() -> No
         h.submit(range(10 + 10 * n, 18 + 10 * n), max_tokens=6)
     h.run()
     for plan in h.plans["w0"]:
-        decodes = [item for item in plan.work if item.max_tokens == 1]
+        decodes = [item for item in plan.work if item.num_tokens == 1]
         if len(decodes) > 2:
             assert all(item.draft_tokens == 0 for item in decodes)
 
     budget = Harness(_config(1, max_batch_tokens=3, speculative_tokens=8), FakeEngine(accepted_drafts=8))
     budget.submit(range(10, 12), max_tokens=12)
     budget.run()
-    assert all(sum(i.max_tokens + i.draft_tokens for i in plan.work) <= 3 for plan in budget.plans["w0"])
+    assert all(sum(i.num_tokens + i.draft_tokens for i in plan.work) <= 3 for plan in budget.plans["w0"])
     assert len(next(iter(budget.streams.values())).tokens) == 12

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from services.scheduler.core.in_flight import dispatch, retire
 from services.scheduler.core.state import InFlightStep, Phase
-from services.scheduler.core.types import StepPlan, WorkItem
+from services.scheduler.core.types import StepBatch, WorkItem
 
 from tests.unit.scheduler.plain_state import make_request
 
 
-def _step(*work: WorkItem) -> StepPlan:
-    return StepPlan(step_id=1, new_sequences=(), work=work, free_seq_ids=())
+def _step(*work: WorkItem) -> StepBatch:
+    return StepBatch(step_id=1, new_sequences=(), work=work, free_seq_ids=())
 
 
 def test_dispatch_counts_the_work_as_computed_and_samples_only_a_chunk_that_reaches_the_end() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.types import SamplingParams
 
-from services.scheduler.core.step_builder import StepBuilder, tokens_to_compute
+from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import NewSequence, WorkItem
 
 
@@ -40,8 +40,7 @@ def test_build_sends_the_work_in_order_or_nothing() -> None:
     step = plan.build(after_step_id=2)
     assert step is not None
     assert (step.step_id, step.after_step_id, step.free_seq_ids, step.new_sequences) == (3, 2, ("gone",), (new,))
-    assert [(item.seq_id, tokens_to_compute(item), item.draft_tokens) for item in step.work] == \
+    assert [(item.seq_id, item.num_tokens, item.draft_tokens) for item in step.work] == \
         [("a", 2, 0), ("b", 1, 2)]
-    assert tokens_to_compute(WorkItem("x", 5)) == 5
     frees_only = StepBuilder(step_id=4, available_blocks=0, token_budget=0, frees=["x"]).build()
     assert frees_only is not None and frees_only.free_seq_ids == ("x",) and not frees_only.work

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from services.scheduler.core.state import InFlightStep
-from services.scheduler.core.types import PoolSnapshot, StepOutcome, StepPlan, WorkItem
+from services.scheduler.core.types import PoolStats, StepOutput, StepBatch, WorkItem
 
 from tests.unit.scheduler.plain_state import make_worker
 
 
 def _in_flight(step_id: int, available_after: int) -> InFlightStep:
-    plan = StepPlan(step_id=step_id, new_sequences=(), work=(WorkItem("s1", 1), WorkItem("s2", 3)), free_seq_ids=())
+    plan = StepBatch(step_id=step_id, new_sequences=(), work=(WorkItem("s1", 1), WorkItem("s2", 3)), free_seq_ids=())
     return InFlightStep(plan, available_after, frozenset())
 
 
-def _outcome(step_id: int, free_blocks: int) -> StepOutcome:
-    pool = PoolSnapshot(total_blocks=64, free_blocks=free_blocks, cached_blocks=2, used_blocks=10)
-    return StepOutcome(step_id=step_id, results=(), pool=pool, forward_ms=7.5)
+def _outcome(step_id: int, free_blocks: int) -> StepOutput:
+    pool = PoolStats(total_blocks=64, free_blocks=free_blocks, cached_blocks=2, used_blocks=10)
+    return StepOutput(step_id=step_id, results=(), pool=pool, forward_ms=7.5)
 
 
 def test_settle_corrects_the_later_steps_by_what_the_pool_turned_out_to_be() -> None:

@@ -11,13 +11,7 @@ import torch
 from common.types import SamplingParams
 from services.worker.engine import NewSequence, StepBatch, WorkItem
 from services.worker.engine.device import resolve_device, resolve_dtype
-from services.worker.engine.types import (
-    DUPLICATE_WORK,
-    EXCEEDS_MAX_MODEL_LEN,
-    INVALID_MAX_TOKENS,
-    NOTHING_TO_COMPUTE,
-    UNKNOWN_SEQUENCE,
-)
+from services.worker.engine.types import StepError
 from tests.unit.worker.engine_helpers import Driver, generate, make_engine, prompt_of, reference_model
 
 
@@ -31,11 +25,11 @@ def test_bad_work_items_fail_alone_and_change_nothing() -> None:
     out = engine.step(batch)
     engine.check_invariants()
     assert [(r.seq_id, r.error) for r in out.results] == [
-        ("ok", ""), ("ghost", UNKNOWN_SEQUENCE), ("ok", DUPLICATE_WORK), ("empty", NOTHING_TO_COMPUTE),
-        ("huge", EXCEEDS_MAX_MODEL_LEN)]
+        ("ok", ""), ("ghost", StepError.UNKNOWN_SEQUENCE), ("ok", StepError.DUPLICATE_WORK), ("empty", StepError.NOTHING_TO_COMPUTE),
+        ("huge", StepError.EXCEEDS_MAX_MODEL_LEN)]
     assert out.results[0].sampled and out.batch_tokens == 5
     out = engine.step(StepBatch(work=[WorkItem("ok", 0)]))
-    assert [(r.error, r.num_computed_tokens) for r in out.results] == [(INVALID_MAX_TOKENS, 5)]
+    assert [(r.error, r.num_computed_tokens) for r in out.results] == [(StepError.INVALID_NUM_TOKENS, 5)]
     assert engine.running_sequences() == 3
     engine.step(StepBatch(free_seq_ids=["ok", "empty", "huge", "never-registered"]))
     assert engine.running_sequences() == 0

@@ -11,7 +11,7 @@ import torch
 from common.block_hash import ROOT_HASH, chain_hashes
 from common.types import SamplingParams
 from services.worker.engine import NewSequence, StepBatch, WorkItem
-from services.worker.engine.types import OUT_OF_BLOCKS, REMOVED, STORED
+from services.worker.engine.types import REMOVED, STORED, StepError
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,
@@ -106,7 +106,7 @@ def test_out_of_blocks_changes_nothing_and_recovers(kind: str, reference: torch.
     before = engine.pool_stats()
     out = engine.step(StepBatch(work=[WorkItem("other", 100)]))
     engine.check_invariants()
-    assert [(r.seq_id, r.error, r.num_computed_tokens) for r in out.results] == [("other", OUT_OF_BLOCKS, 0)]
+    assert [(r.seq_id, r.error, r.num_computed_tokens) for r in out.results] == [("other", StepError.OUT_OF_BLOCKS, 0)]
     assert out.pool == before and out.batch_tokens == 0
     # The running sequence is unaffected; after it is freed the other one fits.
     driver.step(StepBatch(work=[WorkItem("long", 1)]))

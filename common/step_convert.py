@@ -1,0 +1,105 @@
+"""worker.proto's Step messages <-> common/step.py's values, both ways: the scheduler sends a
+StepBatch and reads the reply, the worker reads the batch and sends the reply."""
+
+from __future__ import annotations
+
+from fairserve.v1 import worker_pb2
+
+from common.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto, sampling_to_proto
+from common.step import NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem
+
+_PROTO_PREFIX = "STEP_ERROR_"
+
+
+def step_error_to_proto(error: StepError) -> int:
+    return worker_pb2.StepError.Value(_PROTO_PREFIX + error.name)
+
+
+def step_error_from_proto(value: int) -> StepError:
+    """An error number this build does not know is still an error (INTERNAL), never NONE."""
+    try:
+        return StepError[worker_pb2.StepError.Name(value)[len(_PROTO_PREFIX):]]
+    except (ValueError, KeyError):
+        return StepError.INTERNAL
+
+
+def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
+    return worker_pb2.StepRequest(
+        step_id=batch.step_id,
+        new_sequences=[worker_pb2.NewSequence(seq_id=n.seq_id, prompt_token_ids=n.prompt_token_ids,
+                                              output_token_ids=n.output_token_ids,
+                                              sampling=sampling_to_proto(n.sampling))
+                       for n in batch.new_sequences],
+        work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
+              for w in batch.work],
+        free_seq_ids=batch.free_seq_ids,
+        after_step_id=batch.after_step_id,
+    )
+
+
+def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
+    return StepBatch(
+        step_id=message.step_id,
+        new_sequences=tuple(
+            NewSequence(seq_id=s.seq_id, prompt_token_ids=tuple(s.prompt_token_ids),
+                        output_token_ids=tuple(s.output_token_ids), sampling=sampling_from_proto(s.sampling))
+            for s in message.new_sequences),
+        work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
+                   for w in message.work),
+        free_seq_ids=tuple(message.free_seq_ids),
+        after_step_id=message.after_step_id,
+    )
+
+
+def pool_to_proto(pool: PoolStats) -> worker_pb2.PoolStats:
+    return worker_pb2.PoolStats(
+        total_blocks=pool.total_blocks, free_blocks=pool.free_blocks, cached_blocks=pool.cached_blocks,
+        used_blocks=pool.used_blocks, evictions=pool.evictions, prefix_hit_tokens=pool.prefix_hit_tokens,
+        prefix_query_tokens=pool.prefix_query_tokens,
+    )
+
+
+def pool_from_proto(message: worker_pb2.PoolStats) -> PoolStats:
+    return PoolStats(total_blocks=message.total_blocks, free_blocks=message.free_blocks,
+                     cached_blocks=message.cached_blocks, used_blocks=message.used_blocks,
+                     evictions=message.evictions, prefix_hit_tokens=message.prefix_hit_tokens,
+                     prefix_query_tokens=message.prefix_query_tokens)
+
+
+def seq_result_to_proto(result: SeqResult) -> worker_pb2.SeqResult:
+    message = worker_pb2.SeqResult(
+        seq_id=result.seq_id, num_computed_tokens=result.num_computed_tokens,
+        num_cached_tokens=result.num_cached_tokens, sampled=result.sampled,
+        token_id=result.token_id, error=step_error_to_proto(result.error),
+    )
+    if result.logprob is not None:
+        message.logprob.CopyFrom(logprob_to_proto(result.logprob))
+    message.more_token_ids.extend(result.more_token_ids)
+    if result.more_logprobs and all(logprob is not None for logprob in result.more_logprobs):
+        message.more_logprobs.extend(logprob_to_proto(logprob) for logprob in result.more_logprobs)
+    return message
+
+
+def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
+    return SeqResult(
+        seq_id=message.seq_id, num_computed_tokens=message.num_computed_tokens,
+        num_cached_tokens=message.num_cached_tokens, sampled=message.sampled,
+        token_id=message.token_id,
+        logprob=logprob_from_proto(message.logprob) if message.HasField("logprob") else None,
+        error=step_error_from_proto(message.error), more_token_ids=tuple(message.more_token_ids),
+        more_logprobs=tuple(logprob_from_proto(logprob) for logprob in message.more_logprobs),
+    )
+
+
+def step_output_to_proto(output: StepOutput) -> worker_pb2.StepResponse:
+    """The reply; the engine's own counters stay on the worker."""
+    return worker_pb2.StepResponse(
+        step_id=output.step_id, results=[seq_result_to_proto(r) for r in output.results],
+        pool=pool_to_proto(output.pool), forward_ms=output.forward_ms,
+    )
+
+
+def step_output_from_proto(message: worker_pb2.StepResponse) -> StepOutput:
+    return StepOutput(step_id=message.step_id,
+                      results=tuple(seq_result_from_proto(r) for r in message.results),
+                      pool=pool_from_proto(message.pool), forward_ms=message.forward_ms)
