@@ -9,17 +9,18 @@ from dataclasses import dataclass
 
 from common.model_store import default_cache_dir
 from common.settings import EnvReader, SettingsError
+from services.worker.engine.config import EngineConfig
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru", "lfu")   # services/worker/engine/eviction.py
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")   # services/worker/engine/cuda/varlen_attention.py
-CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")        # services/worker/engine/cpu/cpu_linear.py
+EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine/eviction.py
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")     # services/worker/engine/cuda/varlen_attention.py
+CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
-DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")      # services/worker/engine/cpu/native_decode.py
-CPU_NATIVE_KERNELS_MODES = ("auto", "off")                     # services/worker/engine/cpu/native_ops.py
-DIRECT_FORWARD_MODES = ("auto", "off")                         # services/worker/engine/cpu/direct_forward.py
-CPU_WEIGHT_CODES_MODES = ("auto", "off")                       # services/worker/engine/cpu/weight_codes.py
+DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/native_decode.py
+CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
+DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
+CPU_WEIGHT_CODES_MODES = ("auto", "off")                # services/worker/engine/cpu/weight_codes.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -33,6 +34,43 @@ def default_advertise_host(bind_host: str) -> str:
         return "127.0.0.1"
 
 
+def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
+    """The engine's settings from their variables. The model directory is left empty:
+    the worker resolves it from MODEL_NAME at start (dataclasses.replace)."""
+    read = EnvReader(env)
+    config = EngineConfig(
+        model_dir="",
+        device=read.choice("DEVICE", "auto", DEVICES),
+        dtype=read.choice("DTYPE", "auto", DTYPES),
+        block_size=read.int("KV_CACHE_BLOCK_SIZE", 16, minimum=1, maximum=1024),
+        num_blocks=read.int("KV_CACHE_NUM_BLOCKS", 0, minimum=0),
+        kv_memory_fraction=read.float("KV_CACHE_MEMORY_FRACTION", 0.0, minimum=0.0, maximum=0.95),
+        eviction_policy=read.choice("EVICTION_POLICY", "lru", EVICTION_POLICIES),
+        enable_prefix_caching=read.bool("ENABLE_PREFIX_CACHING", True),
+        prompt_logits_cache_size=read.int("PROMPT_LOGITS_CACHE_SIZE", 32, minimum=0, maximum=100_000),
+        max_model_len=read.int("MAX_MODEL_LEN", 0, minimum=0),
+        model_key=read.str("MODEL_KEY", ""),
+        torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
+        use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
+        cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
+        cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
+        attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
+        decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
+        cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
+        direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
+        cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
+        cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
+        lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
+        lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
+        ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
+        ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
+    )
+    if config.ngram_min > config.ngram_max:
+        raise SettingsError(f"SPECULATIVE_NGRAM_MIN={config.ngram_min} is invalid: "
+                            f"must be at most SPECULATIVE_NGRAM_MAX={config.ngram_max}")
+    return config
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
     host: str
@@ -40,82 +78,31 @@ class WorkerSettings:
     advertise_host: str
     worker_id: str
     metrics_port: int
-    device: str
-    dtype: str
     model_name: str
     model_cache_dir: str
-    block_size: int
-    num_blocks: int
-    kv_memory_fraction: float
-    eviction_policy: str
-    enable_prefix_caching: bool
-    prompt_logits_cache_size: int
-    max_model_len: int
-    torch_threads: int
-    use_cuda_graphs: bool
-    cuda_graph_max_batch: int
-    cuda_graph_max_context: int
-    attention_backend: str
-    decode_attention: str
-    cpu_native_kernels: str
-    direct_forward: str
-    cpu_weight_codes: str
-    cpu_linear_kernel: str
-    lm_head_screen: str
-    lm_head_screen_max_rows: int
-    speculative_ngram_min: int
-    speculative_ngram_max: int
     scheduler_addr: str
     kvcache_addr: str
     heartbeat_interval_s: float
     kv_publish_interval_s: float
-    model_key: str
     log_level: str
+    engine: EngineConfig           # model_dir still empty: resolved at start
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
         read = EnvReader(env)
-        port = read.port("WORKER_PORT", 50061)
         host = read.str("WORKER_HOST", "127.0.0.1")
-        settings = cls(
+        return cls(
             host=host,
-            port=port,
+            port=read.port("WORKER_PORT", 50061),
             advertise_host=read.str("WORKER_ADVERTISE_HOST", default_advertise_host(host)),
             worker_id=read.str("WORKER_ID", f"worker-{os.getpid()}"),
             metrics_port=read.port("WORKER_METRICS_PORT", 9102),
-            device=read.choice("DEVICE", "auto", DEVICES),
-            dtype=read.choice("DTYPE", "auto", DTYPES),
             model_name=read.str("MODEL_NAME", ""),
             model_cache_dir=read.str("MODEL_CACHE_DIR", str(default_cache_dir())),
-            block_size=read.int("KV_CACHE_BLOCK_SIZE", 16, minimum=1, maximum=1024),
-            num_blocks=read.int("KV_CACHE_NUM_BLOCKS", 0, minimum=0),
-            kv_memory_fraction=read.float("KV_CACHE_MEMORY_FRACTION", 0.0, minimum=0.0, maximum=0.95),
-            eviction_policy=read.choice("EVICTION_POLICY", "lru", EVICTION_POLICIES),
-            enable_prefix_caching=read.bool("ENABLE_PREFIX_CACHING", True),
-            prompt_logits_cache_size=read.int("PROMPT_LOGITS_CACHE_SIZE", 32, minimum=0, maximum=100_000),
-            max_model_len=read.int("MAX_MODEL_LEN", 0, minimum=0),
-            torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
-            use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
-            cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
-            cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
-            attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
-            decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
-            cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
-            direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
-            cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
-            cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
-            lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
-            lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
-            speculative_ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
-            speculative_ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
             scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
             kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
             heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),
             kv_publish_interval_s=read.float("KV_PUBLISH_INTERVAL_S", 0.05, minimum=0.001),
-            model_key=read.str("MODEL_KEY", ""),
             log_level=read.str("LOG_LEVEL", "info"),
+            engine=engine_config_from_env(env),
         )
-        if settings.speculative_ngram_min > settings.speculative_ngram_max:
-            raise SettingsError(f"SPECULATIVE_NGRAM_MIN={settings.speculative_ngram_min} is invalid: "
-                                f"must be at most SPECULATIVE_NGRAM_MAX={settings.speculative_ngram_max}")
-        return settings

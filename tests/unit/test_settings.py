@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from common.settings import EnvReader, SettingsError
-from services.worker.settings import WorkerSettings
+from services.worker.engine.config import EngineConfig
+from services.worker.settings import WorkerSettings, engine_config_from_env
 from services.scheduler.settings import SchedulerSettings
 
 
@@ -30,23 +31,23 @@ def test_reader_defaults_and_blank_values() -> None:
 
 def test_worker_settings_defaults_and_errors() -> None:
     settings = WorkerSettings.from_env({})
-    assert settings.port == 50061 and settings.block_size == 16 and settings.device == "auto"
+    assert settings.port == 50061 and settings.engine.block_size == 16 and settings.engine.device == "auto"
     with pytest.raises(SettingsError, match="KV_CACHE_BLOCK_SIZE"):
         WorkerSettings.from_env({"KV_CACHE_BLOCK_SIZE": "0"})
     with pytest.raises(SettingsError, match="DEVICE"):
         WorkerSettings.from_env({"DEVICE": "gpu"})
     with pytest.raises(SettingsError, match="EVICTION_POLICY"):
         WorkerSettings.from_env({"EVICTION_POLICY": "random"})
-    assert settings.eviction_policy == "lru"
-    assert WorkerSettings.from_env({"EVICTION_POLICY": "lfu"}).eviction_policy == "lfu"
+    assert settings.engine.eviction_policy == "lru"
+    assert WorkerSettings.from_env({"EVICTION_POLICY": "lfu"}).engine.eviction_policy == "lfu"
 
 
 def test_worker_cuda_graph_settings() -> None:
-    settings = WorkerSettings.from_env({})
-    assert settings.use_cuda_graphs and settings.cuda_graph_max_batch == 64
-    assert settings.cuda_graph_max_context == 8192
-    settings = WorkerSettings.from_env({"USE_CUDA_GRAPHS": "false", "CUDA_GRAPH_MAX_BATCH": "16"})
-    assert not settings.use_cuda_graphs and settings.cuda_graph_max_batch == 16
+    engine = WorkerSettings.from_env({}).engine
+    assert engine.use_cuda_graphs and engine.cuda_graph_max_batch == 64
+    assert engine.cuda_graph_max_context == 8192
+    engine = WorkerSettings.from_env({"USE_CUDA_GRAPHS": "false", "CUDA_GRAPH_MAX_BATCH": "16"}).engine
+    assert not engine.use_cuda_graphs and engine.cuda_graph_max_batch == 16
     with pytest.raises(SettingsError, match="CUDA_GRAPH_MAX_BATCH"):
         WorkerSettings.from_env({"CUDA_GRAPH_MAX_BATCH": "0"})
 
@@ -60,19 +61,19 @@ def test_worker_cuda_graph_settings() -> None:
     ("DECODE_ATTENTION", "decode_attention", "auto", "sdpa", "paged"),
 ])
 def test_worker_kernel_choice_settings(variable: str, field: str, default: str, other: str, bad: str) -> None:
-    assert getattr(WorkerSettings.from_env({}), field) == default
-    assert getattr(WorkerSettings.from_env({variable: other}), field) == other
+    assert getattr(WorkerSettings.from_env({}).engine, field) == default
+    assert getattr(WorkerSettings.from_env({variable: other}).engine, field) == other
     with pytest.raises(SettingsError, match=variable):
         WorkerSettings.from_env({variable: bad})
 
 
 def test_worker_lm_head_screen_settings() -> None:
-    assert WorkerSettings.from_env({}).lm_head_screen == "auto"
-    assert WorkerSettings.from_env({"LM_HEAD_SCREEN": "off"}).lm_head_screen == "off"
+    assert WorkerSettings.from_env({}).engine.lm_head_screen == "auto"
+    assert WorkerSettings.from_env({"LM_HEAD_SCREEN": "off"}).engine.lm_head_screen == "off"
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN"):
         WorkerSettings.from_env({"LM_HEAD_SCREEN": "maybe"})
-    assert WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "12"}).lm_head_screen_max_rows == 12
-    assert WorkerSettings.from_env({}).lm_head_screen_max_rows == 0      # by the screen's kernel
+    assert WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "12"}).engine.lm_head_screen_max_rows == 12
+    assert WorkerSettings.from_env({}).engine.lm_head_screen_max_rows == 0      # by the screen's kernel
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_MAX_ROWS"):
         WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "-1"})
 
@@ -84,7 +85,18 @@ def test_speculative_decoding_settings() -> None:
     assert (scheduler.core_config().speculative_tokens, scheduler.core_config().speculative_max_batch) == (4, 2)
     with pytest.raises(SettingsError, match="SPECULATIVE_TOKENS"):
         SchedulerSettings.from_env({"SPECULATIVE_TOKENS": "-1"})
-    worker = WorkerSettings.from_env({"SPECULATIVE_NGRAM_MIN": "1", "SPECULATIVE_NGRAM_MAX": "3"})
-    assert (worker.speculative_ngram_min, worker.speculative_ngram_max) == (1, 3)
+    engine = WorkerSettings.from_env({"SPECULATIVE_NGRAM_MIN": "1", "SPECULATIVE_NGRAM_MAX": "3"}).engine
+    assert (engine.ngram_min, engine.ngram_max) == (1, 3)
     with pytest.raises(SettingsError, match="SPECULATIVE_NGRAM_MIN=5 is invalid"):
         WorkerSettings.from_env({"SPECULATIVE_NGRAM_MIN": "5"})
+
+
+def test_worker_settings_hold_the_engine_config_with_the_model_dir_left_for_start() -> None:
+    settings = WorkerSettings.from_env({"MODEL_KEY": "gemma", "KV_CACHE_NUM_BLOCKS": "128", "DTYPE": "float32",
+                                        "MODEL_NAME": "org/model"})
+    assert settings.model_name == "org/model"
+    assert settings.engine == EngineConfig(model_dir="", model_key="gemma", num_blocks=128, dtype="float32")
+    assert engine_config_from_env({"MODEL_KEY": "gemma", "KV_CACHE_NUM_BLOCKS": "128",
+                                   "DTYPE": "float32"}) == settings.engine
+    with pytest.raises(SettingsError, match="SPECULATIVE_NGRAM_MAX"):
+        engine_config_from_env({"SPECULATIVE_NGRAM_MAX": "17"})

@@ -1,4 +1,5 @@
-"""Engine settings as a plain value; services/worker/settings.py fills it from the environment."""
+"""Engine settings as a plain value; services/worker/settings.py (engine_config_from_env) fills it
+from the environment."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.kvcache.kv_types import IndexStats
 from services.kvcache.metrics import KvCacheMetrics
 from services.worker.engine.types import PoolStats, StepBatch, StepOutput
-from services.worker.server import WorkerMetrics
+from services.worker.metrics import WorkerMetrics
 
 
 def catalogued_series(service: str) -> set[str]:

@@ -13,7 +13,8 @@ from common.grpc_server import GrpcServer, check_health
 from services.kvcache.kv_types import BlockStored, PublishBatch, PublishResult
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.kv_events import add_events, snapshot_source
-from services.worker.server import WorkerMetrics, WorkerService
+from services.worker.metrics import WorkerMetrics
+from services.worker.server import EngineThread, WorkerService
 from tests.unit.worker.engine_helpers import make_engine
 
 
@@ -31,9 +32,8 @@ def _new(seq_id: str, prompt: list[int]) -> worker_pb2.NewSequence:
 
 
 async def _scenario() -> None:
-    engine = make_engine("gemma3", num_blocks=64, block_size=4)
+    engine = EngineThread(make_engine("gemma3", num_blocks=64, block_size=4))
     registry = CollectorRegistry()
-    service = WorkerService(engine, "w-test", WorkerMetrics(registry, "w-test"))
     sent: list[PublishBatch] = []
 
     async def send(batch: PublishBatch) -> PublishResult:
@@ -41,9 +41,10 @@ async def _scenario() -> None:
         return PublishResult(resync_needed=False, next_seq=batch.snapshot_seq + 1 + len(batch.events)
                              if batch.full_resync else batch.events[-1].seq + 1)
 
-    publisher = KvEventPublisher("w-test", send, snapshot_source(service.snapshot_async))
-    service.on_block_events = lambda events: add_events(publisher, events)
-    service.kv_events_unacknowledged = lambda: publisher.unacknowledged
+    publisher = KvEventPublisher("w-test", send, snapshot_source(engine.snapshot))
+    service = WorkerService(engine, "w-test", WorkerMetrics(registry, "w-test"),
+                            on_block_events=lambda events: add_events(publisher, events),
+                            kv_events_unacknowledged=lambda: publisher.unacknowledged)
     server = await _start(service)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
@@ -54,17 +55,17 @@ async def _scenario() -> None:
 
             prompt = list(range(3, 14))  # 11 tokens: two full blocks and a partial one
             reply = await stub.Step(worker_pb2.StepRequest(
-                step_id=1, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", num_tokens=6)]))
+                step_id=1, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", max_tokens=6)]))
             first = reply.results[0]
             assert first.num_computed_tokens == 6 and not first.sampled
             reply = await stub.Step(worker_pb2.StepRequest(
-                step_id=2, work=[worker_pb2.WorkItem(seq_id="a", num_tokens=64)]))
+                step_id=2, work=[worker_pb2.WorkItem(seq_id="a", max_tokens=64)]))
             assert reply.step_id == 2 and reply.results[0].sampled
             assert reply.results[0].num_computed_tokens == len(prompt)
             assert reply.pool.used_blocks == 3
 
             unknown = await stub.Step(worker_pb2.StepRequest(
-                step_id=3, work=[worker_pb2.WorkItem(seq_id="missing", num_tokens=1)]))
+                step_id=3, work=[worker_pb2.WorkItem(seq_id="missing", max_tokens=1)]))
             assert unknown.results[0].error
 
             await stub.Step(worker_pb2.StepRequest(step_id=4, free_seq_ids=["a"]))
@@ -77,7 +78,7 @@ async def _scenario() -> None:
             assert stats.kv_events_unacknowledged == 0
             await stub.Step(worker_pb2.StepRequest(
                 step_id=5, new_sequences=[_new("b", list(range(20, 29)))],
-                work=[worker_pb2.WorkItem(seq_id="b", num_tokens=64)]))
+                work=[worker_pb2.WorkItem(seq_id="b", max_tokens=64)]))
             stats = await stub.Stats(common_pb2.StatsRequest())
             assert stats.kv_events_unacknowledged == publisher.unacknowledged > 0
 
@@ -94,7 +95,7 @@ async def _scenario() -> None:
         assert 'fairserve_worker_kv_blocks{state="cached",worker="w-test"}' in exported
     finally:
         await server.stop()
-        service.shutdown()
+        engine.shutdown()
 
 
 def test_worker_transport_end_to_end() -> None:
