@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from common.latency_tracker import LatencyTracker, RequestRecord
+from services.gateway.latency_tracker import LatencyTracker, RequestRecord
 from common.types import Usage
 from services.gateway.backend import (
     BackendError,

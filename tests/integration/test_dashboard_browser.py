@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from common.latency_tracker import LatencyTracker, RequestRecord
+from services.gateway.latency_tracker import LatencyTracker, RequestRecord
 from scripts.stack import Stack
 
 playwright_api = pytest.importorskip("playwright.sync_api")

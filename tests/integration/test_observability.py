@@ -16,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from common import prometheus_names as names
-from common.grafana import exported_series_names, grafana_metric_names
+from tests.fixtures.grafana import exported_series_names, grafana_metric_names
 from scripts.stack import Stack
 from tests.integration.helpers import sse_events
 

@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from common.latency_tracker import LatencyTracker, RequestRecord, percentile, summarize_ms
+from services.gateway.latency_tracker import LatencyTracker, RequestRecord, percentile, summarize_ms
 
 
 class FakeClock:

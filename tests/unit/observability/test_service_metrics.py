@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common import prometheus_names as names
-from common.grafana import exported_series_names
+from tests.fixtures.grafana import exported_series_names
 from services.gateway.metrics import GatewayMetrics
 from services.kvcache.kv_types import IndexStats
 from services.kvcache.metrics import KvCacheMetrics

@@ -55,17 +55,17 @@ async def _scenario() -> None:
 
             prompt = list(range(3, 14))  # 11 tokens: two full blocks and a partial one
             reply = await stub.Step(worker_pb2.StepRequest(
-                step_id=1, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", max_tokens=6)]))
+                step_id=1, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", num_tokens=6)]))
             first = reply.results[0]
             assert first.num_computed_tokens == 6 and not first.sampled
             reply = await stub.Step(worker_pb2.StepRequest(
-                step_id=2, work=[worker_pb2.WorkItem(seq_id="a", max_tokens=64)]))
+                step_id=2, work=[worker_pb2.WorkItem(seq_id="a", num_tokens=64)]))
             assert reply.step_id == 2 and reply.results[0].sampled
             assert reply.results[0].num_computed_tokens == len(prompt)
             assert reply.pool.used_blocks == 3
 
             unknown = await stub.Step(worker_pb2.StepRequest(
-                step_id=3, work=[worker_pb2.WorkItem(seq_id="missing", max_tokens=1)]))
+                step_id=3, work=[worker_pb2.WorkItem(seq_id="missing", num_tokens=1)]))
             assert unknown.results[0].error
 
             await stub.Step(worker_pb2.StepRequest(step_id=4, free_seq_ids=["a"]))
@@ -78,7 +78,7 @@ async def _scenario() -> None:
             assert stats.kv_events_unacknowledged == 0
             await stub.Step(worker_pb2.StepRequest(
                 step_id=5, new_sequences=[_new("b", list(range(20, 29)))],
-                work=[worker_pb2.WorkItem(seq_id="b", max_tokens=64)]))
+                work=[worker_pb2.WorkItem(seq_id="b", num_tokens=64)]))
             stats = await stub.Stats(common_pb2.StatsRequest())
             assert stats.kv_events_unacknowledged == publisher.unacknowledged > 0
 
