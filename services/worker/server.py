@@ -15,7 +15,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 
 from common.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
-from common.step_order import StepOrder
+from services.worker.step_order import StepOrder
 from services.worker import convert
 from services.worker.engine.engine import Engine
 from services.worker.engine.types import BlockEvent, StepBatch, StepOutput

@@ -9,7 +9,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 
 from common.grpc_server import GrpcServer, insecure_channel
 from common.step_convert import step_batch_from_proto, step_output_to_proto
-from common.step_order import StepOrder
+from services.worker.step_order import StepOrder
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from common.step_order import StepOrder
+from services.worker.step_order import StepOrder
 
 
 async def test_a_step_waits_for_the_one_it_names() -> None:
