@@ -1,0 +1,127 @@
+"""The C kernel of the LM head screen (native/int8_matmul.c) through ctypes: int16
+activation rows times an int8 head packed in panels, each row's top-k, the entries above a
+threshold, and float32 dot products of chosen (row, token) pairs. lm_head_screen.py says
+how the screen uses them."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+NATIVE_TILE = 8             # activation rows the native kernel's widest tile holds
+PANEL = 32                  # vocabulary rows per panel of the native kernel's weight layout
+
+
+@dataclass(frozen=True)
+class Int8Panels:
+    """An int8 head in the C kernel's layout: panels [ceil(V / PANEL), ceil(H / 2), PANEL, 2]
+    and scales [ceil(V / PANEL) * PANEL], zero past the vocabulary."""
+    panels: torch.Tensor
+    scales: torch.Tensor
+    vocab: int
+    hidden: int
+
+
+class NativeInt8Matmul:
+    """ctypes binding of fairserve_int8_matmul (native/int8_matmul.c)."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        function = library.fairserve_int8_matmul
+        function.restype = ctypes.c_int
+        function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4
+        self._function = function
+        self._top_k = library.fairserve_row_top_k
+        self._top_k.restype = None
+        self._top_k.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
+        self._select = library.fairserve_select_above
+        self._select.restype = ctypes.c_int64
+        self._select.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3
+                                 + [ctypes.c_int64, ctypes.c_void_p])
+        self._gather_dot = library.fairserve_gather_dot
+        self._gather_dot.restype = None
+        self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+
+    @staticmethod
+    def pack(weight: torch.Tensor, w_scale: torch.Tensor) -> Int8Panels:
+        """weight [V, H] int8 and w_scale [V] in the kernel's layout (native/int8_matmul.c):
+        panels of PANEL rows, each entry pair of a row together, zero padding past V and H."""
+        vocab, hidden = weight.shape
+        count, pairs = -(-vocab // PANEL), -(-hidden // 2)
+        padded = torch.zeros(count * PANEL, pairs * 2, dtype=torch.int8)
+        padded[:vocab, :hidden] = weight
+        panels = padded.view(count, PANEL, pairs, 2).transpose(1, 2).contiguous()
+        scales = torch.zeros(count * PANEL)
+        scales[:vocab] = w_scale
+        return Int8Panels(panels, scales, vocab, hidden)
+
+    def __call__(self, weight: Int8Panels, x: torch.Tensor, x_scale: torch.Tensor,
+                 maxima: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, H] int16 and x_scale [rows] -> [rows, V] float32
+        = (x @ weight.T) * x_scale[:, None] * w_scale; with `maxima` ([rows, ceil(V / PANEL)]
+        float32) also each row's largest output in each panel of PANEL tokens."""
+        rows, hidden = x.shape
+        if hidden != weight.hidden:
+            raise ValueError(f"int8 matmul: activation rows of {hidden} entries for a head of {weight.hidden}")
+        pairs = weight.panels.shape[1]
+        if hidden != 2 * pairs:
+            x = torch.nn.functional.pad(x, (0, 2 * pairs - hidden))
+        x, x_scale = x.contiguous(), x_scale.float().contiguous()
+        out = torch.empty(rows, weight.vocab)
+        if maxima is not None and (maxima.shape != (rows, -(-weight.vocab // PANEL)) or not maxima.is_contiguous()
+                                   or maxima.dtype != torch.float32):
+            raise ValueError(f"int8 matmul: maxima {tuple(maxima.shape)} for {rows} rows of {weight.vocab} tokens")
+        failed = self._function(weight.panels.data_ptr(), weight.scales.data_ptr(), x.data_ptr(), x_scale.data_ptr(),
+                                out.data_ptr(), maxima.data_ptr() if maxima is not None else None, weight.vocab,
+                                pairs, rows, torch.get_num_threads())
+        if failed:
+            raise ValueError("int8 matmul: an empty head")
+        return out
+
+    def top_k(self, values: torch.Tensor, k: int, maxima: torch.Tensor | None = None) -> torch.Tensor:
+        """Indices [rows, k] of each row's k largest entries (in no particular order); one pass,
+        or with the matmul's panel `maxima` a look into the k best panels only."""
+        rows, cols = values.shape
+        if not 0 < k <= cols or not values.is_contiguous():
+            raise ValueError(f"top_k needs 0 < k <= {cols} over a contiguous tensor, got k={k}")
+        top = torch.empty(rows, k, dtype=torch.long)
+        self._top_k(values.data_ptr(), rows, cols, k, top.data_ptr(), _pointer(maxima, rows, cols),
+                    torch.get_num_threads())
+        return top
+
+    def select_above(self, values: torch.Tensor, thresholds: torch.Tensor, capacity: int,
+                     maxima: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) of the entries >= their row's threshold, row-major; None past `capacity`.
+        With the matmul's panel `maxima` only the panels that can hold one are read."""
+        rows, cols = values.shape
+        thresholds = thresholds.float().contiguous()
+        out_rows = torch.empty(capacity, dtype=torch.long)
+        out_cols = torch.empty(capacity, dtype=torch.long)
+        count = self._select(values.data_ptr(), rows, cols, thresholds.data_ptr(), out_rows.data_ptr(),
+                             out_cols.data_ptr(), capacity, _pointer(maxima, rows, cols))
+        return None if count < 0 else (out_rows[:count], out_cols[:count])
+
+    def gather_dot(self, weight: torch.Tensor, x: torch.Tensor, rows: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+        """[N] float32: weight[ids[i]] . x[rows[i]]; weight [V, H] and x [B, H] contiguous float32."""
+        if not (weight.is_contiguous() and weight.dtype == torch.float32 and x.dtype == torch.float32):
+            raise ValueError("gather_dot needs contiguous float32 weight and activations")
+        x = x.contiguous()
+        rows = rows.reshape(-1).to(torch.long).contiguous()
+        ids = ids.reshape(-1).to(torch.long).contiguous()
+        if rows.shape != ids.shape:
+            raise ValueError(f"gather_dot: {rows.numel()} rows for {ids.numel()} ids")
+        out = torch.empty(ids.numel())
+        self._gather_dot(weight.data_ptr(), x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
+                         ids.numel(), weight.shape[1], torch.get_num_threads())
+        return out
+
+
+def _pointer(maxima: torch.Tensor | None, rows: int, cols: int) -> int | None:
+    """The address of panel maxima for [rows, cols] values, checked; None without them."""
+    if maxima is None:
+        return None
+    if maxima.shape != (rows, -(-cols // PANEL)) or maxima.dtype != torch.float32 or not maxima.is_contiguous():
+        raise ValueError(f"panel maxima {tuple(maxima.shape)} for values of {rows} x {cols}")
+    return maxima.data_ptr()
