@@ -155,29 +155,42 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
     window = _layer_window(module, sliding_window)
-    num_heads, head_dim = query.shape[1], query.shape[3]
-    num_kv_heads = k_cache.shape[1]
-    out = query.new_empty((meta.num_tokens, num_heads, value.shape[-1]))
+    out = query.new_empty((meta.num_tokens, query.shape[1], value.shape[-1]))
+    if meta.num_decodes:
+        _decode_attention(meta, query, k_cache, v_cache, window, scaling, out)
+    if meta.prefills and meta.varlen is not None and meta.varlen.supports(query.shape[3], value.shape[-1]):
+        _varlen_prefill(meta, meta.varlen, query, key, value, k_cache, v_cache, window, scaling, out)
+    else:
+        _sdpa_prefills(meta, query, key, value, k_cache, v_cache, window, scaling, out)
+    return out.unsqueeze(0), None
 
-    if meta.num_decodes and meta.decode_kernel is not None and meta.decode_kernel.supports(query, k_cache, v_cache):
-        decodes = meta.num_decodes
+
+def _decode_attention(meta: StepMetadata, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      window: int | None, scaling: float | None, out: torch.Tensor) -> None:
+    """The decodes' attention (the first num_decodes rows): the native kernel reading K/V through
+    the block tables where it takes this layer, else SDPA over a gathered, right-aligned context."""
+    decodes = meta.num_decodes
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    if meta.decode_kernel is not None and meta.decode_kernel.supports(query, k_cache, v_cache):
         meta.decode_kernel(query[0, :, :decodes].transpose(0, 1).contiguous(), k_cache, v_cache,
                            meta.decode_block_tables, meta.decode_ctx_lens, meta.block_size,
                            meta.decode_ctx_range[1], window,
                            scaling if scaling is not None else head_dim ** -0.5, out[:decodes])
-    elif meta.num_decodes:
-        decodes = meta.num_decodes
-        slots, mask = meta.decode_view(window)
-        # Heads sharing a KV head ride as extra query rows, so K/V are never repeated.
-        q = query[0, :, :decodes].transpose(0, 1).reshape(decodes, num_kv_heads, -1, head_dim)
-        k = _gather(k_cache, slots).transpose(1, 2)
-        v = _gather(v_cache, slots).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
-        out[:decodes] = attn.reshape(decodes, num_heads, -1)
+        return
+    slots, mask = meta.decode_view(window)
+    # Heads sharing a KV head ride as extra query rows, so K/V are never repeated.
+    q = query[0, :, :decodes].transpose(0, 1).reshape(decodes, k_cache.shape[1], -1, head_dim)
+    k = _gather(k_cache, slots).transpose(1, 2)
+    v = _gather(v_cache, slots).transpose(1, 2)
+    attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling)
+    out[:decodes] = attn.reshape(decodes, num_heads, -1)
 
-    if meta.prefills and meta.varlen is not None and meta.varlen.supports(head_dim, value.shape[-1]):
-        _varlen_prefill(meta, meta.varlen, query, key, value, k_cache, v_cache, window, scaling, out)
-        return out.unsqueeze(0), None
+
+def _sdpa_prefills(meta: StepMetadata, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None, scaling: float | None,
+                   out: torch.Tensor) -> None:
+    """Each prefill chunk in its own SDPA call; writes their rows of `out`."""
+    num_heads, num_kv_heads = query.shape[1], k_cache.shape[1]
     for index, chunk in enumerate(meta.prefills):
         rows = slice(chunk.row_start, chunk.row_start + chunk.num_tokens)
         first, mask = meta.prefill_view(index, window)
@@ -191,7 +204,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                               scale=scaling, enable_gqa=num_heads != num_kv_heads)
         out[rows] = attn[0].transpose(0, 1)
-    return out.unsqueeze(0), None
 
 
 def _varlen_prefill(meta: StepMetadata, kernel: VarlenKernel, query: torch.Tensor, key: torch.Tensor,

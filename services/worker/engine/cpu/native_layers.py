@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -73,6 +74,54 @@ def _norm_scale(norm: object, eps: float) -> tuple[bool, int | None]:
     return True, norm.scale.data_ptr() if norm.scale is not None else None
 
 
+class _BuiltLayer(NamedTuple):
+    structure: _Layer
+    keep: list[torch.Tensor]        # what the structure points into
+    activation: int                 # ACTIVATIONS' code of the gated MLP's activation
+    max_rows: int                   # rows every projection's codes serve at most
+    window: int | None              # sliding window, None for global attention
+
+
+def _build_layer(layer: torch.nn.Module, eps: float) -> _BuiltLayer | None:
+    """One Gemma 3 decoder layer as decode_layers.c's layer_t, when every projection runs from
+    weight codes, every norm is a native norm with `eps` and the MLP a fused gated one; else None."""
+    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(mlp, FusedGatedMLP) or mlp.activation not in ACTIVATIONS:
+        return None
+    linears = dict(zip(PROJECTIONS, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                                     mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
+    coded = {name: _coded(linear) for name, linear in linears.items()}
+    if any(weight is None for weight in coded.values()):
+        return None
+    norms = dict(zip(NORMS, (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
+                             layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)))
+    scales = {}
+    for name, norm in norms.items():
+        ok, address = _norm_scale(norm, eps)
+        if not ok:
+            return None
+        scales[name] = address
+    structure = _Layer(**{name: _Coded(w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.group)
+                          for name, w in coded.items()}, **scales)
+    structure.scaling = float(attn.scaling)
+    return _BuiltLayer(structure, [t for w in coded.values() for t in (w.codes, w.scales, w.offsets)],
+                       ACTIVATIONS[mlp.activation], min(linear.coded_max_rows for linear in linears.values()),
+                       int(attn.sliding_window) if getattr(attn, "sliding_window", None) else None)
+
+
+def _load_function(cache_dir: Path) -> ctypes._CFuncPtr | None:
+    """fairserve_decode_layers from the compiled library, or None (logged) where it does not build."""
+    try:
+        library = load_library("decode_layers", cache_dir)
+    except NativeBuildError as error:
+        log.warning("native decode layers unavailable; the Python forward serves", extra={"reason": str(error)})
+        return None
+    function = library.fairserve_decode_layers
+    function.restype = ctypes.c_int
+    function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    return function
+
+
 class NativeDecodeLayers:
     def __init__(self, function: ctypes._CFuncPtr, layers: list[_Layer], keep: list[torch.Tensor],
                  shape: dict[str, int], eps: float, activation: int, max_rows: int, windows: list[int | None],
@@ -102,43 +151,15 @@ class NativeDecodeLayers:
         layers = list(base.layers[:base.config.num_hidden_layers])
         if native is None or not layers or any(type(layer).__name__ != "Gemma3DecoderLayer" for layer in layers):
             return None
-        first = layers[0].input_layernorm
-        eps = getattr(first, "eps", None)
+        eps = getattr(layers[0].input_layernorm, "eps", None)
         if not isinstance(eps, float):
             return None
-        built: list[_Layer] = []
-        keep: list[torch.Tensor] = []
-        windows: list[int | None] = []
-        max_rows: int | None = None
-        activation: int | None = None
+        built: list[_BuiltLayer] = []
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            if not isinstance(mlp, FusedGatedMLP) or mlp.activation not in ACTIVATIONS:
-                return None
-            if activation not in (None, ACTIVATIONS[mlp.activation]):
-                return None
-            activation = ACTIVATIONS[mlp.activation]
-            linears = dict(zip(PROJECTIONS, (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                                             mlp.gate_proj, mlp.up_proj, mlp.down_proj)))
-            coded = {name: _coded(linear) for name, linear in linears.items()}
-            if any(weight is None for weight in coded.values()):
-                return None
-            rows = min(linear.coded_max_rows for linear in linears.values())
-            max_rows = rows if max_rows is None else min(max_rows, rows)
-            norms = dict(zip(NORMS, (layer.input_layernorm, attn.q_norm, attn.k_norm, layer.post_attention_layernorm,
-                                     layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm)))
-            scales = {}
-            for name, norm in norms.items():
-                ok, address = _norm_scale(norm, eps)
-                if not ok:
-                    return None
-                scales[name] = address
-            structure = _Layer(**{name: _Coded(w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.group)
-                                  for name, w in coded.items()}, **scales)
-            structure.scaling = float(attn.scaling)
-            built.append(structure)
-            keep += [t for w in coded.values() for t in (w.codes, w.scales, w.offsets)]
-            windows.append(int(attn.sliding_window) if getattr(attn, "sliding_window", None) else None)
+            one = _build_layer(layer, eps)
+            if one is None or (built and one.activation != built[0].activation):
+                return None   # a layer that is not all C kernels, or a second activation
+            built.append(one)
         config = base.config
         head_dim = layers[0].self_attn.head_dim
         shape = dict(hidden=config.hidden_size, heads=config.num_attention_heads,
@@ -146,19 +167,16 @@ class NativeDecodeLayers:
                      intermediate=layers[0].mlp.gate_proj.out_features)
         if head_dim % VECTOR_WIDTH or head_dim % 2:
             return None
-        try:
-            library = load_library("decode_layers", cache_dir)
-        except NativeBuildError as error:
-            log.warning("native decode layers unavailable; the Python forward serves", extra={"reason": str(error)})
+        function = _load_function(cache_dir)
+        if function is None:
             return None
-        function = library.fairserve_decode_layers
-        function.restype = ctypes.c_int
-        function.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
         coded_kernel: NativeCodedLinear = layers[0].self_attn.q_proj.coded_kernel
         kernels = _Kernels(coded_linear=_address(coded_kernel.linear_function),
                            rms_norm=_address(native.rms_norm_function), act_mul=_address(native.act_mul_function),
                            rope=_address(native.rope_function))
-        return cls(function, built, keep, shape, eps, activation, max_rows, windows, layer_types, kernels)
+        return cls(function, [one.structure for one in built], [t for one in built for t in one.keep], shape, eps,
+                   built[0].activation, min(one.max_rows for one in built), [one.window for one in built],
+                   layer_types, kernels)
 
     def takes(self, meta: StepMetadata, rows: int) -> bool:
         """Whether this step is one the C layers run: decodes only, few enough rows, and the
