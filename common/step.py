@@ -38,6 +38,7 @@ class NewSequence:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = SamplingParams()
+    cache_salt: str = ""    # mixed into its block hashes: other salts never share its cached blocks
 
 
 @dataclass(frozen=True)

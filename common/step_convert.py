@@ -28,7 +28,8 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
         step_id=batch.step_id,
         new_sequences=[worker_pb2.NewSequence(seq_id=n.seq_id, prompt_token_ids=n.prompt_token_ids,
                                               output_token_ids=n.output_token_ids,
-                                              sampling=sampling_to_proto(n.sampling))
+                                              sampling=sampling_to_proto(n.sampling),
+                                              cache_salt=n.cache_salt)
                        for n in batch.new_sequences],
         work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
               for w in batch.work],
@@ -42,7 +43,8 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
         step_id=message.step_id,
         new_sequences=tuple(
             NewSequence(seq_id=s.seq_id, prompt_token_ids=tuple(s.prompt_token_ids),
-                        output_token_ids=tuple(s.output_token_ids), sampling=sampling_from_proto(s.sampling))
+                        output_token_ids=tuple(s.output_token_ids), sampling=sampling_from_proto(s.sampling),
+                        cache_salt=s.cache_salt)
             for s in message.new_sequences),
         work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
                    for w in message.work),

@@ -36,6 +36,9 @@ def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSp
         client_id=message.client_id,
         session_id=message.session_id,
         priority=message.priority,
+        user=message.user,
+        weight=message.weight if message.weight > 0 else 1.0,
+        cache_salt=message.cache_salt,
     )
 
 

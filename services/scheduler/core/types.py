@@ -76,9 +76,12 @@ class RequestSpec:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     min_tokens: int = 0
-    client_id: str = ""
+    client_id: str = ""      # fairness identity: the tenant with API keys, else session / user
     session_id: str = ""
     priority: int = 0
+    user: str = ""           # within client_id: the end user splitting the client's share
+    weight: float = 1.0      # the client's VTC weight
+    cache_salt: str = ""     # prompts with other salts never share cached blocks
 
 
 @dataclass(frozen=True)
