@@ -7,6 +7,11 @@ they fit protobuf uint64 and Redis integers alike. 0 is the root's hash.
 A prompt's partial last block is hashed like a full one, chained to the last
 full block, so its hash identifies the entire prompt: workers publish it (the
 exact-match fast path) and lookups by token ids compute the same value.
+
+A request's cache salt joins the model key (`salted_key`), so requests with
+different salts never share a hash, not even the first block's (the root stays
+0 for all), and an empty salt hashes exactly as before. Every caller hashing
+for a request takes its key from `salted_key`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,18 @@ from dataclasses import dataclass
 
 ROOT_HASH = 0
 _MASK = (1 << 63) - 1
+SALT_SEPARATOR = "\x00"   # no model key (an environment variable) can hold it
+
+
+def salted_key(model_key: str, cache_salt: str = "") -> str:
+    """The key a sequence's blocks are hashed under: the model key, or with a cache salt the
+    model key, a separator and the salt's digest. That suffix is 33 bytes whatever the salt,
+    never a whole number of tokens, so the bytes hashed for an unsalted block never equal a
+    salted block's, nor two salts' unless their 128-bit digests collide."""
+    if not cache_salt:
+        return model_key
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=16).hexdigest()
+    return f"{model_key}{SALT_SEPARATOR}{digest}"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.block_hash import (ROOT_HASH, block_hash, chain_hashes, extend_chain, parent_of, partial_block_hash,
-                               prompt_hashes)
+                               prompt_hashes, salted_key)
 
 TOKENS = list(range(10))
 
@@ -35,3 +35,33 @@ def test_partial_block_hash_chains_to_the_last_full_block() -> None:
     assert partial_block_hash(blocks[1], TOKENS[8:], "m") == prompt_hashes(TOKENS, 4, "m").partial_hash
     assert partial_block_hash(blocks[1], [], "m") == 0
     assert prompt_hashes(TOKENS[:8], 4, "m").partial_hash == 0
+
+
+def test_an_empty_salt_is_the_model_key_and_hashes_as_before() -> None:
+    assert salted_key("m") == salted_key("m", "") == "m"
+    assert prompt_hashes(TOKENS, 4, salted_key("m", "")).block_hashes == (8151903867957196413, 7301574251545088063)
+
+
+def test_salted_hash_values_are_pinned() -> None:
+    hashes = prompt_hashes(TOKENS, 4, salted_key("m", "tenant-a"))
+    assert hashes.block_hashes == (2813702669151770439, 1654035630208749913)
+    assert hashes.partial_hash == 6756722277309509346
+
+
+def test_different_salts_share_no_hash_not_even_the_first_block() -> None:
+    keys = [salted_key("m", salt) for salt in ("", "a", "b", "tenant-a", "tenant-b")]
+    assert len(set(keys)) == len(keys)
+    seen: set[int] = set()
+    for key in keys:
+        hashes = prompt_hashes(TOKENS, 4, key)
+        values = {*hashes.block_hashes, hashes.partial_hash}
+        assert not values & seen
+        seen |= values
+    # The root is every salt's: only the hashes chained to it differ.
+    assert parent_of(chain_hashes(TOKENS, 4, keys[1]), 0) == ROOT_HASH
+
+
+def test_a_salt_never_reads_as_tokens_after_the_model_key() -> None:
+    # Whatever the salt, its suffix is not a whole number of 4-byte tokens.
+    for salt in ("x", "\x01\x00\x00", "a" * 100):
+        assert (len(salted_key("m", salt).encode()) - len(b"m")) % 4 != 0
