@@ -28,9 +28,9 @@ class KvIndexClient:
         reply = await self._stub.Publish(convert.publish_to_proto(batch), timeout=self._timeout_s)
         return convert.publish_result_from_proto(reply)
 
-    async def lookup_tokens(self, token_ids: Sequence[int],
-                            request_id: str | None = None) -> LookupResult:
-        request = kvindex_pb2.LookupRequest(token_ids=token_ids)
+    async def lookup_tokens(self, token_ids: Sequence[int], request_id: str | None = None,
+                            cache_salt: str = "") -> LookupResult:
+        request = kvindex_pb2.LookupRequest(token_ids=token_ids, cache_salt=cache_salt)
         reply = await self._stub.Lookup(request, timeout=self._timeout_s,
                                         metadata=request_metadata(request_id))
         return convert.lookup_result_from_proto(reply)

@@ -31,7 +31,7 @@ class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
                                 "give either token_ids or block_hashes, not both")
         async with _mapped_errors(context):
             if request.token_ids:
-                result = await self._service.lookup_tokens(request.token_ids)
+                result = await self._service.lookup_tokens(request.token_ids, request.cache_salt)
             else:
                 result = await self._service.lookup(convert.lookup_query_from_proto(request))
             log.info("lookup", extra={

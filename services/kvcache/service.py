@@ -1,11 +1,13 @@
 """The kvcache service's behaviour, independent of gRPC: lookups by tokens
-or hashes, publishing with validation, stats, metrics."""
+or hashes, publishing with validation, stats, metrics. A lookup by tokens
+hashes them under the requester's cache salt, as the worker hashed the
+blocks of that salt's sequences, so it never matches another salt's blocks."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from common.block_hash import prompt_hashes
+from common.block_hash import prompt_hashes, salted_key
 from services.kvcache.backend import IndexBackend
 from services.kvcache.kv_types import (
     IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
@@ -25,12 +27,12 @@ class KvIndexService:
     def block_size(self) -> int:
         return self.backend.block_size
 
-    def query_for_tokens(self, token_ids: Sequence[int]) -> LookupQuery:
-        hashes = prompt_hashes(token_ids, self.block_size, self.model_key)
+    def query_for_tokens(self, token_ids: Sequence[int], cache_salt: str = "") -> LookupQuery:
+        hashes = prompt_hashes(token_ids, self.block_size, salted_key(self.model_key, cache_salt))
         return LookupQuery(hashes.block_hashes, hashes.partial_hash, hashes.partial_tokens)
 
-    async def lookup_tokens(self, token_ids: Sequence[int]) -> LookupResult:
-        return await self.lookup(self.query_for_tokens(token_ids))
+    async def lookup_tokens(self, token_ids: Sequence[int], cache_salt: str = "") -> LookupResult:
+        return await self.lookup(self.query_for_tokens(token_ids, cache_salt))
 
     async def lookup(self, query: LookupQuery) -> LookupResult:
         if query.partial_tokens < 0 or query.partial_tokens >= self.block_size:
