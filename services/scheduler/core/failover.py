@@ -69,7 +69,7 @@ class Failover:
             target.spec, len(request.prompt), request.max_tokens, self._max_active_kv_tokens)
         if problem:
             if waiting:
-                self._book.waiting.leave(request.client_id)
+                self._book.waiting.leave(request.client_id, request.user)
             request.worker_id = ""
             finish = self._book.finish(None, request, FinishReason.ERROR, f"{reason}; {problem}")
             return [RequestUpdate(request.request_id, finish=finish)]

@@ -1,97 +1,77 @@
-"""Admission order: priority first, then FCFS or the Virtual Token Counter.
+"""Admission order: priority first, then FCFS or the Virtual Token Counter
+(weighted, two-level: core/vtc.py).
 
-VTC (Sheng et al., "Fairness in Serving Large Language Models", OSDI 2024):
-each client has a counter charged input_weight x prompt tokens at admission
-and output_weight per generated token. A client that arrives with nothing
-waiting is lifted to the smallest counter among the clients that are
-waiting (or, when nobody waits, to the counter of the client that last left
-the queue), so idling earns no credit. Admission goes to the waiting client
-with the smallest counter.
+Under vtc the waiting client with the smallest client counter goes first;
+within it, the user with the smallest user counter; within the user, the
+queue order (a preempted request first, then arrival). Requests without a
+user form one user "" per client, so without users this is the one-level
+VTC: the client's first request in queue order.
+
+WaitingClients keeps the waiting counts that drive the lifts. Invariants:
+- Only clients, and users within a client, with something waiting are kept.
+- A client whose count goes from 0 to 1 on an arrival is lifted among the
+  waiting clients; a user likewise among its client's waiting users. A
+  requeue (a request admitted before, coming back) lifts neither.
+- Whoever's count drops to 0 is noted as the last departure of its level.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from services.scheduler.core.state import RequestState
-from services.scheduler.core.types import ClientCounter, Policy
+from services.scheduler.core.types import Policy
+from services.scheduler.core.vtc import VirtualTokenCounter
 
-
-class VirtualTokenCounter:
-    def __init__(self, input_weight: float, output_weight: float) -> None:
-        self._input_weight = input_weight
-        self._output_weight = output_weight
-        self._counters: dict[str, float] = {}
-        self._served_tokens: dict[str, int] = {}
-        self._last_departed: float | None = None
-
-    def counter(self, client_id: str) -> float:
-        return self._counters.get(client_id, 0.0)
-
-    def lift_on_arrival(self, client_id: str, waiting_clients: Iterable[str]) -> None:
-        others = [self.counter(c) for c in waiting_clients if c != client_id]
-        floor = min(others) if others else self._last_departed
-        current = self._counters.get(client_id, 0.0)
-        self._counters[client_id] = current if floor is None else max(current, floor)
-        self._served_tokens.setdefault(client_id, 0)
-
-    def note_departure(self, client_id: str) -> None:
-        """The client's last waiting request left the queue."""
-        self._last_departed = self.counter(client_id)
-
-    def charge_prompt(self, client_id: str, num_tokens: int) -> None:
-        self._counters[client_id] = self.counter(client_id) + self._input_weight * num_tokens
-        self._served_tokens[client_id] = self._served_tokens.get(client_id, 0) + num_tokens
-
-    def charge_output(self, client_id: str, num_tokens: int = 1) -> None:
-        self._counters[client_id] = self.counter(client_id) + self._output_weight * num_tokens
-        self._served_tokens[client_id] = self._served_tokens.get(client_id, 0) + num_tokens
-
-    def forget(self, client_ids: Iterable[str]) -> None:
-        for client_id in client_ids:
-            self._counters.pop(client_id, None)
-            self._served_tokens.pop(client_id, None)
-
-    def snapshot(self) -> tuple[ClientCounter, ...]:
-        return tuple(ClientCounter(client_id=c, counter=self._counters[c],
-                                   served_tokens=self._served_tokens.get(c, 0))
-                     for c in sorted(self._counters))
-
-    def __len__(self) -> int:
-        return len(self._counters)
+__all__ = ["VirtualTokenCounter", "WaitingClients", "pick_next"]
 
 
 class WaitingClients:
-    """Requests waiting for admission per client, kept in step with the VTC:
-    a client's request arriving while none of its requests waits lifts its
-    counter, and the client whose last waiting request leaves the queue is
-    noted as the last departure. Only clients with something waiting are kept."""
+    """Requests waiting for admission per client and per user within it, kept
+    in step with the VTC."""
 
     def __init__(self, vtc: VirtualTokenCounter) -> None:
         self._vtc = vtc
         self._waiting: Counter[str] = Counter()
+        self._users: dict[str, Counter[str]] = {}
 
-    def arrive(self, client_id: str) -> None:
+    def arrive(self, client_id: str, user: str = "") -> None:
         """A new request queues."""
         if self._waiting[client_id] == 0:
             self._vtc.lift_on_arrival(client_id, list(self._waiting))
-        self._waiting[client_id] += 1
+        users = self._users.setdefault(client_id, Counter())
+        if users[user] == 0:
+            self._vtc.lift_user_on_arrival(client_id, user, list(users))
+        self._count(client_id, user, users)
 
-    def requeue(self, client_id: str) -> None:
-        """A request that was admitted before queues again (no lift: its client
-        was served)."""
-        self._waiting[client_id] += 1
+    def requeue(self, client_id: str, user: str = "") -> None:
+        """A request that was admitted before queues again (no lift: it was served)."""
+        self._count(client_id, user, self._users.setdefault(client_id, Counter()))
 
-    def leave(self, client_id: str) -> None:
+    def leave(self, client_id: str, user: str = "") -> None:
         """A request leaves the queue: admitted, rejected or finished."""
+        users = self._users[client_id]
+        users[user] -= 1
+        if users[user] <= 0:
+            del users[user]
+            self._vtc.note_user_departure(client_id, user)
         self._waiting[client_id] -= 1
         if self._waiting[client_id] <= 0:
             del self._waiting[client_id]
+            del self._users[client_id]
             self._vtc.note_departure(client_id)
 
     def waiting(self, client_id: str) -> int:
         return self._waiting[client_id]
+
+    def waiting_users(self, client_id: str) -> dict[str, int]:
+        """The client's users with something waiting, and how many requests each."""
+        return dict(self._users.get(client_id, {}))
+
+    def _count(self, client_id: str, user: str, users: Counter[str]) -> None:
+        users[user] += 1
+        self._waiting[client_id] += 1
 
     def __len__(self) -> int:
         """Clients with at least one request waiting."""
@@ -111,9 +91,19 @@ def pick_next(pending: Sequence[RequestState], policy: Policy,
     top = max(r.priority for r in pending)
     candidates = [r for r in pending if r.priority == top]
     if policy is Policy.VTC:
-        first_by_client: dict[str, RequestState] = {}
-        for request in sorted(candidates, key=_queue_position):
-            first_by_client.setdefault(request.client_id, request)
-        return min(first_by_client.values(),
-                   key=lambda r: (vtc.counter(r.client_id), _queue_position(r)))
+        return _pick_by_counters(candidates, vtc)
     return min(candidates, key=_queue_position)
+
+
+def _pick_by_counters(candidates: Sequence[RequestState], vtc: VirtualTokenCounter) -> RequestState:
+    """The client with the smallest counter (ties: queue order), then its user
+    with the smallest user counter (ties: queue order), then that user's
+    first request in queue order."""
+    first_by_user: dict[tuple[str, str], RequestState] = {}
+    for request in sorted(candidates, key=_queue_position):
+        first_by_user.setdefault((request.client_id, request.user), request)
+    # A client's first request is the first of its users' first requests.
+    client_id = min(first_by_user.values(),
+                    key=lambda r: (vtc.counter(r.client_id), _queue_position(r))).client_id
+    return min((r for (c, _), r in first_by_user.items() if c == client_id),
+               key=lambda r: (vtc.user_counter(client_id, r.user), _queue_position(r)))

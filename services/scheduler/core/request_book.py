@@ -10,7 +10,8 @@ Invariants between the core's calls:
   active lists: the one its phase names. (Failover moves requests between
   workers and restores this before it returns.)
 - `by_seq` maps the seq_id of every prefilling or active request, and nothing else.
-- The waiting count of a client (WaitingClients) is its number of pending requests.
+- The waiting count of a client (WaitingClients) is its number of pending
+  requests, and that of a user within the client its number of pending requests.
 - A worker's reserved_kv_tokens is the sum of kv_reservation over its
   prefilling and active requests.
 """
@@ -27,8 +28,10 @@ from services.scheduler.core.state import Phase, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import Finish, FinishReason, Gate, NewSequence, Rejection, RequestUpdate
 
-# Past this many clients with a VTC counter, the idle ones are forgotten (down to half).
+# Past this many clients with a VTC counter, the idle ones are forgotten (down to
+# half); likewise past this many users with a counter within one client.
 MAX_TRACKED_CLIENTS = 10000
+MAX_TRACKED_USERS = 1000
 
 
 def worker_sampling(request: RequestState) -> SamplingParams:
@@ -52,8 +55,9 @@ class RequestBook:
     # ---- in ----
 
     def add(self, worker: WorkerState, request: RequestState) -> None:
-        """A new request, queued on `worker`."""
+        """A new request, queued on `worker`; its weight becomes its client's."""
         self.requests[request.request_id] = request
+        self.vtc.set_weight(request.client_id, request.weight)
         self.enqueue(worker, request, arriving=True)
 
     def enqueue(self, worker: WorkerState, request: RequestState, arriving: bool = False) -> None:
@@ -61,13 +65,13 @@ class RequestBook:
         request.phase = Phase.PENDING
         worker.pending.append(request)
         if arriving:
-            self.waiting.arrive(request.client_id)
+            self.waiting.arrive(request.client_id, request.user)
         else:
-            self.waiting.requeue(request.client_id)
+            self.waiting.requeue(request.client_id, request.user)
 
     def dequeue(self, worker: WorkerState, request: RequestState) -> None:
         worker.pending.remove(request)
-        self.waiting.leave(request.client_id)
+        self.waiting.leave(request.client_id, request.user)
 
     def admit(self, worker: WorkerState, request: RequestState, seq_id: str, now: float) -> NewSequence:
         """pending -> prefilling, as a new sequence the worker must register; the
@@ -76,7 +80,7 @@ class RequestBook:
             request.admitted_once = True
             request.queue_wait_s = now - request.arrival_s
             self.counts.count_admission(request.queue_wait_s)
-            self.vtc.charge_prompt(request.client_id, len(request.prompt))
+            self.vtc.charge_prompt(request.client_id, len(request.prompt), request.user)
         self.dequeue(worker, request)
         request.seq_id, request.num_computed, request.phase = seq_id, 0, Phase.PREFILLING
         worker.prefilling.append(request)
@@ -127,7 +131,7 @@ class RequestBook:
             self.detach(worker, request)
         self.requests.pop(request.request_id, None)
         self.counts.count_finish(reason)
-        self._forget_idle_clients()
+        self._forget_idle(request.client_id)
         usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
                       cached_tokens=request.cached_tokens or 0)
         return Finish(reason=reason, usage=usage, message=message, queue_wait_s=request.queue_wait_s)
@@ -138,14 +142,21 @@ class RequestBook:
         queue already, and only still counted as waiting."""
         if worker is not None:
             worker.pending.remove(request)
-        self.waiting.leave(request.client_id)
+        self.waiting.leave(request.client_id, request.user)
         self.requests.pop(request.request_id, None)
         self.counts.count_rejection(gate)
         return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
 
-    def _forget_idle_clients(self) -> None:
-        if len(self.vtc) <= MAX_TRACKED_CLIENTS:
-            return
-        busy = {r.client_id for r in self.requests.values()}
-        idle = [c.client_id for c in self.vtc.snapshot() if c.client_id not in busy]
-        self.vtc.forget(idle[: len(self.vtc) - MAX_TRACKED_CLIENTS // 2])
+    def _forget_idle(self, client_id: str) -> None:
+        """Bounds the counters kept: idle clients (no request left) past
+        MAX_TRACKED_CLIENTS, idle users of `client_id` past MAX_TRACKED_USERS.
+        A forgotten one starts again from the floor on its next arrival."""
+        if len(self.vtc) > MAX_TRACKED_CLIENTS:
+            busy = {r.client_id for r in self.requests.values()}
+            idle = [c.client_id for c in self.vtc.snapshot() if c.client_id not in busy]
+            self.vtc.forget(idle[: len(self.vtc) - MAX_TRACKED_CLIENTS // 2])
+        if self.vtc.num_users(client_id) > MAX_TRACKED_USERS:
+            users = self.vtc.users(client_id)
+            busy_users = {r.user for r in self.requests.values() if r.client_id == client_id}
+            idle_users = [u for u in users if u not in busy_users]
+            self.vtc.forget_users(client_id, idle_users[: len(users) - MAX_TRACKED_USERS // 2])

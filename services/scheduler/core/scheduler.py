@@ -387,7 +387,7 @@ class SchedulerCore:
         finish = None
         for index, token_id in enumerate(tokens):
             request.output.append(token_id)
-            self._vtc.charge_output(request.client_id)
+            self._vtc.charge_output(request.client_id, user=request.user)
             out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
             reason = finish_reason(request.spec, request.max_tokens, len(request.output), token_id,
                                    worker.spec.eos_token_ids)

@@ -9,6 +9,7 @@ from enum import StrEnum
 from common.types import SamplingParams
 
 from services.scheduler.core.types import Gate, PoolStats, RequestSpec, StepOutput, StepBatch, WorkerSpec
+from services.scheduler.core.vtc import sane_weight
 
 
 class Phase(StrEnum):
@@ -52,6 +53,16 @@ class RequestState:
     @property
     def priority(self) -> int:
         return self.spec.priority
+
+    @property
+    def user(self) -> str:
+        """The end user within client_id ("" for none): orders the client's own requests."""
+        return self.spec.user
+
+    @property
+    def weight(self) -> float:
+        """The client's VTC weight as this request carries it (see vtc.sane_weight)."""
+        return sane_weight(self.spec.weight)
 
     @property
     def prompt(self) -> tuple[int, ...]:

@@ -170,8 +170,9 @@ class WorkerSummary:
 @dataclass(frozen=True)
 class ClientCounter:
     client_id: str
-    counter: float
+    counter: float          # weighted tokens over the client's weight
     served_tokens: int
+    weight: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.slot_fairness import fair_share, preemption_victim, slot_victim
+from services.scheduler.core.slot_fairness import fair_shares, preemption_victim, slot_victim
 from services.scheduler.core.types import Policy
 
 from tests.unit.scheduler.plain_state import make_request, make_running
@@ -33,7 +33,7 @@ def test_fcfs_never_takes_a_slot_from_an_equal_priority() -> None:
 def test_vtc_takes_the_latest_slot_of_a_client_over_its_fair_share() -> None:
     running = [make_running(i, client="a") for i in range(4)]
     light = make_request(9, client="b")
-    assert fair_share(4, 2) == 2.0
+    assert fair_shares(4, {"a": 1.0, "b": 1.0}) == {"a": 2.0, "b": 2.0}
     assert slot_victim(light, running, [light], set(), Policy.VTC, max_batch_size=4) is running[-1]
 
 
