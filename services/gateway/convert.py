@@ -104,8 +104,8 @@ def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, 
             "last_step_ms": w.last_step_ms, "last_batch_size": w.last_batch_size,
             "steps": w.steps, "evictions": w.evictions,
         } for w in message.workers],
-        "clients": [{"client_id": c.client_id, "counter": c.counter, "served_tokens": c.served_tokens}
-                    for c in message.clients],
+        "clients": [{"client_id": c.client_id, "counter": c.counter, "served_tokens": c.served_tokens,
+                     "weight": c.weight} for c in message.clients],
     }
 
 

@@ -90,7 +90,7 @@ def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
             evictions=w.evictions, used_blocks=w.used_blocks)
             for w in stats.workers],
         clients=[scheduler_pb2.ClientCounter(client_id=c.client_id, counter=c.counter,
-                                             served_tokens=c.served_tokens)
+                                             served_tokens=c.served_tokens, weight=c.weight)
                  for c in stats.clients],
         policy=stats.policy.value, reserved_kv_tokens=stats.reserved_kv_tokens,
     )
