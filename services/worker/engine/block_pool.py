@@ -16,6 +16,9 @@ as soon as its parent's full-block hash is: the index only keeps a partial
 block under a parent the worker holds. Entries without an alias are never
 published. Several entries may carry one alias: the same prompt, continued
 differently.
+Blocks of sequences with different cache salts never meet: their hashes differ
+(common/block_hash.py), and the tail index is keyed by the salt too, since a
+block after the root has the root's hash, 0, as parent whatever its salt.
 Which cached block is evicted is the eviction policy's choice (eviction.py:
 least recently released, or fewest reuses); under either, leaves go before the
 prefixes they extend.
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 
 from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import make_eviction_policy
-from services.worker.engine.pool_invariants import PoolInvariants
+from services.worker.engine.pool_invariants import PoolInvariants, TailKey
 from services.worker.engine.types import BlockEvent, PoolStats
 
 
@@ -39,6 +42,7 @@ class PartialBlock:
     tokens: tuple[int, ...]     # tokens whose K/V its first slots hold; 0 < len < block_size
     parent_hash: int            # hash of the full block before it (ROOT_HASH for the first)
     alias_hash: int = 0         # the whole prompt's partial-block hash when the prompt ends in it; 0: none
+    cache_salt: str = ""        # its sequence's: only sequences with the same salt copy from it
 
 
 class BlockPool(PoolInvariants):
@@ -56,9 +60,10 @@ class BlockPool(PoolInvariants):
         self._block_hash: list[int | None] = [None] * num_blocks
         self._parent_hash: list[int] = [ROOT_HASH] * num_blocks
         self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks   # full hash or partial
+        self._block_salt: list[str] = [""] * num_blocks                        # of a block with tokens
         self._by_hash: dict[int, int] = {}
         self._partials: set[int] = set()
-        self._tails: dict[tuple[int, int], dict[int, None]] = {}   # (parent hash, first token) -> blocks
+        self._tails: dict[TailKey, dict[int, None]] = {}            # (parent hash, salt, first token) -> blocks
         self._held: dict[int, int] = {}                             # block -> holds (eviction skips it)
         self._alias_of: dict[int, int] = {}                         # partial block -> its published alias
         self._alias_blocks: dict[int, dict[int, None]] = {}         # alias -> partial blocks carrying it
@@ -98,20 +103,21 @@ class BlockPool(PoolInvariants):
             blocks.append(block)
         return blocks
 
-    def find_cached_tail(self, parent_hash: int, tail: Sequence[int]) -> int | None:
-        """A block (registered full, or partial) after `parent_hash` whose computed
-        tokens start with `tail`: its first len(tail) slots hold their K/V."""
-        found = self.find_longest_tail(parent_hash, tail)
+    def find_cached_tail(self, parent_hash: int, tail: Sequence[int], cache_salt: str = "") -> int | None:
+        """A block (registered full, or partial) of `cache_salt` after `parent_hash` whose
+        computed tokens start with `tail`: its first len(tail) slots hold their K/V."""
+        found = self.find_longest_tail(parent_hash, tail, cache_salt)
         return found[0] if found is not None and found[1] == len(tail) else None
 
-    def find_longest_tail(self, parent_hash: int, tokens: Sequence[int]) -> tuple[int, int] | None:
-        """The block (registered full, or partial) after `parent_hash` sharing the longest
-        run of leading tokens with `tokens`, and that run's length: the block's first
-        that-many slots hold the K/V those tokens would get."""
+    def find_longest_tail(self, parent_hash: int, tokens: Sequence[int],
+                          cache_salt: str = "") -> tuple[int, int] | None:
+        """The block (registered full, or partial) of `cache_salt` after `parent_hash` sharing
+        the longest run of leading tokens with `tokens`, and that run's length: the block's
+        first that-many slots hold the K/V those tokens would get."""
         if not self.enable_prefix_caching or not tokens:
             return None
         best: tuple[int, int] | None = None
-        for block in self._tails.get((parent_hash, tokens[0]), ()):
+        for block in self._tails.get((parent_hash, cache_salt, tokens[0]), ()):
             block_tokens = self._block_tokens[block]
             assert block_tokens is not None
             matched = _common_prefix_len(block_tokens, tokens)
@@ -204,9 +210,10 @@ class BlockPool(PoolInvariants):
         self.prefix_hit_tokens += hit_tokens
 
     def cache_full_blocks(self, seq_id: str, first_block: int, hashes: Sequence[int],
-                          parent_hash: int, tokens: Sequence[int]) -> None:
+                          parent_hash: int, tokens: Sequence[int], cache_salt: str = "") -> None:
         """Registers the hashes of `seq_id`'s newly full blocks first_block.. (KV written);
-        `tokens` are the sequence's tokens, covering at least those blocks.
+        `tokens` are the sequence's tokens, covering at least those blocks; `hashes` were
+        computed with its `cache_salt`, under which the blocks' tokens are found.
         A hash some other block already holds leaves this block unregistered (a duplicate)."""
         if not self.enable_prefix_caching or not hashes:
             return
@@ -220,7 +227,7 @@ class BlockPool(PoolInvariants):
             if self._block_hash[block] is None and value not in self._by_hash:
                 self._block_hash[block] = value
                 self._by_hash[value] = block
-                self._add_tail(block, parent_hash, tokens[index * size:(index + 1) * size])
+                self._add_tail(block, parent_hash, tokens[index * size:(index + 1) * size], cache_salt)
                 if not run:
                     run_parent = parent_hash
                 run.append(value)
@@ -308,10 +315,10 @@ class BlockPool(PoolInvariants):
         block = table[partial.block_index]
         if self._refcount[block] != 1 or self._block_tokens[block] is not None:
             return
-        if self.find_cached_tail(partial.parent_hash, partial.tokens) is not None:
+        if self.find_cached_tail(partial.parent_hash, partial.tokens, partial.cache_salt) is not None:
             return
         self._partials.add(block)
-        self._add_tail(block, partial.parent_hash, partial.tokens)
+        self._add_tail(block, partial.parent_hash, partial.tokens, partial.cache_salt)
         if partial.alias_hash and (partial.parent_hash == ROOT_HASH or partial.parent_hash in self._by_hash):
             self._add_alias(block, partial.alias_hash)
 
@@ -345,17 +352,18 @@ class BlockPool(PoolInvariants):
                 del self._aliases_under[parent]
         return alias
 
-    def _add_tail(self, block: int, parent_hash: int, tokens: Sequence[int]) -> None:
+    def _add_tail(self, block: int, parent_hash: int, tokens: Sequence[int], cache_salt: str) -> None:
         self._block_tokens[block] = tuple(tokens)
         self._parent_hash[block] = parent_hash
-        self._tails.setdefault((parent_hash, tokens[0]), {})[block] = None
+        self._block_salt[block] = cache_salt
+        self._tails.setdefault((parent_hash, cache_salt, tokens[0]), {})[block] = None
 
     def _forget(self, block: int, removed: list[int] | None = None) -> None:
         """Drops `block`'s hash or partial entry (its refcount and state are the caller's).
         Aliases this withdraws (its own, or those published under its hash) go to `removed`."""
         tokens = self._block_tokens[block]
         assert tokens is not None
-        key = (self._parent_hash[block], tokens[0])
+        key = (self._parent_hash[block], self._block_salt[block], tokens[0])
         del self._tails[key][block]
         if not self._tails[key]:
             del self._tails[key]
@@ -376,6 +384,7 @@ class BlockPool(PoolInvariants):
         self._evictable.forget(block)
         self._block_hash[block] = None
         self._block_tokens[block] = None
+        self._block_salt[block] = ""
         self._parent_hash[block] = ROOT_HASH
 
 

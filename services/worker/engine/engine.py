@@ -66,10 +66,10 @@ class Engine:
         self.prompt_logits = PromptLogitsCache(config.prompt_logits_cache_size
                                                if config.enable_prefix_caching else 0)
         self.sampling = StepSampler(prepared, Sampler(eos_token_ids=prepared.eos_token_ids), self.prompt_logits,
-                                    self.block_size, config.model_key)
+                                    self.block_size)
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
         self.planner = StepPlanner(self.sequences, self.pool, self.kv, self.prompt_logits, PlanLimits(
-            self.block_size, config.model_key, self.max_model_len, config.ngram_min, config.ngram_max))
+            self.block_size, self.max_model_len, config.ngram_min, config.ngram_max))
         self._info = t.EngineInfo(
             model_name=config.model_key or getattr(self.model_config, "name_or_path", "") or Path(config.model_dir).name,
             block_size=self.block_size, num_blocks=num_blocks, device=str(self.device),

@@ -58,7 +58,6 @@ class Planned:
 @dataclass(frozen=True)
 class PlanLimits:
     block_size: int
-    model_key: str
     max_model_len: int
     ngram_min: int
     ngram_max: int
@@ -169,10 +168,10 @@ class StepPlanner:
     def _plan_exact(self, seq: SequenceState, result_index: int) -> Planned | None:
         """An identical prompt whose last-position logits and every token's K/V are cached:
         its blocks are reused (the partial last one copied) and nothing is computed."""
-        key = seq.prompt_key(self.block_size, self.limits.model_key)
+        key = seq.prompt_key(self.block_size)
         if key is None or not self.prompt_logits.contains(key):
             return None
-        hashes = seq.full_block_hashes(self.block_size, self.limits.model_key)
+        hashes = seq.full_block_hashes(self.block_size)
         full = len(seq.tokens) // self.block_size
         blocks = self.pool.find_cached_prefix(hashes[:full])
         if len(blocks) < full:
@@ -180,7 +179,7 @@ class StepPlanner:
         rest = len(seq.tokens) - full * self.block_size
         tail_source = None
         if rest:
-            tail = self.pool.find_longest_tail(key[0], seq.tokens[full * self.block_size:])
+            tail = self.pool.find_longest_tail(key[0], seq.tokens[full * self.block_size:], seq.cache_salt)
             if tail is None or tail[1] < rest:
                 return None
             tail_source = tail[0]
@@ -199,7 +198,7 @@ class StepPlanner:
         after them that shares the longest run of `seq`'s next tokens, with that run's
         length: its slots are copied into a block of `seq`'s own. An identical prompt
         copies its whole tail; a prompt that differs inside a block keeps the part before."""
-        hashes = seq.full_block_hashes(self.block_size, self.limits.model_key)
+        hashes = seq.full_block_hashes(self.block_size)
         # Keep at least the last token to compute: its logits give the next token.
         reusable = (len(seq.tokens) - 1) // self.block_size
         blocks = self.pool.find_cached_prefix(hashes[:reusable])
@@ -207,7 +206,7 @@ class StepPlanner:
         tail = seq.tokens[start:start + self.block_size]
         if len(tail) < 2:
             return blocks, None
-        return blocks, self.pool.find_longest_tail(parent_of(hashes, len(blocks)), tail)
+        return blocks, self.pool.find_longest_tail(parent_of(hashes, len(blocks)), tail, seq.cache_salt)
 
     def _allocate(self, seq: SequenceState, num_tokens: int, cached_blocks: list[int],
                   tail_source: int | None, copied: int) -> bool:

@@ -10,6 +10,9 @@ from services.worker.engine.eviction import EvictionPolicy
 from services.worker.engine.types import PoolStats
 
 
+TailKey = tuple[int, str, int]   # (parent hash, cache salt, first token): a tail index entry's
+
+
 class PoolInvariantError(AssertionError):
     pass
 
@@ -23,9 +26,10 @@ class PoolInvariants:
     _block_hash: list[int | None]
     _parent_hash: list[int]
     _block_tokens: list[tuple[int, ...] | None]
+    _block_salt: list[str]
     _by_hash: dict[int, int]
     _partials: set[int]
-    _tails: dict[tuple[int, int], dict[int, None]]
+    _tails: dict[TailKey, dict[int, None]]
     _held: dict[int, int]
     _alias_of: dict[int, int]
     _alias_blocks: dict[int, dict[int, None]]
@@ -75,7 +79,7 @@ class PoolInvariants:
         tokens = self._block_tokens[block]
         value = self._block_hash[block]
         partial = block in self._partials
-        if free and (tokens is not None or value is not None or partial):
+        if free and (tokens is not None or value is not None or partial or self._block_salt[block]):
             raise PoolInvariantError(f"free block {block} still holds a hash or partial entry")
         if refcount == 0 and not free and tokens is None:
             raise PoolInvariantError(f"cached block {block} holds neither a hash nor a partial entry")
@@ -89,11 +93,12 @@ class PoolInvariants:
 
     def _check_tail_index(self) -> None:
         indexed = 0
-        for (parent, first), blocks in self._tails.items():
+        for (parent, salt, first), blocks in self._tails.items():
             for block in blocks:
                 tokens = self._block_tokens[block]
-                if tokens is None or tokens[0] != first or self._parent_hash[block] != parent:
-                    raise PoolInvariantError(f"tail index points ({parent}, {first}) at block {block}")
+                if (tokens is None or tokens[0] != first or self._parent_hash[block] != parent
+                        or self._block_salt[block] != salt):
+                    raise PoolInvariantError(f"tail index points ({parent}, {salt!r}, {first}) at block {block}")
                 indexed += 1
         holding = sum(1 for tokens in self._block_tokens if tokens is not None)
         if indexed != holding:

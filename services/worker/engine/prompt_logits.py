@@ -3,8 +3,10 @@
 An identical prompt whose K/V is still cached needs no forward at all when the
 logits of its last position are kept too: they are a pure function of the
 model and the prompt's tokens. Entries are keyed by the prompt's last full
-block hash (which chains every earlier token) plus its trailing tokens, and
-evicted least recently used first. One entry is one vocabulary-sized row
+block hash (which chains every earlier token) plus its trailing tokens and its
+sequence's cache salt (a prompt shorter than a block chains to the root, 0,
+whatever its salt; a row is never served across salts), and evicted least
+recently used first. One entry is one vocabulary-sized row
 (1 MiB on Gemma 3), so the capacity is a count of prompts.
 """
 
@@ -15,11 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
-PromptKey = tuple[int, tuple[int, ...]]
+PromptKey = tuple[int, tuple[int, ...], str]
 
 
-def prompt_key(last_full_hash: int, tail_tokens: Sequence[int]) -> PromptKey:
-    return last_full_hash, tuple(tail_tokens)
+def prompt_key(last_full_hash: int, tail_tokens: Sequence[int], cache_salt: str = "") -> PromptKey:
+    return last_full_hash, tuple(tail_tokens), cache_salt
 
 
 class PromptLogitsCache:

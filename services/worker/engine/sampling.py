@@ -28,14 +28,13 @@ class LogitsRows:
 
 class StepSampler:
     def __init__(self, prepared: PreparedModel, sampler: Sampler, prompt_logits: PromptLogitsCache,
-                 block_size: int, model_key: str) -> None:
+                 block_size: int) -> None:
         self.lm_head = prepared.lm_head
         self.softcap = prepared.softcap
         self.screen_loader = prepared.screen
         self.sampler = sampler
         self.prompt_logits = prompt_logits
         self.block_size = block_size
-        self.model_key = model_key
 
     def sample(self, planned: list[Planned], sample_plans: list[Planned], hidden: torch.Tensor | None,
                logits_rows: LogitsRows) -> list[tuple[Planned, list[SampledToken]]]:
@@ -114,7 +113,7 @@ class StepSampler:
         for row, plan in enumerate(sample_plans):
             if not complete[row]:
                 continue
-            key = plan.seq.prompt_key(self.block_size, self.model_key)
+            key = plan.seq.prompt_key(self.block_size)
             if key is not None:
                 self.prompt_logits.put(key, logits[row])
 

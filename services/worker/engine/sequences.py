@@ -2,10 +2,11 @@
 
 A sequence is its tokens (prompt + output; the last one is uncomputed after a
 sample), how many are computed, its sampling request and its chain of full-block
-hashes. `Sequences` registers and frees them (a freed sequence's computed
-partial last block is offered to the pool), applies a step's samples (accepted
-drafts, new tokens, results) and registers newly computed full blocks with the
-pool's prefix cache.
+hashes, computed under its hash key: the model key joined by its cache salt, so
+sequences with different salts never share a cached block. `Sequences`
+registers and frees them (a freed sequence's computed partial last block is
+offered to the pool), applies a step's samples (accepted drafts, new tokens,
+results) and registers newly computed full blocks with the pool's prefix cache.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from common.block_hash import ROOT_HASH, extend_chain, parent_of, partial_block_hash
+from common.block_hash import ROOT_HASH, extend_chain, parent_of, partial_block_hash, salted_key
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool, PartialBlock
 from services.worker.engine.prompt_logits import PromptKey, prompt_key
@@ -35,17 +36,19 @@ class SequenceState:
     hashes: list[int] = field(default_factory=list)   # chained hashes of full blocks of `tokens`
     started: bool = False
     ngrams: NgramIndex | None = None    # built on the first speculative decode
+    cache_salt: str = ""                # blocks are shared only with sequences of the same salt
+    hash_key: str = ""                  # salted_key(model key, cache_salt): what its blocks hash under
 
-    def full_block_hashes(self, block_size: int, model_key: str) -> list[int]:
-        return extend_chain(self.hashes, self.tokens, block_size, model_key)
+    def full_block_hashes(self, block_size: int) -> list[int]:
+        return extend_chain(self.hashes, self.tokens, block_size, self.hash_key)
 
-    def prompt_key(self, block_size: int, model_key: str) -> PromptKey | None:
+    def prompt_key(self, block_size: int) -> PromptKey | None:
         """The logits-cache key of the prompt while nothing has been sampled after it."""
         if self.request.num_sampled or len(self.tokens) != len(self.request.prompt_token_ids):
             return None
-        hashes = self.full_block_hashes(block_size, model_key)
+        hashes = self.full_block_hashes(block_size)
         full = len(self.tokens) // block_size
-        return prompt_key(parent_of(hashes, full), self.tokens[full * block_size:])
+        return prompt_key(parent_of(hashes, full), self.tokens[full * block_size:], self.cache_salt)
 
 
 class Sequences:
@@ -74,7 +77,8 @@ class Sequences:
         request = SampleRequest(params=new.sampling, prompt_token_ids=list(new.prompt_token_ids),
                                 output_token_ids=list(new.output_token_ids),
                                 num_sampled=len(new.output_token_ids))
-        self._by_id[new.seq_id] = SequenceState(new.seq_id, tokens, request)
+        self._by_id[new.seq_id] = SequenceState(new.seq_id, tokens, request, cache_salt=new.cache_salt,
+                                                hash_key=salted_key(self.model_key, new.cache_salt))
 
     def _partial_block(self, seq: SequenceState) -> PartialBlock | None:
         """The computed head of `seq`'s partly filled last block, if it has one. When the
@@ -83,13 +87,13 @@ class Sequences:
         full, used = divmod(seq.num_computed, self.block_size)
         if not used or not self.pool.enable_prefix_caching:
             return None
-        parent = seq.full_block_hashes(self.block_size, self.model_key)[full - 1] if full else ROOT_HASH
+        parent = seq.full_block_hashes(self.block_size)[full - 1] if full else ROOT_HASH
         start = full * self.block_size
         prompt = seq.request.prompt_token_ids
         alias = 0
         if start < len(prompt) <= seq.num_computed:
-            alias = partial_block_hash(parent, prompt[start:], self.model_key)
-        return PartialBlock(full, tuple(seq.tokens[start:seq.num_computed]), parent, alias)
+            alias = partial_block_hash(parent, prompt[start:], seq.hash_key)
+        return PartialBlock(full, tuple(seq.tokens[start:seq.num_computed]), parent, alias, seq.cache_salt)
 
     def commit(self, planned: list[Planned], sampled: list[tuple[Planned, list[SampledToken]]],
                results: list[t.SeqResult]) -> int:
@@ -121,8 +125,9 @@ class Sequences:
         first = seq.num_registered_blocks
         if full <= first:
             return
-        hashes = seq.full_block_hashes(self.block_size, self.model_key)
-        self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent_of(hashes, first), seq.tokens)
+        hashes = seq.full_block_hashes(self.block_size)
+        self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent_of(hashes, first), seq.tokens,
+                                    seq.cache_salt)
         seq.num_registered_blocks = full
 
 
