@@ -28,7 +28,6 @@ from services.gateway.spec import Limits, TextInput, build_spec
 from services.gateway.validation import check_text
 
 T = TypeVar("T")
-DISCONNECT_POLL_S = 0.25
 
 
 @dataclass
@@ -108,21 +107,28 @@ async def prime(stream: AsyncIterator[T], request: Request) -> AsyncIterator[T]:
 
 async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     """Awaits generation work, cancelling it (and so the scheduler request)
-    when the client goes away before it is done."""
+    the moment the client goes away before it is done. The request body has
+    been read, so the next ASGI message is the server's disconnect event."""
     task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
     try:
-        while True:
-            done, _pending = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
-            if done:
-                return task.result()
-            if await request.is_disconnected():
-                raise client_gone()
+        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise client_gone()
     finally:
+        gone.cancel()
         if not task.done():
             task.cancel()
             # Let the work unwind (its generators close) before the caller
             # touches them again.
             await asyncio.wait({task})
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the server reports that the client hung up."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def require_text(value: str, param: str = "prompt") -> str:
