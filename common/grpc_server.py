@@ -1,5 +1,6 @@
-"""gRPC server bootstrap shared by every service: health, reflection, and
-request-id propagation through metadata."""
+"""gRPC server bootstrap shared by every service: health, reflection, the
+internal token and TLS (`common.internal_auth`), the one builder of internal
+channels, and request-id propagation through metadata."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common.internal_auth import (
+    InternalAuth, TokenCheck, channel_credentials, channel_options, server_credentials, token_interceptors,
+)
 from common.logs import request_id_var
 
 REQUEST_ID_KEY = "x-request-id"
@@ -26,11 +30,14 @@ Registration = tuple[Callable[[Any, grpc.aio.Server], None], Any]
 
 
 class GrpcServer:
-    """An aio server with the standard health service and reflection."""
+    """An aio server with the standard health service and reflection. With
+    `auth` (the internal services), calls need its token (health excepted) and
+    the port serves its TLS; without (the gateway's public API), neither."""
 
     def __init__(self, registrations: Iterable[Registration], service_names: Sequence[str],
-                 host: str, port: int) -> None:
-        self.server = grpc.aio.server(options=CHANNEL_OPTIONS)
+                 host: str, port: int, auth: InternalAuth | None = None) -> None:
+        interceptors = [TokenCheck(auth.token)] if auth is not None and auth.token else []
+        self.server = grpc.aio.server(options=CHANNEL_OPTIONS, interceptors=interceptors)
         for add, servicer in registrations:
             add(servicer, self.server)
         self.health = health.aio.HealthServicer()
@@ -39,7 +46,11 @@ class GrpcServer:
         reflection.enable_server_reflection(
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        credentials = server_credentials(auth) if auth is not None else None
+        if credentials is None:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        else:
+            self.port = self.server.add_secure_port(f"{host}:{port}", credentials)
         if self.port == 0:
             raise OSError(f"could not bind gRPC server to {host}:{port}")
 
@@ -73,8 +84,29 @@ def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, request_id),) if request_id else ()
 
 
+def internal_channel(address: str, auth: InternalAuth = InternalAuth()) -> grpc.aio.Channel:
+    """The one way to dial a scheduler, worker or kvcache service: TLS when
+    configured, and the internal token on every call."""
+    interceptors = token_interceptors(auth.token)
+    credentials = channel_credentials(auth)
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *channel_options(auth)],
+                                   interceptors=interceptors)
+
+
 def insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A plaintext channel without the token (tests, and servers built without auth)."""
+    return internal_channel(address)
+
+
+def blocking_channel(address: str, auth: InternalAuth = InternalAuth()) -> grpc.Channel:
+    """A synchronous channel with the internal TLS but without the token, for
+    health probes (the health service is open)."""
+    credentials = channel_credentials(auth)
+    if credentials is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=[*CHANNEL_OPTIONS, *channel_options(auth)])
 
 
 async def check_health(channel: grpc.aio.Channel, service: str = "", timeout_s: float = 1.0) -> bool:

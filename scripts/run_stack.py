@@ -10,6 +10,7 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.settings import SettingsError
 from scripts.stack import ROOT, Stack, StackPorts
 
 
@@ -36,8 +37,15 @@ def main() -> int:
     # process started in the background inherits it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        # INTERNAL_TOKEN and GRPC_TLS_* reach every service through the environment;
+        # checked here first so that a bad one stops the start with its own message.
+        auth = stack.internal_auth()
+    except SettingsError as error:
+        print(f"invalid setting: {error}", file=sys.stderr)
+        return 2
     print("starting kvcache, scheduler, worker and gateway (logs in "
-          f"{stack.log_dir}) ...", flush=True)
+          f"{stack.log_dir}; internal calls: {auth!r}) ...", flush=True)
     try:
         stack.start(timeout_s=600)
         print(f"\nfairserve is ready at {stack.url}  (dashboard: {stack.url}/dashboard)\n")

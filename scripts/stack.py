@@ -15,6 +15,10 @@ import urllib.request
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from common.internal_auth import InternalAuth
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,6 +80,13 @@ class Stack:
         })
         env.update(self.env)
         return env
+
+    def internal_auth(self) -> "InternalAuth":
+        """The token and TLS the services run with (INTERNAL_TOKEN, GRPC_TLS_*
+        from the environment or `env`), for clients that dial them directly."""
+        from common.internal_auth import InternalAuth
+
+        return InternalAuth.from_env(self.service_env(), serves=False)
 
     def _spawn(self, name: str, module: str, extra: dict[str, str] | None = None) -> None:
         env = self.service_env()
@@ -186,8 +197,10 @@ class Stack:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+        from common.grpc_server import blocking_channel
+
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as channel:
+        with blocking_channel(address, self.internal_auth()) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while time.monotonic() < deadline:
                 process = self.processes[name]

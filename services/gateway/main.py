@@ -44,7 +44,7 @@ class _Server(uvicorn.Server):
 
 async def serve(settings: GatewaySettings) -> None:
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
-    backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr)
+    backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr, settings.internal)
     app = create_app(settings, backend, tokenizer)
     grpc_server = GrpcServer(
         [(gateway_pb2_grpc.add_TextGenerationServicer_to_server,

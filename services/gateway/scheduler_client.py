@@ -9,7 +9,8 @@ from typing import Any
 
 import grpc
 
-from common.grpc_server import check_health, insecure_channel, request_metadata
+from common.grpc_server import check_health, internal_channel, request_metadata
+from common.internal_auth import InternalAuth
 from fairserve.v1 import common_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
 from services.gateway.backend import (
@@ -27,9 +28,9 @@ PROBE_TIMEOUT_S = 2.0
 
 
 class SchedulerClient:
-    def __init__(self, scheduler_addr: str, kvcache_addr: str) -> None:
-        self._scheduler_channel = insecure_channel(scheduler_addr)
-        self._kvcache_channel = insecure_channel(kvcache_addr)
+    def __init__(self, scheduler_addr: str, kvcache_addr: str, auth: InternalAuth = InternalAuth()) -> None:
+        self._scheduler_channel = internal_channel(scheduler_addr, auth)
+        self._kvcache_channel = internal_channel(kvcache_addr, auth)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._kvcache = kvindex_pb2_grpc.KvIndexStub(self._kvcache_channel)
         self._model_info: ModelInfo | None = None  # once fully known, kept

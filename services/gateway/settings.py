@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from common.internal_auth import InternalAuth
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
 from common.settings import EnvReader
 
@@ -27,6 +28,7 @@ class GatewaySettings:
     default_max_tokens: int = 128
     max_model_len: int = 0          # 0: ask the workers through the scheduler
     log_level: str = "info"
+    internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
 
     @property
     def model_id(self) -> str:
@@ -49,4 +51,5 @@ class GatewaySettings:
             default_max_tokens=read.int("DEFAULT_MAX_TOKENS", cls.default_max_tokens, minimum=1),
             max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
+            internal=InternalAuth.from_env(env, serves=False),
         )

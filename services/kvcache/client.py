@@ -7,7 +7,8 @@ from collections.abc import Sequence
 import grpc
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
 
-from common.grpc_server import insecure_channel, request_metadata
+from common.grpc_server import internal_channel, request_metadata
+from common.internal_auth import InternalAuth
 from services.kvcache import convert
 from services.kvcache.kv_types import (
     IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
@@ -21,8 +22,9 @@ class KvIndexClient:
         self._timeout_s = timeout_s
 
     @classmethod
-    def connect(cls, address: str, timeout_s: float = 2.0) -> "KvIndexClient":
-        return cls(insecure_channel(address), timeout_s)
+    def connect(cls, address: str, timeout_s: float = 2.0,
+                auth: InternalAuth = InternalAuth()) -> "KvIndexClient":
+        return cls(internal_channel(address, auth), timeout_s)
 
     async def publish(self, batch: PublishBatch) -> PublishResult:
         reply = await self._stub.Publish(convert.publish_to_proto(batch), timeout=self._timeout_s)

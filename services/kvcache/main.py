@@ -53,7 +53,7 @@ async def run(settings: KvCacheSettings, stop: asyncio.Event | None = None) -> N
     registry = CollectorRegistry()
     service = KvIndexService(backend, settings.model_key, KvCacheMetrics(registry))
     metrics_port = serve_metrics(settings.metrics_port, registry, settings.host)
-    server = build_server(service, settings.host, settings.port)
+    server = build_server(service, settings.host, settings.port, settings.internal)
     await server.start()
     await server.set_serving(True)
     log.info("kvcache serving", extra={

@@ -11,6 +11,7 @@ import redis.exceptions
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
 
 from common.grpc_server import GrpcServer, request_id_from
+from common.internal_auth import InternalAuth
 from services.kvcache import convert
 from services.kvcache.service import KvIndexService
 
@@ -65,6 +66,7 @@ async def _mapped_errors(context: grpc.aio.ServicerContext) -> AsyncIterator[Non
         await context.abort(grpc.StatusCode.UNAVAILABLE, f"index backend: {error}")
 
 
-def build_server(service: KvIndexService, host: str, port: int) -> GrpcServer:
+def build_server(service: KvIndexService, host: str, port: int,
+                 auth: InternalAuth = InternalAuth()) -> GrpcServer:
     return GrpcServer([(kvindex_pb2_grpc.add_KvIndexServicer_to_server, KvIndexServicer(service))],
-                      [SERVICE_NAME], host, port)
+                      [SERVICE_NAME], host, port, auth)

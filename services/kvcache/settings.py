@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.internal_auth import InternalAuth
 from common.settings import EnvReader
 
 BACKENDS = ("memory", "redis")
@@ -21,6 +22,7 @@ class KvCacheSettings:
     block_size: int = 16
     model_key: str = ""
     log_level: str = "info"
+    internal: InternalAuth = InternalAuth()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "KvCacheSettings":
@@ -36,4 +38,5 @@ class KvCacheSettings:
             model_key=read.str("MODEL_KEY", cls.model_key),
             log_level=read.choice("LOG_LEVEL", cls.log_level,
                                   ("debug", "info", "warning", "error", "critical")),
+            internal=InternalAuth.from_env(env),
         )

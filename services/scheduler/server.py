@@ -17,7 +17,8 @@ import grpc
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from fairserve.v1 import worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, insecure_channel, request_id_from, request_metadata
+from common.grpc_server import GrpcServer, internal_channel, request_id_from, request_metadata
+from common.internal_auth import InternalAuth
 from common.sequence_ids import request_id_of
 
 from services.scheduler import convert
@@ -46,8 +47,9 @@ class KvIndexRouter:
     cache-aware routing for everything that follows."""
 
     def __init__(self, address: str, clock: Callable[[], float],
-                 stub: kvindex_pb2_grpc.KvIndexStub | None = None) -> None:
+                 stub: kvindex_pb2_grpc.KvIndexStub | None = None, auth: InternalAuth = InternalAuth()) -> None:
         self._address = address
+        self._auth = auth
         self._clock = clock
         self._channel: grpc.aio.Channel | None = None
         self._stub = stub
@@ -70,7 +72,7 @@ class KvIndexRouter:
 
     def _lookup_stub(self) -> kvindex_pb2_grpc.KvIndexStub:
         if self._stub is None:
-            self._channel = insecure_channel(self._address)
+            self._channel = internal_channel(self._address, self._auth)
             self._stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
         return self._stub
 
@@ -115,7 +117,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._settings = settings
         self._metrics = metrics
         self._core = SchedulerCore(settings.core_config(), clock, new_id)
-        self._kv = KvIndexRouter(settings.kvcache_addr, clock)
+        self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal)
         self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._links: dict[str, _WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -202,7 +204,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
         if not request.worker_id or not request.address:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
-        channel = insecure_channel(request.address)
+        channel = internal_channel(request.address, self._settings.internal)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
@@ -367,7 +369,7 @@ class SchedulerServer:
         self.metrics = SchedulerMetrics()
         self.service = SchedulerService(settings, self.metrics, clock, new_id)
         self._grpc = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.service)],
-                                [SERVICE_NAME], settings.host, settings.port)
+                                [SERVICE_NAME], settings.host, settings.port, settings.internal)
 
     @property
     def port(self) -> int:

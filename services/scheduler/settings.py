@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.internal_auth import InternalAuth
+
 from common.settings import EnvReader
 
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
@@ -35,6 +37,7 @@ class SchedulerSettings:
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
     log_level: str = "info"
+    internal: InternalAuth = InternalAuth()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SchedulerSettings:
@@ -62,6 +65,7 @@ class SchedulerSettings:
             speculative_tokens=read.int("SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0, maximum=64),
             speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
+            internal=InternalAuth.from_env(env),
         )
 
     def core_config(self) -> CoreConfig:

@@ -13,7 +13,7 @@ from pathlib import Path
 from fairserve.v1 import worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.grpc_server import GrpcServer, internal_channel
 from common.logs import configure_logging
 from common.metrics import serve_metrics
 from common.model_store import resolve_model_dir
@@ -41,7 +41,7 @@ async def serve(settings: WorkerSettings) -> None:
                                     **labels})
     metrics = WorkerMetrics(CollectorRegistry(), settings.worker_id, engine.pool_stats(), labels)
     metrics_port = serve_metrics(settings.metrics_port, metrics.registry, host=settings.host)
-    kv_client = KvIndexClient.connect(settings.kvcache_addr)
+    kv_client = KvIndexClient.connect(settings.kvcache_addr, auth=settings.internal)
     engine_thread = EngineThread(engine)
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish, snapshot_source(engine_thread.snapshot))
     service = WorkerService(engine_thread, settings.worker_id, metrics,
@@ -49,7 +49,7 @@ async def serve(settings: WorkerSettings) -> None:
                             kv_events_unacknowledged=lambda: publisher.unacknowledged)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
-                        settings.host, settings.port)
+                        settings.host, settings.port, settings.internal)
     await server.start()
     await server.set_serving(True)
     address = f"{settings.advertise_host}:{server.port}"
@@ -57,7 +57,7 @@ async def serve(settings: WorkerSettings) -> None:
 
     stop = asyncio.Event()
     on_stop_signal(stop.set)
-    scheduler_channel = insecure_channel(settings.scheduler_addr)
+    scheduler_channel = internal_channel(settings.scheduler_addr, settings.internal)
     tasks = [
         asyncio.create_task(keep_registered(scheduler_channel, settings.worker_id, address, service,
                                             settings.heartbeat_interval_s, stop)),

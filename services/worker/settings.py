@@ -7,6 +7,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from common.internal_auth import InternalAuth
 from common.model_store import default_cache_dir
 from common.settings import EnvReader, SettingsError
 from services.worker.engine.config import EngineConfig
@@ -86,6 +87,7 @@ class WorkerSettings:
     kv_publish_interval_s: float
     log_level: str
     engine: EngineConfig           # model_dir still empty: resolved at start
+    internal: InternalAuth = InternalAuth()
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
@@ -105,4 +107,5 @@ class WorkerSettings:
             kv_publish_interval_s=read.float("KV_PUBLISH_INTERVAL_S", 0.05, minimum=0.001),
             log_level=read.str("LOG_LEVEL", "info"),
             engine=engine_config_from_env(env),
+            internal=InternalAuth.from_env(env),
         )
