@@ -8,6 +8,9 @@ leader's worker and wait there until the leader has computed the shared
 blocks; they are then admitted and skip them. Waiting costs a follower nothing
 it would not have paid anyway: computing the shared part itself would have
 taken at least as long, and in the same batches as the leader.
+
+Only requests with the same cache salt share: a request never waits for, nor
+is routed after, one whose blocks it could not reuse (nor learn anything from).
 """
 
 from __future__ import annotations
@@ -36,16 +39,17 @@ def common_prefix_len(left: Sequence[int], right: Sequence[int]) -> int:
 MAX_ROUTING_CANDIDATES = 8
 
 
-def shared_prefix_tokens(prompt: tuple[int, ...], others: Sequence[RequestState], min_tokens: int) -> int:
-    """The longest prefix `prompt` shares with the most recent of `others` that
-    start with its first `min_tokens` tokens, or 0 below `min_tokens` (prefix
-    sharing disabled when 0)."""
+def shared_prefix_tokens(prompt: tuple[int, ...], others: Sequence[RequestState], min_tokens: int,
+                         cache_salt: str = "") -> int:
+    """The longest prefix `prompt` shares with the most recent of `others` with its
+    `cache_salt` that start with its first `min_tokens` tokens, or 0 below
+    `min_tokens` (prefix sharing disabled when 0)."""
     if min_tokens <= 0 or len(prompt) < min_tokens:
         return 0
     head = prompt[:min_tokens]
     best = checked = 0
     for other in reversed(others):
-        if other.prompt[:min_tokens] != head:
+        if other.spec.cache_salt != cache_salt or other.prompt[:min_tokens] != head:
             continue
         best = max(best, common_prefix_len(prompt, other.prompt))
         checked += 1
@@ -74,12 +78,14 @@ def blocked_by_leaders(pending: Iterable[RequestState], leaders: Iterable[Reques
 
 
 def _waits_for(request: RequestState, leader: RequestState, block_size: int, min_tokens: int) -> bool:
-    """Whether `request` could reuse a full block the leader has not computed yet: the
-    reusable part (shared full blocks, short of the request's last token, which it
-    computes itself) must reach `min_tokens` and go past what the leader computed.
+    """Whether `request` could reuse a full block the leader has not computed yet (only
+    with the same cache salt): the reusable part (shared full blocks, short of the
+    request's last token, which it computes itself) must reach `min_tokens` and go
+    past what the leader computed.
     Both bounds are multiples of the block size, so one comparison of the first
     `need` tokens decides."""
     at_least = -(-min_tokens // block_size) * block_size
     past_computed = (leader.num_computed // block_size + 1) * block_size
     need = max(at_least, past_computed)
-    return need <= len(request.prompt) - 1 and request.prompt[:need] == leader.prompt[:need]
+    return (need <= len(request.prompt) - 1 and request.spec.cache_salt == leader.spec.cache_salt
+            and request.prompt[:need] == leader.prompt[:need])

@@ -1,8 +1,8 @@
 """Which worker a request goes to: its session's worker while that one is
 there, else the worker holding (or about to hold) the longest prefix of its
-prompt, else the least loaded. A session remembers its last worker; sessions
-least recently used are forgotten first, and all of a worker's sessions when
-the worker goes.
+prompt that it can reuse (one of its own cache salt), else the least loaded.
+A session remembers its last worker; sessions least recently used are
+forgotten first, and all of a worker's sessions when the worker goes.
 """
 
 from __future__ import annotations
@@ -57,24 +57,26 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
 
 
 def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
-                 cached_prefix_tokens: Mapping[str, int], min_tokens: int) -> dict[str, int]:
+                 cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "") -> dict[str, int]:
     """The index's cached-prefix hints (worker_id -> tokens), raised where a
     worker is about to hold a longer prefix: one of its queued or prefilling
-    requests shares it (prefix_share.py; 0 `min_tokens` turns that off)."""
+    requests with the same `cache_salt` shares it (prefix_share.py; 0
+    `min_tokens` turns that off)."""
     hints = dict(cached_prefix_tokens)
     if min_tokens <= 0 or len(workers) < 2:     # nothing to choose between
         return hints
     for worker in workers:
-        shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens)
+        shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens, cache_salt)
         if shared > hints.get(worker.worker_id, 0):
             hints[worker.worker_id] = shared
     return hints
 
 
 def route(prompt: tuple[int, ...], session_id: str, workers: Sequence[WorkerState], sessions: SessionMap,
-          cached_prefix_tokens: Mapping[str, int], min_tokens: int) -> WorkerState | None:
+          cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "") -> WorkerState | None:
     """The worker for a new request (None: no worker): its session's, else the
-    one holding or about to hold the longest prefix of `prompt`, else the least loaded."""
+    one holding or about to hold the longest prefix of `prompt` under its
+    `cache_salt` (the index's hints are looked up with it), else the least loaded."""
     session_worker = sessions.get(session_id) if session_id else None
-    hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens)
+    hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens, cache_salt)
     return choose_worker(workers, session_worker, hints)

@@ -149,7 +149,7 @@ class SchedulerCore:
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
         worker = route(spec.prompt_token_ids, spec.session_id, list(self._workers.values()), self._sessions,
-                       cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens)
+                       cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens, spec.cache_salt)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len)

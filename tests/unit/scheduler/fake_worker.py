@@ -1,6 +1,7 @@
 """A fake worker engine that keeps the Step contract and real block
 accounting (reference counts, a prefix cache of full blocks with LRU
-eviction) without a model. Its "greedy" token is a pure function of the
+eviction, shared only between sequences with the same cache salt) without a
+model. Its "greedy" token is a pure function of the
 sequence's tokens, so outputs can be compared across schedules."""
 
 from __future__ import annotations
@@ -43,6 +44,10 @@ class FakeSequence:
     blocks: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     reported: bool = False
+    cache_salt: str = ""
+
+
+BlockKey = tuple[str, tuple[int, ...]]   # (cache salt, the tokens up to the block's end)
 
 
 class FakeEngine:
@@ -62,10 +67,10 @@ class FakeEngine:
         # (they are the true next tokens, so outputs do not change).
         self.accepted_drafts = accepted_drafts
         self.refcount = [0] * num_blocks
-        self.block_key: list[tuple[int, ...] | None] = [None] * num_blocks
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cached_blocks: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self.by_key: dict[tuple[int, ...], int] = {}
+        self.by_key: dict[BlockKey, int] = {}
         self.seqs: dict[str, FakeSequence] = {}
         self.steps: list[StepBatch] = []
         self.out_of_blocks_errors = 0
@@ -83,7 +88,7 @@ class FakeEngine:
             self._free(seq_id)
         for new in plan.new_sequences:
             self._register(new.seq_id, [*new.prompt_token_ids, *new.output_token_ids],
-                           new.sampling.logprobs)
+                           new.sampling.logprobs, new.cache_salt)
         results = tuple(self._work(item.seq_id, item.num_tokens, item.draft_tokens) for item in plan.work)
         self.check_invariants()
         return StepOutput(step_id=plan.step_id, results=results, pool=self.pool(), forward_ms=1.0)
@@ -96,14 +101,14 @@ class FakeEngine:
 
     # ---- internals ----
 
-    def _register(self, seq_id: str, tokens: list[int], want_logprobs: bool) -> None:
+    def _register(self, seq_id: str, tokens: list[int], want_logprobs: bool, cache_salt: str = "") -> None:
         if seq_id in self.seqs:
             self._free(seq_id)
-        seq = FakeSequence(tokens=tokens, want_logprobs=want_logprobs)
+        seq = FakeSequence(tokens=tokens, want_logprobs=want_logprobs, cache_salt=cache_salt)
         if self.prefix_caching:
             # At least one token stays uncomputed so that the step can sample.
             for index in range((len(tokens) - 1) // self.block_size):
-                block = self.by_key.get(tuple(tokens[: (index + 1) * self.block_size]))
+                block = self.by_key.get((cache_salt, tuple(tokens[: (index + 1) * self.block_size])))
                 if block is None:
                     break
                 self._take_ref(block)
@@ -155,7 +160,7 @@ class FakeEngine:
             block = seq.blocks[index]
             if self.block_key[block] is not None:
                 continue
-            key = tuple(seq.tokens[: (index + 1) * self.block_size])
+            key = (seq.cache_salt, tuple(seq.tokens[: (index + 1) * self.block_size]))
             if key not in self.by_key:
                 self.by_key[key] = block
                 self.block_key[block] = key
