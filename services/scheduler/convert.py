@@ -14,6 +14,7 @@ from common.step_convert import step_batch_to_proto, step_output_from_proto  # n
 from services.scheduler.core import (
     CoreStats, Finish, Gate, RequestSpec, RequestUpdate, WorkerSpec,
 )
+from services.scheduler.registration import WorkerFigures
 
 REJECTION_CODES: dict[Gate, grpc.StatusCode] = {
     Gate.QUEUE: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -46,6 +47,11 @@ def worker_spec_from_proto(info: worker_pb2.WorkerInfo, worker_id: str, address:
     return WorkerSpec(worker_id=worker_id, address=address, block_size=info.block_size,
                       num_blocks=info.num_blocks, max_model_len=info.max_model_len,
                       eos_token_ids=frozenset(info.eos_token_ids))
+
+
+def worker_figures_from_proto(info: worker_pb2.WorkerInfo) -> WorkerFigures:
+    return WorkerFigures(worker_id=info.worker_id, block_size=info.block_size, num_blocks=info.num_blocks,
+                         max_model_len=info.max_model_len, vocab_size=info.vocab_size)
 
 
 def model_info_to_proto(infos: Sequence[worker_pb2.WorkerInfo]) -> scheduler_pb2.ModelInfo:

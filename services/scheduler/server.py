@@ -24,6 +24,7 @@ from common.sequence_ids import request_id_of
 from services.scheduler import convert
 from services.scheduler.core import RequestUpdate, SchedulerCore, StepBatch
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.registration import RegistrationError, check_registration, check_worker_figures
 from services.scheduler.settings import SchedulerSettings
 
 log = logging.getLogger(__name__)
@@ -202,17 +203,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
-        if not request.worker_id or not request.address:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker_id and address are required")
+        try:
+            check_registration(request.worker_id, request.address)
+        except RegistrationError as error:
+            await context.abort(*_registration_failure(request, error))
         channel = internal_channel(request.address, self._settings.internal)
         stub = worker_pb2_grpc.WorkerStub(channel)
         try:
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
-        except grpc.aio.AioRpcError as error:
+            check_worker_figures(convert.worker_figures_from_proto(info), request.worker_id)
+        except (grpc.aio.AioRpcError, RegistrationError) as error:
             await channel.close()
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"could not reach worker {request.worker_id} at {request.address}: "
-                                f"{error.code().name} {error.details()}")
+            await context.abort(*_registration_failure(request, error))
         await self._unlink(request.worker_id)
         spec = convert.worker_spec_from_proto(info, request.worker_id, request.address)
         self._deliver(self._core.add_worker(spec))
@@ -359,6 +361,19 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _wake_all(self) -> None:
         for link in self._links.values():
             link.wake.set()
+
+
+def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest,
+                          error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status a refused registration ends with, logged."""
+    if isinstance(error, RegistrationError):
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    else:
+        assert isinstance(error, grpc.aio.AioRpcError)
+        code, message = grpc.StatusCode.UNAVAILABLE, (f"could not reach worker {request.worker_id} at "
+                                                      f"{request.address}: {error.code().name} {error.details()}")
+    log.warning("worker registration refused", extra={"code": code.name, "reason": message})
+    return code, message
 
 
 class SchedulerServer:
