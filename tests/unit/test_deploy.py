@@ -22,7 +22,8 @@ def _compose(name: str) -> dict:
 
 def _variables_read_by_settings() -> set[str]:
     names: set[str] = set()
-    for path in [ROOT / "common" / "settings.py", *ROOT.glob("services/*/settings.py")]:
+    for path in [ROOT / "common" / "settings.py", ROOT / "common" / "internal_auth.py",
+                 *ROOT.glob("services/*/settings.py")]:
         names.update(re.findall(r'"([A-Z][A-Z0-9_]+)"', path.read_text()))
     return names
 
@@ -43,6 +44,22 @@ def test_compose_files_set_only_variables_the_services_read() -> None:
                 continue
             unknown = set(spec.get("environment", {})) - known
             assert not unknown, (name, service, unknown)
+
+
+def test_the_internal_token_comes_from_a_secret_kept_out_of_git_and_the_image() -> None:
+    compose = _compose("compose.yaml")
+    for name in ("compose.yaml", "compose.gpu.yaml"):
+        for service, spec in _compose(name)["services"].items():
+            assert "INTERNAL_TOKEN" not in spec.get("environment", {}), (name, service)
+    for service in FAIRSERVE_SERVICES:
+        spec = compose["services"][service]
+        assert "internal_token" in spec["secrets"], service
+        assert spec["environment"]["INTERNAL_TOKEN_FILE"] == "/run/secrets/internal_token", service
+    secret = (DEPLOY / compose["secrets"]["internal_token"]["file"]).resolve()
+    assert secret.parent == DEPLOY / "secrets"
+    assert (DEPLOY / "secrets" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]
+    assert "deploy/secrets/" in (ROOT / ".dockerignore").read_text().splitlines()
+    assert compose["services"]["loadsim"]["secrets"] == []
 
 
 def test_gpu_overlay_swaps_the_worker_image_and_device_only() -> None:
