@@ -57,13 +57,14 @@ class KvIndexRouter:
         self._skip_until = 0.0
         self._missed_deadlines = 0
 
-    async def cached_prefix_tokens(self, token_ids: Sequence[int],
-                                   request_id: str | None = None) -> dict[str, int]:
+    async def cached_prefix_tokens(self, token_ids: Sequence[int], request_id: str | None = None,
+                                   cache_salt: str = "") -> dict[str, int]:
+        """worker_id -> cached prefix tokens of `token_ids` under `cache_salt` ({} without the index)."""
         if self._clock() < self._skip_until:
             return {}
         try:
             reply = await self._lookup_stub().Lookup(
-                kvindex_pb2.LookupRequest(token_ids=token_ids), timeout=KV_LOOKUP_TIMEOUT_S,
+                kvindex_pb2.LookupRequest(token_ids=token_ids, cache_salt=cache_salt), timeout=KV_LOOKUP_TIMEOUT_S,
                 metadata=request_metadata(request_id))
         except grpc.aio.AioRpcError as error:
             self._on_failure(error.code())
@@ -148,7 +149,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # one worker there is nothing to route, so the request does not wait.
         workers = self._core.worker_ids()
         if workers:
-            lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id)
+            lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id, spec.cache_salt)
             if len(workers) > 1:
                 hints = await lookup
             else:

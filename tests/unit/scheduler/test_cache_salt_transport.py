@@ -1,0 +1,74 @@
+"""A request's cache salt through the real gRPC scheduler: its KV-index lookup carries the
+salt, and so does the sequence sent to the worker, whose prefix cache only serves the
+same salt's requests."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+from common.grpc_server import GrpcServer, insecure_channel
+from services.scheduler.server import SchedulerServer
+from services.scheduler.settings import SchedulerSettings
+
+from tests.unit.scheduler.fake_worker import FakeEngine
+from tests.unit.scheduler.fake_worker_server import FakeWorkerProcess
+
+PROMPT = tuple(range(40, 60))   # five blocks of 4
+
+
+class RecordingIndex(kvindex_pb2_grpc.KvIndexServicer):
+    """A KV index that knows nothing and remembers what it was asked."""
+
+    def __init__(self) -> None:
+        self.lookups: list[kvindex_pb2.LookupRequest] = []
+
+    async def Lookup(self, request: kvindex_pb2.LookupRequest,
+                     context: grpc.aio.ServicerContext) -> kvindex_pb2.LookupResponse:
+        self.lookups.append(request)
+        return kvindex_pb2.LookupResponse(block_size=4)
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[tuple[scheduler_pb2_grpc.SchedulerStub, RecordingIndex, FakeEngine]]:
+    index = RecordingIndex()
+    index_server = GrpcServer([(kvindex_pb2_grpc.add_KvIndexServicer_to_server, index)],
+                              ["fairserve.v1.KvIndex"], "127.0.0.1", 0)
+    await index_server.start()
+    server = SchedulerServer(SchedulerSettings(port=0, metrics_port=0, kvcache_addr=f"127.0.0.1:{index_server.port}"))
+    await server.start()
+    worker = FakeWorkerProcess(FakeEngine(), "w0", f"127.0.0.1:{server.port}")
+    await worker.start()
+    channel = insecure_channel(f"127.0.0.1:{server.port}")
+    yield scheduler_pb2_grpc.SchedulerStub(channel), index, worker.engine
+    await worker.stop()
+    await channel.close()
+    await server.stop(0)
+    await index_server.stop(0)
+
+
+async def _cached_tokens(stub: scheduler_pb2_grpc.SchedulerStub, request_id: str, salt: str) -> int:
+    request = scheduler_pb2.GenerateRequest(request_id=request_id, prompt_token_ids=PROMPT, max_tokens=2,
+                                            cache_salt=salt)
+    events = [event async for event in stub.Generate(request, timeout=10)]
+    return events[-1].finish.usage.cached_tokens
+
+
+async def test_the_salt_reaches_the_index_lookup_and_the_worker(stack) -> None:
+    stub, index, engine = stack
+    assert await _cached_tokens(stub, "a1", "tenant-a") == 0
+    assert await _cached_tokens(stub, "b1", "tenant-b") == 0
+    assert await _cached_tokens(stub, "a2", "tenant-a") == 16
+    assert await _cached_tokens(stub, "plain", "") == 0
+    sent = [new.cache_salt for step in engine.steps for new in step.new_sequences]
+    assert sent == ["tenant-a", "tenant-b", "tenant-a", ""]
+    for _ in range(100):        # with one worker the lookups run beside the requests
+        if len(index.lookups) == 4:
+            break
+        await asyncio.sleep(0.01)
+    assert [(tuple(lookup.token_ids), lookup.cache_salt) for lookup in index.lookups] == [
+        (PROMPT, "tenant-a"), (PROMPT, "tenant-b"), (PROMPT, "tenant-a"), (PROMPT, "")]
