@@ -214,23 +214,33 @@ class _AddToken:
                                           details.credentials, details.wait_for_ready)
 
 
+# One class per call shape: a channel files each interceptor under one shape only.
+Continuation = Callable[..., Awaitable[Any]]
+
+
 class _UnaryUnary(_AddToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_unary(self, continuation: Continuation,
+                                    client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _UnaryStream(_AddToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_stream(self, continuation: Continuation,
+                                     client_call_details: grpc.aio.ClientCallDetails, request: Any) -> Any:
         return await continuation(self._details(client_call_details), request)
 
 
 class _StreamUnary(_AddToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+    async def intercept_stream_unary(self, continuation: Continuation,
+                                     client_call_details: grpc.aio.ClientCallDetails,
+                                     request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 
 class _StreamStream(_AddToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
+    async def intercept_stream_stream(self, continuation: Continuation,
+                                      client_call_details: grpc.aio.ClientCallDetails,
+                                      request_iterator: Any) -> Any:
         return await continuation(self._details(client_call_details), request_iterator)
 
 

@@ -204,17 +204,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
+        channel = None
         try:
-            check_registration(request.worker_id, request.address)
-        except RegistrationError as error:
-            await context.abort(*_registration_failure(request, error))
-        channel = internal_channel(request.address, self._settings.internal)
-        stub = worker_pb2_grpc.WorkerStub(channel)
-        try:
+            check_registration(request.worker_id, request.address)     # before dialing anything
+            channel = internal_channel(request.address, self._settings.internal)
+            stub = worker_pb2_grpc.WorkerStub(channel)
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
             check_worker_figures(convert.worker_figures_from_proto(info), request.worker_id)
         except (grpc.aio.AioRpcError, RegistrationError) as error:
-            await channel.close()
+            if channel is not None:
+                await channel.close()
             await context.abort(*_registration_failure(request, error))
         await self._unlink(request.worker_id)
         spec = convert.worker_spec_from_proto(info, request.worker_id, request.address)
@@ -367,12 +366,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest,
                           error: Exception) -> tuple[grpc.StatusCode, str]:
     """The status a refused registration ends with, logged."""
-    if isinstance(error, RegistrationError):
-        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    else:
-        assert isinstance(error, grpc.aio.AioRpcError)
-        code, message = grpc.StatusCode.UNAVAILABLE, (f"could not reach worker {request.worker_id} at "
-                                                      f"{request.address}: {error.code().name} {error.details()}")
+    code, message = grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, grpc.aio.AioRpcError):
+        code = grpc.StatusCode.UNAVAILABLE
+        message = (f"could not reach worker {request.worker_id} at {request.address}: "
+                   f"{error.code().name} {error.details()}")
     log.warning("worker registration refused", extra={"code": code.name, "reason": message})
     return code, message
 

@@ -78,7 +78,8 @@ class InfoOnly(worker_pb2_grpc.WorkerServicer):
     def __init__(self, info: worker_pb2.WorkerInfo) -> None:
         self.info = info
 
-    async def Info(self, request: worker_pb2.InfoRequest, context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
+    async def Info(self, request: worker_pb2.InfoRequest,
+                   context: grpc.aio.ServicerContext) -> worker_pb2.WorkerInfo:
         return self.info
 
 
@@ -104,7 +105,8 @@ async def _register(stub: scheduler_pb2_grpc.SchedulerStub, worker_id: str,
 
 async def test_register_worker_refuses_bad_ids_and_addresses(scheduler) -> None:
     server, stub = scheduler
-    assert await _register(stub, "", "127.0.0.1:1") == (grpc.StatusCode.INVALID_ARGUMENT, "worker_id is required")
+    refused = (grpc.StatusCode.INVALID_ARGUMENT, "worker_id is required")
+    assert await _register(stub, "", "127.0.0.1:1") == refused
     code, message = await _register(stub, "w0", "127.0.0.1:99999")
     assert code is grpc.StatusCode.INVALID_ARGUMENT and message.startswith("address '127.0.0.1:99999'")
     code, message = await _register(stub, "x" * 500, "127.0.0.1:1")
