@@ -52,9 +52,10 @@ class Probe:
         reply = self._kv.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids), timeout=5)
         return {match.worker_id: match.matched_tokens for match in reply.matches}
 
-    def exact_holders(self, token_ids: list[int]) -> set[str]:
-        """Workers the index says hold the whole prompt, its partial last block included."""
-        reply = self._kv.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids), timeout=5)
+    def exact_holders(self, token_ids: list[int], cache_salt: str = "") -> set[str]:
+        """Workers the index says hold the whole prompt (under `cache_salt`), its partial last
+        block included."""
+        reply = self._kv.Lookup(kvindex_pb2.LookupRequest(token_ids=token_ids, cache_salt=cache_salt), timeout=5)
         return {match.worker_id for match in reply.matches if match.exact}
 
     def wait_quiescent(self, timeout_s: float = 15.0) -> dict[str, worker_pb2.WorkerStats]:

@@ -1,0 +1,77 @@
+"""Cache salts through the real processes (tiny model): requests sent to the scheduler with
+different salts never share a cached prefix, whatever they ask; the same salt does, as
+requests without a salt do among themselves, and the KV index answers per salt."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from itertools import count
+
+import grpc
+import pytest
+from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from scripts.stack import Stack
+from tests.integration.test_prefix_cache import BLOCK_SIZE, Probe, random_ids
+
+_ids = count()
+
+
+@pytest.fixture(scope="module")
+def scheduler(tiny_stack: Stack) -> Iterator[scheduler_pb2_grpc.SchedulerStub]:
+    with grpc.insecure_channel(f"127.0.0.1:{tiny_stack.ports.scheduler}") as channel:
+        yield scheduler_pb2_grpc.SchedulerStub(channel)
+
+
+@pytest.fixture(scope="module")
+def probe(tiny_stack: Stack) -> Iterator[Probe]:
+    probe = Probe(tiny_stack)
+    yield probe
+    probe.close()
+
+
+def generate(scheduler: scheduler_pb2_grpc.SchedulerStub, prompt: list[int], salt: str,
+             max_tokens: int = 3) -> tuple[list[int], int]:
+    """(greedy tokens, cached prompt tokens) of one request with `salt`."""
+    request = scheduler_pb2.GenerateRequest(
+        request_id=f"salt-{next(_ids)}", prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
+        sampling=common_pb2.SamplingParams(temperature=0.0), cache_salt=salt)
+    events = list(scheduler.Generate(request, timeout=60))
+    tokens = [token.token_id for event in events for token in event.tokens]
+    return tokens, events[-1].finish.usage.cached_tokens
+
+
+@pytest.mark.parametrize("length", [4 * BLOCK_SIZE + 2, BLOCK_SIZE - 1])
+def test_another_salts_identical_prompt_reports_no_cached_tokens(
+        scheduler: scheduler_pb2_grpc.SchedulerStub, probe: Probe, length: int) -> None:
+    prompt = random_ids(random.Random(length), length)
+    # One token each: the prompt's partial last block stays partial, published under its
+    # salt's hash of the whole prompt, so the index's exact matches show each salt's own.
+    cold, cached = generate(scheduler, prompt, "tenant-a", max_tokens=1)
+    assert cached == 0
+    probe.wait_quiescent()
+    for salt in ("tenant-b", ""):
+        tokens, cached = generate(scheduler, prompt, salt, max_tokens=1)
+        assert cached == 0, f"salt {salt!r} must not see tenant-a's prefix"
+        assert tokens == cold, "greedy tokens must not depend on the salt"
+        probe.wait_quiescent()
+    # Tenant A's repeat reuses every prompt token (the kept logits included).
+    tokens, cached = generate(scheduler, prompt, "tenant-a", max_tokens=1)
+    assert (tokens, cached) == (cold, len(prompt))
+    probe.wait_quiescent()
+    for salt in ("tenant-a", "tenant-b", ""):
+        assert probe.exact_holders(prompt, salt) == {"worker-0"}, salt
+    assert probe.exact_holders(prompt, "tenant-c") == set()
+
+
+def test_a_salt_shares_the_prefix_of_its_own_prompts_only(scheduler: scheduler_pb2_grpc.SchedulerStub,
+                                                          probe: Probe) -> None:
+    rng = random.Random(7)
+    system = random_ids(rng, 8 * BLOCK_SIZE)
+    generate(scheduler, system + random_ids(rng, 5), "tenant-a")
+    probe.wait_quiescent()
+    assert generate(scheduler, system + random_ids(rng, 5), "tenant-b")[1] == 0
+    probe.wait_quiescent()
+    assert generate(scheduler, system + random_ids(rng, 5), "tenant-a")[1] == len(system)
+    probe.wait_quiescent()
