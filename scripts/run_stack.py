@@ -33,10 +33,6 @@ def ports_from_env(env: Mapping[str, str]) -> StackPorts:
 def main() -> int:
     stack = Stack(ports=ports_from_env(os.environ), env={},
                   log_dir=Path(os.environ.get("LOG_DIR") or ROOT / ".cache" / "logs"))
-    # Ctrl-C and SIGTERM both stop every service; SIGINT is set explicitly because a
-    # process started in the background inherits it ignored.
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         # INTERNAL_TOKEN and GRPC_TLS_* reach every service through the environment;
         # checked here first so that a bad one stops the start with its own message.
@@ -44,6 +40,10 @@ def main() -> int:
     except SettingsError as error:
         print(f"invalid setting: {error}", file=sys.stderr)
         return 2
+    # Ctrl-C and SIGTERM both stop every service; SIGINT is set explicitly because a
+    # process started in the background inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     print("starting kvcache, scheduler, worker and gateway (logs in "
           f"{stack.log_dir}; internal calls: {auth!r}) ...", flush=True)
     try:

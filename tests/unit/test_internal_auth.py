@@ -205,3 +205,20 @@ def test_every_internal_server_is_built_with_the_settings_auth() -> None:
     assert "settings.port, settings.internal)" in sources["scheduler"]
     assert "settings.port, settings.internal)" in sources["worker"]
     assert "build_server(service, settings.host, settings.port, settings.internal)" in sources["kvcache"]
+
+
+def test_the_launcher_passes_the_settings_through_and_stops_on_a_bad_one(monkeypatch, capsys,
+                                                                         tmp_path: Path) -> None:
+    from scripts import run_stack
+    from scripts.stack import Stack, StackPorts
+
+    monkeypatch.setenv("INTERNAL_TOKEN", TOKEN)
+    stack = Stack(ports=StackPorts(), env={}, log_dir=tmp_path)
+    assert stack.service_env()["INTERNAL_TOKEN"] == TOKEN
+    assert stack.internal_auth() == InternalAuth(token=TOKEN.encode())
+    monkeypatch.setenv("INTERNAL_TOKEN", "too-short")
+    monkeypatch.setenv("LOG_DIR", str(tmp_path))
+    monkeypatch.setattr(Stack, "start", lambda *_: pytest.fail("started with a bad setting"))
+    assert run_stack.main() == 2
+    error = capsys.readouterr().err
+    assert "INTERNAL_TOKEN is invalid" in error and "too-short" not in error
