@@ -159,6 +159,37 @@ async def _list_services(channel: grpc.aio.Channel) -> list[str]:
     return [service.name for service in reply.list_services_response.service]
 
 
+async def test_a_worker_with_the_token_registers_and_serves_one_without_does_not() -> None:
+    """Scheduler -> worker and worker -> scheduler both carry the token."""
+    from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
+    from tests.unit.scheduler.fake_worker_server import FakeWorkerProcess
+
+    auth = InternalAuth(token=TOKEN.encode())
+    server = SchedulerServer(SchedulerSettings(port=0, metrics_port=0, kvcache_addr="127.0.0.1:9",
+                                               internal=auth))
+    await server.start()
+    address = f"127.0.0.1:{server.port}"
+    member = FakeWorkerProcess(FakeEngine(num_blocks=256), "w0", address, auth=auth)
+    intruder = FakeWorkerProcess(FakeEngine(num_blocks=256), "w1", address,
+                                 auth=InternalAuth(token=WRONG.encode()))
+    try:
+        await member.start()
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await intruder.start()
+        assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED
+        assert list(server.service._links) == ["w0"]
+        prompt = list(range(40, 52))
+        async with internal_channel(address, auth) as channel:
+            events = [event async for event in scheduler_pb2_grpc.SchedulerStub(channel).Generate(
+                scheduler_pb2.GenerateRequest(request_id="r", prompt_token_ids=prompt, max_tokens=4),
+                timeout=10)]
+        assert [event.tokens[0].token_id for event in events] == reference_output(prompt, 4)
+    finally:
+        await intruder.stop()
+        await member.stop()
+        await server.stop(0)
+
+
 # ---- pieces ----
 
 def test_presents_token_compares_every_value_of_the_key() -> None:

@@ -7,7 +7,8 @@ import asyncio
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.grpc_server import GrpcServer, internal_channel
+from common.internal_auth import InternalAuth
 from common.step_convert import step_batch_from_proto, step_output_to_proto
 from services.worker.step_order import StepOrder
 
@@ -44,14 +45,14 @@ class FakeWorkerProcess:
     """The fake worker's server plus its registration and heartbeats."""
 
     def __init__(self, engine: FakeEngine, worker_id: str, scheduler_addr: str,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, auth: InternalAuth = InternalAuth()) -> None:
         self.servicer = FakeWorkerServicer(engine, worker_id, step_delay_s)
         self.worker_id = worker_id
         self._scheduler_addr = scheduler_addr
         self._server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer)],
-                                  ["fairserve.v1.Worker"], "127.0.0.1", 0)
+                                  ["fairserve.v1.Worker"], "127.0.0.1", 0, auth)
         self._heartbeats: asyncio.Task[None] | None = None
-        self._channel = insecure_channel(scheduler_addr)
+        self._channel = internal_channel(scheduler_addr, auth)
 
     @property
     def engine(self) -> FakeEngine:
