@@ -42,6 +42,8 @@ from services.gateway.middleware import (
 from services.gateway.schemas import GenerateBody
 from services.gateway.settings import GatewaySettings
 from services.gateway.spec import RequestFields, TextInput
+from services.gateway.tenant_quota import TenantQuotas
+from services.gateway.tenants import Tenant
 from services.gateway.sse import event_stream, sse_data
 from services.gateway.state import (
     GatewayState,
@@ -61,13 +63,14 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
                registry: CollectorRegistry | None = None) -> FastAPI:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    service = GenerationService(scheduler_client, tokenizer, metrics)
+    service = GenerationService(scheduler_client, tokenizer, metrics,
+                                quotas=TenantQuotas(settings.tenants.tenants))
     app = FastAPI(
         title="fairserve gateway",
         version="1",
         middleware=[
             Middleware(RequestContextMiddleware, metrics=metrics),
-            Middleware(ApiKeyMiddleware, api_keys=settings.api_keys),
+            Middleware(ApiKeyMiddleware, tenants=settings.tenants),
             Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes),
             Middleware(JsonBodyMiddleware),
         ],
@@ -131,11 +134,11 @@ def validation_api_error(error: RequestValidationError) -> ApiError:
     return ApiError(422, f"Invalid request: {detail}", INVALID_REQUEST, param, "validation_error")
 
 
-def request_identity(request: Request) -> tuple[str, bool, str | None]:
-    """(request id, whether the client supplied it, API key if any)."""
+def request_identity(request: Request) -> tuple[str, bool, Tenant | None]:
+    """(request id, whether the client supplied it, the API key's tenant if any)."""
     state = request.state
     return (getattr(state, "request_id", ""), bool(getattr(state, "request_id_supplied", False)),
-            getattr(state, "api_key", None))
+            getattr(state, "tenant", None))
 
 
 def usage_dict(usage: Usage) -> dict[str, int]:
@@ -210,8 +213,8 @@ def generate_input(body: GenerateBody) -> TextInput:
     503: {"description": "not ready"}})
 async def generate(body: GenerateBody, request: Request) -> Response:
     state = gateway_state(request)
-    request_id, supplied, api_key = request_identity(request)
-    spec = await state.text_spec(generate_input(body), api_key)
+    request_id, supplied, tenant = request_identity(request)
+    spec = await state.text_spec(generate_input(body), tenant)
     scheduler_id = scheduler_request_id(request_id, 0, supplied)
     try:
         if body.stream:

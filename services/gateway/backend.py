@@ -25,9 +25,12 @@ class GenerationSpec:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     min_tokens: int = 0
-    client_id: str = "anonymous"
+    client_id: str = "anonymous"  # the fairness client: the tenant's name with API keys
     session_id: str = ""
     priority: int = 0
+    user: str = ""                # the end user within the client (with API keys)
+    weight: float = 1.0           # the client's VTC weight
+    cache_salt: str = ""          # prefix-cache scope: "" shares cached blocks with everyone
 
 
 @dataclass(frozen=True)
@@ -94,11 +97,12 @@ class BackendError(Exception):
 
 
 class Overloaded(BackendError):
-    """The admission queue is full (HTTP 429)."""
+    """The admission queue is full, or a tenant is at a limit (HTTP 429)."""
 
-    def __init__(self, message: str = "", retry_after_s: int = 1) -> None:
+    def __init__(self, message: str = "", retry_after_s: int = 1, code: str = "queue_full") -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
+        self.code = code
 
 
 class InvalidGeneration(BackendError):

@@ -58,6 +58,9 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         client_id=spec.client_id,
         session_id=spec.session_id,
         priority=spec.priority,
+        user=spec.user,
+        weight=spec.weight,
+        cache_salt=spec.cache_salt,
     )
 
 

@@ -63,9 +63,9 @@ def too_large(limit: int, size: int | None = None) -> ApiError:
                     INVALID_REQUEST, None, "request_too_large")
 
 
-def overloaded(message: str, retry_after_s: int) -> ApiError:
+def overloaded(message: str, retry_after_s: int, code: str = "queue_full") -> ApiError:
     return ApiError(429, message or "The server is busy; retry later.", RATE_LIMIT, None,
-                    "queue_full", {"Retry-After": str(retry_after_s)})
+                    code, {"Retry-After": str(retry_after_s)})
 
 
 def unavailable(message: str, retry_after_s: int | None = None) -> ApiError:
@@ -88,7 +88,7 @@ def from_backend(error: Exception) -> ApiError:
     """Maps a scheduler refusal or failure to the client-facing error."""
     message = str(error)
     if isinstance(error, Overloaded):
-        return overloaded(message, error.retry_after_s)
+        return overloaded(message, error.retry_after_s, error.code)
     if isinstance(error, InvalidGeneration):
         return bad_request(message or "The request can never be served.", None, "never_fits")
     if isinstance(error, Unavailable):

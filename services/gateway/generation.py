@@ -24,6 +24,7 @@ from services.gateway.backend import (
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.tenant_quota import TenantQuotas, Ticket
 
 log = logging.getLogger(__name__)
 STOP_DRAIN_TIMEOUT_S = 2.0
@@ -72,8 +73,11 @@ class GenerationService:
     def __init__(self, backend: SchedulerBackend, tokenizer: object, metrics: GatewayMetrics,
                  clock: Callable[[], float] = time.monotonic,
                  stop_drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S,
-                 tracker: LatencyTracker | None = None) -> None:
+                 tracker: LatencyTracker | None = None,
+                 quotas: TenantQuotas | None = None) -> None:
         self._backend = backend
+        # With API keys a spec's client id is its tenant's name, whose limits apply.
+        self._quotas = quotas if quotas is not None else TenantQuotas(())
         self._tokenizer = tokenizer
         self._metrics = metrics
         self.tracker = tracker if tracker is not None else LatencyTracker(clock=clock)
@@ -90,11 +94,13 @@ class GenerationService:
         stops = StopStringMatcher(spec.stop)
         progress = _Progress(self._clock())
         self._metrics.in_flight.inc()
+        ticket: Ticket | None = None
         try:
+            ticket = self._quotas.admit(spec.client_id)  # QuotaExceeded: a 429 for this tenant
             async with aclosing(self._backend.generate(spec, request_id, trace_id)) as events:
                 async for event in events:
                     for position, token in enumerate(event.tokens):
-                        self._note_token(progress)
+                        self._note_token(progress, ticket)
                         if self._is_final_stop_token(event, position, spec):
                             continue
                         check = stops.feed(detokenizer.push(token.token_id))
@@ -117,6 +123,8 @@ class GenerationService:
             self._conclude(progress, spec, "rejected" if refused else "error")
             raise
         finally:
+            if ticket is not None:
+                ticket.release()
             self._metrics.in_flight.dec()
             if not progress.finished:
                 self._cancel_in_background(request_id)
@@ -149,9 +157,11 @@ class GenerationService:
         token_id = event.tokens[position].token_id
         return token_id in spec.stop_token_ids or token_id in self._special_ids
 
-    def _note_token(self, progress: _Progress) -> None:
+    def _note_token(self, progress: _Progress, ticket: Ticket | None) -> None:
         now = self._clock()
         if progress.last_token_at is None:
+            if ticket is not None:
+                ticket.started()
             progress.first_token_at = now
             self._metrics.ttft.observe(now - progress.started)
         else:

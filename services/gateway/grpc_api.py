@@ -1,9 +1,9 @@
 """The gateway's gRPC text API (fairserve.v1.TextGeneration): text in, text
-out, with the same parameters, validation and fairness as the HTTP API."""
+out, with the same parameters, validation, API keys, tenants and fairness as
+the HTTP API."""
 
 from __future__ import annotations
 
-import hmac
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -15,9 +15,11 @@ from common.grpc_server import request_id_from
 from common.logs import request_id_var
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import convert
+from services.gateway.api_keys import metadata_key
 from services.gateway.backend import BackendError, GenerationSpec
 from services.gateway.errors import ApiError, from_backend, unauthorized
 from services.gateway.state import GatewayState, scheduler_request_id
+from services.gateway.tenants import Tenant
 
 SERVICE_NAME = "fairserve.v1.TextGeneration"
 _STATUS_CODES = {
@@ -62,26 +64,22 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
 
     async def _prepare(self, request: gateway_pb2.TextRequest,
                        context: grpc.aio.ServicerContext) -> tuple[GenerationSpec, str, str]:
-        api_key = self._authenticate(context)
+        tenant = self._authenticate(context)
         supplied = request_id_from(context)
         trace_id = supplied or uuid.uuid4().hex
         request_id_var.set(trace_id)
-        spec = await self._state.text_spec(convert.text_input_from_proto(request), api_key)
+        spec = await self._state.text_spec(convert.text_input_from_proto(request), tenant)
         return spec, scheduler_request_id(trace_id, 0, supplied is not None), trace_id
 
-    def _authenticate(self, context: grpc.aio.ServicerContext) -> str | None:
-        keys = self._state.settings.api_keys
-        if not keys:
+    def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:
+        """The key's tenant, as over HTTP (Authorization: Bearer, or x-api-key)."""
+        tenants = self._state.settings.tenants
+        if not tenants.enabled:
             return None
-        presented = None
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization" and value.lower().startswith("bearer "):
-                presented = value[len("bearer "):].strip()
-            elif key == "x-api-key":
-                presented = value.strip()
-        if presented is None or not any(hmac.compare_digest(presented, known) for known in keys):
+        tenant = tenants.authenticate(metadata_key(context.invocation_metadata()))
+        if tenant is None:
             raise unauthorized()
-        return presented
+        return tenant
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> NoReturn:

@@ -6,20 +6,25 @@ disconnect messages pass through untouched.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import re
 import time
 import uuid
-from collections.abc import Sequence
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.logs import request_id_var
-from services.gateway.errors import ApiError, bad_request, too_large, unauthorized
+from services.gateway.api_keys import presented_key
+from services.gateway.errors import (
+    ApiError,
+    bad_request,
+    too_large,
+    unauthorized,
+)
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.tenants import TenantRegistry
 
 log = logging.getLogger("services.gateway.access")
 REQUEST_ID_HEADER = b"x-request-id"
@@ -90,33 +95,24 @@ class RequestContextMiddleware:
 
 class ApiKeyMiddleware:
     """With API_KEYS set, every API route needs `Authorization: Bearer <key>`
-    (or `x-api-key`); health, readiness and metrics stay open."""
+    (or `x-api-key`); health, readiness and metrics stay open. The request's
+    state gets the key's tenant (`tenant`), never the key."""
 
-    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
+    def __init__(self, app: ASGIApp, tenants: TenantRegistry) -> None:
         self.app = app
-        self.api_keys = tuple(api_keys)
+        self.tenants = tenants
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or not self.tenants.enabled:
             await self.app(scope, receive, send)
             return
-        key = self._presented_key(scope)
-        if self.api_keys and scope["path"] not in OPEN_PATHS:
-            if key is None or not any(hmac.compare_digest(key, known) for known in self.api_keys):
-                await send_error(send, unauthorized())
-                return
-        if self.api_keys and key is not None:
-            scope_state(scope)["api_key"] = key
+        tenant = self.tenants.authenticate(presented_key(scope.get("headers", ())))
+        if tenant is None and scope["path"] not in OPEN_PATHS:
+            await send_error(send, unauthorized())
+            return
+        if tenant is not None:
+            scope_state(scope)["tenant"] = tenant
         await self.app(scope, receive, send)
-
-    @staticmethod
-    def _presented_key(scope: Scope) -> str | None:
-        authorization = header(scope, b"authorization")
-        if authorization:
-            scheme, _, value = authorization.partition(" ")
-            if scheme.lower() == "bearer" and value.strip():
-                return value.strip()
-        return header(scope, b"x-api-key")
 
 
 class _BodyTooLarge(Exception):

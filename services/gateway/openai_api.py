@@ -39,6 +39,7 @@ from services.gateway.schemas import (
 )
 from services.gateway.spec import RequestFields, build_spec
 from services.gateway.sse import DONE, event_stream, sse_data
+from services.gateway.tenants import Tenant
 from services.gateway.state import (
     GatewayState,
     prime,
@@ -77,7 +78,7 @@ def _request_info(request: Request, state: GatewayState) -> RequestInfo:
     request_id = getattr(request.state, "request_id", "")
     return RequestInfo(request_id=request_id,
                        supplied=bool(getattr(request.state, "request_id_supplied", False)),
-                       api_key=getattr(request.state, "api_key", None), created=int(time.time()),
+                       tenant=getattr(request.state, "tenant", None), created=int(time.time()),
                        model=state.settings.model_id)
 
 
@@ -97,7 +98,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
         raise bad_request("echo is not supported.", "echo", "unsupported")
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     prompts = await _completion_prompts(state, body.prompt)
-    choices = await _choices(state, prompts, completion_fields(body), check_n(body.n), info.api_key)
+    choices = await _choices(state, prompts, completion_fields(body), check_n(body.n), info.tenant)
     response_id = f"cmpl-{info.request_id}"
     formatter = CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
     return await _respond(request, state, info, choices, bool(body.stream),
@@ -113,7 +114,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     messages = [_chat_message(message, index) for index, message in enumerate(body.messages)]
     prompt_ids = await state.tokenize(chat_prompt_ids, messages, param="messages")
     fields = chat_fields(body, turn_stop_token_ids(state.tokenizer))
-    choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.api_key)
+    choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant)
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter)
@@ -189,14 +190,15 @@ async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int
 
 
 async def _choices(state: GatewayState, prompts: Sequence[list[int]], fields: RequestFields,
-                   n: int, api_key: str | None) -> list[Choice]:
+                   n: int, tenant: Tenant | None) -> list[Choice]:
     if n * len(prompts) > MAX_CHOICES:
         raise bad_request(f"n times the number of prompts must be at most {MAX_CHOICES}, "
                           f"got {n * len(prompts)}.", "n")
     limits = await state.limits()
+    caller = state.caller(tenant)
     choices: list[Choice] = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        spec = build_spec(fields, prompt_ids, limits, api_key)
+        spec = build_spec(fields, prompt_ids, limits, caller)
         for sample in range(n):
             choices.append(Choice(len(choices), prompt_index, _nth_sample(spec, sample)))
     return choices

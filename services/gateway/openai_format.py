@@ -13,6 +13,7 @@ from services.gateway.backend import TokenOutput
 from services.gateway.detokenizer import token_bytes
 from services.gateway.generation import TextDelta
 from services.gateway.state import GatewayState
+from services.gateway.tenants import Tenant
 
 
 @dataclass
@@ -27,7 +28,7 @@ class ChoiceResult:
 class RequestInfo:
     request_id: str
     supplied: bool
-    api_key: str | None
+    tenant: Tenant | None
     created: int
     model: str
 

@@ -9,6 +9,9 @@ from pathlib import Path
 from common.internal_auth import InternalAuth
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
 from common.settings import EnvReader
+from services.gateway.identity import CACHE_SCOPES
+from services.gateway.tenant_config import load_tenants
+from services.gateway.tenants import TenantRegistry
 
 ONE_MIB = 1024 * 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -23,7 +26,8 @@ class GatewaySettings:
     kvcache_addr: str = "127.0.0.1:50071"
     model_name: str = ""
     model_cache_dir: Path = field(default_factory=default_cache_dir)
-    api_keys: tuple[str, ...] = ()
+    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS, TENANTS_FILE
+    prefix_cache_scope: str = "global"  # "tenant": no cached prefix is shared across clients
     max_request_bytes: int = ONE_MIB
     default_max_tokens: int = 128
     max_model_len: int = 0          # 0: ask the workers through the scheduler
@@ -38,6 +42,7 @@ class GatewaySettings:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
         read = EnvReader(env)
+        internal = InternalAuth.from_env(env, serves=False)
         return cls(
             host=read.str("GATEWAY_HOST", cls.host),
             port=read.port("GATEWAY_PORT", cls.port),
@@ -46,10 +51,15 @@ class GatewaySettings:
             kvcache_addr=read.str("KVCACHE_ADDR", cls.kvcache_addr),
             model_name=read.str("MODEL_NAME", cls.model_name),
             model_cache_dir=Path(read.str("MODEL_CACHE_DIR", str(default_cache_dir()))).expanduser(),
-            api_keys=read.list("API_KEYS"),
+            # Bare keys' tenant names are keyed with the internal token, so
+            # replicas sharing it name them alike.
+            tenants=load_tenants(read.str("API_KEYS", ""), read.str("TENANTS_FILE", ""),
+                                 internal.token),
+            prefix_cache_scope=read.choice("PREFIX_CACHE_SCOPE", cls.prefix_cache_scope,
+                                           CACHE_SCOPES),
             max_request_bytes=read.int("MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
             default_max_tokens=read.int("DEFAULT_MAX_TOKENS", cls.default_max_tokens, minimum=1),
             max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
-            internal=InternalAuth.from_env(env, serves=False),
+            internal=internal,
         )

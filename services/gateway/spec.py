@@ -10,13 +10,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.gateway.backend import GenerationSpec
+from services.gateway.identity import Caller, cap_priority, resolve_identity
 from services.gateway.validation import (
     SamplingInput,
     build_sampling,
     check_min_tokens,
     check_priority,
     check_prompt_ids,
-    client_id_for,
     normalize_stop,
     resolve_max_tokens,
 )
@@ -60,17 +60,18 @@ class Limits:
 
 
 def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
-               api_key: str | None = None) -> GenerationSpec:
+               caller: Caller = Caller()) -> GenerationSpec:
     """The one way a request becomes a GenerationSpec, at every door."""
+    identity = resolve_identity(fields.session_id, fields.user, caller)
     check_prompt_ids(prompt_ids, limits.vocab_size, fields.prompt_param)
     sampling = build_sampling(fields.sampling, fields.default_temperature)
     stop = normalize_stop(fields.stop)
-    priority = check_priority(fields.priority)
+    priority = cap_priority(check_priority(fields.priority), caller)
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
                                     limits.max_model_len, fields.max_tokens_param)
     return GenerationSpec(
         prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling, stop=stop,
         stop_token_ids=fields.stop_token_ids, ignore_eos=bool(fields.ignore_eos),
         min_tokens=check_min_tokens(fields.min_tokens, max_tokens),
-        client_id=client_id_for(fields.session_id, fields.user, api_key),
-        session_id=fields.session_id or "", priority=priority)
+        client_id=identity.client_id, session_id=identity.session_id, priority=priority,
+        user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt)

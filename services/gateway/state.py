@@ -22,9 +22,11 @@ from services.gateway.chat_template import (
 )
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
+from services.gateway.identity import Caller
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
 from services.gateway.spec import Limits, TextInput, build_spec
+from services.gateway.tenants import Tenant
 from services.gateway.validation import check_text
 
 T = TypeVar("T")
@@ -51,14 +53,18 @@ class GatewayState:
                       max_model_len=self.settings.max_model_len or model.max_model_len,
                       vocab_size=model.vocab_size or self.tokenizer_size)
 
-    async def text_spec(self, request: TextInput, api_key: str | None) -> GenerationSpec:
+    def caller(self, tenant: Tenant | None) -> Caller:
+        """Who a request comes from, as build_spec takes it."""
+        return Caller(tenant, self.settings.prefix_cache_scope)
+
+    async def text_spec(self, request: TextInput, tenant: Tenant | None) -> GenerationSpec:
         """The text API's spec (/generate, gRPC): a raw prompt is sent as is,
         else it becomes one user turn, which ends at the template's turn end."""
         build = raw_prompt_ids if request.raw else user_turn_ids
         prompt_ids = await self.tokenize(build, require_text(request.prompt))
         stops = () if request.raw else turn_stop_token_ids(self.tokenizer)
         fields = dataclasses.replace(request.fields, stop_token_ids=stops)
-        return build_spec(fields, prompt_ids, await self.limits(), api_key)
+        return build_spec(fields, prompt_ids, await self.limits(), self.caller(tenant))
 
     async def tokenize(self, build: Callable[..., list[int]], *args: Any,
                        param: str = "prompt") -> list[int]:

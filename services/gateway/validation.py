@@ -146,7 +146,3 @@ def check_text(text: str, param: str) -> str:
                           f"{error.start}).", param, "invalid_text") from None
     return text
 
-
-def client_id_for(session_id: str | None, user: str | None, api_key: str | None) -> str:
-    """The fairness client the scheduler accounts the request to."""
-    return session_id or user or api_key or "anonymous"

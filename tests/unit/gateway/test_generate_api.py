@@ -11,6 +11,8 @@ import pytest
 
 from services.gateway.backend import InvalidGeneration, Overloaded, Unavailable
 from services.gateway.chat_template import raw_prompt_ids, user_turn_ids
+from services.gateway.tenant_config import load_tenants
+from services.gateway.tenants import derived_name
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
@@ -198,7 +200,7 @@ async def test_body_over_the_limit_is_413(make_app: Callable[..., Any], fake: Fa
 
 async def test_api_keys_are_required_when_set(make_app: Callable[..., Any],
                                               fake: FakeScheduler) -> None:
-    transport = httpx.ASGITransport(app=make_app(fake, api_keys=("k1", "k2")))
+    transport = httpx.ASGITransport(app=make_app(fake, tenants=load_tenants("k1,k2")))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
         body = {"prompt": "Hi", "stream": False}
         assert assert_error_shape(await post(http, body), 401)["code"] == "invalid_api_key"
@@ -206,7 +208,7 @@ async def test_api_keys_are_required_when_set(make_app: Callable[..., Any],
         ok = await post(http, body, headers={"Authorization": "Bearer k2"})
         assert ok.status_code == 200
         assert (await http.get("/health")).status_code == 200
-    assert fake.requests[0].spec.client_id == "k2"
+    assert fake.requests[0].spec.client_id == derived_name(b"k2")  # the tenant, never the key
 
 
 @pytest.mark.parametrize("stream", [True, False])

@@ -12,6 +12,7 @@ from common.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import Overloaded
 from services.gateway.chat_template import raw_prompt_ids
+from services.gateway.tenant_config import load_tenants
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler
@@ -26,7 +27,8 @@ async def text_api(make_app: Callable[..., Any], fake: FakeScheduler
     async def start(**settings: Any) -> gateway_pb2_grpc.TextGenerationStub:
         state = make_app(fake, **settings).state.gateway
         server = GrpcServer([(gateway_pb2_grpc.add_TextGenerationServicer_to_server,
-                              TextGenerationServicer(state))], [SERVICE_NAME], "127.0.0.1", 0)
+                          TextGenerationServicer(state))], [SERVICE_NAME],
+                            "127.0.0.1", 0)
         await server.start()
         servers.append(server)
         channel = insecure_channel(f"127.0.0.1:{server.port}")
@@ -86,7 +88,7 @@ async def test_errors_become_grpc_statuses(text_api: Callable[..., Any], fake: F
 
 
 async def test_api_keys_apply_to_grpc(text_api: Callable[..., Any]) -> None:
-    stub = await text_api(api_keys=("k",))
+    stub = await text_api(tenants=load_tenants("acme=k"))
     with pytest.raises(grpc.aio.AioRpcError) as denied:
         await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"))
     assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED

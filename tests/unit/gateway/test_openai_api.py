@@ -12,6 +12,7 @@ import pytest
 
 from services.gateway.backend import Overloaded, Unavailable
 from services.gateway.chat_template import ChatMessage, chat_prompt_ids, raw_prompt_ids
+from services.gateway.tenant_config import load_tenants
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
@@ -168,13 +169,13 @@ def test_schema_errors_are_422(api: openai.OpenAI) -> None:
 
 def test_api_key_is_checked_and_becomes_the_client(serve: Callable[..., ServerThread],
                                                    fake: FakeScheduler) -> None:
-    server = serve(fake, api_keys=("secret",))
+    server = serve(fake, tenants=load_tenants("acme=secret"))
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong.models.list()
     right = openai.OpenAI(base_url=f"{server.url}/v1", api_key="secret", max_retries=0)
     right.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
-    assert fake.requests[0].spec.client_id == "secret"
+    assert fake.requests[0].spec.client_id == "acme"
 
 
 def test_chat_logprob_bytes_of_split_characters(serve: Callable[..., ServerThread],

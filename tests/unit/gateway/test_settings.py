@@ -13,7 +13,7 @@ def test_defaults() -> None:
     assert (settings.host, settings.port, settings.grpc_port) == ("127.0.0.1", 8000, 50050)
     assert settings.scheduler_addr == "127.0.0.1:50051"
     assert settings.kvcache_addr == "127.0.0.1:50071"
-    assert settings.api_keys == () and settings.max_request_bytes == 1024 * 1024
+    assert not settings.tenants.enabled and settings.max_request_bytes == 1024 * 1024
     assert settings.default_max_tokens == 128 and settings.max_model_len == 0
     assert settings.model_id == "google/gemma-3-270m"
 
@@ -22,7 +22,8 @@ def test_values_from_env() -> None:
     settings = GatewaySettings.from_env({
         "GATEWAY_PORT": "9000", "API_KEYS": "a, b,", "MAX_REQUEST_BYTES": "4096",
         "MODEL_NAME": "/models/tiny", "MODEL_CACHE_DIR": "/tmp/cache", "LOG_LEVEL": "DEBUG"})
-    assert settings.port == 9000 and settings.api_keys == ("a", "b")
+    assert settings.port == 9000
+    assert settings.tenants.authenticate(b"b") is not None and len(settings.tenants.tenants) == 2
     assert settings.max_request_bytes == 4096 and settings.model_id == "/models/tiny"
     assert settings.model_cache_dir == Path("/tmp/cache") and settings.log_level == "debug"
 

@@ -17,9 +17,11 @@ from services.gateway.app import generate_input
 from services.gateway.backend import GenerationSpec
 from services.gateway.convert import generate_request_to_proto, text_input_from_proto
 from services.gateway.errors import ApiError
+from services.gateway.identity import Caller
 from services.gateway.openai_api import chat_fields, completion_fields
 from services.gateway.schemas import ChatCompletionBody, CompletionBody, GenerateBody
 from services.gateway.spec import Limits, RequestFields, TextInput, build_spec
+from services.gateway.tenants import Tenant, TenantLimits
 from services.gateway.validation import SamplingInput
 from tests.unit.gateway.fakes import FakeScheduler
 
@@ -43,8 +45,10 @@ def test_build_spec_resolves_the_defaults() -> None:
     spec = build_spec(RequestFields(), PROMPT, LIMITS)
     assert spec == GenerationSpec(prompt_token_ids=PROMPT, max_tokens=128,
                                   sampling=SamplingParams(temperature=0.0))
-    assert build_spec(RequestFields(user="bob"), PROMPT, LIMITS, api_key="k").client_id == "bob"
-    assert build_spec(RequestFields(), PROMPT, LIMITS, api_key="k").client_id == "k"
+    assert build_spec(RequestFields(user="bob"), PROMPT, LIMITS).client_id == "bob"
+    tenant = Caller(Tenant("acme", TenantLimits(weight=2.0)))
+    spec = build_spec(RequestFields(user="bob"), PROMPT, LIMITS, tenant)
+    assert (spec.client_id, spec.user, spec.weight) == ("acme", "bob", 2.0)
 
 
 def test_the_default_budget_shrinks_to_the_room_the_prompt_leaves() -> None:
@@ -147,5 +151,5 @@ async def test_the_max_model_len_setting_still_overrides_the_workers(
     state = make_app(fake, max_model_len=10).state.gateway
     assert await state.limits() == Limits(default_max_tokens=128, max_model_len=10, vocab_size=300)
     spec = await state.text_spec(TextInput("Hi", raw=True, fields=RequestFields(
-        sampling=SamplingInput(temperature=0.2))), api_key=None)
+        sampling=SamplingInput(temperature=0.2))), tenant=None)
     assert spec.max_tokens == 10 - len(spec.prompt_token_ids) and spec.stop_token_ids == ()

@@ -1,0 +1,76 @@
+"""Whom a request is accounted to. With API keys, the tenant the key belongs
+to: its name is the fairness client, `user` (else `session_id`) the end user
+within it, its weight the client's VTC weight, and its max_priority caps the
+priority asked for. Without keys, as before: the client is `session_id`, else
+`user`, else "anonymous", with weight 1 and no end user.
+
+PREFIX_CACHE_SCOPE=tenant salts every request's prefix cache with the
+client, so prompts of different tenants never share cached blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.gateway.errors import bad_request
+from services.gateway.tenants import Tenant
+
+MAX_IDENTITY_CHARS = 256
+ANONYMOUS = "anonymous"
+CACHE_SCOPES = ("global", "tenant")
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who is asking, as the door knows it: the tenant its key names (None
+    without API_KEYS) and the prefix cache scope."""
+    tenant: Tenant | None = None
+    cache_scope: str = "global"
+
+
+@dataclass(frozen=True)
+class Identity:
+    client_id: str
+    user: str = ""
+    session_id: str = ""
+    weight: float = 1.0
+    cache_salt: str = ""
+
+
+def check_identity(value: str | None, param: str) -> str:
+    """A session id or user: valid Unicode text of at most MAX_IDENTITY_CHARS."""
+    if not value:
+        return ""
+    if len(value) > MAX_IDENTITY_CHARS:
+        raise bad_request(f"{param} must be at most {MAX_IDENTITY_CHARS} characters, "
+                          f"got {len(value)}.", param, "invalid_value")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise bad_request(f"{param} is not valid Unicode text ({error.reason} at position "
+                          f"{error.start}).", param, "invalid_text") from None
+    return value
+
+
+def resolve_identity(session_id: str | None, user: str | None, caller: Caller) -> Identity:
+    session = check_identity(session_id, "session_id")
+    end_user = check_identity(user, "user")
+    tenant = caller.tenant
+    if tenant is None:
+        client_id = session or end_user or ANONYMOUS
+        identity = Identity(client_id=client_id, session_id=session)
+    else:
+        identity = Identity(client_id=tenant.name, user=end_user or session, session_id=session,
+                            weight=tenant.limits.weight)
+    if caller.cache_scope == "tenant":
+        identity = Identity(identity.client_id, identity.user, identity.session_id,
+                            identity.weight, cache_salt=identity.client_id)
+    return identity
+
+
+def cap_priority(priority: int, caller: Caller) -> int:
+    """A tenant's requests ask for at most its max_priority; without keys any
+    priority stands."""
+    if caller.tenant is None:
+        return priority
+    return min(priority, caller.tenant.limits.max_priority)
