@@ -44,6 +44,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.spec import RequestFields, TextInput
 from services.gateway.tenant_quota import TenantQuotas
 from services.gateway.tenants import Tenant
+from services.gateway.unsupported import reject_unsupported
 from services.gateway.sse import event_stream, sse_data
 from services.gateway.state import (
     GatewayState,
@@ -214,6 +215,7 @@ def generate_input(body: GenerateBody) -> TextInput:
 async def generate(body: GenerateBody, request: Request) -> Response:
     state = gateway_state(request)
     request_id, supplied, tenant = request_identity(request)
+    reject_unsupported(body.model_extra)
     spec = await state.text_spec(generate_input(body), tenant)
     scheduler_id = scheduler_request_id(request_id, 0, supplied)
     try:

@@ -1,6 +1,7 @@
 """The gateway's gRPC text API (fairserve.v1.TextGeneration): text in, text
 out, with the same parameters, validation, API keys, tenants and fairness as
-the HTTP API."""
+the HTTP API. Bytes that are no TextRequest are INVALID_ARGUMENT, not the
+UNKNOWN grpc would answer (add_to_server)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from contextlib import aclosing
 from typing import NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from common.grpc_server import request_id_from
 from common.logs import request_id_var
@@ -17,7 +19,7 @@ from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import convert
 from services.gateway.api_keys import metadata_key
 from services.gateway.backend import BackendError, GenerationSpec
-from services.gateway.errors import ApiError, from_backend, unauthorized
+from services.gateway.errors import ApiError, bad_request, from_backend, unauthorized
 from services.gateway.state import GatewayState, scheduler_request_id
 from services.gateway.tenants import Tenant
 
@@ -35,7 +37,7 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
     def __init__(self, state: GatewayState) -> None:
         self._state = state
 
-    async def Generate(self, request: gateway_pb2.TextRequest,
+    async def Generate(self, request: gateway_pb2.TextRequest | None,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TextResponse:
         try:
             spec, request_id, trace_id = await self._prepare(request, context)
@@ -46,7 +48,7 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
             await _abort(context, from_backend(error))
         return convert.text_response_to_proto(result.text, result.finish_reason, result.usage)
 
-    async def GenerateStream(self, request: gateway_pb2.TextRequest,
+    async def GenerateStream(self, request: gateway_pb2.TextRequest | None,
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.TextChunk]:
         try:
@@ -62,12 +64,15 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
         except BackendError as error:
             await _abort(context, from_backend(error))
 
-    async def _prepare(self, request: gateway_pb2.TextRequest,
+    async def _prepare(self, request: gateway_pb2.TextRequest | None,
                        context: grpc.aio.ServicerContext) -> tuple[GenerationSpec, str, str]:
         tenant = self._authenticate(context)
         supplied = request_id_from(context)
         trace_id = supplied or uuid.uuid4().hex
         request_id_var.set(trace_id)
+        if request is None:
+            raise bad_request("The request is not a valid fairserve.v1.TextRequest.", None,
+                              "invalid_message")
         spec = await self._state.text_spec(convert.text_input_from_proto(request), tenant)
         return spec, scheduler_request_id(trace_id, 0, supplied is not None), trace_id
 
@@ -80,6 +85,28 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
         if tenant is None:
             raise unauthorized()
         return tenant
+
+
+def _parse_text_request(data: bytes) -> gateway_pb2.TextRequest | None:
+    """None for bytes that do not parse (the servicer answers INVALID_ARGUMENT)."""
+    try:
+        return gateway_pb2.TextRequest.FromString(data)
+    except DecodeError:
+        return None
+
+
+def add_to_server(servicer: TextGenerationServicer, server: grpc.aio.Server) -> None:
+    """Registers the service like the generated add_TextGenerationServicer_to_server,
+    with a request parser that lets the servicer refuse malformed bytes."""
+    handlers = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate, request_deserializer=_parse_text_request,
+            response_serializer=gateway_pb2.TextResponse.SerializeToString),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream, request_deserializer=_parse_text_request,
+            response_serializer=gateway_pb2.TextChunk.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: ApiError) -> NoReturn:

@@ -16,9 +16,9 @@ from common.grpc_server import GrpcServer
 from common.logs import configure_logging
 from common.model_store import resolve_model_dir
 from common.shutdown import on_stop_signal
-from fairserve.v1 import gateway_pb2_grpc
 from services.gateway.app import create_app
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
+from services.gateway.grpc_api import add_to_server as add_text_api
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.settings import GatewaySettings
 
@@ -47,8 +47,7 @@ async def serve(settings: GatewaySettings) -> None:
     backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr, settings.internal)
     app = create_app(settings, backend, tokenizer)
     grpc_server = GrpcServer(
-        [(gateway_pb2_grpc.add_TextGenerationServicer_to_server,
-          TextGenerationServicer(app.state.gateway))],
+        [(add_text_api, TextGenerationServicer(app.state.gateway))],
         [SERVICE_NAME], settings.host, settings.grpc_port)
     http_server = _Server(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,

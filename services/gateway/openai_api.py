@@ -40,6 +40,7 @@ from services.gateway.schemas import (
 from services.gateway.spec import RequestFields, build_spec
 from services.gateway.sse import DONE, event_stream, sse_data
 from services.gateway.tenants import Tenant
+from services.gateway.unsupported import reject_unsupported
 from services.gateway.state import (
     GatewayState,
     prime,
@@ -94,6 +95,7 @@ async def list_models(request: Request) -> ModelList:
 async def completions(body: CompletionBody, request: Request) -> Response:
     state = _state(request)
     info = _request_info(request, state)
+    reject_unsupported(body.model_extra)
     if body.echo:
         raise bad_request("echo is not supported.", "echo", "unsupported")
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
@@ -109,6 +111,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
     state = _state(request)
     info = _request_info(request, state)
+    reject_unsupported(body.model_extra)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
     messages = [_chat_message(message, index) for index, message in enumerate(body.messages)]
@@ -160,9 +163,10 @@ def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
 
 def _chat_message(message: ChatMessageBody, index: int) -> ChatMessage:
     content = message.content
-    if content is None:
-        return ChatMessage(message.role, "")
     param = f"messages.{index}.content"
+    if content is None:
+        raise bad_request(f"Each message needs content; message {index} has none.", param,
+                          "missing_content")
     if isinstance(content, str):
         return ChatMessage(message.role, check_text(content, param))
     texts: list[str] = []

@@ -3,6 +3,7 @@ usage and logprobs of /v1/completions and /v1/chat/completions."""
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,6 +32,12 @@ class RequestInfo:
     tenant: Tenant | None
     created: int
     model: str
+
+
+def finite(value: float) -> float | None:
+    """A logprob as JSON can carry it: NaN and infinities (which json.dumps
+    would write as the invalid NaN / Infinity, or refuse) become null."""
+    return value if math.isfinite(value) else None
 
 
 def openai_usage(usage: Usage) -> dict[str, Any]:
@@ -123,9 +130,10 @@ class CompletionFormat(Format):
             position += len(text)
         return {
             "tokens": texts,
-            "token_logprobs": [token.logprob.logprob if token.logprob else None for token in tokens],
+            "token_logprobs": [finite(token.logprob.logprob) if token.logprob else None
+                               for token in tokens],
             "top_logprobs": [
-                {self.token_text(top.token_id): top.logprob for top in token.logprob.top}
+                {self.token_text(top.token_id): finite(top.logprob) for top in token.logprob.top}
                 if token.logprob else None for token in tokens],
             "text_offset": offsets,
         }
@@ -154,7 +162,7 @@ class ChatFormat(Format):
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         text = self.token_text(token_id)
-        return {"token": text, "logprob": logprob,
+        return {"token": text, "logprob": finite(logprob),
                 "bytes": list(token_bytes(self.state.tokenizer, token_id, text))}
 
     def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:

@@ -1,5 +1,6 @@
 """Request bodies. Types only: a wrong type or a missing field is a schema
-error (422); value ranges are checked in validation.py (400, with numbers)."""
+error (422); value ranges are checked in validation.py (400, with numbers),
+fields the server does not implement in unsupported.py (400)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,10 @@ class _Body(BaseModel):
 
 
 class ExtraSamplingFields(_Body):
-    """Fields vLLM accepts beyond OpenAI's, plus fairserve's own."""
+    """Fields vLLM accepts beyond OpenAI's, plus fairserve's own. The request
+    bodies keep unknown fields (model_extra) for unsupported.py to look at."""
+    model_config = ConfigDict(extra="allow")
+
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

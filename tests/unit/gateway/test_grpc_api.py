@@ -13,7 +13,7 @@ from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import Overloaded
 from services.gateway.chat_template import raw_prompt_ids
 from services.gateway.tenant_config import load_tenants
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
+from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler
 
@@ -26,8 +26,7 @@ async def text_api(make_app: Callable[..., Any], fake: FakeScheduler
 
     async def start(**settings: Any) -> gateway_pb2_grpc.TextGenerationStub:
         state = make_app(fake, **settings).state.gateway
-        server = GrpcServer([(gateway_pb2_grpc.add_TextGenerationServicer_to_server,
-                          TextGenerationServicer(state))], [SERVICE_NAME],
+        server = GrpcServer([(add_to_server, TextGenerationServicer(state))], [SERVICE_NAME],
                             "127.0.0.1", 0)
         await server.start()
         servers.append(server)

@@ -17,7 +17,7 @@ import httpx
 from common.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import GenerationEvent, GenerationSpec
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
+from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
 from services.gateway.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler
 
@@ -113,8 +113,7 @@ async def test_grpc_gets_the_same_limits(make_app: Callable[..., Any], reply_ids
                                          tmp_path: Path) -> None:
     fake = HeldScheduler(reply_ids=reply_ids, running={"flight-a"})
     state = make_app(fake, tenants=load_tenants(KEYS, tenants_path(tmp_path))).state.gateway
-    server = GrpcServer([(gateway_pb2_grpc.add_TextGenerationServicer_to_server,
-                          TextGenerationServicer(state))], [SERVICE_NAME],
+    server = GrpcServer([(add_to_server, TextGenerationServicer(state))], [SERVICE_NAME],
                         "127.0.0.1", 0)
     await server.start()
     channel = insecure_channel(f"127.0.0.1:{server.port}")
