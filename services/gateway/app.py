@@ -72,7 +72,8 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
         middleware=[
             Middleware(RequestContextMiddleware, metrics=metrics),
             Middleware(ApiKeyMiddleware, tenants=settings.tenants),
-            Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes),
+            Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
+                       timeout_s=settings.body_timeout_s),
             Middleware(JsonBodyMiddleware),
         ],
     )

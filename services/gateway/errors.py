@@ -63,6 +63,11 @@ def too_large(limit: int, size: int | None = None) -> ApiError:
                     INVALID_REQUEST, None, "request_too_large")
 
 
+def body_timeout(timeout_s: float) -> ApiError:
+    return ApiError(408, f"The request body did not arrive within {timeout_s:g} s.",
+                    INVALID_REQUEST, None, "request_timeout", {"Connection": "close"})
+
+
 def overloaded(message: str, retry_after_s: int, code: str = "queue_full") -> ApiError:
     return ApiError(429, message or "The server is busy; retry later.", RATE_LIMIT, None,
                     code, {"Retry-After": str(retry_after_s)})

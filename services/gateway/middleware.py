@@ -1,4 +1,4 @@
-"""ASGI middleware: request ids and timing logs, API keys, body size limit.
+"""ASGI middleware: request ids and timing logs, API keys, body size and time limits.
 
 They are plain ASGI (not BaseHTTPMiddleware) so streaming responses and
 disconnect messages pass through untouched.
@@ -6,12 +6,13 @@ disconnect messages pass through untouched.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import re
 import time
 import uuid
-from typing import Any
+from typing import Any, NoReturn
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -20,6 +21,7 @@ from services.gateway.api_keys import presented_key
 from services.gateway.errors import (
     ApiError,
     bad_request,
+    body_timeout,
     too_large,
     unauthorized,
 )
@@ -115,17 +117,54 @@ class ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-class _BodyTooLarge(Exception):
-    pass
+class _BodyRefused(Exception):
+    def __init__(self, error: ApiError) -> None:
+        super().__init__(error.message)
+        self.error = error
+
+
+class _BodyReader:
+    """The app's receive, held to the size limit and the time limit until the
+    body is complete; after that (waiting for a disconnect) it is left alone."""
+
+    def __init__(self, receive: Receive, max_bytes: int, timeout_s: float) -> None:
+        self._receive = receive
+        self._max_bytes = max_bytes
+        self._timeout_s = timeout_s
+        self._deadline = time.monotonic() + timeout_s
+        self._received = 0
+        self._complete = False
+        self.refusal: ApiError | None = None
+
+    def _refuse(self, error: ApiError) -> NoReturn:
+        self.refusal = error
+        raise _BodyRefused(error)
+
+    async def __call__(self) -> Message:
+        if self._complete:
+            return await self._receive()
+        try:
+            async with asyncio.timeout(self._deadline - time.monotonic()):
+                message = await self._receive()
+        except TimeoutError:
+            self._refuse(body_timeout(self._timeout_s))
+        if message["type"] == "http.request":
+            self._received += len(message.get("body", b""))
+            if self._received > self._max_bytes:
+                self._refuse(too_large(self._max_bytes))
+            self._complete = not message.get("more_body", False)
+        return message
 
 
 class BodyLimitMiddleware:
     """Refuses bodies over the limit with 413: at once from Content-Length,
-    or while reading a chunked body, before any of it is parsed."""
+    or while reading a chunked body, before any of it is parsed; and bodies
+    that take longer than timeout_s to arrive with 408."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float = 30.0) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -140,33 +179,22 @@ class BodyLimitMiddleware:
             if int(declared) > self.max_bytes:
                 await send_error(send, too_large(self.max_bytes, int(declared)))
                 return
-        received = 0
-        exceeded = False
+        reader = _BodyReader(receive, self.max_bytes, self.timeout_s)
         response_started = False
-
-        async def limited_receive() -> Message:
-            nonlocal received, exceeded
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.max_bytes:
-                    exceeded = True
-                    raise _BodyTooLarge()
-            return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal response_started
-            if exceeded:
-                return  # the app's own answer to the aborted read is replaced by the 413
+            if reader.refusal is not None:
+                return  # the app's own answer to the aborted read is replaced by ours
             response_started = response_started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, limited_receive, guarded_send)
-        except _BodyTooLarge:
+            await self.app(scope, reader, guarded_send)
+        except _BodyRefused:
             pass
-        if exceeded and not response_started:
-            await send_error(send, too_large(self.max_bytes))
+        if reader.refusal is not None and not response_started:
+            await send_error(send, reader.refusal)
 
 
 class JsonBodyMiddleware:

@@ -32,6 +32,14 @@ class GatewaySettings:
     default_max_tokens: int = 128
     max_model_len: int = 0          # 0: ask the workers through the scheduler
     log_level: str = "info"
+    # What a slow or greedy client can hold: connections, and how long the
+    # request line and headers, an idle keep-alive and a body may take.
+    max_connections: int = 1024
+    header_timeout_s: float = 10.0
+    keep_alive_s: int = 5
+    body_timeout_s: float = 30.0
+    max_header_bytes: int = 16 * 1024
+    grpc_max_message_bytes: int = 4 * ONE_MIB
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
 
     @property
@@ -61,5 +69,15 @@ class GatewaySettings:
             default_max_tokens=read.int("DEFAULT_MAX_TOKENS", cls.default_max_tokens, minimum=1),
             max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
+            max_connections=read.int("GATEWAY_MAX_CONNECTIONS", cls.max_connections, minimum=1),
+            header_timeout_s=read.float("GATEWAY_HEADER_TIMEOUT_S", cls.header_timeout_s,
+                                        minimum=0.1),
+            keep_alive_s=read.int("GATEWAY_KEEP_ALIVE_S", cls.keep_alive_s, minimum=1),
+            body_timeout_s=read.float("GATEWAY_BODY_TIMEOUT_S", cls.body_timeout_s, minimum=0.1),
+            max_header_bytes=read.int("GATEWAY_MAX_HEADER_BYTES", cls.max_header_bytes,
+                                      minimum=1024),
+            grpc_max_message_bytes=read.int("GATEWAY_GRPC_MAX_MESSAGE_BYTES",
+                                            cls.grpc_max_message_bytes, minimum=1024,
+                                            maximum=64 * ONE_MIB),
             internal=internal,
         )

@@ -141,10 +141,10 @@ def free_port() -> int:
 class ServerThread:
     """Serves an ASGI app with uvicorn on a free port in a background thread."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **config_args: Any) -> None:
         self.port = free_port()
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="off", log_config=None)
+                                lifespan="off", log_config=None, **config_args)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 

@@ -155,3 +155,22 @@ async def test_grpc_malformed_and_bad_identity_are_invalid_argument(
         await server.stop(0)
     assert fake.requests == []
 
+
+async def test_grpc_messages_over_the_limit_are_refused(make_app: Any, fake: FakeScheduler) -> None:
+    state = make_app(fake).state.gateway
+    server = GrpcServer([(add_to_server, TextGenerationServicer(state))], [SERVICE_NAME],
+                        "127.0.0.1", 0, max_receive_bytes=state.settings.grpc_max_message_bytes)
+    await server.start()
+    channel = insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        call = channel.unary_unary(f"/{SERVICE_NAME}/Generate",
+                                   request_serializer=gateway_pb2.TextRequest.SerializeToString,
+                                   response_deserializer=gateway_pb2.TextResponse.FromString)
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await call(gateway_pb2.TextRequest(prompt="x" * (4 * 1024 * 1024 + 1)), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (await call(gateway_pb2.TextRequest(prompt="Hi", max_tokens=2), timeout=10)).text
+    finally:
+        await channel.close()
+        await server.stop(0)
+    assert len(fake.requests) == 1
