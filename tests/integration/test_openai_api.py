@@ -599,7 +599,8 @@ def _answers(url: str) -> bool:
 def test_401_without_or_with_a_wrong_key(lone_gateway: str) -> None:
     body = {"model": "m", "prompt": "Hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"},
-                    {"x-api-key": "nope"}):
+                    {"x-api-key": "nope"}, {"Authorization": b"Bearer \xff\xfe\x80"},
+                    {"x-api-key": b"\xc3\xa9" * 8}, {"Authorization": f"Bearer {API_KEY}x"}):
         reply = httpx.post(f"{lone_gateway}/v1/completions", json=body, headers=headers, timeout=10)
         assert reply.status_code == 401, (headers, reply.text)
         error = error_of(reply)
@@ -649,6 +650,24 @@ def test_503_when_the_scheduler_is_down(lone_gateway: str) -> None:
         reply = httpx.post(f"{lone_gateway}{path}", json=body, headers=headers, timeout=30)
         assert reply.status_code == 503, (path, reply.text)
         assert error_of(reply)["code"] == "service_unavailable"
+
+
+def test_keys_never_leave_the_gateway(lone_gateway: str,
+                                      tmp_path_factory: pytest.TempPathFactory) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    for key in (API_KEY, "second-key"):
+        httpx.post(f"{lone_gateway}/v1/completions", json={"prompt": "Hi", "user": "u"},
+                   headers={"Authorization": f"Bearer {key}"}, timeout=30)
+        httpx.post(f"{lone_gateway}/v1/completions", json={"prompt": "Hi"},
+                   headers={"Authorization": f"Bearer {key}-wrong"}, timeout=30)
+    stats = httpx.get(f"{lone_gateway}/stats", headers=headers, timeout=10)
+    metrics = httpx.get(f"{lone_gateway}/metrics", timeout=10)
+    assert stats.status_code == 200 and metrics.status_code == 200
+    logs = [path.read_text(errors="replace")
+            for path in tmp_path_factory.getbasetemp().glob("lone-gateway*/gateway.log")]
+    assert logs
+    for text in (stats.text, metrics.text, *logs):
+        assert API_KEY not in text and "second-key" not in text
 
 
 # ---- disconnects ----

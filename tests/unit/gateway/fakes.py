@@ -164,3 +164,41 @@ class ServerThread:
     def __exit__(self, *_exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+class GrpcThread:
+    """Serves the gateway's gRPC text API over `state` on a free port, on an
+    event loop of its own in a background thread (for synchronous clients)."""
+
+    def __init__(self, state: Any, max_receive_bytes: int | None = None) -> None:
+        self._state = state
+        self._max_receive_bytes = max_receive_bytes
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: Any = None
+        self.port = 0
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def _start(self) -> None:
+        from common.grpc_server import GrpcServer
+        from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+
+        self._server = GrpcServer([(add_to_server, TextGenerationServicer(self._state))],
+                                  [SERVICE_NAME], "127.0.0.1", 0,
+                                  max_receive_bytes=self._max_receive_bytes)
+        await self._server.start()
+        self.port = self._server.port
+
+    def __enter__(self) -> GrpcThread:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(timeout=10)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        asyncio.run_coroutine_threadsafe(self._server.stop(0), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
