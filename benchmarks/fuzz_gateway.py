@@ -190,9 +190,8 @@ def well_formed_stream(base_url: str, max_tokens: int, api_key: str = "") -> Str
 
 def run_fuzz(base_url: str, requests: int, threads: int = 8, seed: int = 0,
              stream_tokens: int = 48, api_key: str = "") -> FuzzReport:
-    """Sends `requests` fuzz cases from `threads` threads; meanwhile one
-    well-formed stream after another runs until the flood is over. With
-    `api_key`, the gateway is expected to require it."""
+    """Sends `requests` fuzz cases (with `api_key`, to a gateway requiring it) from `threads`
+    threads; meanwhile one well-formed stream after another runs until the flood is over."""
     cases = [with_key(case, api_key) for case in build_cases(requests, seed, keyed=bool(api_key))]
     split = urlsplit(base_url)
     host, port = split.hostname or "127.0.0.1", split.port or 80
