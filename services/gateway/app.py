@@ -42,9 +42,6 @@ from services.gateway.middleware import (
 from services.gateway.schemas import GenerateBody
 from services.gateway.settings import GatewaySettings
 from services.gateway.spec import RequestFields, TextInput
-from services.gateway.tenant_quota import TenantQuotas
-from services.gateway.tenants import Tenant
-from services.gateway.unsupported import reject_unsupported
 from services.gateway.sse import event_stream, sse_data
 from services.gateway.state import (
     GatewayState,
@@ -52,6 +49,9 @@ from services.gateway.state import (
     scheduler_request_id,
     until_disconnected,
 )
+from services.gateway.tenant_quota import TenantQuotas
+from services.gateway.tenants import Tenant
+from services.gateway.unsupported import reject_unsupported
 from services.gateway.validation import SamplingInput
 
 log = logging.getLogger(__name__)

@@ -39,8 +39,6 @@ from services.gateway.schemas import (
 )
 from services.gateway.spec import RequestFields, build_spec
 from services.gateway.sse import DONE, event_stream, sse_data
-from services.gateway.tenants import Tenant
-from services.gateway.unsupported import reject_unsupported
 from services.gateway.state import (
     GatewayState,
     prime,
@@ -48,6 +46,8 @@ from services.gateway.state import (
     scheduler_request_id,
     until_disconnected,
 )
+from services.gateway.tenants import Tenant
+from services.gateway.unsupported import reject_unsupported
 from services.gateway.validation import (
     MAX_TOP_LOGPROBS,
     SamplingInput,
