@@ -7,12 +7,15 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator
 from itertools import count
+from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 from scripts.stack import Stack
+from tests.integration.conftest import start_stack
 from tests.integration.test_prefix_cache import BLOCK_SIZE, Probe, random_ids
 
 _ids = count()
@@ -75,3 +78,38 @@ def test_a_salt_shares_the_prefix_of_its_own_prompts_only(scheduler: scheduler_p
     probe.wait_quiescent()
     assert generate(scheduler, system + random_ids(rng, 5), "tenant-a")[1] == len(system)
     probe.wait_quiescent()
+
+
+# ---- through the gateway: PREFIX_CACHE_SCOPE=tenant salts each tenant's prompts ----
+
+KEYS = {"a": "sk-scope-a-0123456789abcdef", "b": "sk-scope-b-0123456789abcdef"}
+
+
+@pytest.fixture(scope="module")
+def scoped_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("scoped"), tiny_model_dir, extra_env={
+        "API_KEYS": ",".join(f"{name}={key}" for name, key in KEYS.items()),
+        "PREFIX_CACHE_SCOPE": "tenant"})
+    yield stack
+    stack.stop()
+
+
+def complete(stack: Stack, tenant: str, prompt: list[int]) -> tuple[str, int]:
+    """(text, cached prompt tokens) of one greedy completion sent with `tenant`'s key."""
+    reply = httpx.post(f"{stack.url}/v1/completions", timeout=60,
+                       headers={"Authorization": f"Bearer {KEYS[tenant]}"},
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_with_tenant_scope_one_tenant_never_reuses_anothers_prompt(scoped_stack: Stack) -> None:
+    prompt = random_ids(random.Random(7), 3 * BLOCK_SIZE + 5)
+    text, cached = complete(scoped_stack, "a", prompt)
+    assert cached == 0
+    other_text, other_cached = complete(scoped_stack, "b", prompt)
+    assert other_cached == 0, "tenant b must not see tenant a's cached prefix"
+    assert other_text == text
+    _, again = complete(scoped_stack, "a", prompt)
+    assert again >= 3 * BLOCK_SIZE, "tenant a's own repeat reuses its cached blocks"
