@@ -233,6 +233,22 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                         context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
         return scheduler_pb2.HeartbeatResponse(known=self._core.heartbeat(request.worker_id))
 
+    async def DrainWorker(self, request: scheduler_pb2.DrainWorkerRequest,
+                          context: grpc.aio.ServicerContext) -> scheduler_pb2.DrainWorkerResponse:
+        """A worker leaving asks until nothing is left on it (core/drain.py); then it is dropped."""
+        worker_id = request.worker_id
+        self._core.heartbeat(worker_id)
+        outcome = self._core.drain_worker(worker_id)
+        self._deliver(outcome.updates)
+        self._wake_all()
+        if outcome.started:
+            log.info("worker draining", extra={"worker_id": worker_id, "moved": outcome.moved,
+                                               "remaining": outcome.remaining})
+        if outcome.drained:
+            await self._drop_worker(worker_id, f"worker {worker_id} drained")
+        return scheduler_pb2.DrainWorkerResponse(known=outcome.known, moved=outcome.moved,
+                                                 remaining=outcome.remaining)
+
     # ---- the per-worker step loop ----
 
     async def _run_worker(self, link: _WorkerLink) -> None:

@@ -17,9 +17,10 @@ from common.grpc_server import GrpcServer, internal_channel
 from common.logs import configure_logging
 from common.metrics import serve_metrics
 from common.model_store import resolve_model_dir
-from common.shutdown import on_stop_signal
+from common.shutdown import stop_requests
 from services.kvcache.client import KvIndexClient
 from services.kvcache.publisher import KvEventPublisher
+from services.worker.drain import leave
 from services.worker.engine.engine import Engine
 from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
@@ -55,15 +56,18 @@ async def serve(settings: WorkerSettings) -> None:
     address = f"{settings.advertise_host}:{server.port}"
     log.info("worker serving", extra={"address": address, "metrics_port": metrics_port})
 
+    stops = stop_requests()
     stop = asyncio.Event()
-    on_stop_signal(stop.set)
     scheduler_channel = internal_channel(settings.scheduler_addr, settings.internal)
-    tasks = [
-        asyncio.create_task(keep_registered(scheduler_channel, settings.worker_id, address, service,
-                                            settings.heartbeat_interval_s, stop)),
-        asyncio.create_task(publisher.run(settings.kv_publish_interval_s, stop)),
-    ]
-    await stop.wait()
+    registration = asyncio.create_task(keep_registered(
+        scheduler_channel, settings.worker_id, address, service, settings.heartbeat_interval_s, stop))
+    tasks = [registration, asyncio.create_task(publisher.run(settings.kv_publish_interval_s, stop))]
+    await stops.graceful.wait()
+    # Leaving: no more heartbeats or registering again (the drain's calls count as
+    # heartbeats); Steps are served until the scheduler has taken over.
+    registration.cancel()
+    await leave(scheduler_channel, settings.worker_id, settings.drain_timeout_s, stops.now)
+    stop.set()
     log.info("worker stopping")
     await server.stop()
     await asyncio.gather(*tasks, return_exceptions=True)

@@ -88,6 +88,7 @@ class WorkerSettings:
     log_level: str
     engine: EngineConfig           # model_dir still empty: resolved at start
     internal: InternalAuth = InternalAuth()
+    drain_timeout_s: float = 30.0  # on SIGTERM, how long it may keep serving what it holds
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
@@ -108,4 +109,5 @@ class WorkerSettings:
             log_level=read.str("LOG_LEVEL", "info"),
             engine=engine_config_from_env(env),
             internal=InternalAuth.from_env(env),
+            drain_timeout_s=read.float("DRAIN_TIMEOUT_S", 30.0, minimum=0.0),
         )

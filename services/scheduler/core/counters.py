@@ -60,7 +60,8 @@ def summarize_worker(worker: WorkerState, healthy: bool) -> WorkerSummary:
 def core_stats(policy: Policy, counters: CoreCounters, workers: Iterable[WorkerState],
                clients: tuple[ClientCounter, ...], now: float, heartbeat_timeout_s: float) -> CoreStats:
     workers = list(workers)
-    summaries = tuple(summarize_worker(w, healthy=now - w.last_heartbeat_s <= heartbeat_timeout_s)
+    summaries = tuple(summarize_worker(w, healthy=not w.draining and
+                                       now - w.last_heartbeat_s <= heartbeat_timeout_s)
                       for w in workers)
     return CoreStats(
         policy=policy,

@@ -27,7 +27,7 @@ def reject_early(spec: RequestSpec, already_in_flight: bool, num_workers: int, n
     if already_in_flight:
         return Rejection(Gate.INVALID, f"request_id {spec.request_id!r} is already in flight")
     if num_workers == 0:
-        return Rejection(Gate.NO_WORKER, "no worker is registered")
+        return Rejection(Gate.NO_WORKER, "no worker is registered (or every one is draining)")
     if num_waiting >= max_queue_len:
         return Rejection(Gate.QUEUE, f"the queue is full: {num_waiting} requests waiting "
                                      f"(MAX_QUEUE_LEN={max_queue_len})")

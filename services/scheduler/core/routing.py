@@ -45,7 +45,8 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
     """The session's worker if it is still there; otherwise the worker holding
     the longest cached prefix, ties going to the least loaded, then to the one
     with the most never-used blocks (so cold prompts spread over idle workers
-    instead of all landing on the first)."""
+    instead of all landing on the first). A draining worker is never chosen."""
+    workers = [worker for worker in workers if not worker.draining]
     if not workers:
         return None
     if session_worker is not None:

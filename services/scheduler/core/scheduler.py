@@ -31,6 +31,7 @@ from common.types import TokenLogprob
 
 from services.scheduler.core import gates
 from services.scheduler.core.counters import CoreCounters, core_stats
+from services.scheduler.core.drain import DrainOutcome, drain
 from services.scheduler.core.failover import Failover, Stranded
 from services.scheduler.core.in_flight import dispatch, retire
 from services.scheduler.core.policy import VirtualTokenCounter, pick_next
@@ -108,6 +109,10 @@ class SchedulerCore:
         del self._workers[worker_id]
         return self._failover.rehome(stranded, list(self._workers.values()), message)
 
+    def drain_worker(self, worker_id: str) -> DrainOutcome:
+        """A worker leaving on purpose: routed nothing new, its requests moved (drain.py)."""
+        return drain(self._workers, worker_id, self._failover)
+
     def worker_ids(self) -> list[str]:
         return list(self._workers)
 
@@ -144,7 +149,8 @@ class SchedulerCore:
         if not spec.request_id:
             spec = replace(spec, request_id=self._new_id())
         num_waiting = sum(len(w.pending) for w in self._workers.values())
-        rejection = gates.reject_early(spec, spec.request_id in self._requests, len(self._workers),
+        serving = sum(not worker.draining for worker in self._workers.values())
+        rejection = gates.reject_early(spec, spec.request_id in self._requests, serving,
                                        num_waiting, self._config.max_queue_len)
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)

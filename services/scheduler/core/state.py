@@ -133,6 +133,8 @@ class WorkerState:
     steps: int = 0
     last_step_ms: float = 0.0
     last_batch_size: int = 0
+    # Leaving on purpose (drain.py): nothing new is routed to it.
+    draining: bool = False
 
     @property
     def worker_id(self) -> str:
