@@ -21,6 +21,7 @@ from starlette.middleware import Middleware
 from common.types import Usage
 from services.gateway import openai_api
 from services.gateway.backend import BackendError, SchedulerBackend
+from services.gateway.drain import Drain, DrainMiddleware
 from services.gateway.errors import (
     INVALID_REQUEST,
     ApiError,
@@ -66,18 +67,20 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     metrics = GatewayMetrics(registry)
     service = GenerationService(scheduler_client, tokenizer, metrics,
                                 quotas=TenantQuotas(settings.tenants.tenants))
+    drain = Drain()
     app = FastAPI(
         title="fairserve gateway",
         version="1",
         middleware=[
             Middleware(RequestContextMiddleware, metrics=metrics),
+            Middleware(DrainMiddleware, drain=drain),
             Middleware(ApiKeyMiddleware, tenants=settings.tenants),
             Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
                        timeout_s=settings.body_timeout_s),
             Middleware(JsonBodyMiddleware),
         ],
     )
-    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics)
+    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics, drain)
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
@@ -155,6 +158,8 @@ async def health() -> dict[str, str]:
 
 @router.get("/ready", responses={503: {"description": "not ready, with the reason"}})
 async def ready(request: Request) -> Response:
+    if gateway_state(request).drain.draining:
+        return api_error_response(unavailable("the gateway is shutting down"))
     readiness = await gateway_state(request).backend.readiness()
     if not readiness.ready:
         return api_error_response(unavailable(readiness.reason))

@@ -40,8 +40,9 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
     async def Generate(self, request: gateway_pb2.TextRequest | None,
                        context: grpc.aio.ServicerContext) -> gateway_pb2.TextResponse:
         try:
-            spec, request_id, trace_id = await self._prepare(request, context)
-            result = await self._state.service.complete(spec, request_id, trace_id)
+            with self._state.drain.generation():
+                spec, request_id, trace_id = await self._prepare(request, context)
+                result = await self._state.service.complete(spec, request_id, trace_id)
         except ApiError as error:
             await _abort(context, error)
         except BackendError as error:
@@ -52,13 +53,14 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
                              context: grpc.aio.ServicerContext
                              ) -> AsyncIterator[gateway_pb2.TextChunk]:
         try:
-            spec, request_id, trace_id = await self._prepare(request, context)
-            deltas = self._state.service.stream(spec, request_id, trace_id)
-            async with aclosing(deltas):
-                async for delta in deltas:
-                    yield convert.text_chunk_to_proto(
-                        delta.text, tuple(token.token_id for token in delta.tokens),
-                        delta.finish_reason, delta.usage)
+            with self._state.drain.generation():
+                spec, request_id, trace_id = await self._prepare(request, context)
+                deltas = self._state.service.stream(spec, request_id, trace_id)
+                async with aclosing(deltas):
+                    async for delta in deltas:
+                        yield convert.text_chunk_to_proto(
+                            delta.text, tuple(token.token_id for token in delta.tokens),
+                            delta.finish_reason, delta.usage)
         except ApiError as error:
             await _abort(context, error)
         except BackendError as error:

@@ -15,8 +15,9 @@ import uvicorn
 from common.grpc_server import GrpcServer
 from common.logs import configure_logging
 from common.model_store import resolve_model_dir
-from common.shutdown import on_stop_signal
+from common.shutdown import StopRequests, stop_requests
 from services.gateway.app import create_app
+from services.gateway.drain import Drain
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
 from services.gateway.grpc_api import add_to_server as add_text_api
 from services.gateway.http_limits import uvicorn_limits
@@ -56,13 +57,8 @@ async def serve(settings: GatewaySettings) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
         **uvicorn_limits(settings)))
 
-    def request_exit() -> None:
-        # A second signal stops at once, without waiting for open streams.
-        http_server.force_exit = http_server.should_exit
-        http_server.should_exit = True
-
-    on_stop_signal(request_exit)
-
+    drainer = asyncio.create_task(drain_then_exit(stop_requests(), app.state.gateway.drain,
+                                                  http_server, settings.drain_timeout_s))
     await grpc_server.start()
     await grpc_server.set_serving(True)
     log.info("gateway listening", extra={"http_port": settings.port,
@@ -71,9 +67,26 @@ async def serve(settings: GatewaySettings) -> None:
     try:
         await http_server.serve()
     finally:
+        drainer.cancel()
         await grpc_server.stop()
         await backend.close()
         log.info("gateway stopped")
+
+
+async def drain_then_exit(stops: StopRequests, drain: Drain, http_server: uvicorn.Server,
+                          timeout_s: float) -> None:
+    """The first stop signal drains (drain.py): generation requests are refused
+    and those in flight (HTTP and gRPC) end, for up to `timeout_s`; then both
+    servers stop. A second signal stops at once, without waiting for open streams."""
+    await stops.graceful.wait()
+    drain.begin()
+    log.info("gateway draining", extra={"in_flight": drain.in_flight, "drain_timeout_s": timeout_s})
+    idle = await drain.wait_idle(timeout_s, stops.now)
+    log.info("gateway drained" if idle else "gateway drain cut short",
+             extra={"in_flight": drain.in_flight})
+    http_server.should_exit = True
+    await stops.now.wait()
+    http_server.force_exit = True
 
 
 def main() -> None:

@@ -41,6 +41,7 @@ class GatewaySettings:
     max_header_bytes: int = 16 * 1024
     grpc_max_message_bytes: int = 4 * ONE_MIB
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
+    drain_timeout_s: float = 30.0   # on SIGTERM, how long generations in flight may take to end
 
     @property
     def model_id(self) -> str:
@@ -80,4 +81,5 @@ class GatewaySettings:
                                             cls.grpc_max_message_bytes, minimum=1024,
                                             maximum=64 * ONE_MIB),
             internal=internal,
+            drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
         )

@@ -7,7 +7,7 @@ import asyncio
 import dataclasses
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from services.gateway.chat_template import (
     turn_stop_token_ids,
     user_turn_ids,
 )
+from services.gateway.drain import Drain
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
@@ -39,6 +40,7 @@ class GatewayState:
     tokenizer: Any
     service: GenerationService
     metrics: GatewayMetrics
+    drain: Drain = field(default_factory=Drain)   # SIGTERM: refuse new generations, finish the rest
 
     @cached_property
     def tokenizer_size(self) -> int:
