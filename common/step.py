@@ -55,6 +55,9 @@ class StepBatch:
     work: tuple[WorkItem, ...] = ()
     free_seq_ids: tuple[str, ...] = ()
     after_step_id: int = 0  # run only after that step of this scheduler has finished (0: none in flight)
+    # The worker's registration with the scheduler; a larger one than the worker
+    # has seen frees its sequences of earlier epochs first (their scheduler is gone).
+    epoch: int = 0
 
     @property
     def num_tokens(self) -> int:

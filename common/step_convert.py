@@ -35,6 +35,7 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
               for w in batch.work],
         free_seq_ids=batch.free_seq_ids,
         after_step_id=batch.after_step_id,
+        epoch=batch.epoch,
     )
 
 
@@ -50,6 +51,7 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
                    for w in message.work),
         free_seq_ids=tuple(message.free_seq_ids),
         after_step_id=message.after_step_id,
+        epoch=message.epoch,
     )
 
 

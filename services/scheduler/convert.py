@@ -43,10 +43,11 @@ def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSp
     )
 
 
-def worker_spec_from_proto(info: worker_pb2.WorkerInfo, worker_id: str, address: str) -> WorkerSpec:
+def worker_spec_from_proto(info: worker_pb2.WorkerInfo, worker_id: str, address: str,
+                           epoch: int = 0) -> WorkerSpec:
     return WorkerSpec(worker_id=worker_id, address=address, block_size=info.block_size,
                       num_blocks=info.num_blocks, max_model_len=info.max_model_len,
-                      eos_token_ids=frozenset(info.eos_token_ids))
+                      eos_token_ids=frozenset(info.eos_token_ids), epoch=epoch)
 
 
 def worker_figures_from_proto(info: worker_pb2.WorkerInfo) -> WorkerFigures:

@@ -23,6 +23,7 @@ from common.sequence_ids import request_id_of
 
 from services.scheduler import convert
 from services.scheduler.core import RequestUpdate, SchedulerCore, StepBatch
+from services.scheduler.epochs import EpochClock
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registration import RegistrationError, check_registration, check_worker_figures
 from services.scheduler.settings import SchedulerSettings
@@ -119,6 +120,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._settings = settings
         self._metrics = metrics
         self._core = SchedulerCore(settings.core_config(), clock, new_id)
+        self._epochs = EpochClock()
         self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal)
         self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._links: dict[str, _WorkerLink] = {}
@@ -216,7 +218,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await channel.close()
             await context.abort(*_registration_failure(request, error))
         await self._unlink(request.worker_id)
-        spec = convert.worker_spec_from_proto(info, request.worker_id, request.address)
+        spec = convert.worker_spec_from_proto(info, request.worker_id, request.address, self._epochs.next())
         self._deliver(self._core.add_worker(spec))
         self._metrics.add_worker(spec.worker_id)
         link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub,
@@ -225,9 +227,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._links[spec.worker_id] = link
         log.info("worker registered", extra={"worker_id": spec.worker_id, "address": spec.address,
                                              "num_blocks": spec.num_blocks, "block_size": spec.block_size,
-                                             "max_model_len": spec.max_model_len})
+                                             "max_model_len": spec.max_model_len, "epoch": spec.epoch})
         self._wake_all()
-        return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_s=self._settings.heartbeat_interval_s)
+        return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_s=self._settings.heartbeat_interval_s,
+                                                    epoch=spec.epoch)
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:

@@ -18,11 +18,12 @@ from common.sequence_ids import request_id_of
 from services.worker.step_order import StepOrder
 from services.worker import convert
 from services.worker.engine.engine import Engine
-from services.worker.engine.types import BlockEvent, StepBatch, StepOutput
+from services.worker.engine.types import BlockEvent, PoolStats, StaleEpoch, StepBatch, StepOutput
 from services.worker.kv_events import CacheSnapshot
 from services.worker.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
+RETRY_REGISTRATION_S = 0.5   # while the scheduler cannot be reached
 
 T = TypeVar("T")
 
@@ -78,6 +79,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.last_pool = self._engine.pool_stats()
 
     def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
+        self._enter_epoch(batch.epoch)
         output = self._engine.step(batch)
         events = self._engine.drain_events()
         if events and self._on_block_events is not None:
@@ -88,13 +90,35 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         request_id_from(context)
         batch = convert.step_batch_from_proto(request)
         try:
-            async with self._order.turn(request.step_id, request.after_step_id):
+            async with self._order.turn(request.step_id, request.after_step_id, request.epoch):
                 output, running = await self._thread.run(lambda: self._run_step(batch))
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         self._record(batch, output, running)
         self._log_step(batch, output)
         return convert.step_response_to_proto(request.step_id, output)
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """On the engine's thread: a new scheduler registration frees what earlier
+        ones left (Engine.adopt_epoch; an older one raises StaleEpoch)."""
+        freed = self._engine.adopt_epoch(epoch)
+        if freed:
+            log.info("freed the sequences of an earlier scheduler registration",
+                     extra={"sequences": freed, "epoch": epoch})
+
+    async def adopt_epoch(self, epoch: int) -> None:
+        """A registration's epoch: what earlier ones left is freed now, not at
+        the first step of the new one (which may be long in coming)."""
+        def adopt() -> PoolStats:
+            self._enter_epoch(epoch)
+            events = self._engine.drain_events()
+            if events and self._on_block_events is not None:
+                self._on_block_events(events)
+            return self._engine.pool_stats()
+        try:
+            self.last_pool = await self._thread.run(adopt)
+        except StaleEpoch as error:
+            log.warning("registration of an earlier epoch", extra={"error": str(error)})
 
     def _log_step(self, batch: StepBatch, output: StepOutput) -> None:
         """A step serves many requests: one debug line for the step, and an
@@ -153,17 +177,21 @@ async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: st
                     scheduler_pb2.RegisterWorkerRequest(worker_id=worker_id, address=address), timeout=5)
                 registered = True
                 interval_s = reply.heartbeat_interval_s or interval_s
-                log.info("registered with the scheduler", extra={"worker_id": worker_id, "address": address})
+                log.info("registered with the scheduler", extra={"worker_id": worker_id, "address": address,
+                                                                 "epoch": reply.epoch})
+                await service.adopt_epoch(reply.epoch)
             else:
                 pool = service.last_pool
                 reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
                     worker_id=worker_id, free_blocks=pool.free_blocks, cached_blocks=pool.cached_blocks),
                     timeout=5)
                 registered = reply.known
+                if not registered:
+                    continue   # the scheduler restarted, or dropped us: register at once
         except grpc.aio.AioRpcError as error:
             registered = False
             log.warning("scheduler unreachable", extra={"code": error.code().name})
         try:
-            await asyncio.wait_for(stop.wait(), timeout=interval_s if registered else 1.0)
+            await asyncio.wait_for(stop.wait(), timeout=interval_s if registered else RETRY_REGISTRATION_S)
         except asyncio.TimeoutError:
             pass

@@ -205,7 +205,7 @@ class SchedulerCore:
         else:
             self._plan_decodes(worker, plan)
         worker.last_step_was_prefill = plan.has_prefill and not plan.has_decode
-        step = plan.build(after_step_id=worker.in_flight[-1].plan.step_id if worker.in_flight else 0)
+        step = plan.build(worker.in_flight[-1].plan.step_id if worker.in_flight else 0, worker.spec.epoch)
         if step is not None:
             worker.in_flight.append(InFlightStep(step, plan.available_blocks, dispatch(step, self._by_seq)))
         return step

@@ -69,11 +69,11 @@ class StepBuilder:
     def has_decode(self) -> bool:
         return any(planned.is_decode for planned in self._work.values())
 
-    def build(self, after_step_id: int = 0) -> StepBatch | None:
-        """The step to send, or None when it would do nothing."""
+    def build(self, after_step_id: int = 0, epoch: int = 0) -> StepBatch | None:
+        """The step to send (in the worker's registration `epoch`), or None when it would do nothing."""
         if not (self._work or self.frees or self.new_sequences):
             return None
         work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts)
                      for seq_id, planned in self._work.items())
         return StepBatch(step_id=self.step_id, new_sequences=tuple(self.new_sequences), work=work,
-                        free_seq_ids=tuple(self.frees), after_step_id=after_step_id)
+                        free_seq_ids=tuple(self.frees), after_step_id=after_step_id, epoch=epoch)

@@ -92,6 +92,7 @@ class WorkerSpec:
     num_blocks: int
     max_model_len: int
     eos_token_ids: frozenset[int] = frozenset()
+    epoch: int = 0           # this registration's: every step planned for the worker carries it
 
 
 # One step, scheduler -> worker -> scheduler: common/step.py's contract, shared with the worker.

@@ -68,6 +68,7 @@ class Engine:
         self.sampling = StepSampler(prepared, Sampler(eos_token_ids=prepared.eos_token_ids), self.prompt_logits,
                                     self.block_size)
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
+        self.epoch = 0    # the scheduler registration served (adopt_epoch)
         self.planner = StepPlanner(self.sequences, self.pool, self.kv, self.prompt_logits, PlanLimits(
             self.block_size, self.max_model_len, config.ngram_min, config.ngram_max))
         self._info = t.EngineInfo(
@@ -90,6 +91,7 @@ class Engine:
         return self._info
 
     def step(self, batch: t.StepBatch) -> t.StepOutput:
+        self.adopt_epoch(batch.epoch)
         for seq_id in batch.free_seq_ids:
             self.sequences.free(seq_id)
         for new in batch.new_sequences:
@@ -112,6 +114,18 @@ class Engine:
                             graph_replayed=self.graphs is not None and self.graphs.replays > replays,
                             draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=accepted,
                             screened_rows=logits_rows.screened, full_rows=logits_rows.full)
+
+    def adopt_epoch(self, epoch: int) -> int:
+        """Serves the scheduler registration `epoch` (every step's StepBatch.epoch). A
+        larger one than before frees every sequence held, planned under an earlier
+        registration whose scheduler is gone (their blocks stay cached, so resuming
+        them is cheap), and returns how many; a smaller one raises StaleEpoch."""
+        if epoch < self.epoch:
+            raise t.StaleEpoch(f"a step of epoch {epoch}, older than this worker's {self.epoch}")
+        if epoch == self.epoch:
+            return 0
+        self.epoch = epoch
+        return self.sequences.free_all()
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()

@@ -71,6 +71,13 @@ class Sequences:
         seq = self._by_id.pop(seq_id, None)
         self.pool.free(seq_id, self._partial_block(seq) if seq is not None else None)
 
+    def free_all(self) -> int:
+        """Frees every sequence (as free() does: blocks back to the prefix cache); returns how many."""
+        seq_ids = list(self._by_id)
+        for seq_id in seq_ids:
+            self.free(seq_id)
+        return len(seq_ids)
+
     def register(self, new: t.NewSequence) -> None:
         self.free(new.seq_id)     # re-registering a sequence starts it over
         tokens = list(new.prompt_token_ids) + list(new.output_token_ids)

@@ -11,6 +11,11 @@ from common.step import (  # noqa: F401  (the engine's step contract, re-exporte
 )
 
 
+class StaleEpoch(ValueError):
+    """A step of an older scheduler registration than the one the worker serves
+    (StepBatch.epoch): refused, nothing changed."""
+
+
 STORED = "stored"
 REMOVED = "removed"
 CLEARED = "cleared"

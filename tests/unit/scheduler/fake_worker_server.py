@@ -24,10 +24,12 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.running.set()
         self.order = StepOrder()
         self.executed: list[tuple[int, int]] = []   # (step_id, after_step_id) in the order steps ran
+        self.epochs: list[int] = []                 # each step's epoch, in the same order
 
     async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
-        async with self.order.turn(request.step_id, request.after_step_id):
+        async with self.order.turn(request.step_id, request.after_step_id, request.epoch):
             self.executed.append((request.step_id, request.after_step_id))
+            self.epochs.append(request.epoch)
             await self.running.wait()
             if self.step_delay_s:
                 await asyncio.sleep(self.step_delay_s)
@@ -53,6 +55,11 @@ class FakeWorkerProcess:
                                   ["fairserve.v1.Worker"], "127.0.0.1", 0, auth)
         self._heartbeats: asyncio.Task[None] | None = None
         self._channel = internal_channel(scheduler_addr, auth)
+        self.epoch = 0   # of its registration
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self._server.port}"
 
     @property
     def engine(self) -> FakeEngine:
@@ -61,8 +68,9 @@ class FakeWorkerProcess:
     async def start(self, heartbeat_s: float = 0.05) -> None:
         await self._server.start()
         stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
-        await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
-            worker_id=self.worker_id, address=f"127.0.0.1:{self._server.port}"), timeout=5)
+        reply = await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
+            worker_id=self.worker_id, address=self.address), timeout=5)
+        self.epoch = reply.epoch
         self._heartbeats = asyncio.create_task(self._beat(stub, heartbeat_s))
 
     async def _beat(self, stub: scheduler_pb2_grpc.SchedulerStub, interval_s: float) -> None:

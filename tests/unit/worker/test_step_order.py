@@ -1,4 +1,5 @@
-"""Pipelined steps run in the order they were planned, whatever order they arrive in."""
+"""Pipelined steps run in the order they were planned, whatever order they arrive in;
+each scheduler registration (epoch) has an order of its own."""
 
 from __future__ import annotations
 
@@ -43,6 +44,24 @@ async def test_a_step_whose_predecessor_never_comes_waits_for_its_deadline() -> 
     assert await asyncio.wait_for(_run(order, 3, after=0), 1.0) == 3
 
 
-async def _run(order: StepOrder, step_id: int, after: int) -> int:
-    async with order.turn(step_id, after):
+async def test_a_new_epoch_starts_the_order_again_and_lets_the_old_waiters_go() -> None:
+    order = StepOrder()
+    await _run(order, 5, after=0, epoch=1)
+    orphan = asyncio.create_task(_run(order, 7, after=6, epoch=1))   # step 6 died with its scheduler
+    await asyncio.sleep(0.01)
+    assert not orphan.done()
+    assert await asyncio.wait_for(_run(order, 1, after=0, epoch=2), 1.0) == 1   # the new scheduler's first
+    assert await asyncio.wait_for(orphan, 1.0) == 7    # let go (the engine refuses it)
+    assert await asyncio.wait_for(_run(order, 2, after=1, epoch=2), 1.0) == 2
+    # A late step of the old epoch waits for nothing and marks nothing finished.
+    assert await asyncio.wait_for(_run(order, 3, after=99, epoch=1), 1.0) == 3
+    successor = asyncio.create_task(_run(order, 4, after=3, epoch=2))
+    await asyncio.sleep(0.01)
+    assert not successor.done()
+    await _run(order, 3, after=2, epoch=2)
+    assert await asyncio.wait_for(successor, 1.0) == 4
+
+
+async def _run(order: StepOrder, step_id: int, after: int, epoch: int = 0) -> int:
+    async with order.turn(step_id, after, epoch):
         return step_id
