@@ -18,6 +18,9 @@ from common.internal_auth import (
 from common.logs import request_id_var
 
 REQUEST_ID_KEY = "x-request-id"
+# Trailing metadata on the scheduler's refusals of a request (its value: the gate):
+# an UNAVAILABLE status without it is a lost connection, not a refusal.
+REJECTION_KEY = "x-fairserve-rejection"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),

@@ -8,6 +8,7 @@ import grpc
 from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
 
 from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
+from common.grpc_server import REJECTION_KEY
 # The Step messages are the worker's contract too: one translation for both services.
 from common.step_convert import step_batch_to_proto, step_output_from_proto  # noqa: F401
 
@@ -25,6 +26,13 @@ REJECTION_CODES: dict[Gate, grpc.StatusCode] = {
 }
 
 
+def rejection_metadata(gate: Gate) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata that marks a status as the scheduler's own refusal, so the
+    gateway tells an UNAVAILABLE rejection (no worker, hold timed out) from a lost
+    connection to the scheduler (which it survives by resubmitting the request)."""
+    return ((REJECTION_KEY, gate.value),)
+
+
 def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSpec:
     return RequestSpec(
         request_id=message.request_id,
@@ -40,6 +48,7 @@ def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSp
         user=message.user,
         weight=message.weight if message.weight > 0 else 1.0,
         cache_salt=message.cache_salt,
+        resume_token_ids=tuple(message.resume_token_ids),
     )
 
 

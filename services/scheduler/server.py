@@ -22,7 +22,7 @@ from common.internal_auth import InternalAuth
 from common.sequence_ids import request_id_of
 
 from services.scheduler import convert
-from services.scheduler.core import RequestUpdate, SchedulerCore, StepBatch
+from services.scheduler.core import Rejection, RequestUpdate, SchedulerCore, StepBatch
 from services.scheduler.epochs import EpochClock
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registration import RegistrationError, check_registration, check_worker_figures
@@ -160,11 +160,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if result.rejection is not None:
             log.info("request rejected", extra={"gate": result.rejection.gate.value,
                                                 "reason": result.rejection.message})
-            await context.abort(convert.REJECTION_CODES[result.rejection.gate], result.rejection.message)
+            await self._refuse(context, result.rejection)
         request_id = result.request_id
         log.info("request queued", extra={"scheduler_request_id": request_id, "worker_id": result.worker_id,
                                           "client_id": spec.client_id, "prompt_tokens": len(spec.prompt_token_ids),
-                                          "max_tokens": spec.max_tokens, "cached_prefix_tokens": hints})
+                                          "max_tokens": spec.max_tokens, "cached_prefix_tokens": hints,
+                                          "resumed_tokens": len(spec.resume_token_ids)})
         queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
         self._streams[request_id] = queue
         self._wake(result.worker_id)
@@ -174,8 +175,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 update = await queue.get()
                 if update.rejection is not None:
                     ended = True
-                    await context.abort(convert.REJECTION_CODES[update.rejection.gate],
-                                        update.rejection.message)
+                    await self._refuse(context, update.rejection)
                 yield convert.generate_event_to_proto(update)
                 if update.finish is not None:
                     ended = True
@@ -186,6 +186,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             if not ended:  # the client went away: stop generating for it
                 log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
                 self._cancel(request_id)
+
+    @staticmethod
+    async def _refuse(context: grpc.aio.ServicerContext, rejection: Rejection) -> None:
+        """Ends a Generate call with the rejection's status, marked as a refusal."""
+        await context.abort(convert.REJECTION_CODES[rejection.gate], rejection.message,
+                            trailing_metadata=convert.rejection_metadata(rejection.gate))
 
     def _background(self, work: Coroutine[object, object, object]) -> None:
         task = asyncio.create_task(work)

@@ -39,13 +39,17 @@ def output_limit(requested_max_tokens: int, prompt_len: int, max_model_len: int)
     return requested_max_tokens if requested_max_tokens > 0 else max_model_len - prompt_len
 
 
-def never_fit(worker: WorkerSpec, prompt_len: int, max_tokens: int, max_active_kv_tokens: int) -> str:
+def never_fit(worker: WorkerSpec, prompt_len: int, max_tokens: int, max_active_kv_tokens: int,
+              generated: int = 0) -> str:
     """Why a request of `prompt_len` + `max_tokens` tokens could never run on
-    `worker` even alone, or "" when it could."""
+    `worker` even alone, or "" when it could. A continuation has `generated`
+    of its max_tokens already, and must have room for one more."""
     total = prompt_len + max_tokens
     head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens"
     if max_tokens <= 0 or total > worker.max_model_len:
         return f"{head} exceeds the model context of {worker.max_model_len} tokens"
+    if generated >= max_tokens:
+        return f"the {generated} tokens it resumes from leave nothing of max_tokens ({max_tokens})"
     blocks = blocks_for(total, worker.block_size)
     if blocks > worker.num_blocks:
         return (f"{head} needs {blocks} KV blocks of {worker.block_size} tokens, "

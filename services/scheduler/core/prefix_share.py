@@ -70,7 +70,7 @@ def blocked_by_leaders(pending: Iterable[RequestState], leaders: Iterable[Reques
         return set()
     blocked: set[str] = set()
     for request in pending:
-        if request.admitted_once or len(request.prompt) <= min_tokens:
+        if request.started or len(request.prompt) <= min_tokens:
             continue
         if any(leader is not request and _waits_for(request, leader, block_size, min_tokens) for leader in active):
             blocked.add(request.request_id)

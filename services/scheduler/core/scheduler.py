@@ -136,7 +136,7 @@ class SchedulerCore:
         for worker in self._workers.values():
             for request in list(worker.pending):
                 waited = now - request.arrival_s
-                if gates.timed_out(request.admitted_once, waited, timeout_s):
+                if gates.timed_out(request.started, waited, timeout_s):
                     message = gates.timeout_message(request.held_by, waited, timeout_s)
                     updates.append(self._book.reject(worker, request, Gate.TIMEOUT, message))
         return ExpireOutcome(updates=tuple(updates), removed_workers=tuple(removed))
@@ -159,14 +159,14 @@ class SchedulerCore:
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len)
-        problem = gates.never_fit(worker.spec, prompt_len, max_tokens, self._config.max_active_kv_tokens)
+        problem = gates.never_fit(worker.spec, prompt_len, max_tokens, self._config.max_active_kv_tokens,
+                                  generated=len(spec.resume_token_ids))
         if problem:
             return self._count_rejection(spec.request_id, Rejection(Gate.NEVER_FIT, problem))
         if spec.session_id:
             self._sessions.remember(spec.session_id, worker.worker_id)
-        request = RequestState(spec=spec, client_id=spec.client_id or ANONYMOUS_CLIENT, max_tokens=max_tokens,
-                               arrival_s=self._clock(), arrival_order=next(self._arrivals),
-                               worker_id=worker.worker_id)
+        request = RequestState.arriving(spec, spec.client_id or ANONYMOUS_CLIENT, max_tokens, self._clock(),
+                                        next(self._arrivals), worker.worker_id)
         self._book.add(worker, request)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
 

@@ -46,6 +46,23 @@ class RequestState:
     inflight_drafts: int = 0
     held_by: set[Gate] = field(default_factory=set)
 
+    @classmethod
+    def arriving(cls, spec: RequestSpec, client_id: str, max_tokens: int, arrival_s: float,
+                 arrival_order: int, worker_id: str) -> RequestState:
+        """A request as it is submitted. A continuation starts with the tokens it
+        resumes from as output, as if preempted after them: recomputed from prompt
+        and output when admitted, and first in its queue."""
+        resumed = spec.resume_token_ids
+        return cls(spec=spec, client_id=client_id, max_tokens=max_tokens, arrival_s=arrival_s,
+                   arrival_order=arrival_order, worker_id=worker_id, output=list(resumed), resumed=bool(resumed))
+
+    @property
+    def started(self) -> bool:
+        """Admitted before, here or (a continuation) by the scheduler it continues
+        from: its client may have tokens already, so it never times out in the
+        queue and never waits for another request's shared prefix."""
+        return self.admitted_once or bool(self.spec.resume_token_ids)
+
     @property
     def request_id(self) -> str:
         return self.spec.request_id

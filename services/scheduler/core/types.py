@@ -82,6 +82,10 @@ class RequestSpec:
     user: str = ""           # within client_id: the end user splitting the client's share
     weight: float = 1.0      # the client's VTC weight
     cache_salt: str = ""     # prompts with other salts never share cached blocks
+    # A continuation (its first scheduler was lost): tokens already generated and
+    # streamed. It starts as a request preempted after them; max_tokens and
+    # min_tokens count them.
+    resume_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
