@@ -23,6 +23,8 @@ SCHEDULER = "scheduler"
 WORKER = "worker"
 KVCACHE = "kvcache"
 SERVICES = (GATEWAY, SCHEDULER, WORKER, KVCACHE)
+SUPERVISOR = "supervisor"               # `make run`'s launcher (scripts/supervisor.py), no service
+EXPORTERS = (*SERVICES, SUPERVISOR)     # everything with a metrics endpoint
 
 HISTOGRAM_SERIES_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -167,6 +169,12 @@ KVCACHE_NODES = _family(KVCACHE, "nodes", GAUGE, (), "Nodes in the prefix index"
 KVCACHE_BLOCKS = _family(KVCACHE, "blocks", GAUGE, ("worker",), "Blocks the index holds for each worker")
 KVCACHE_EVENTS = _family(KVCACHE, "events_total", COUNTER, (), "Block events applied")
 KVCACHE_RESYNCS = _family(KVCACHE, "resyncs_total", COUNTER, (), "Full resyncs received from workers")
+
+# Supervisor (`make run`'s launcher): SUPERVISOR_METRICS_PORT (9104).
+SUPERVISOR_RESTARTS = _family(SUPERVISOR, "restarts_total", COUNTER, ("service",),
+                              "Times a service was started again after it exited")
+SUPERVISOR_START_TIME = _family(SUPERVISOR, "start_time_seconds", GAUGE, ("service",),
+                                "Unix time the service's current process was started")
 
 ALL_FAMILIES: tuple[MetricFamily, ...] = tuple(
     value for value in globals().copy().values() if isinstance(value, MetricFamily))

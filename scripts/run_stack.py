@@ -1,17 +1,19 @@
-"""`make run`: starts the stack on the default ports, prints the URL, and
-stops every process on Ctrl-C."""
+"""`make run`: starts the stack on the default ports, prints the URL, starts
+again a service that exits (supervisor.py), and stops every process on Ctrl-C
+or SIGTERM."""
 
 from __future__ import annotations
 
 import os
 import signal
 import sys
-import time
 from collections.abc import Mapping
 from pathlib import Path
 
+from common.metrics import serve_metrics
 from common.settings import SettingsError
 from scripts.stack import ROOT, Stack, StackPorts
+from scripts.supervisor import Supervisor, SupervisorMetrics, SupervisorSettings
 
 
 def ports_from_env(env: Mapping[str, str]) -> StackPorts:
@@ -37,6 +39,7 @@ def main() -> int:
         # INTERNAL_TOKEN and GRPC_TLS_* reach every service through the environment;
         # checked here first so that a bad one stops the start with its own message.
         auth = stack.internal_auth()
+        supervision = SupervisorSettings.from_env(os.environ)
     except SettingsError as error:
         print(f"invalid setting: {error}", file=sys.stderr)
         return 2
@@ -44,24 +47,33 @@ def main() -> int:
     # process started in the background inherits it ignored.
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
+    metrics = SupervisorMetrics()
+    try:
+        metrics_port = serve_metrics(supervision.metrics_port, metrics.registry,
+                                     host=supervision.metrics_host)
+    except OSError as error:
+        print(f"SUPERVISOR_METRICS_PORT={supervision.metrics_port} cannot be served: {error}",
+              file=sys.stderr)
+        return 2
     print("starting kvcache, scheduler, worker and gateway (logs in "
           f"{stack.log_dir}; internal calls: {auth!r}) ...", flush=True)
     try:
         stack.start(timeout_s=600)
-        print(f"\nfairserve is ready at {stack.url}  (dashboard: {stack.url}/dashboard)\n")
-        print("try:\n  curl -N " + stack.url + "/generate -d '{\"prompt\":\"The capital of France is\","
-              "\"max_tokens\":20,\"raw\":true}'\n\nCtrl-C stops every service.", flush=True)
-        while all(p.poll() is None for p in stack.processes.values()):
-            time.sleep(0.5)
-        dead = [name for name, p in stack.processes.items() if p.poll() is not None]
-        print(f"{', '.join(dead)} exited; stopping the rest. Last log lines:\n{stack.tail(dead[0])}",
-              file=sys.stderr)
-        return 1
+        print_banner(stack, metrics_port)
+        Supervisor(stack, metrics).run()   # until Ctrl-C or SIGTERM
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
         return 0
     finally:
         stack.stop()
+
+
+def print_banner(stack: Stack, metrics_port: int) -> None:
+    print(f"\nfairserve is ready at {stack.url}  (dashboard: {stack.url}/dashboard)\n")
+    print("try:\n  curl -N " + stack.url + "/generate -d '{\"prompt\":\"The capital of France is\","
+          "\"max_tokens\":20,\"raw\":true}'\n\n"
+          "A service that exits is started again (restarts: "
+          f"http://127.0.0.1:{metrics_port}/metrics). Ctrl-C stops every service.", flush=True)
 
 
 if __name__ == "__main__":

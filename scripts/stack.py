@@ -62,6 +62,8 @@ class Stack:
     env: dict[str, str]
     log_dir: Path
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    # How each process was started (module, extra environment), to start it again.
+    launches: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -91,11 +93,17 @@ class Stack:
     def _spawn(self, name: str, module: str, extra: dict[str, str] | None = None) -> None:
         env = self.service_env()
         env.update(extra or {})
-        log_file = open(self.log_dir / f"{name}.log", "ab")
-        self.processes[name] = subprocess.Popen(
-            [sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log_file,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self.launches[name] = (module, dict(extra or {}))
+        with open(self.log_dir / f"{name}.log", "ab") as log_file:
+            self.processes[name] = subprocess.Popen(
+                [sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log_file,
+                stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def respawn(self, name: str) -> None:
+        """Starts a service again the way it was first started (module, ports, id)."""
+        module, extra = self.launches[name]
+        self._spawn(name, module, extra)
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
         self.log_dir.mkdir(parents=True, exist_ok=True)

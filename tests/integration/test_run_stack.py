@@ -18,7 +18,8 @@ from tests.integration.conftest import TINY_ENV
 
 def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> None:
     names = ("GATEWAY_PORT", "GATEWAY_GRPC_PORT", "SCHEDULER_PORT", "SCHEDULER_METRICS_PORT",
-             "KVCACHE_PORT", "KVCACHE_METRICS_PORT", "WORKER_PORT", "WORKER_METRICS_PORT")
+             "KVCACHE_PORT", "KVCACHE_METRICS_PORT", "WORKER_PORT", "WORKER_METRICS_PORT",
+             "SUPERVISOR_METRICS_PORT")
     ports = dict(zip(names, map(str, free_ports(len(names)))))
     gateway = int(ports["GATEWAY_PORT"])
     env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path), **ports}

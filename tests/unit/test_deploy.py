@@ -93,3 +93,9 @@ def test_the_load_simulator_runs_only_with_its_profile_against_the_gateway() -> 
     assert "--wait" in command and loadsim["depends_on"] == ["gateway"]
     args = parse_args(command[3:])
     assert args.wait > 0 and args.users > 0
+
+
+def test_every_long_running_service_restarts_when_it_exits() -> None:
+    for name, spec in _compose("compose.yaml")["services"].items():
+        expected = ("no",) if "load" in spec.get("profiles", ()) else ("unless-stopped", "on-failure")
+        assert spec.get("restart") in expected, (name, spec.get("restart"))

@@ -1,9 +1,11 @@
 import re
 from pathlib import Path
 
+import yaml
+
 from common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
-from common.prometheus_names import (ALL_FAMILIES, COUNTER, HISTOGRAM, SERVICES, families_of,
-                                     family_of_series)
+from common.prometheus_names import (ALL_FAMILIES, COUNTER, EXPORTERS, HISTOGRAM, SERVICES,
+                                     families_of, family_of_series)
 
 ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "metrics.md"
@@ -21,7 +23,7 @@ def documented_families() -> dict[str, tuple[str, tuple[str, ...]]]:
 
 
 def test_names_follow_the_scheme():
-    pattern = re.compile(rf"^fairserve_({'|'.join(SERVICES)})_[a-z][a-z0-9_]*[a-z0-9]$")
+    pattern = re.compile(rf"^fairserve_({'|'.join(EXPORTERS)})_[a-z][a-z0-9_]*[a-z0-9]$")
     for family in ALL_FAMILIES:
         assert pattern.match(family.name), family.name
         assert family.name.split("_")[1] == family.service
@@ -34,7 +36,8 @@ def test_names_follow_the_scheme():
 def test_names_are_unique_and_every_service_exports_some():
     names = [family.name for family in ALL_FAMILIES]
     assert len(names) == len(set(names))
-    assert all(families_of(service) for service in SERVICES)
+    assert all(families_of(exporter) for exporter in EXPORTERS)
+    assert set(SERVICES) < set(EXPORTERS)
 
 
 def test_histograms_use_the_shared_buckets():
@@ -64,3 +67,10 @@ def test_docs_describe_the_stats_schema():
     for key in ('"ts"', '"gateway"', '"scheduler"', '"kvcache"', '"latency_ms"', '"workers"', '"clients"',
                 '"blocks_by_worker"', '"rejections"', '"holds"'):
         assert key in text, key
+
+
+def test_prometheus_scrapes_every_exporter() -> None:
+    config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == set(EXPORTERS)
+    assert jobs["supervisor"]["static_configs"] == [{"targets": ["localhost:9104"]}]
