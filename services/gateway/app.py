@@ -66,7 +66,8 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
     service = GenerationService(scheduler_client, tokenizer, metrics,
-                                quotas=TenantQuotas(settings.tenants.tenants))
+                                quotas=TenantQuotas(settings.tenants.tenants),
+                                scheduler_recovery_s=settings.scheduler_recovery_s)
     drain = Drain()
     app = FastAPI(
         title="fairserve gateway",

@@ -31,6 +31,9 @@ class GenerationSpec:
     user: str = ""                # the end user within the client (with API keys)
     weight: float = 1.0           # the client's VTC weight
     cache_salt: str = ""          # prefix-cache scope: "" shares cached blocks with everyone
+    # A continuation (continuation.py): tokens already streamed for this request
+    # before its scheduler was lost; max_tokens and min_tokens count them.
+    resume_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,16 @@ class Unavailable(BackendError):
         self.retry_after_s = retry_after_s
 
 
+class SchedulerLost(Unavailable):
+    """The connection to the scheduler failed (it is down, restarting or out of
+    reach), as opposed to the scheduler refusing the request: worth resubmitting."""
+
+
 class SchedulerBackend(Protocol):
+    # The scheduler has answered since start: a failed connection to it later is a
+    # lost scheduler, which requests wait for (continuation.py); before, a 503 at once.
+    scheduler_seen: bool
+
     def generate(self, spec: GenerationSpec, request_id: str,
                  trace_id: str = "") -> AsyncIterator[GenerationEvent]:
         """Streams the request's events; raises a BackendError on rejection.

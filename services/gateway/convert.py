@@ -7,6 +7,7 @@ from typing import Any
 import grpc
 
 from common.convert import logprob_from_proto, sampling_to_proto, usage_from_proto, usage_to_proto
+from common.grpc_server import REJECTION_KEY
 from common.types import Usage
 from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2, kvindex_pb2
 from services.gateway.backend import (
@@ -17,6 +18,7 @@ from services.gateway.backend import (
     InvalidGeneration,
     ModelInfo,
     Overloaded,
+    SchedulerLost,
     SchedulerView,
     TokenOutput,
     Unavailable,
@@ -61,6 +63,7 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         user=spec.user,
         weight=spec.weight,
         cache_salt=spec.cache_salt,
+        resume_token_ids=list(spec.resume_token_ids),
     )
 
 
@@ -134,6 +137,11 @@ def _retry_after_s(error: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
+def _refused(error: grpc.aio.AioRpcError) -> bool:
+    """Whether the scheduler itself refused the request (it marks its refusals)."""
+    return any(key == REJECTION_KEY for key, _value in error.trailing_metadata() or ())
+
+
 def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
     code = error.code()
     details = error.details() or ""
@@ -141,6 +149,8 @@ def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
         return Overloaded(details, _retry_after_s(error) or DEFAULT_RETRY_AFTER_S)
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidGeneration(details)
+    if code == grpc.StatusCode.UNAVAILABLE and not _refused(error):
+        return SchedulerLost(details or "the scheduler is unavailable", _retry_after_s(error))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unavailable(details or "the scheduler is unavailable", _retry_after_s(error))
     return BackendError(f"scheduler error {code.name}: {details}")

@@ -21,6 +21,7 @@ from services.gateway.backend import (
     SchedulerBackend,
     TokenOutput,
 )
+from services.gateway.continuation import ResumableGeneration
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_strings import StopStringMatcher
@@ -74,8 +75,9 @@ class GenerationService:
                  clock: Callable[[], float] = time.monotonic,
                  stop_drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S,
                  tracker: LatencyTracker | None = None,
-                 quotas: TenantQuotas | None = None) -> None:
+                 quotas: TenantQuotas | None = None, scheduler_recovery_s: float = 30.0) -> None:
         self._backend = backend
+        self._recovery_s = scheduler_recovery_s   # a lost scheduler's requests wait this long (continuation.py)
         # With API keys a spec's client id is its tenant's name, whose limits apply.
         self._quotas = quotas if quotas is not None else TenantQuotas(())
         self._tokenizer = tokenizer
@@ -93,11 +95,12 @@ class GenerationService:
         detokenizer = IncrementalDetokenizer(self._tokenizer, spec.prompt_token_ids)
         stops = StopStringMatcher(spec.stop)
         progress = _Progress(self._clock())
+        generation = ResumableGeneration(self._backend, spec, request_id, trace_id, self._recovery_s, self._clock)
         self._metrics.in_flight.inc()
         ticket: Ticket | None = None
         try:
             ticket = self._quotas.admit(spec.client_id)  # QuotaExceeded: a 429 for this tenant
-            async with aclosing(self._backend.generate(spec, request_id, trace_id)) as events:
+            async with aclosing(generation.events()) as events:
                 async for event in events:
                     for position, token in enumerate(event.tokens):
                         self._note_token(progress, ticket)
@@ -107,7 +110,7 @@ class GenerationService:
                         if check.stopped:
                             if check.text:
                                 yield TextDelta(check.text, (token,))
-                            usage = await self._cancel_and_drain(events, request_id, spec, progress)
+                            usage = await self._cancel_and_drain(events, generation, spec, progress)
                             yield self._finished(progress, spec, TextDelta("", (), "stop", usage))
                             return
                         yield TextDelta(check.text, (token,))
@@ -127,7 +130,7 @@ class GenerationService:
                 ticket.release()
             self._metrics.in_flight.dec()
             if not progress.finished:
-                self._cancel_in_background(request_id)
+                self._cancel_in_background(generation.request_id)
             self._conclude(progress, spec, "cancelled")  # abandoned: the client left
 
     async def complete(self, spec: GenerationSpec, request_id: str,
@@ -182,11 +185,11 @@ class GenerationService:
             return TextDelta(check.text, (), "stop", self._usage(finish, spec, progress))
         return TextDelta(check.text + stops.flush(), (), finish.reason, finish.usage)
 
-    async def _cancel_and_drain(self, events: AsyncIterator[GenerationEvent], request_id: str,
+    async def _cancel_and_drain(self, events: AsyncIterator[GenerationEvent], generation: ResumableGeneration,
                                 spec: GenerationSpec, progress: _Progress) -> Usage:
         """Cancels the rest after a stop string; waits briefly for the finish
         event, which carries the cached-token count."""
-        await self._backend.cancel(request_id)
+        await generation.cancel()
         finish: Finish | None = None
         try:
             async with asyncio.timeout(self._stop_drain_timeout_s):

@@ -34,6 +34,9 @@ class SchedulerClient:
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._kvcache = kvindex_pb2_grpc.KvIndexStub(self._kvcache_channel)
         self._model_info: ModelInfo | None = None  # once fully known, kept
+        # Whether the scheduler has answered since the gateway started: only then is
+        # a failed connection a lost scheduler worth waiting for (continuation.py).
+        self.scheduler_seen = False
 
     async def generate(self, spec: GenerationSpec, request_id: str,
                        trace_id: str = "") -> AsyncIterator[GenerationEvent]:
@@ -43,6 +46,7 @@ class SchedulerClient:
         )
         try:
             async for message in call:
+                self.scheduler_seen = True
                 yield convert.event_from_proto(message)
         except grpc.aio.AioRpcError as error:
             raise convert.backend_error_from_rpc(error) from None
@@ -66,6 +70,7 @@ class SchedulerClient:
             reply = await self._scheduler.Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
         except grpc.aio.AioRpcError as error:
             raise Unavailable(f"scheduler did not answer: {error.code().name}") from None
+        self.scheduler_seen = True
         return convert.scheduler_view_from_proto(reply)
 
     async def kvcache_stats(self) -> dict[str, Any]:
@@ -96,6 +101,7 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as error:
             log.debug("model info unavailable", extra={"error": error.code().name})
             return ModelInfo()
+        self.scheduler_seen = True
         info = convert.model_info_from_proto(reply)
         if info.known:
             self._model_info = info

@@ -40,6 +40,9 @@ class GatewaySettings:
     body_timeout_s: float = 30.0
     max_header_bytes: int = 16 * 1024
     grpc_max_message_bytes: int = 4 * ONE_MIB
+    # How long a request whose scheduler was lost waits for it to return, then
+    # goes on as a continuation (continuation.py); 0: it fails at once.
+    scheduler_recovery_s: float = 30.0
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
     drain_timeout_s: float = 30.0   # on SIGTERM, how long generations in flight may take to end
 
@@ -80,6 +83,7 @@ class GatewaySettings:
             grpc_max_message_bytes=read.int("GATEWAY_GRPC_MAX_MESSAGE_BYTES",
                                             cls.grpc_max_message_bytes, minimum=1024,
                                             maximum=64 * ONE_MIB),
+            scheduler_recovery_s=read.float("SCHEDULER_RECOVERY_S", cls.scheduler_recovery_s, minimum=0.0),
             internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
         )

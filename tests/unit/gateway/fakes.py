@@ -20,8 +20,10 @@ from services.gateway.backend import (
     GenerationSpec,
     ModelInfo,
     Readiness,
+    SchedulerLost,
     SchedulerView,
     TokenOutput,
+    Unavailable,
     WorkerView,
 )
 
@@ -42,6 +44,12 @@ class FakeScheduler:
 
     A token in stop_token_ids or EOS (unless ignore_eos) ends the request with
     "stop". Cancel() ends a running stream with "cancelled" at the next token.
+
+    Losing the scheduler: each entry of `lose_after` drops one call's connection
+    (SchedulerLost) after that many tokens; the calls after a loss raise the
+    errors of `after_loss` in turn (a scheduler restarting), or SchedulerLost
+    for ever with `stay_down`. A continuation (resume_token_ids) streams the
+    reply from after its resumed tokens, as the scheduler does.
     """
     reply_ids: Sequence[int] | Callable[[GenerationSpec], Sequence[int]] = ()
     token_delay_s: float = 0.0
@@ -56,6 +64,13 @@ class FakeScheduler:
     cancelled: list[str] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    lose_after: list[int] = field(default_factory=list)
+    after_loss: list[BackendError] = field(default_factory=lambda: [
+        SchedulerLost("failed to connect to all addresses"), Unavailable("no worker is registered")])
+    stay_down: bool = False
+    scheduler_seen: bool = True
+    _refusing: list[BackendError] = field(default_factory=list, init=False, repr=False)
+    _down: bool = field(default=False, init=False, repr=False)
 
     def reply_for(self, spec: GenerationSpec) -> list[int]:
         if callable(self.reply_ids):
@@ -65,14 +80,20 @@ class FakeScheduler:
     async def generate(self, spec: GenerationSpec, request_id: str,
                        trace_id: str = "") -> AsyncIterator[GenerationEvent]:
         self.requests.append(SentRequest(spec, request_id, trace_id))
+        if self._down or self._refusing:
+            raise self._refusing.pop(0) if self._refusing else SchedulerLost("failed to connect")
         if self.reject is not None:
             raise self.reject
-        produced = 0
+        produced = len(spec.resume_token_ids)
+        lose_at = self.lose_after.pop(0) if self.lose_after else None
         done = False
         try:
-            for token_id in self.reply_for(spec)[:spec.max_tokens]:
+            for token_id in self.reply_for(spec)[produced:spec.max_tokens]:
                 if self.token_delay_s:
                     await asyncio.sleep(self.token_delay_s)
+                if lose_at is not None and produced - len(spec.resume_token_ids) == lose_at:
+                    self._down, self._refusing = self.stay_down, list(self.after_loss)
+                    raise SchedulerLost("Socket closed")
                 if request_id in self.cancelled:
                     done = True
                     yield self._finish(spec, "cancelled", produced)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from common.convert import sampling_from_proto
-from common.grpc_server import GrpcServer
+from common.grpc_server import REJECTION_KEY, GrpcServer
 from common.types import SamplingParams
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.backend import (
@@ -19,6 +19,7 @@ from services.gateway.backend import (
     InvalidGeneration,
     ModelInfo,
     Overloaded,
+    SchedulerLost,
     Unavailable,
 )
 from services.gateway.scheduler_client import SchedulerClient
@@ -41,7 +42,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context.set_trailing_metadata((("retry-after", "5"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
         if request.client_id == "held":
-            context.set_trailing_metadata((("retry-after", "7"),))
+            context.set_trailing_metadata((("retry-after", "7"), (REJECTION_KEY, "timeout")))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "soft hold timed out after 30 s")
         if request.client_id == "huge":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "needs 9000 tokens, max 4096")
@@ -106,6 +107,7 @@ async def test_generate_streams_plain_events_with_request_id_metadata(backend: A
     client, scheduler, _server = backend
     events = [event async for event in client.generate(request(), "r1.0", trace_id="r1")]
     assert [event.tokens[0].token_id for event in events[:-1]] == [10, 11, 12]
+    assert client.scheduler_seen
     assert events[0].tokens[0].logprob.top[0].token_id == 10
     assert events[-1].finish.reason == "length"
     assert events[-1].finish.usage.cached_tokens == 2
@@ -125,11 +127,13 @@ async def test_rejections_become_backend_errors(backend: Any) -> None:
     with pytest.raises(Unavailable, match="hold") as held:
         [event async for event in client.generate(request(client_id="held"), "r1.0")]
     assert held.value.retry_after_s == 7
+    assert not isinstance(held.value, SchedulerLost)   # the scheduler's own refusal
     with pytest.raises(InvalidGeneration, match="9000"):
         [event async for event in client.generate(request(client_id="huge"), "r1.0")]
     dead = SchedulerClient("127.0.0.1:1", "127.0.0.1:1")
-    with pytest.raises(Unavailable):
+    with pytest.raises(SchedulerLost):   # no scheduler there: worth waiting for once seen
         [event async for event in dead.generate(request(), "r1.0")]
+    assert not dead.scheduler_seen
     assert not (await dead.readiness()).ready
     assert await dead.model_info() == ModelInfo()  # unreachable: unknown, asked again later
     await dead.close()
