@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from common.internal_auth import InternalAuth
 from common.model_store import default_cache_dir
 from common.settings import EnvReader, SettingsError
+from services.scheduler.registration import MAX_WORKER_ID_LENGTH
 from services.worker.engine.config import EngineConfig
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -33,6 +35,15 @@ def default_advertise_host(bind_host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
+
+
+def default_worker_id() -> str:
+    """A worker id unique per host and process: `worker-<hostname>-<pid>`, in the
+    scheduler's charset (letters, digits, '.', '_', '-'; at most 128 characters).
+    The hostname matters in containers, where every replica's worker is PID 1."""
+    host = re.sub(r"[^A-Za-z0-9._-]+", "-", socket.gethostname()).strip("-._") or "host"
+    suffix = f"-{os.getpid()}"
+    return "worker-" + host[:MAX_WORKER_ID_LENGTH - len("worker-") - len(suffix)] + suffix
 
 
 def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
@@ -98,7 +109,7 @@ class WorkerSettings:
             host=host,
             port=read.port("WORKER_PORT", 50061),
             advertise_host=read.str("WORKER_ADVERTISE_HOST", default_advertise_host(host)),
-            worker_id=read.str("WORKER_ID", f"worker-{os.getpid()}"),
+            worker_id=read.str("WORKER_ID", default_worker_id()),
             metrics_port=read.port("WORKER_METRICS_PORT", 9102),
             model_name=read.str("MODEL_NAME", ""),
             model_cache_dir=read.str("MODEL_CACHE_DIR", str(default_cache_dir())),

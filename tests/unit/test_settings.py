@@ -100,3 +100,20 @@ def test_worker_settings_hold_the_engine_config_with_the_model_dir_left_for_star
                                    "DTYPE": "float32"}) == settings.engine
     with pytest.raises(SettingsError, match="SPECULATIVE_NGRAM_MAX"):
         engine_config_from_env({"SPECULATIVE_NGRAM_MAX": "17"})
+
+
+@pytest.mark.parametrize("hostname", ["3f2a9c1b7d4e", "node-7.example.org", "bad host/ü_name", "-" * 5, "h" * 300])
+def test_worker_id_default_is_unique_per_host_and_valid_for_the_scheduler(monkeypatch, hostname: str) -> None:
+    """Replicas in containers are all PID 1: the hostname tells them apart."""
+    import os
+    import socket
+
+    from services.scheduler.registration import check_worker_id
+
+    monkeypatch.setattr(socket, "gethostname", lambda: hostname)
+    worker_id = WorkerSettings.from_env({}).worker_id
+    check_worker_id(worker_id)
+    assert worker_id.startswith("worker-") and worker_id.endswith(f"-{os.getpid()}")
+    monkeypatch.setattr(socket, "gethostname", lambda: "x" + hostname)
+    assert WorkerSettings.from_env({}).worker_id != worker_id
+    assert WorkerSettings.from_env({"WORKER_ID": "w-7"}).worker_id == "w-7"
