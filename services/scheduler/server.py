@@ -224,7 +224,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 await channel.close()
             await context.abort(*_registration_failure(request, error))
         await self._unlink(request.worker_id)
-        spec = convert.worker_spec_from_proto(info, request.worker_id, request.address, self._epochs.next())
+        spec = convert.worker_spec_from_proto(info, request.worker_id, request.address,
+                                              self._epochs.next(after=request.epoch))
         self._deliver(self._core.add_worker(spec))
         self._metrics.add_worker(spec.worker_id)
         link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub,

@@ -106,6 +106,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
             log.info("freed the sequences of an earlier scheduler registration",
                      extra={"sequences": freed, "epoch": epoch})
 
+    @property
+    def epoch(self) -> int:
+        """The scheduler registration the engine serves."""
+        return self._engine.epoch
+
     async def adopt_epoch(self, epoch: int) -> None:
         """A registration's epoch: what earlier ones left is freed now, not at
         the first step of the new one (which may be long in coming)."""
@@ -174,7 +179,8 @@ async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: st
         try:
             if not registered:
                 reply = await stub.RegisterWorker(
-                    scheduler_pb2.RegisterWorkerRequest(worker_id=worker_id, address=address), timeout=5)
+                    scheduler_pb2.RegisterWorkerRequest(worker_id=worker_id, address=address,
+                                                        epoch=service.epoch), timeout=5)
                 registered = True
                 interval_s = reply.heartbeat_interval_s or interval_s
                 log.info("registered with the scheduler", extra={"worker_id": worker_id, "address": address,

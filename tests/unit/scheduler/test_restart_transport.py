@@ -22,6 +22,8 @@ def test_epochs_only_grow() -> None:
     now = iter([500, 500, 499, 800])
     clock = EpochClock(lambda: next(now))
     assert [clock.next() for _ in range(4)] == [500, 501, 502, 800]
+    behind = EpochClock(lambda: 500)        # a clock behind the scheduler before it
+    assert behind.next(after=900) == 901 and behind.next() == 902
 
 
 async def test_each_registration_begins_a_larger_epoch_that_its_steps_carry(make_stack) -> None:

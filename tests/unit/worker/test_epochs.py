@@ -69,10 +69,12 @@ class FakeScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.known = True
         self.registered = asyncio.Event()
         self.registrations = 0
+        self.told: list[int] = []     # the epoch each registering worker said it served
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
         self.registrations += 1
+        self.told.append(request.epoch)
         self.epoch += 1
         self.known = True
         self.registered.set()
@@ -118,7 +120,7 @@ async def test_registering_frees_the_old_epochs_sequences_and_refuses_its_steps(
             # The scheduler forgets it (a restart): the next heartbeat registers again at once.
             scheduler.known = False
             await _until(lambda: thread.engine.epoch == 102, timeout_s=1.0)
-            assert scheduler.registrations == 2
+            assert scheduler.registrations == 2 and scheduler.told == [50, 101]
             stop.set()
             await asyncio.wait_for(registration, 5.0)
     finally:
