@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine loadsim unit integration clean
+.PHONY: run test install proto prepare-model bench-engine loadsim unit integration clean image
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,27 @@ bench-engine: install prepare-model
 #   make loadsim ARGS="--users 16 --duration 120"   or   ARGS="--rates 0.5,1,2 --requests 40"
 loadsim: install
 	$(PY) -m loadsim $(ARGS)
+
+# Container images, one per service (deploy/Dockerfile's stages), with docker or
+# podman, whichever is installed; tagged with the version and `latest`:
+#   make image                                   # CPU torch from download.pytorch.org
+#   make image VARIANT=cuda TORCH_INDEX_URL=     # PyPI's (CUDA) torch: fairserve-worker:<version>-cuda
+#   make image TORCH_INDEX_URL= BUILD_FLAGS="-v /opt/wheels:/opt/wheels:ro -v $$PWD/pip.conf:/etc/pip.conf:ro"
+VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+CONTAINER ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
+VARIANT ?= cpu
+IMAGE_SERVICES ?= $(if $(filter cuda,$(VARIANT)),worker,gateway scheduler kvcache worker proxy)
+TAG_SUFFIX := $(if $(filter cuda,$(VARIANT)),-cuda,)
+BUILD_FLAGS ?=
+
+image:
+	@test -n "$(CONTAINER)" || { echo "make image: neither docker nor podman is installed" >&2; exit 1; }
+	for service in $(IMAGE_SERVICES); do \
+	  $(CONTAINER) build $(if $(findstring podman,$(CONTAINER)),--format docker,) -f deploy/Dockerfile \
+	    --target $$service --build-arg VERSION=$(VERSION) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) \
+	    $(BUILD_FLAGS) -t fairserve-$$service:$(VERSION)$(TAG_SUFFIX) -t fairserve-$$service:latest$(TAG_SUFFIX) . || exit 1; \
+	done
 
 clean:
 	rm -rf gen $(VENV)
