@@ -14,6 +14,7 @@ planning (planning.py), the forward (forward.py) and sampling (sampling.py).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.device import dtype_name
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.forward import Forward
+from services.worker.engine.isolation import StepIsolation
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
@@ -37,6 +39,15 @@ from services.worker.engine.sampler import SampledToken, Sampler
 from services.worker.engine.sampling import LogitsRows, StepSampler
 from services.worker.engine.sequences import Sequences
 from services.worker.engine.sizing import default_num_blocks, layer_kv_layout, max_model_len
+
+
+@dataclass
+class _StepTotals:
+    """What a step's computed parts add up to (more than one when a failure was isolated)."""
+    planned: list[Planned] = field(default_factory=list)
+    forward_ms: float = 0.0
+    accepted: int = 0
+    logits_rows: LogitsRows = field(default_factory=LogitsRows)
 
 
 class Engine:
@@ -69,6 +80,7 @@ class Engine:
                                     self.block_size)
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
+        self.isolation = StepIsolation(self.sequences, self.pool)
         self.planner = StepPlanner(self.sequences, self.pool, self.kv, self.prompt_logits, PlanLimits(
             self.block_size, self.max_model_len, config.ngram_min, config.ngram_max))
         self._info = t.EngineInfo(
@@ -96,24 +108,34 @@ class Engine:
             self.sequences.free(seq_id)
         for new in batch.new_sequences:
             self.sequences.register(new)
-        results: list[t.SeqResult] = []
-        planned = self.planner.plan(batch.work, results)
-        forward_ms = 0.0
         replays = self.graphs.replays if self.graphs is not None else 0
-        accepted = 0
-        logits_rows = LogitsRows()
-        if planned:
-            started = time.perf_counter()
-            sampled = self._forward(planned, logits_rows)
-            forward_ms = (time.perf_counter() - started) * 1000.0
-            accepted = self.sequences.commit(planned, sampled, results)
-        return t.StepOutput(results=tuple(results), pool=self.pool.stats(), forward_ms=forward_ms,
+        totals = _StepTotals()
+        # A sequence whose planning or forward raises fails alone (isolation.py).
+        results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
+        planned, logits_rows = totals.planned, totals.logits_rows
+        return t.StepOutput(results=tuple(results), pool=self.pool.stats(), forward_ms=totals.forward_ms,
                             batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
                             graph_replayed=self.graphs is not None and self.graphs.replays > replays,
-                            draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=accepted,
+                            draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=totals.accepted,
                             screened_rows=logits_rows.screened, full_rows=logits_rows.full)
+
+    def _compute(self, work: list[t.WorkItem], totals: _StepTotals) -> list[t.SeqResult]:
+        """Plans, computes and commits `work`, adding to `totals`; an exception before the
+        commit leaves the sequences for the isolation to roll back."""
+        results: list[t.SeqResult] = []
+        planned = self.planner.plan(work, results)
+        if planned:
+            logits_rows = LogitsRows()
+            started = time.perf_counter()
+            sampled = self._forward(planned, logits_rows)
+            totals.forward_ms += (time.perf_counter() - started) * 1000.0
+            totals.accepted += self.sequences.commit(planned, sampled, results)
+            totals.planned.extend(planned)
+            totals.logits_rows.screened += logits_rows.screened
+            totals.logits_rows.full += logits_rows.full
+        return results
 
     def adopt_epoch(self, epoch: int) -> int:
         """Serves the scheduler registration `epoch` (every step's StepBatch.epoch). A

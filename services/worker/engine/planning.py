@@ -215,8 +215,10 @@ class StepPlanner:
         if tail_source is None:
             return self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
         self.pool.hold(tail_source)     # the allocation must not evict the block copied from
-        allocated = self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
-        if allocated:
-            self.kv.copy_slots(tail_source, self.pool.table(seq.seq_id)[len(cached_blocks)], copied)
-        self.pool.release(tail_source)
+        try:
+            allocated = self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
+            if allocated:
+                self.kv.copy_slots(tail_source, self.pool.table(seq.seq_id)[len(cached_blocks)], copied)
+        finally:
+            self.pool.release(tail_source)
         return allocated
