@@ -1,6 +1,7 @@
 """The scheduler's gRPC transport: the Scheduler service, one step loop per
-worker, the reaper for silent workers and queue timeouts, and KV-index
-lookups for routing. All scheduling decisions live in the core."""
+worker (each Step with a deadline, STEP_TIMEOUT_S), the reaper for silent
+workers and queue timeouts, and KV-index lookups for routing.
+All scheduling decisions live in the core."""
 
 from __future__ import annotations
 
@@ -32,9 +33,6 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 INFO_TIMEOUT_S = 10.0
-# A step of a long prompt chunk on a CPU can take seconds; a hung worker is
-# caught sooner by its missing heartbeats.
-STEP_TIMEOUT_S = 300.0
 KV_LOOKUP_TIMEOUT_S = 0.25
 KV_RETRY_AFTER_S = 5.0
 KV_MISSED_DEADLINES_BEFORE_PAUSE = 3
@@ -278,7 +276,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     if plan is not None:
                         self._log_plan(worker_id, plan)
                         call = asyncio.ensure_future(link.stub.Step(convert.step_batch_to_proto(plan),
-                                                                    timeout=STEP_TIMEOUT_S))
+                                                                    timeout=self._settings.step_timeout_s or None))
                         sent.append(_SentStep(call, time.perf_counter()))
                         continue
                 if not sent:

@@ -36,6 +36,8 @@ class SchedulerSettings:
     async_scheduling: bool = True
     speculative_tokens: int = 0
     speculative_max_batch: int = 8
+    max_migrations: int = _CORE.max_migrations
+    step_timeout_s: float = 60.0    # a Step RPC's deadline; 0: none
     log_level: str = "info"
     internal: InternalAuth = InternalAuth()
 
@@ -64,6 +66,8 @@ class SchedulerSettings:
             async_scheduling=read.bool("ASYNC_SCHEDULING", cls.async_scheduling),
             speculative_tokens=read.int("SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0, maximum=64),
             speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
+            max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
+            step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
             internal=InternalAuth.from_env(env),
         )
@@ -79,6 +83,7 @@ class SchedulerSettings:
             prefix_wait_min_tokens=self.prefix_wait_min_tokens,
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
+            max_migrations=self.max_migrations,
         )
 
     @property

@@ -8,6 +8,12 @@ already streamed, so their clients see no gap and no repeat. With no worker
 left, or none that could ever fit a resumed request, it ends with an error;
 a request that never ran is rejected.
 
+A request running on a worker that fails may be what failed it (a poison
+request that crashes every worker it runs on). Each such move counts as a
+failover of the request; one that has already failed over `max_migrations`
+times (MAX_MIGRATIONS) ends with an error instead of moving on. Moves of a
+worker leaving on purpose (drain) do not count.
+
 Invariant: between release() and rehome() the stranded requests are in no
 worker's lists, and the ones that were waiting are still counted as waiting
 (WaitingClients); rehome() puts each one in exactly one place again, or ends it.
@@ -32,10 +38,12 @@ class Stranded:
 
 
 class Failover:
-    def __init__(self, book: RequestBook, sessions: SessionMap, max_active_kv_tokens: int) -> None:
+    def __init__(self, book: RequestBook, sessions: SessionMap, max_active_kv_tokens: int,
+                 max_migrations: int = 2) -> None:
         self._book = book
         self._sessions = sessions
         self._max_active_kv_tokens = max_active_kv_tokens
+        self._max_migrations = max_migrations
 
     def release(self, worker: WorkerState) -> Stranded:
         """Empties a worker that is gone: its running requests are detached, its
@@ -51,22 +59,27 @@ class Failover:
         self._sessions.forget_worker(worker.worker_id)
         return Stranded(fresh, resumable + running)
 
-    def rehome(self, stranded: Stranded, workers: Sequence[WorkerState], reason: str) -> list[RequestUpdate]:
-        """Moves the stranded requests to `workers`; returns the updates for those that end."""
+    def rehome(self, stranded: Stranded, workers: Sequence[WorkerState], reason: str,
+               failed: bool = False) -> list[RequestUpdate]:
+        """Moves the stranded requests to `workers`; returns the updates for those that end.
+        `failed`: their worker failed, so each request running there counts a failover."""
         updates: list[RequestUpdate] = []
         for request in stranded.resumable:
-            updates.extend(self._migrate(request, workers, reason))
+            updates.extend(self._migrate(request, workers, reason, failed))
         for request in stranded.fresh:
             updates.extend(self._reroute(request, workers))
         return updates
 
-    def _migrate(self, request: RequestState, workers: Sequence[WorkerState], reason: str) -> list[RequestUpdate]:
+    def _migrate(self, request: RequestState, workers: Sequence[WorkerState], reason: str,
+                 failed: bool = False) -> list[RequestUpdate]:
         """Queues a request that ran on the gone worker on another one, to be
         resumed from its prompt and the tokens it has produced."""
         waiting = request.phase is Phase.PENDING     # preempted before: still counted as waiting
         target = choose_worker(workers, None, {})
         problem = "no worker is left to resume it" if target is None else never_fit(
             target.spec, len(request.prompt), request.max_tokens, self._max_active_kv_tokens)
+        if failed and not waiting:
+            problem = problem or self._failover_limit(request)
         if problem:
             if waiting:
                 self._book.waiting.leave(request.client_id, request.user)
@@ -77,6 +90,14 @@ class Failover:
         self._move_to(target, request, counted_as_waiting=waiting)
         self._book.counts.migrations += 1
         return []
+
+    def _failover_limit(self, request: RequestState) -> str:
+        """Counts a failover of a request that was running; past the limit, why it ends."""
+        if request.failovers >= self._max_migrations:
+            return (f"the request was running on {request.failovers + 1} workers that failed "
+                    f"(MAX_MIGRATIONS={self._max_migrations}); it is not moved again")
+        request.failovers += 1
+        return ""
 
     def _reroute(self, request: RequestState, workers: Sequence[WorkerState]) -> list[RequestUpdate]:
         """Moves a request that was only waiting to another worker."""

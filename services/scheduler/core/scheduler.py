@@ -68,7 +68,7 @@ class SchedulerCore:
         self._requests, self._by_seq = self._book.requests, self._book.by_seq
         self._waiting_by_client = self._book.waiting
         self._sessions = SessionMap()
-        self._failover = Failover(self._book, self._sessions, config.max_active_kv_tokens)
+        self._failover = Failover(self._book, self._sessions, config.max_active_kv_tokens, config.max_migrations)
         self._arrivals = count()
         self._step_ids = count(1)
 
@@ -87,7 +87,8 @@ class SchedulerCore:
         pool = PoolStats(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
                             cached_blocks=0, used_blocks=0)
         self._workers[spec.worker_id] = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
-        return self._failover.rehome(stranded, list(self._workers.values()), f"worker {spec.worker_id} restarted")
+        return self._failover.rehome(stranded, list(self._workers.values()), f"worker {spec.worker_id} restarted",
+                                     failed=True)
 
     def heartbeat(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
@@ -107,7 +108,7 @@ class SchedulerCore:
             return []
         stranded = self._failover.release(worker)
         del self._workers[worker_id]
-        return self._failover.rehome(stranded, list(self._workers.values()), message)
+        return self._failover.rehome(stranded, list(self._workers.values()), message, failed=True)
 
     def drain_worker(self, worker_id: str) -> DrainOutcome:
         """A worker leaving on purpose: routed nothing new, its requests moved (drain.py)."""

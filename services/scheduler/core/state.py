@@ -45,6 +45,8 @@ class RequestState:
     # tokens than inflight_samples may come back.
     inflight_drafts: int = 0
     held_by: set[Gate] = field(default_factory=set)
+    # Times it was running on a worker that failed and moved on (failover.py, MAX_MIGRATIONS).
+    failovers: int = 0
 
     @classmethod
     def arriving(cls, spec: RequestSpec, client_id: str, max_tokens: int, arrival_s: float,

@@ -65,6 +65,9 @@ class CoreConfig:
     # speculative_max_batch requests decode on the worker (0: any number).
     speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    # A request running on a worker that fails moves to another at most this
+    # many times, then ends with an error (a request that crashes workers).
+    max_migrations: int = 2
 
 
 @dataclass(frozen=True)
