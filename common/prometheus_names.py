@@ -89,6 +89,9 @@ GATEWAY_E2E = _family(GATEWAY, "e2e_latency_seconds", HISTOGRAM, (),
                       "Request received to last token sent", LATENCY_BUCKETS_S)
 GATEWAY_INPUT_TOKENS = _family(GATEWAY, "input_tokens_total", COUNTER, (),
                                "Prompt tokens of finished requests")
+GATEWAY_DEPENDENCY_UP = _family(GATEWAY, "dependency_up", GAUGE, ("dependency",),
+                                "1 while the service answered the gateway's last probe, else 0: "
+                                "scheduler, kvcache")
 GATEWAY_OUTPUT_TOKENS = _family(GATEWAY, "output_tokens_total", COUNTER, (),
                                 "Generated tokens sent to clients")
 
@@ -122,6 +125,8 @@ SCHEDULER_CLIENT_VTC = _family(SCHEDULER, "client_vtc_tokens", GAUGE, ("client",
                                "Virtual token counter of each fairness client (weighted tokens)")
 SCHEDULER_CLIENT_SERVED_TOKENS = _family(SCHEDULER, "client_served_tokens_total", COUNTER, ("client",),
                                          "Tokens served to each fairness client")
+SCHEDULER_KV_INDEX_UP = _family(SCHEDULER, "kv_index_up", GAUGE, (),
+                                "1 while routing uses the KV index; 0 while its lookups fail and are paused")
 SCHEDULER_POLICY = _family(SCHEDULER, "policy_info", GAUGE, ("policy",),
                            "Always 1; the label names the scheduling policy")
 

@@ -153,15 +153,17 @@ def usage_dict(usage: Usage) -> dict[str, int]:
 
 
 @router.get("/health")
-async def health() -> dict[str, str]:
-    return {"status": "ok"}
+async def health(request: Request) -> dict[str, Any]:
+    """Alive: always 200. `degraded` names the services behind the gateway that
+    did not answer its latest probe (it never waits for one)."""
+    return {"status": "ok", "degraded": gateway_state(request).dependencies.degraded_now()}
 
 
 @router.get("/ready", responses={503: {"description": "not ready, with the reason"}})
 async def ready(request: Request) -> Response:
     if gateway_state(request).drain.draining:
         return api_error_response(unavailable("the gateway is shutting down"))
-    readiness = await gateway_state(request).backend.readiness()
+    readiness = await gateway_state(request).dependencies.probe()
     if not readiness.ready:
         return api_error_response(unavailable(readiness.reason))
     return JSONResponse({"status": "ready"})
@@ -169,8 +171,9 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    registry = gateway_state(request).metrics.registry
-    return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+    state = gateway_state(request)
+    await state.dependencies.recent()     # fresh dependency_up gauges
+    return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/stats")
@@ -178,11 +181,12 @@ async def stats(request: Request) -> Response:
     """The live page's feed (schema: docs/metrics.md). A service that does
     not answer gives null for its part; the answer is still 200."""
     state = gateway_state(request)
-    scheduler, kvcache = await asyncio.gather(
+    scheduler, kvcache, readiness = await asyncio.gather(
         stats_part("scheduler", scheduler_details(state.backend)),
-        stats_part("kvcache", state.backend.kvcache_stats()))
+        stats_part("kvcache", state.backend.kvcache_stats()), state.dependencies.recent())
     return JSONResponse({"ts": time.time(), "gateway": state.service.tracker.snapshot(),
-                         "scheduler": scheduler, "kvcache": kvcache})
+                         "scheduler": scheduler, "kvcache": kvcache,
+                         "dependencies": dict(readiness.dependencies)})
 
 
 async def scheduler_details(backend: SchedulerBackend) -> dict[str, Any]:

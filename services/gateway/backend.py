@@ -87,8 +87,17 @@ class SchedulerView:
 
 @dataclass(frozen=True)
 class Readiness:
+    """Ready when the scheduler answers with a healthy worker. `dependencies`
+    says which services answered the probe; one down while ready (the kvcache
+    index: routing does without it) leaves the gateway serving, degraded."""
     ready: bool
     reason: str = ""
+    dependencies: tuple[tuple[str, bool], ...] = ()   # (service, answered)
+
+    @property
+    def degraded(self) -> tuple[str, ...]:
+        """The services that did not answer."""
+        return tuple(name for name, up in self.dependencies if not up)
 
 
 class BackendError(Exception):

@@ -53,6 +53,10 @@ class GatewayMetrics:
         self.e2e = names.histogram(names.GATEWAY_E2E, registry)
         self.input_tokens = names.counter(names.GATEWAY_INPUT_TOKENS, registry)
         self.output_tokens = names.counter(names.GATEWAY_OUTPUT_TOKENS, registry)
+        # Set by each readiness probe (dependencies.py); 0 until the first.
+        self.dependency_up = names.gauge(names.GATEWAY_DEPENDENCY_UP, registry)
+        for dependency in ("scheduler", "kvcache"):
+            self.dependency_up.labels(dependency=dependency)
         access = _AccessLogView(self.http_requests, self.http_duration)
         # The names the access middleware records with (see _AccessLogView).
         self.requests = _Labeller(access.count)

@@ -1,15 +1,16 @@
 """The gateway's gRPC client for the scheduler (and the kvcache service,
-which it only probes for readiness and stats)."""
+which it only asks for its stats, as a probe too)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 
-from common.grpc_server import check_health, internal_channel, request_metadata
+from common.grpc_server import internal_channel, request_metadata
 from common.internal_auth import InternalAuth
 from fairserve.v1 import common_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
@@ -81,15 +82,19 @@ class SchedulerClient:
         return convert.kvcache_stats_to_dict(reply)
 
     async def readiness(self) -> Readiness:
-        try:
-            view = await self.scheduler_stats()
-        except BackendError as error:
-            return Readiness(False, error.message)
-        if view.healthy_workers < 1:
-            return Readiness(False, "no healthy worker is registered with the scheduler")
-        if not await check_health(self._kvcache_channel, timeout_s=PROBE_TIMEOUT_S):
-            return Readiness(False, "kvcache service is not serving")
-        return Readiness(True)
+        """Needs the scheduler and a healthy worker. The kvcache index is asked
+        at the same time for its stats (which fail while its Redis does), and
+        only reported: routing goes on without it."""
+        scheduler, kvcache = await asyncio.gather(self.scheduler_stats(), self.kvcache_stats(),
+                                                  return_exceptions=True)
+        dependencies = (("scheduler", not isinstance(scheduler, BaseException)),
+                        ("kvcache", not isinstance(kvcache, BaseException)))
+        if isinstance(scheduler, BaseException):
+            message = scheduler.message if isinstance(scheduler, BackendError) else repr(scheduler)
+            return Readiness(False, message, dependencies)
+        if scheduler.healthy_workers < 1:
+            return Readiness(False, "no healthy worker is registered with the scheduler", dependencies)
+        return Readiness(True, "", dependencies)
 
     async def model_info(self) -> ModelInfo:
         """Asks the scheduler until a worker has registered, then keeps the answer."""

@@ -21,6 +21,7 @@ from services.gateway.chat_template import (
     user_turn_ids,
 )
 from services.gateway.drain import Drain
+from services.gateway.dependencies import DependencyMonitor
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
@@ -45,6 +46,11 @@ class GatewayState:
     @cached_property
     def tokenizer_size(self) -> int:
         return len(self.tokenizer)
+
+    @cached_property
+    def dependencies(self) -> DependencyMonitor:
+        """The services behind the gateway as last probed (/ready, /health, /stats, /metrics)."""
+        return DependencyMonitor(self.backend, self.metrics.dependency_up)
 
     async def limits(self) -> Limits:
         """The MAX_MODEL_LEN setting, else the workers' context length (None

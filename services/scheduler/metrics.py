@@ -159,6 +159,12 @@ class SchedulerMetrics:
                                        registry=self.registry)
         wait = names.SCHEDULER_QUEUE_WAIT
         self._queue_wait = Histogram(wait.name, wait.help, buckets=wait.buckets, registry=self.registry)
+        self._kv_index_up = names.gauge(names.SCHEDULER_KV_INDEX_UP, self.registry)
+        self._kv_index_up.set(1)
+
+    def set_kv_index_up(self, up: bool) -> None:
+        """Whether routing uses the KV index now (kv_router.KvIndexRouter)."""
+        self._kv_index_up.set(1 if up else 0)
 
     def publish(self, stats: CoreStats) -> None:
         self.snapshot = stats

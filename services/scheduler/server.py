@@ -1,6 +1,6 @@
 """The scheduler's gRPC transport: the Scheduler service, one step loop per
 worker (each Step with a deadline, STEP_TIMEOUT_S), the reaper for silent
-workers and queue timeouts, and KV-index lookups for routing.
+workers and queue timeouts, and KV-index lookups for routing (kv_router.py).
 All scheduling decisions live in the core."""
 
 from __future__ import annotations
@@ -10,21 +10,22 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc, worker_pb2
+from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 from fairserve.v1 import worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, internal_channel, request_id_from, request_metadata
+from common.grpc_server import GrpcServer, internal_channel, request_id_from
 from common.internal_auth import InternalAuth
 from common.sequence_ids import request_id_of
 
 from services.scheduler import convert
 from services.scheduler.core import Rejection, RequestUpdate, SchedulerCore, StepBatch
 from services.scheduler.epochs import EpochClock
+from services.scheduler.kv_router import KvIndexRouter
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registration import RegistrationError, check_registration, check_worker_figures
 from services.scheduler.settings import SchedulerSettings
@@ -33,65 +34,7 @@ log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 INFO_TIMEOUT_S = 10.0
-KV_LOOKUP_TIMEOUT_S = 0.25
-KV_RETRY_AFTER_S = 5.0
-KV_MISSED_DEADLINES_BEFORE_PAUSE = 3
 MAX_REAPER_INTERVAL_S = 0.25
-
-
-class KvIndexRouter:
-    """Asks the KV index which worker holds the longest cached prefix. A lookup
-    that fails routes its request without the index. An unreachable index, or
-    several lookups in a row past their deadline, is left alone for a while; one
-    slow lookup (a pause on a busy host) is not, so that it does not turn off
-    cache-aware routing for everything that follows."""
-
-    def __init__(self, address: str, clock: Callable[[], float],
-                 stub: kvindex_pb2_grpc.KvIndexStub | None = None, auth: InternalAuth = InternalAuth()) -> None:
-        self._address = address
-        self._auth = auth
-        self._clock = clock
-        self._channel: grpc.aio.Channel | None = None
-        self._stub = stub
-        self._skip_until = 0.0
-        self._missed_deadlines = 0
-
-    async def cached_prefix_tokens(self, token_ids: Sequence[int], request_id: str | None = None,
-                                   cache_salt: str = "") -> dict[str, int]:
-        """worker_id -> cached prefix tokens of `token_ids` under `cache_salt` ({} without the index)."""
-        if self._clock() < self._skip_until:
-            return {}
-        try:
-            reply = await self._lookup_stub().Lookup(
-                kvindex_pb2.LookupRequest(token_ids=token_ids, cache_salt=cache_salt), timeout=KV_LOOKUP_TIMEOUT_S,
-                metadata=request_metadata(request_id))
-        except grpc.aio.AioRpcError as error:
-            self._on_failure(error.code())
-            return {}
-        self._missed_deadlines = 0
-        return convert.cached_prefix_tokens(reply)
-
-    def _lookup_stub(self) -> kvindex_pb2_grpc.KvIndexStub:
-        if self._stub is None:
-            self._channel = internal_channel(self._address, self._auth)
-            self._stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
-        return self._stub
-
-    def _on_failure(self, code: grpc.StatusCode) -> None:
-        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-            self._missed_deadlines += 1
-            if self._missed_deadlines < KV_MISSED_DEADLINES_BEFORE_PAUSE:
-                log.info("kv index lookup timed out; routing this request without it",
-                         extra={"kvcache_addr": self._address})
-                return
-        self._missed_deadlines = 0
-        self._skip_until = self._clock() + KV_RETRY_AFTER_S
-        log.warning("kv index lookups failing; routing without the index for a while",
-                    extra={"kvcache_addr": self._address, "code": code.name, "pause_s": KV_RETRY_AFTER_S})
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
 
 
 @dataclass
@@ -119,7 +62,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._metrics = metrics
         self._core = SchedulerCore(settings.core_config(), clock, new_id)
         self._epochs = EpochClock()
-        self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal)
+        self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal,
+                                 on_availability=metrics.set_kv_index_up)
         self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
         self._links: dict[str, _WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None

@@ -148,7 +148,8 @@ def test_histograms_use_the_llm_buckets(warm_stack: Stack) -> None:
 
 def test_stats_has_every_part_with_live_numbers(warm_stack: Stack) -> None:
     stats = httpx.get(f"{warm_stack.url}/stats", timeout=10).json()
-    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache"}
+    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache", "dependencies"}
+    assert stats["dependencies"] == {"scheduler": True, "kvcache": True}
     gateway = stats["gateway"]
     assert set(gateway["latency_ms"]) == set(LATENCIES)
     for name in LATENCIES:

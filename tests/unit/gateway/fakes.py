@@ -60,6 +60,7 @@ class FakeScheduler:
     vocab_size: int | None = None  # None: no worker has told it yet
     healthy_workers: int = 1
     kvcache_serving: bool = True
+    readiness_probes: int = 0
     requests: list[SentRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
     abandoned: list[str] = field(default_factory=list)
@@ -140,11 +141,11 @@ class FakeScheduler:
         return {"lookups": 0, "backend": "memory"}
 
     async def readiness(self) -> Readiness:
+        self.readiness_probes += 1
+        dependencies = (("scheduler", True), ("kvcache", self.kvcache_serving))
         if self.healthy_workers < 1:
-            return Readiness(False, "no healthy worker is registered with the scheduler")
-        if not self.kvcache_serving:
-            return Readiness(False, "kvcache service is not serving")
-        return Readiness(True)
+            return Readiness(False, "no healthy worker is registered with the scheduler", dependencies)
+        return Readiness(True, "", dependencies)
 
     async def model_info(self) -> ModelInfo:
         return ModelInfo(max_model_len=self.model_len, vocab_size=self.vocab_size)

@@ -239,16 +239,20 @@ async def test_generation_error_is_500_or_an_error_event(client: httpx.AsyncClie
 
 
 async def test_health_ready_stats_and_metrics(client: httpx.AsyncClient, fake: FakeScheduler) -> None:
-    assert (await client.get("/health")).json() == {"status": "ok"}
+    assert (await client.get("/health")).json() == {"status": "ok", "degraded": []}
     assert (await client.get("/ready")).status_code == 200
-    fake.kvcache_serving = False
-    assert "kvcache" in assert_error_shape(await client.get("/ready"), 503)["message"]
+    fake.kvcache_serving = False     # the index is a routing hint: ready still, and degraded
+    assert (await client.get("/ready")).status_code == 200
+    assert (await client.get("/health")).json() == {"status": "ok", "degraded": ["kvcache"]}
     fake.healthy_workers = 0
     assert "worker" in assert_error_shape(await client.get("/ready"), 503)["message"]
     stats = (await client.get("/stats")).json()
-    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache"}
+    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache", "dependencies"}
+    assert stats["dependencies"] == {"scheduler": True, "kvcache": False}
     await post(client, {"prompt": "Hi", "stream": False})
     metrics = (await client.get("/metrics")).text
+    assert 'fairserve_gateway_dependency_up{dependency="kvcache"} 0.0' in metrics
+    assert 'fairserve_gateway_dependency_up{dependency="scheduler"} 1.0' in metrics
     assert 'fairserve_gateway_http_requests_total{code="200",method="POST",route="/generate"} 1.0' in metrics
     assert "fairserve_gateway_ttft_seconds_bucket" in metrics
     assert "fairserve_gateway_e2e_latency_seconds_count 1.0" in metrics

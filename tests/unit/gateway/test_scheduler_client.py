@@ -134,7 +134,8 @@ async def test_rejections_become_backend_errors(backend: Any) -> None:
     with pytest.raises(SchedulerLost):   # no scheduler there: worth waiting for once seen
         [event async for event in dead.generate(request(), "r1.0")]
     assert not dead.scheduler_seen
-    assert not (await dead.readiness()).ready
+    down = await dead.readiness()
+    assert not down.ready and down.degraded == ("scheduler", "kvcache")
     assert await dead.model_info() == ModelInfo()  # unreachable: unknown, asked again later
     await dead.close()
 
@@ -151,16 +152,15 @@ async def test_closing_the_stream_cancels_the_rpc(backend: Any) -> None:
     assert await client.cancel("r1.0") and scheduler.cancel_ids == ["r1.0"]
 
 
-async def test_readiness_needs_a_worker_and_the_kvcache(backend: Any) -> None:
+async def test_readiness_needs_a_worker_and_only_reports_the_kvcache(backend: Any) -> None:
     client, scheduler, server = backend
     not_ready = await client.readiness()
     assert not not_ready.ready and "worker" in not_ready.reason
     scheduler.worker_address = f"127.0.0.1:{server.port}"
-    assert (await client.readiness()).ready
+    ready = await client.readiness()     # this server has no index: serving goes on without it
+    assert ready.ready and ready.dependencies == (("scheduler", True), ("kvcache", False))
+    assert ready.degraded == ("kvcache",)
     assert (await client.scheduler_stats()).details["policy"] == "fcfs"
-    await server.set_serving(False)
-    down = await client.readiness()
-    assert not down.ready and "kvcache" in down.reason
 
 
 async def test_model_info_comes_from_the_scheduler_and_is_kept_once_known(backend: Any) -> None:

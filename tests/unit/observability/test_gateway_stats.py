@@ -139,7 +139,8 @@ async def test_stats_keeps_its_shape_and_gives_null_for_a_service_that_is_down(
     reply = await client.get("/stats")
     assert reply.status_code == 200
     stats = reply.json()
-    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache"}
+    assert set(stats) == {"ts", "gateway", "scheduler", "kvcache", "dependencies"}
+    assert set(stats["dependencies"]) == {"scheduler", "kvcache"}
     assert isinstance(stats["ts"], float) and stats["gateway"]["window_s"] == 60.0
     for part in ("scheduler", "kvcache"):
         assert (stats[part] is None) == (part in down), part

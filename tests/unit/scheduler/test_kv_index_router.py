@@ -8,7 +8,7 @@ import asyncio
 import grpc
 from fairserve.v1 import kvindex_pb2
 
-from services.scheduler.server import KV_MISSED_DEADLINES_BEFORE_PAUSE, KV_RETRY_AFTER_S, KvIndexRouter
+from services.scheduler.kv_router import KV_MISSED_DEADLINES_BEFORE_PAUSE, KV_RETRY_AFTER_S, KvIndexRouter
 
 
 class FakeClock:
@@ -79,3 +79,18 @@ def test_an_unreachable_index_is_paused_at_once() -> None:
     assert lookup(router) == {} and index.calls == 1
     clock.now += 0.1
     assert lookup(router) == {"w0": 4}
+
+
+def test_availability_goes_down_with_the_pause_and_up_with_the_next_answer() -> None:
+    index, clock = ScriptedIndex(), FakeClock()
+    heard: list[bool] = []
+    router = KvIndexRouter("unused", clock, stub=index, on_availability=heard.append)
+    index.failures = [grpc.StatusCode.DEADLINE_EXCEEDED]
+    lookup(router)
+    assert router.available and heard == []           # one slow lookup is not an outage
+    index.failures = [grpc.StatusCode.UNAVAILABLE]
+    lookup(router)
+    assert not router.available and heard == [False]
+    clock.now += KV_RETRY_AFTER_S
+    assert lookup(router) == {"w0": 4}
+    assert router.available and heard == [False, True]

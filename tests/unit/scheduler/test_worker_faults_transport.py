@@ -3,15 +3,17 @@ alone (STEP_ERROR_INTERNAL) ends its request with an error message while the
 others on the worker go on; a worker whose step hangs (while it still
 heartbeats) leaves the rotation when the Step deadline (STEP_TIMEOUT_S)
 passes, and its request resumes on another worker with nothing lost. And the
-scheduler's settings for both."""
+scheduler's settings and gauge for its view of the KV index."""
 
 from __future__ import annotations
 
 import pytest
 from fairserve.v1 import scheduler_pb2
+from prometheus_client import generate_latest
 
 from common.settings import SettingsError
 from common.step import SeqResult, StepError
+from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
@@ -70,3 +72,10 @@ def test_settings_read_the_new_variables() -> None:
     for name, value in (("STEP_TIMEOUT_S", "-1"), ("MAX_MIGRATIONS", "-1"), ("MAX_MIGRATIONS", "two")):
         with pytest.raises(SettingsError, match=name):
             SchedulerSettings.from_env({name: value})
+
+
+def test_the_kv_index_gauge_follows_the_router() -> None:
+    metrics = SchedulerMetrics()
+    assert b"fairserve_scheduler_kv_index_up 1.0" in generate_latest(metrics.registry)
+    metrics.set_kv_index_up(False)
+    assert b"fairserve_scheduler_kv_index_up 0.0" in generate_latest(metrics.registry)
