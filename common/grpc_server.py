@@ -22,9 +22,13 @@ REQUEST_ID_KEY = "x-request-id"
 # an UNAVAILABLE status without it is a lost connection, not a refusal.
 REJECTION_KEY = "x-fairserve-rejection"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+MAX_RECONNECT_BACKOFF_MS = 2000
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # A service that restarts is dialled again within this (gRPC's default
+    # backoff grows to two minutes, far longer than a restart takes).
+    ("grpc.max_reconnect_backoff_ms", MAX_RECONNECT_BACKOFF_MS),
 ]
 
 log = logging.getLogger(__name__)

@@ -11,6 +11,12 @@ replaces whatever the index remembered about it. Events stay pending until
 the index acknowledges them (next_seq); re-sending after a transport error is
 safe because the index skips seqs it already applied. When the index answers
 resync_needed, pending events are dropped: the snapshot covers them.
+
+An index that restarted without its state (in memory, or a Redis that lost
+its data) knows nothing of this worker and answers the next publish with
+resync_needed. So that an idle worker is re-indexed too, run() sends an empty
+batch when nothing has reached the index for keepalive_s: the same answer
+comes back, and the snapshot follows.
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ SnapshotFn = Callable[[], Iterable[BlockStored] | Awaitable[Iterable[BlockStored
 class KvEventPublisher:
     def __init__(self, worker_id: str, send: SendFn, snapshot: SnapshotFn,
                  max_batch_events: int = 512, max_pending_events: int = 50_000,
-                 max_resyncs_per_flush: int = 3) -> None:
+                 max_resyncs_per_flush: int = 3, keepalive_s: float = 2.0) -> None:
         self.worker_id = worker_id
         self._send = send
         self._snapshot = snapshot
         self._max_batch = max_batch_events
         self._max_pending = max_pending_events
         self._max_resyncs = max_resyncs_per_flush
+        self._keepalive_s = keepalive_s
+        self._last_contact = float("-inf")   # loop time of the index's last answer
         # Events may come from the engine's thread while a flush runs on the loop.
         self._lock = threading.Lock()
         self._flush_lock = asyncio.Lock()
@@ -110,10 +118,12 @@ class KvEventPublisher:
 
     # ------------------------------------------------------------- sending
 
-    async def flush(self) -> bool:
+    async def flush(self, probe: bool = False) -> bool:
         """Sends everything pending. True when the index acknowledged all of
         it; False when it kept asking for resyncs. Transport errors propagate
-        and leave the events pending for the next flush."""
+        and leave the events pending for the next flush. With `probe` and
+        nothing else to send, an empty batch asks whether the index still
+        knows this worker."""
         async with self._flush_lock:
             resyncs = 0
             while True:
@@ -122,12 +132,14 @@ class KvEventPublisher:
                         return False
                     resyncs += 1
                     await self._send_snapshot()
+                    probe = False
                     continue
                 with self._lock:
                     batch = tuple(self._pending[:self._max_batch])
-                if not batch:
+                if not batch and not probe:
                     return True
-                result = await self._send(PublishBatch(self.worker_id, batch))
+                probe = False
+                result = await self._contact(PublishBatch(self.worker_id, batch))
                 self.events_sent += len(batch)
                 with self._lock:
                     if result.resync_needed:
@@ -151,9 +163,9 @@ class KvEventPublisher:
             chains = self._snapshot()
             if inspect.isawaitable(chains):
                 chains = await chains
-            result = await self._send(PublishBatch(self.worker_id, full_resync=True,
-                                                   snapshot=tuple(chains),
-                                                   snapshot_seq=snapshot_seq))
+            result = await self._contact(PublishBatch(self.worker_id, full_resync=True,
+                                                      snapshot=tuple(chains),
+                                                      snapshot_seq=snapshot_seq))
         except BaseException:
             self.request_resync()
             raise
@@ -161,12 +173,19 @@ class KvEventPublisher:
         if result.resync_needed:
             self.request_resync()
 
+    async def _contact(self, batch: PublishBatch) -> PublishResult:
+        result = await self._send(batch)
+        self._last_contact = asyncio.get_running_loop().time()
+        return result
+
     async def run(self, interval_s: float, stop: asyncio.Event, max_backoff_s: float = 5.0) -> None:
         """Flushes every interval_s until `stop` is set, then once more. While
         the index is unreachable it backs off and logs once, not every time."""
         failures = 0
+        loop = asyncio.get_running_loop()
         while not stop.is_set():
-            failures = await self._flush_logged(failures)
+            probe = loop.time() - self._last_contact >= self._keepalive_s
+            failures = await self._flush_logged(failures, probe)
             delay = min(interval_s * (2 ** min(failures, 16)), max(max_backoff_s, interval_s))
             try:
                 await asyncio.wait_for(stop.wait(), timeout=delay)
@@ -174,10 +193,10 @@ class KvEventPublisher:
                 pass
         await self._flush_logged(failures)
 
-    async def _flush_logged(self, failures: int) -> int:
+    async def _flush_logged(self, failures: int, probe: bool = False) -> int:
         """One flush; returns the updated count of consecutive failures."""
         try:
-            await self.flush()
+            await self.flush(probe)
         except asyncio.CancelledError:
             raise
         except Exception as error:  # a dead index must not stop the worker

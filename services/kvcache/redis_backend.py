@@ -15,7 +15,8 @@ Lua script each, so each is one round trip and atomic: replicas applying
 events for the same worker cannot interleave, and the seq check and the
 writes it guards happen together. Hashes travel as decimal strings because
 Lua numbers are doubles. Scripts build key names, so this needs a single
-Redis instance (not Redis Cluster).
+Redis instance (not Redis Cluster). Every call goes through a RedisGuard
+(redis_guard.py): deadlines, and failing fast for a moment after a failure.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, IndexStats, LookupQuery, PublishBatch, PublishResult,
     WorkerMatch,
 )
+from services.kvcache.redis_guard import RedisGuard, redis_client
 from services.kvcache.rules import order_chains, sort_matches
 
 log = logging.getLogger(__name__)
@@ -211,17 +213,20 @@ return result
 class RedisBackend:
     name = "redis"
 
-    def __init__(self, client: redis.Redis, block_size: int, prefix: str = "fairserve:kv:") -> None:
+    def __init__(self, client: redis.Redis, block_size: int, prefix: str = "fairserve:kv:",
+                 guard: RedisGuard | None = None) -> None:
         self.block_size = block_size
         self._client = client
         self._prefix = prefix
+        self._guard = guard if guard is not None else RedisGuard()
         self._resync = client.register_script(_RESYNC_LUA)
         self._events = client.register_script(_EVENTS_LUA)
         self._lookup = client.register_script(_LOOKUP_LUA)
 
     @classmethod
-    def from_url(cls, url: str, block_size: int, prefix: str = "fairserve:kv:") -> "RedisBackend":
-        return cls(redis.from_url(url, decode_responses=True), block_size, prefix)
+    def from_url(cls, url: str, block_size: int, prefix: str = "fairserve:kv:",
+                 socket_timeout_s: float = 0.5) -> "RedisBackend":
+        return cls(redis_client(url, socket_timeout_s), block_size, prefix)
 
     async def wait_ready(self, timeout_s: float, interval_s: float = 0.5) -> None:
         """Pings until Redis answers; raises ConnectionError after timeout_s."""
@@ -242,7 +247,7 @@ class RedisBackend:
             ordered, dropped = order_chains(batch.snapshot)
             for chain in ordered:
                 args += _chain_args(chain)
-            dropped += int(await self._resync(args=args))
+            dropped += int(await self._guard.call(lambda: self._resync(args=args)))
             if dropped:
                 log.warning("resync dropped unreachable chains",
                             extra={"worker_id": batch.worker_id, "dropped": dropped})
@@ -250,13 +255,13 @@ class RedisBackend:
         args = [self._prefix, batch.worker_id]
         for event in batch.events:
             args += _event_args(event.seq, event.body)
-        resync_needed, last = await self._events(args=args)
+        resync_needed, last = await self._guard.call(lambda: self._events(args=args))
         return PublishResult(bool(resync_needed), int(last) + 1)
 
     async def lookup(self, query: LookupQuery) -> list[WorkerMatch]:
         args = [self._prefix, self.block_size, query.partial_hash, query.partial_tokens,
                 *query.block_hashes]
-        flat = await self._lookup(args=args)
+        flat = await self._guard.call(lambda: self._lookup(args=args))
         matches = []
         for index in range(0, len(flat), 3):
             worker, blocks, exact = flat[index], int(flat[index + 1]), bool(int(flat[index + 2]))
@@ -266,14 +271,7 @@ class RedisBackend:
         return sort_matches(matches)
 
     async def stats(self) -> IndexStats:
-        async with self._client.pipeline(transaction=False) as pipe:
-            pipe.hgetall(self._prefix + "stats")
-            pipe.hkeys(self._prefix + "seq")
-            counters, workers = await pipe.execute()
-        async with self._client.pipeline(transaction=False) as pipe:
-            for worker in workers:
-                pipe.scard(self._prefix + "wb:" + worker)
-            sizes = await pipe.execute()
+        counters, workers, sizes = await self._guard.call(self._read_stats)
 
         def counter(name: str) -> int:
             return int(counters.get(name, 0))
@@ -284,6 +282,17 @@ class RedisBackend:
             nodes=counter("nodes"), events=counter("events"), resyncs=counter("resyncs"),
             blocks_by_worker={w: int(n) for w, n in zip(workers, sizes)}, backend=self.name,
         )
+
+    async def _read_stats(self) -> tuple[dict[str, str], list[str], list[int]]:
+        async with self._client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self._prefix + "stats")
+            pipe.hkeys(self._prefix + "seq")
+            counters, workers = await pipe.execute()
+        async with self._client.pipeline(transaction=False) as pipe:
+            for worker in workers:
+                pipe.scard(self._prefix + "wb:" + worker)
+            sizes = await pipe.execute()
+        return counters, workers, sizes
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -19,6 +19,7 @@ class KvCacheSettings:
     backend: str = "memory"
     redis_url: str = "redis://127.0.0.1:6379/0"
     redis_prefix: str = "fairserve:kv:"
+    redis_socket_timeout_s: float = 0.5
     block_size: int = 16
     model_key: str = ""
     log_level: str = "info"
@@ -34,6 +35,8 @@ class KvCacheSettings:
             backend=read.choice("KV_INDEX_BACKEND", cls.backend, BACKENDS),
             redis_url=read.str("REDIS_URL", cls.redis_url),
             redis_prefix=read.str("KV_INDEX_REDIS_PREFIX", cls.redis_prefix),
+            redis_socket_timeout_s=read.float("REDIS_SOCKET_TIMEOUT_S", cls.redis_socket_timeout_s,
+                                              minimum=0.001),
             block_size=read.int("KV_CACHE_BLOCK_SIZE", cls.block_size, minimum=1, maximum=4096),
             model_key=read.str("MODEL_KEY", cls.model_key),
             log_level=read.choice("LOG_LEVEL", cls.log_level,
