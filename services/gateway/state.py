@@ -20,8 +20,8 @@ from services.gateway.chat_template import (
     turn_stop_token_ids,
     user_turn_ids,
 )
-from services.gateway.drain import Drain
 from services.gateway.dependencies import DependencyMonitor
+from services.gateway.drain import Drain
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
