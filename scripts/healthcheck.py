@@ -4,7 +4,7 @@
     python -m scripts.healthcheck scheduler   # gRPC health on SCHEDULER_PORT
     python -m scripts.healthcheck worker      # ... WORKER_PORT
     python -m scripts.healthcheck kvcache     # ... KVCACHE_PORT
-    python -m scripts.healthcheck proxy       # HTTP GET /health through PROXY_PORT
+    python -m scripts.healthcheck proxy       # HTTP GET /health through PROXY_HTTP_PORT
 
 The gRPC probe dials 127.0.0.1 with the service's own internal TLS settings
 (GRPC_TLS_*; the certificate is checked against GRPC_TLS_SERVER_NAME). Health
@@ -22,7 +22,7 @@ SERVICES = {
     "scheduler": ("SCHEDULER_PORT", 50051, "grpc"),
     "worker": ("WORKER_PORT", 50061, "grpc"),
     "kvcache": ("KVCACHE_PORT", 50071, "grpc"),
-    "proxy": ("PROXY_PORT", 8000, "http"),      # scripts/tcp_proxy.py: a gateway's /health through it
+    "proxy": ("PROXY_HTTP_PORT", 8000, "http"),  # scripts/tcp_proxy.py: a gateway's /health through it
 }
 
 

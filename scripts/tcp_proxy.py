@@ -4,7 +4,11 @@ compose, the service name `gateway` resolves to each replica). Byte-for-byte,
 so streamed responses pass through as they come. Names are resolved again for
 each connection, so replicas that come and go are followed.
 
-    PROXY_PORT=8000 PROXY_UPSTREAM=gateway:8000 python -m scripts.tcp_proxy
+    PROXY_ROUTES=8000=gateway:8000,50050=gateway:50050 python -m scripts.tcp_proxy
+
+PROXY_ROUTES: comma-separated `listen_port=host:port` (that default). gRPC
+clients keep one HTTP/2 connection, so they stay with one replica per
+connection; HTTP clients are spread per connection.
 """
 
 from __future__ import annotations
@@ -62,14 +66,31 @@ def handler(host: str, port: int):
     return handle
 
 
-async def serve(listen_port: int, upstream: str) -> None:
-    host, _, port = upstream.rpartition(":")
-    server = await asyncio.start_server(handler(host, int(port)), "0.0.0.0", listen_port)
-    log.info("proxying :%d to every address of %s", listen_port, upstream)
-    async with server:
-        await server.serve_forever()
+DEFAULT_ROUTES = "8000=gateway:8000,50050=gateway:50050"
+
+
+def parse_routes(value: str) -> list[tuple[int, str, int]]:
+    """[(listen port, upstream host, upstream port)] of PROXY_ROUTES."""
+    routes = []
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        listen, _, upstream = entry.partition("=")
+        host, _, port = upstream.rpartition(":")
+        if not listen.isdigit() or not host or not port.isdigit():
+            raise ValueError(f"PROXY_ROUTES entry {entry!r} is invalid: expected listen_port=host:port")
+        routes.append((int(listen), host, int(port)))
+    if not routes:
+        raise ValueError("PROXY_ROUTES is empty")
+    return routes
+
+
+async def serve(routes: list[tuple[int, str, int]]) -> None:
+    servers = []
+    for listen_port, host, port in routes:
+        servers.append(await asyncio.start_server(handler(host, port), "0.0.0.0", listen_port))
+        log.info("proxying :%d to every address of %s:%d", listen_port, host, port)
+    await asyncio.gather(*(server.serve_forever() for server in servers))
 
 
 if __name__ == "__main__":
     logging.basicConfig(level=os.environ.get("LOG_LEVEL", "info").upper())
-    asyncio.run(serve(int(os.environ.get("PROXY_PORT") or 8000), os.environ.get("PROXY_UPSTREAM") or "gateway:8000"))
+    asyncio.run(serve(parse_routes(os.environ.get("PROXY_ROUTES") or DEFAULT_ROUTES)))

@@ -69,7 +69,8 @@ def test_gpu_overlay_swaps_the_worker_image_and_device_only() -> None:
     worker = overlay["worker"]
     assert worker["build"]["dockerfile"] == "deploy/Dockerfile"
     assert worker["build"]["args"]["TORCH_INDEX_URL"] == ""
-    assert worker["image"] != base["gateway"]["image"]      # the other services keep the CPU image
+    assert worker["build"]["target"] == "worker"
+    assert worker["image"] != base["worker"]["image"]       # the other services keep the CPU image
     assert worker["environment"]["DEVICE"] == "cuda"
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
@@ -88,9 +89,9 @@ def test_the_load_simulator_runs_only_with_its_profile_against_the_gateway() -> 
     assert loadsim["profiles"] == ["load"] and loadsim["restart"] == "no"
     command = loadsim["command"]
     assert command[:3] == ["python", "-m", "loadsim"] and (ROOT / "loadsim" / "__main__.py").is_file()
-    gateway_port = services["gateway"]["ports"][0].split(":")[1]
-    assert command[command.index("--url") + 1] == f"http://gateway:{gateway_port}"
-    assert "--wait" in command and loadsim["depends_on"] == ["gateway"]
+    assert command[command.index("--url") + 1] == "http://proxy:8000"     # the entry point, over every gateway
+    assert "8000=gateway:8000" in services["proxy"]["environment"]["PROXY_ROUTES"]
+    assert "--wait" in command and loadsim["depends_on"] == {"proxy": {"condition": "service_healthy"}}
     args = parse_args(command[3:])
     assert args.wait > 0 and args.users > 0
 
@@ -99,3 +100,108 @@ def test_every_long_running_service_restarts_when_it_exits() -> None:
     for name, spec in _compose("compose.yaml")["services"].items():
         expected = ("no",) if "load" in spec.get("profiles", ()) else ("unless-stopped", "on-failure")
         assert spec.get("restart") in expected, (name, spec.get("restart"))
+
+
+# ---- issue #19: a stack that scales ----
+
+LONG_RUNNING = ("redis", *FAIRSERVE_SERVICES, "proxy", "prometheus", "grafana")
+
+
+def test_worker_replicas_get_distinct_ids_from_their_hostnames() -> None:
+    """Every replica is PID 1 in its container: no fixed WORKER_ID, and the
+    default names the host (tests/unit/test_settings.py checks it is distinct)."""
+    worker = _compose("compose.yaml")["services"]["worker"]
+    assert "WORKER_ID" not in worker["environment"]
+    assert "container_name" not in worker and "hostname" not in worker
+    assert "socket.gethostname()" in (ROOT / "services" / "worker" / "settings.py").read_text()
+
+
+def test_every_long_running_service_has_a_healthcheck_its_dependents_wait_for() -> None:
+    services = _compose("compose.yaml")["services"]
+    assert set(LONG_RUNNING) <= set(services)
+    for name in LONG_RUNNING:
+        test = services[name]["healthcheck"]["test"]
+        assert test[0] == "CMD", name
+        if name in (*FAIRSERVE_SERVICES, "proxy"):
+            assert test[1:] == ["python", "-m", "scripts.healthcheck", name], name
+    for name, spec in services.items():
+        depends_on = spec.get("depends_on", {})
+        assert isinstance(depends_on, dict), name
+        for dependency, condition in depends_on.items():
+            assert dependency in services, (name, dependency)
+            assert condition == {"condition": "service_healthy"}, (name, dependency)
+            assert "healthcheck" in services[dependency], (name, dependency)
+    assert set(services["worker"]["depends_on"]) == {"scheduler"}
+    assert set(services["gateway"]["depends_on"]) == {"scheduler", "kvcache"}
+
+
+def test_the_dockerfile_has_a_stage_with_a_healthcheck_per_service() -> None:
+    from scripts.healthcheck import SERVICES
+
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    stages = re.findall(r"^FROM app AS (\w+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S)
+    assert {name for name, _ in stages} == set(SERVICES) == {*FAIRSERVE_SERVICES, "proxy"}
+    for name, body in stages:
+        assert f'HEALTHCHECK' in body and f'"scripts.healthcheck", "{name}"]' in body, name
+        assert "CMD [" in body, name
+    services = _compose("compose.yaml")["services"]
+    for name in (*FAIRSERVE_SERVICES, "proxy"):
+        assert services[name]["build"]["target"] == name
+
+
+def test_the_image_runs_as_an_unprivileged_user_from_a_pinned_base_with_the_model_converted() -> None:
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", dockerfile, re.M).group(1)
+    assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
+    assert re.search(r"^USER 10001", dockerfile, re.M)
+    assert dockerfile.index("python -m common.model_store") < dockerfile.index("USER 10001")
+    ignored = set((ROOT / ".dockerignore").read_text().splitlines())
+    assert {".venv/", ".git/", "gen/", "models/", "deploy/secrets/", "**/__pycache__/"} <= ignored
+
+
+def _image_tag(image: str) -> str:
+    name, _, tag = image.partition(":")       # no registry with a port here
+    assert name and tag, image
+    return tag
+
+
+def test_every_image_is_pinned_to_a_version() -> None:
+    for file in ("compose.yaml", "compose.gpu.yaml"):
+        for name, spec in _compose(file)["services"].items():
+            tag = _image_tag(spec["image"])
+            assert tag != "latest" and not tag.startswith("latest"), (file, name)
+            if spec["image"].startswith("fairserve-"):
+                assert tag.startswith("${FAIRSERVE_VERSION:-"), (file, name)
+            else:
+                assert re.fullmatch(r"v?\d+\.\d+\.\d+(-\w+)?", tag), (file, name, tag)
+    version = re.search(r'^version = "(.+)"', (ROOT / "pyproject.toml").read_text(), re.M).group(1)
+    assert _compose("compose.yaml")["services"]["gateway"]["image"].endswith(f":-{version}}}")
+
+
+def test_no_secret_is_inline() -> None:
+    secret_names = re.compile(r"TOKEN$|KEY$|KEYS$|PASSWORD|SECRET", re.I)
+    for file in ("compose.yaml", "compose.gpu.yaml"):
+        for name, spec in _compose(file)["services"].items():
+            for variable, value in (spec.get("environment") or {}).items():
+                if secret_names.search(variable):
+                    assert str(value).startswith("/run/secrets/"), (file, name, variable)
+    gateway = _compose("compose.yaml")["services"]["gateway"]
+    (env_file,) = gateway["env_file"]
+    assert (DEPLOY / env_file).resolve().parent == DEPLOY / "secrets"    # API_KEYS, kept out of git
+
+
+def test_gateways_scale_behind_one_published_entry_point() -> None:
+    services = _compose("compose.yaml")["services"]
+    for name in ("gateway", "worker", "scheduler", "kvcache", "redis"):
+        assert "ports" not in services[name], name
+    assert "container_name" not in services["gateway"]
+    published = [port.rsplit(":", 1)[1] for port in services["proxy"]["ports"]]
+    assert published == ["8000", "50050"]
+    assert services["proxy"]["command"] == ["python", "-m", "scripts.tcp_proxy"]
+
+
+def test_prometheus_finds_every_replica_of_the_scaled_services() -> None:
+    config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    for name, port in (("gateway", 8000), ("worker", 9102)):
+        assert jobs[name]["dns_sd_configs"] == [{"names": [name], "type": "A", "port": port}], name
