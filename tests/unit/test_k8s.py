@@ -1,0 +1,126 @@
+"""deploy/k8s renders (base, both overlays) and every object validates against
+the Kubernetes schemas bundled with kubernetes-validate (offline: no schema
+is fetched). tests/unit/kustomize_lite.py does the rendering."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.unit.kustomize_lite import render
+
+ROOT = Path(__file__).resolve().parents[2]
+K8S = ROOT / "deploy" / "k8s"
+KUBERNETES_VERSION = "1.30"
+SERVICES = {"gateway": 8000, "scheduler": 50051, "worker": 50061, "kvcache": 50071}
+METRICS_PORTS = {"gateway": 8000, "scheduler": 9101, "worker": 9102, "kvcache": 9103}
+TARGETS = {"default": K8S, "base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch) -> None:
+    """Validation must never reach the network."""
+    import socket
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("schema validation tried the network")
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def _by_kind(objects: list[dict]) -> dict[tuple[str, str], dict]:
+    keyed = {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
+    assert len(keyed) == len(objects), "duplicate objects"
+    return keyed
+
+
+def _container(objects: list[dict], name: str) -> dict:
+    (container,) = _by_kind(objects)[("Deployment", name)]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_manifests_render_and_validate_against_the_kubernetes_schemas(target: str) -> None:
+    objects = render(TARGETS[target])
+    kinds = _by_kind(objects)
+    for name in [*SERVICES, "redis"]:
+        assert ("Deployment", name) in kinds and ("Service", name) in kinds, name
+    assert ("HorizontalPodAutoscaler", "gateway") in kinds and ("ConfigMap", "fairserve-config") in kinds
+    for obj in objects:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def test_the_secret_example_validates_and_holds_no_value() -> None:
+    secret = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
+    kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
+    assert set(secret["stringData"]) == {"internal_token", "api_keys"}
+    assert all(" " in value for value in secret["stringData"].values())   # rejected by the services as is
+    assert not any(obj["kind"] == "Secret" for obj in render(K8S / "base"))   # made with kubectl, never applied
+
+
+def test_every_service_has_probes_resources_and_scrape_annotations() -> None:
+    objects = render(K8S / "base")
+    kinds = _by_kind(objects)
+    for name, port in SERVICES.items():
+        container = _container(objects, name)
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            spec = container[probe]
+            if name == "gateway":
+                assert spec["httpGet"]["path"] == ("/ready" if probe == "readinessProbe" else "/health")
+            else:
+                assert spec["grpc"] == {"port": port}, (name, probe)
+        assert set(container["resources"]) == {"requests", "limits"}, name
+        assert container["envFrom"] == [{"configMapRef": {"name": "fairserve-config"}}]
+        annotations = kinds[("Deployment", name)]["spec"]["template"]["metadata"]["annotations"]
+        assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": str(METRICS_PORTS[name]),
+                               "prometheus.io/path": "/metrics"}, name
+        pod = kinds[("Deployment", name)]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert re.fullmatch(rf"fairserve-{name}:\d+\.\d+\.\d+", container["image"]), container["image"]
+    assert "replicas" not in kinds[("Deployment", "gateway")]["spec"]        # the HPA owns it
+    assert kinds[("HorizontalPodAutoscaler", "gateway")]["spec"]["scaleTargetRef"]["name"] == "gateway"
+    assert kinds[("Service", "worker")]["spec"]["clusterIP"] == "None"
+
+
+def test_secrets_come_from_the_secret_and_each_worker_names_itself() -> None:
+    objects = render(K8S / "base")
+    config = _by_kind(objects)[("ConfigMap", "fairserve-config")]["data"]
+    assert not any(re.search(r"TOKEN$|KEYS?$|PASSWORD|SECRET", key) for key in config if key != "INTERNAL_TOKEN_FILE")
+    assert config["INTERNAL_TOKEN_FILE"].startswith("/run/secrets/fairserve/")
+    for name in SERVICES:
+        pod = _by_kind(objects)[("Deployment", name)]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        assert volume["secret"]["secretName"] == "fairserve-secrets"
+    gateway_env = {e["name"]: e for e in _container(objects, "gateway")["env"]}
+    assert gateway_env["API_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "fairserve-secrets", "key": "api_keys", "optional": True}
+    worker_env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in _container(objects, "worker")["env"]}
+    assert worker_env == {"WORKER_ID": "metadata.name", "WORKER_ADVERTISE_HOST": "status.podIP"}
+
+
+def test_the_gpu_overlay_gives_each_worker_one_gpu_and_the_cuda_image() -> None:
+    cpu, gpu = render(K8S / "overlays" / "cpu"), render(K8S / "overlays" / "gpu")
+    worker = _container(gpu, "worker")
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert worker["image"].endswith("-cuda")
+    env = {e["name"]: e for e in worker["env"]}
+    assert env["DEVICE"]["value"] == "cuda" and "WORKER_ID" in env        # merged, not replaced
+    assert "nvidia.com/gpu" not in _container(cpu, "worker")["resources"]["limits"]
+    others = [obj for obj in gpu if obj["metadata"]["name"] != "worker"]
+    assert others == [obj for obj in cpu if obj["metadata"]["name"] != "worker"]
+
+
+def test_prometheus_on_kubernetes_scrapes_pods_by_their_annotations() -> None:
+    config = yaml.safe_load((ROOT / "monitoring" / "prometheus-k8s.yml").read_text())
+    (job,) = config["scrape_configs"]
+    assert job["kubernetes_sd_configs"] == [{"role": "pod"}]
+    sources = {tuple(rule["source_labels"]): rule for rule in job["relabel_configs"]}
+    assert sources[("__meta_kubernetes_pod_annotation_prometheus_io_scrape",)]["action"] == "keep"
+    assert sources[("__meta_kubernetes_pod_annotation_prometheus_io_path",)]["target_label"] == "__metrics_path__"
+    port_rule = sources[("__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port")]
+    assert re.sub(port_rule["regex"], port_rule["replacement"].replace("$", "\\"), "10.0.0.7:50061;9102") == "10.0.0.7:9102"
