@@ -4,7 +4,7 @@ random generator (seeded from the run's seed and the user's index)."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from loadsim.workload import PromptTemplate, UserClass, Workload, think_time
@@ -41,6 +41,20 @@ class SimulatedUser:
 
     def think_time(self) -> float:
         return think_time(self.user_class, self._rng)
+
+    def session_turns(self, max_turns: int) -> int:
+        """How many turns a new conversation lasts, drawn from 1..max_turns."""
+        return self._rng.randint(1, max(1, max_turns))
+
+    def follow_up(self, previous: PlannedRequest, reply: str) -> PlannedRequest:
+        """The next turn of a chat conversation: `previous`'s messages, the assistant's
+        `reply`, then a new question drawn from the same template."""
+        template = next(t for t in self._workload.templates if t.name == previous.template)
+        body = self._body(template, self._rng.choice(template.prompts))
+        body["messages"] = [*previous.body["messages"], {"role": "assistant", "content": reply},
+                            body["messages"][-1]]
+        disconnect = self._rng.random() < self.user_class.disconnect_fraction
+        return replace(previous, body=body, disconnect_after_first_token=disconnect)
 
     def _body(self, template: PromptTemplate, prompt: str) -> dict[str, Any]:
         body: dict[str, Any] = {
