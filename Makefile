@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine loadsim unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -49,6 +49,15 @@ bench-engine: install prepare-model
 #   make loadsim ARGS="--users 16 --duration 120"   or   ARGS="--rates 0.5,1,2 --requests 40"
 loadsim: install
 	$(PY) -m loadsim $(ARGS)
+
+# Locust, headless, against a running gateway; CSV and HTML reports under .cache/locust/<time>:
+#   make locust ARGS="--users 16 --spawn-rate 4 --run-time 60s"   (HOST=http://host:port for another gateway)
+HOST := http://127.0.0.1:8000
+locust: install
+	@dir=.cache/locust/$$(date -u +%Y%m%dT%H%M%SZ); mkdir -p $$dir; \
+	$(VENV)/bin/locust -f loadsim/locustfile.py --headless --host $(HOST) --users 8 --spawn-rate 4 \
+		--run-time 60s --stop-timeout 30 --csv $$dir/locust --html $$dir/report.html $(ARGS); status=$$?; \
+	echo "Locust reports: $$dir/report.html and $$dir/locust_*.csv"; exit $$status
 
 # Container images, one per service (deploy/Dockerfile's stages), with docker or
 # podman, whichever is installed; tagged with the version and `latest`:
