@@ -43,11 +43,11 @@ from services.scheduler.core.slot_fairness import preemption_victim, slot_victim
 from services.scheduler.core.speculation import draft_allowance, speculating
 from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
-from services.scheduler.core.stopping import finish_reason
+from services.scheduler.core.stopping import take_tokens
 from services.scheduler.core.types import (
     CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats,
     PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepBatch, StepError, StepOutput, SubmitResult,
-    TokenOut, WorkerSpec,
+    WorkerSpec,
 )
 
 ANONYMOUS_CLIENT = "anonymous"
@@ -388,21 +388,10 @@ class SchedulerCore:
 
     def _stream(self, worker: WorkerState, request: RequestState, tokens: tuple[int, ...],
                 logprobs: tuple[TokenLogprob | None, ...]) -> RequestUpdate:
-        """Appends a step's sampled tokens to the request's output, up to the
-        first one that finishes it."""
-        out: list[TokenOut] = []
-        finish = None
-        for index, token_id in enumerate(tokens):
-            request.output.append(token_id)
-            self._vtc.charge_output(request.client_id, user=request.user)
-            out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
-            reason = finish_reason(request.spec, request.max_tokens, len(request.output), token_id,
-                                   worker.spec.eos_token_ids)
-            if reason is not None:
-                # Speculative tokens past a stop or max_tokens are dropped.
-                finish = self._finish(request, reason)
-                break
-        return RequestUpdate(request.request_id, tokens=tuple(out), finish=finish)
+        out, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids,
+                                  lambda: self._vtc.charge_output(request.client_id, user=request.user))
+        finish = self._finish(request, reason) if reason is not None else None
+        return RequestUpdate(request.request_id, tokens=out, finish=finish)
 
     def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:
         return self._book.finish(self._workers.get(request.worker_id), request, reason, message)

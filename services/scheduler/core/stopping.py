@@ -8,9 +8,12 @@ ban them until then: request_book.worker_sampling); max_tokens always does.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 
-from services.scheduler.core.types import FinishReason, RequestSpec
+from common.types import TokenLogprob
+
+from services.scheduler.core.state import RequestState
+from services.scheduler.core.types import FinishReason, RequestSpec, TokenOut
 
 
 def finish_reason(spec: RequestSpec, max_tokens: int, generated: int, token_id: int,
@@ -25,3 +28,21 @@ def finish_reason(spec: RequestSpec, max_tokens: int, generated: int, token_id: 
     if generated >= max_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def take_tokens(request: RequestState, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None],
+                eos_token_ids: Collection[int], on_token: Callable[[], None]
+                ) -> tuple[tuple[TokenOut, ...], FinishReason | None]:
+    """Appends a step's sampled tokens to the request's output up to the first
+    one that finishes it (speculative tokens past a stop or max_tokens are
+    dropped), calling on_token for each one kept; returns them and the finish
+    reason, if any."""
+    out: list[TokenOut] = []
+    for index, token_id in enumerate(tokens):
+        request.output.append(token_id)
+        on_token()
+        out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
+        reason = finish_reason(request.spec, request.max_tokens, len(request.output), token_id, eos_token_ids)
+        if reason is not None:
+            return tuple(out), reason
+    return tuple(out), None

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.stopping import finish_reason
+from services.scheduler.core.stopping import finish_reason, take_tokens
 from services.scheduler.core.types import FinishReason, RequestSpec
+from tests.unit.scheduler.plain_state import make_request
 
 EOS = frozenset({1})
 
@@ -38,3 +39,16 @@ def test_ignore_eos_keeps_the_stop_tokens() -> None:
     spec = _spec(ignore_eos=True, stop_token_ids=frozenset({9}))
     assert finish_reason(spec, 4, generated=1, token_id=1, eos_token_ids=EOS) is None
     assert finish_reason(spec, 4, generated=1, token_id=9, eos_token_ids=EOS) is FinishReason.STOP
+
+
+def test_take_tokens_keeps_tokens_up_to_the_first_that_finishes() -> None:
+    request = make_request(1, prompt=(5,), max_tokens=3)
+    charged: list[int] = []
+    out, reason = take_tokens(request, (7, 8, 9, 10), (None,), EOS, lambda: charged.append(1))
+    assert [token.token_id for token in out] == [7, 8, 9] and reason is FinishReason.LENGTH
+    assert request.output[-3:] == [7, 8, 9] and len(charged) == 3
+    request = make_request(2, prompt=(5,), max_tokens=10)
+    out, reason = take_tokens(request, (7, 1, 9), (), EOS, lambda: None)
+    assert [token.token_id for token in out] == [7, 1] and reason is FinishReason.STOP
+    out, reason = take_tokens(make_request(3, prompt=(5,), max_tokens=10), (7, 8), (), EOS, lambda: None)
+    assert len(out) == 2 and reason is None
