@@ -198,13 +198,13 @@ class Stack:
         """Kills the kvcache index service and starts it again on the same port,
         waiting until it answers its gRPC health check."""
         self.kill("kvcache")
-        self._spawn("kvcache", "services.kvcache.main")
+        self.respawn("kvcache")
         self.wait_serving("kvcache", f"127.0.0.1:{self.ports.kvcache}", timeout_s)
 
     def start_scheduler_again(self, timeout_s: float = 60.0) -> None:
         """Starts the scheduler again on the same port once it has been killed
         (kill("scheduler")), waiting until it answers its gRPC health check."""
-        self._spawn("scheduler", "services.scheduler.main")
+        self.respawn("scheduler")
         self.wait_serving("scheduler", f"127.0.0.1:{self.ports.scheduler}", timeout_s)
 
     def wait_serving(self, name: str, address: str, timeout_s: float) -> None:
