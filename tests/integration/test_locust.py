@@ -67,3 +67,20 @@ def test_refused_requests_show_up_as_failures_with_the_message(tiny_stack: Stack
     assert set(talk) == {"POST"} and talk["POST"]["Request Count"] == talk["POST"]["Failure Count"]
     code = {r["Type"]: int(r["Failure Count"]) for r in rows if r["Name"] == "code"}
     assert code == {"POST": 0, "TTFT": 0, "TPOT": 0}                 # the other prompt kind keeps working
+
+
+def test_a_gateway_with_api_keys_needs_the_key(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from tests.integration.conftest import start_stack
+
+    stack = start_stack(tmp_path, tiny_model_dir, extra_env={"API_KEYS": "team=sesame"})
+    try:
+        done, rows = run_locust(stack.url, tmp_path, "--api-key", "sesame")
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert {"POST", "TTFT", "TPOT"} <= {r["Type"] for r in rows}
+        done, rows = run_locust(stack.url, tmp_path)
+        failures = list(csv.DictReader((tmp_path / "run_failures.csv").open()))
+        assert done.returncode == 1 and failures
+        assert {(f["Method"], f["Name"]) for f in failures} == {("GET", "/v1/models")}
+        assert all("HTTP 401" in f["Error"] for f in failures), failures
+    finally:
+        stack.stop()
