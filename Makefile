@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ integration: install
 
 bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench --rounds 3
+
+# Kills a worker, the scheduler, the KV index and Redis (if installed) mid-stream, in turn,
+# and checks every stream against an undisturbed run (exit 1 on a loss, a difference, a
+# repeat or a 5xx); report under .cache/chaos/<time>:
+#   make chaos   or   make chaos ARGS="--quick"   (tiny model, 4 streams of 40 tokens)
+chaos: install prepare-model
+	$(PY) -m benchmarks.chaos $(ARGS)
 
 # Simulated users against a running gateway (`make run` in another shell):
 #   make loadsim ARGS="--users 16 --duration 120"   or   ARGS="--rates 0.5,1,2 --requests 40"
