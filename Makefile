@@ -72,7 +72,8 @@ locust: install
 #   make image VARIANT=cuda TORCH_INDEX_URL=     # PyPI's (CUDA) torch: fairserve-worker:<version>-cuda
 #   make image TORCH_INDEX_URL= BUILD_FLAGS="-v /opt/wheels:/opt/wheels:ro -v $$PWD/pip.conf:/etc/pip.conf:ro"
 VERSION ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
-CONTAINER ?= $(shell command -v docker 2>/dev/null || command -v podman 2>/dev/null)
+# docker when its daemon answers, else podman (CONTAINER=... overrides).
+CONTAINER ?= $(shell docker info >/dev/null 2>&1 && command -v docker || command -v podman 2>/dev/null || command -v docker 2>/dev/null)
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 VARIANT ?= cpu
 IMAGE_SERVICES ?= $(if $(filter cuda,$(VARIANT)),worker,gateway scheduler kvcache worker proxy)
