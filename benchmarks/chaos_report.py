@@ -29,7 +29,7 @@ class FaultReport:
     duplicated: int = 0               # completed, longer than the reference (text repeated)
     server_errors: int = 0            # 5xx replies
     chunks_at_kill: list[int] = field(default_factory=list)
-    recovery_s: float = 0.0           # from the kill until the target served again
+    recovery_s: float = 0.0           # from the kill until the target's restart returned
     duration_s: float = 0.0
     details: list[str] = field(default_factory=list)
 
