@@ -155,6 +155,7 @@ def test_the_image_runs_as_an_unprivileged_user_from_a_pinned_base_with_the_mode
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
     assert re.search(r"^USER 10001", dockerfile, re.M)
     assert dockerfile.index("python -m common.model_store") < dockerfile.index("USER 10001")
+    assert "python -m common.model_store && chmod -R a+rX /models" in dockerfile   # written 0600 by root
     ignored = set((ROOT / ".dockerignore").read_text().splitlines())
     assert {".venv/", ".git/", "gen/", "models/", "deploy/secrets/", "**/__pycache__/"} <= ignored
 
