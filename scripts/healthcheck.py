@@ -38,14 +38,11 @@ def probe_grpc(port: int, timeout_s: float) -> str | None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from common.internal_auth import InternalAuth, channel_credentials, channel_options
+    from common.grpc_server import blocking_channel
+    from common.internal_auth import InternalAuth
 
     auth = InternalAuth.from_env(os.environ, serves=False)
-    target = f"127.0.0.1:{port}"
-    credentials = channel_credentials(auth)
-    options = channel_options(auth)
-    channel = (grpc.insecure_channel(target, options=options) if credentials is None
-               else grpc.secure_channel(target, credentials, options=options))
+    channel = blocking_channel(f"127.0.0.1:{port}", auth)
     with channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
