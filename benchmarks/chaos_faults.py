@@ -5,14 +5,12 @@ redis-server that can be killed and started again on the same port."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.stack import Stack
+from scripts.stack import Stack, free_port
 
 READY_S = 120.0
 
@@ -30,7 +28,7 @@ class RedisProcess:
 
     def __init__(self, workdir: Path) -> None:
         self.workdir = workdir
-        self.port = _free_port()
+        self.port = free_port()
         self.process: subprocess.Popen | None = None
 
     @property
@@ -63,29 +61,9 @@ class RedisProcess:
                 self.kill()
 
     def _wait(self, timeout_s: float = 10.0) -> None:
-        import redis
+        from tests.fixtures.redis_server import wait_for_redis
 
-        client = redis.Redis.from_url(self.url)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"redis-server exited with {self.process.returncode}")
-                try:
-                    client.ping()
-                    return
-                except redis.ConnectionError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-        finally:
-            client.close()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+        wait_for_redis(self.url, self.process, timeout_s)
 
 
 def faults_for(stack: Stack, redis: RedisProcess | None) -> list[Fault]:
