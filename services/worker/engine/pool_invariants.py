@@ -5,6 +5,8 @@ table entries, the hash, tail and alias indexes agreeing with the blocks' entrie
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import EvictionPolicy
 from services.worker.engine.types import PoolStats
@@ -37,9 +39,7 @@ class PoolInvariants:
     _free: list[int]
     _evictable: EvictionPolicy
     _tables: dict[str, list[int]]
-
-    def stats(self) -> PoolStats:
-        raise NotImplementedError
+    stats: Callable[[], PoolStats]   # BlockPool's
 
     def check_invariants(self) -> None:
         """Raises PoolInvariantError when the bookkeeping is inconsistent (tests call it every step)."""
