@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.gateway.errors import bad_request
+from services.gateway.validation import check_text
 from services.gateway.tenants import Tenant
 
 MAX_IDENTITY_CHARS = 256
@@ -44,12 +45,7 @@ def check_identity(value: str | None, param: str) -> str:
     if len(value) > MAX_IDENTITY_CHARS:
         raise bad_request(f"{param} must be at most {MAX_IDENTITY_CHARS} characters, "
                           f"got {len(value)}.", param, "invalid_value")
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise bad_request(f"{param} is not valid Unicode text ({error.reason} at position "
-                          f"{error.start}).", param, "invalid_text") from None
-    return value
+    return check_text(value, param)
 
 
 def resolve_identity(session_id: str | None, user: str | None, caller: Caller) -> Identity:
