@@ -534,19 +534,23 @@ class TestTwoWorkers:
         client = client_of(stack)
         stats = scheduler_stats_probe(client)
         timeline = Timeline()
-        bodies = {f"moved-{i}": generate_body(prompts.next(), 120) for i in range(6)}
+        # Long enough that worker-1's streams are still running when it dies, however
+        # unevenly the first tokens came (the tiny model makes ~100 tokens in well under a second).
+        length = 400
+        bodies = {f"moved-{i}": generate_body(prompts.next(), length) for i in range(6)}
         streams = start_streams(client, timeline, bodies)
         await until(lambda: all(timeline.tokens_of(n) >= 1 for n in streams), "every stream's first token")
         before = await stats()
         running = {w: s["running"] for w, s in workers_by_id(before).items()}
         assert running["worker-0"] > 0 and running["worker-1"] > 0, running
+        assert all(timeline.tokens_of(n) < length // 2 for n in streams), "streams ran too far before the kill"
 
         await asyncio.to_thread(stack.kill, "worker-1")
 
         # Every stream ends normally: those on worker-1 resume on worker-0 by recompute
         # from the tokens they had streamed.
         results = await asyncio.gather(*streams.values())
-        assert all(r.error is None and r.finish_reason == "length" and len(r.token_ids) == 120
+        assert all(r.error is None and r.finish_reason == "length" and len(r.token_ids) == length
                    for r in results), results
         after = await wait_for(stats, lambda s: "worker-1" not in workers_by_id(s)
                                or not workers_by_id(s)["worker-1"]["healthy"], "worker-1 to leave")
