@@ -27,7 +27,8 @@ def test_an_error_code_this_build_does_not_know_is_still_an_error() -> None:
 def test_a_batch_survives_the_wire() -> None:
     batch = StepBatch(
         step_id=7, after_step_id=6, epoch=(1 << 62) + 5, free_seq_ids=("old",),
-        new_sequences=(NewSequence("a", (1, 2, 3), (4,), SamplingParams(temperature=0.5, top_k=3, seed=11),
+        new_sequences=(NewSequence("a", (1, 2, 3), (4,), SamplingParams(temperature=0.5, top_k=3, seed=11,
+                                                                  logit_bias=((2, -100.0), (9, 0.5))),
                                    cache_salt="tenant-a"),),
         work=(WorkItem("a", 4), WorkItem("b", 1, draft_tokens=3)))
     assert step_batch_from_proto(step_batch_to_proto(batch)) == batch

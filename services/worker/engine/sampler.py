@@ -1,7 +1,8 @@
 """Per-request sampling over the logits of one step.
 
-Order, as in transformers' generate: penalties -> temperature -> top-k -> top-p
--> min-p -> draw. Greedy rows take the argmax of the penalized logits.
+Order, as in transformers' generate, with the logit bias first as in vLLM:
+logit bias -> penalties -> temperature -> top-k -> top-p -> min-p -> draw.
+Greedy rows take the argmax of the penalized logits.
 Reported logprobs come from the raw model distribution (log_softmax of the
 unprocessed logits), like vLLM's default.
 
@@ -69,10 +70,13 @@ class Sampler:
             logits = logits.cpu()     # the draw needs float64, which MPS lacks
         logits = logits.float()
         raw = logits
+        biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
         penalized = [i for i, r in enumerate(requests) if _has_penalties(r.params)]
         banned = [i for i, r in enumerate(requests) if _below_min_tokens(r)]
-        if penalized or banned:
+        if biased or penalized or banned:
             logits = logits.clone()
+            for row in biased:
+                _apply_logit_bias(logits[row], requests[row].params.logit_bias)
             for row in penalized:
                 _apply_penalties(logits[row], requests[row])
             for row in banned:
@@ -101,10 +105,10 @@ class Sampler:
         return [SampledToken(token, logprobs.get(row)) for row, token in enumerate(token_list)]
 
     def adjusted_token_ids(self, request: SampleRequest) -> set[int]:
-        """Tokens whose logits this request's penalties or min_tokens ban change; every
-        other token's logit reaches the draw as the model computed it."""
+        """Tokens whose logits this request's bias, penalties or min_tokens ban change;
+        every other token's logit reaches the draw as the model computed it."""
         params = request.params
-        ids: set[int] = set()
+        ids: set[int] = {token_id for token_id, _ in params.logit_bias}
         if params.repetition_penalty != 1.0:
             ids.update(request.prompt_token_ids)
             ids.update(request.output_token_ids)
@@ -168,6 +172,14 @@ def _below_min_tokens(request: SampleRequest) -> bool:
 
 def _wants_logprobs(params: SamplingParams) -> bool:
     return params.logprobs or params.top_logprobs > 0
+
+
+def _apply_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> None:
+    """Adds each bias to its token's logit; ids outside the row are no tokens of this model."""
+    pairs = [(token_id, value) for token_id, value in bias if 0 <= token_id < row.shape[-1]]
+    if pairs:
+        ids = torch.tensor([token_id for token_id, _ in pairs], device=row.device)
+        row[ids] += torch.tensor([value for _, value in pairs], dtype=row.dtype, device=row.device)
 
 
 def _apply_penalties(row: torch.Tensor, request: SampleRequest) -> None:

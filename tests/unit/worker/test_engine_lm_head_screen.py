@@ -58,13 +58,15 @@ def test_with_the_c_kernels_off_the_screen_uses_fbgemm() -> None:
 
 
 def test_every_sampling_kind_gives_the_tokens_of_the_full_head() -> None:
-    prompts = {name: prompt_of(9 + i, salt=i) for i, name in enumerate("abcdef")}
+    prompts = {name: prompt_of(9 + i, salt=i) for i, name in enumerate("abcdefgh")}
     sampling = {"a": SamplingParams(),
                 "b": SamplingParams(temperature=0.7, top_k=20, seed=5),
                 "c": SamplingParams(temperature=0.9, seed=6),                       # needs the whole row
                 "d": SamplingParams(repetition_penalty=1.3, presence_penalty=0.4, min_tokens=6),
                 "e": SamplingParams(logprobs=True, top_logprobs=2),                 # needs the whole row
-                "f": SamplingParams(temperature=1.1, top_k=64, top_p=0.8, min_p=0.02, seed=9)}
+                "f": SamplingParams(temperature=1.1, top_k=64, top_p=0.8, min_p=0.02, seed=9),
+                "g": SamplingParams(logit_bias=((3, 100.0), (7, -100.0), (11, 2.5))),
+                "h": SamplingParams(temperature=0.8, top_k=8, seed=3, logit_bias=((5, 4.0),))}
     full = Driver(make_engine("gemma3", lm_head_screen="off"))
     expected = full.run(prompts, 10, sampling=sampling)
     screened = Driver(make_engine("gemma3", lm_head_screen="on"))

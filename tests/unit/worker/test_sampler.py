@@ -169,3 +169,26 @@ def test_row_argmax_gives_torchs_indices(vocab: int) -> None:
     assert torch.equal(row_argmax(logits[:, ::1][[0, 2]]), logits[[0, 2]].argmax(dim=-1))
     strided = logits.t().contiguous().t()                       # not contiguous: torch's own argmax
     assert torch.equal(row_argmax(strided), logits.argmax(dim=-1))
+
+
+def test_logit_bias_is_added_before_the_draw() -> None:
+    logits = torch.tensor([[3.0, 2.5, 0.0, -1.0]])
+    sampler = Sampler(0)
+    # +1 on token 1 makes it the argmax; -100 bans the argmax; +100 forces a tail token.
+    assert _tokens(sampler, logits, [_request(logit_bias=((1, 1.0),))]) == [1]
+    assert _tokens(sampler, logits, [_request(logit_bias=((0, -100.0),))]) == [1]
+    for seed in range(20):
+        assert _tokens(sampler, logits, [_request(temperature=1.0, seed=seed,
+                                                  logit_bias=((3, 100.0),))]) == [3]
+    # Ids past the row are ignored; other rows of the batch are untouched.
+    rows = logits.repeat(2, 1)
+    assert _tokens(sampler, rows, [_request(logit_bias=((0, -100.0), (99, 50.0))), _request()]) == [1, 0]
+
+
+def test_logit_bias_leaves_reported_logprobs_raw_and_marks_its_tokens_adjusted() -> None:
+    logits = torch.log(torch.tensor([[0.6, 0.3, 0.1]]))
+    request = _request(logprobs=True, logit_bias=((2, 100.0),))
+    [token] = Sampler(0).sample(logits, [request])
+    assert token.token_id == 2
+    assert token.logprob is not None and math.isclose(token.logprob.logprob, math.log(0.1), rel_tol=1e-5)
+    assert Sampler(0).adjusted_token_ids(_request(logit_bias=((7, 1.0), (2, -3.0)))) == {2, 7}
