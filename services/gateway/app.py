@@ -215,7 +215,8 @@ def generate_input(body: GenerateBody) -> TextInput:
     return TextInput(prompt=body.prompt, raw=body.raw, fields=RequestFields(
         sampling=sampling, default_temperature=0.0, max_tokens=body.max_tokens, stop=body.stop,
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, priority=body.priority,
-        session_id=body.session_id, user=body.user))
+        session_id=body.session_id, user=body.user, requested_stop_token_ids=body.stop_token_ids,
+        logit_bias=body.logit_bias))
 
 
 @router.post("/generate", responses={

@@ -149,7 +149,8 @@ def _request_fields(body: CompletionBody | ChatCompletionBody, sampling: Samplin
     return RequestFields(sampling=sampling, default_temperature=1.0, stop=body.stop,
                          ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                          priority=body.priority, session_id=body.session_id, user=body.user,
-                         **door)
+                         requested_stop_token_ids=body.stop_token_ids,
+                         logit_bias=body.logit_bias, **door)
 
 
 def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,

@@ -27,6 +27,8 @@ class ExtraSamplingFields(_Body):
     min_tokens: int | None = None
     priority: int | None = None
     session_id: str | None = None
+    stop_token_ids: list[int] | None = None
+    logit_bias: dict[str, float] | None = None   # OpenAI's: token id (a JSON key) -> bias
 
 
 class GenerateBody(ExtraSamplingFields):

@@ -6,11 +6,13 @@ names the field."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from services.gateway.backend import GenerationSpec
 from services.gateway.identity import Caller, cap_priority, resolve_identity
+from services.gateway.token_controls import check_logit_bias, check_stop_token_ids
 from services.gateway.validation import (
     SamplingInput,
     build_sampling,
@@ -34,6 +36,8 @@ class RequestFields:
     prompt_param: str = "prompt"
     stop: str | Sequence[str] | None = None
     stop_token_ids: tuple[int, ...] = ()  # the door's: the chat template's end of turn
+    requested_stop_token_ids: Sequence[int] | None = None  # the client's, checked here
+    logit_bias: Mapping[str, float] | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     priority: int | None = None
@@ -64,14 +68,18 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
     """The one way a request becomes a GenerationSpec, at every door."""
     identity = resolve_identity(fields.session_id, fields.user, caller)
     check_prompt_ids(prompt_ids, limits.vocab_size, fields.prompt_param)
-    sampling = build_sampling(fields.sampling, fields.default_temperature)
+    sampling = dataclasses.replace(
+        build_sampling(fields.sampling, fields.default_temperature),
+        logit_bias=check_logit_bias(fields.logit_bias, limits.vocab_size))
+    stop_token_ids = tuple(dict.fromkeys((*fields.stop_token_ids, *check_stop_token_ids(
+        fields.requested_stop_token_ids, limits.vocab_size))))
     stop = normalize_stop(fields.stop)
     priority = cap_priority(check_priority(fields.priority), caller)
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
                                     limits.max_model_len, fields.max_tokens_param)
     return GenerationSpec(
         prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling, stop=stop,
-        stop_token_ids=fields.stop_token_ids, ignore_eos=bool(fields.ignore_eos),
+        stop_token_ids=stop_token_ids, ignore_eos=bool(fields.ignore_eos),
         min_tokens=check_min_tokens(fields.min_tokens, max_tokens),
         client_id=identity.client_id, session_id=identity.session_id, priority=priority,
         user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt)

@@ -58,10 +58,10 @@ async def test_a_chat_message_needs_content(client: httpx.AsyncClient, fake: Fak
 
 UNSUPPORTED_VALUES: dict[str, Any] = {
     "response_format": {"type": "json_object"}, "tools": [{"type": "function"}],
-    "tool_choice": "auto", "logit_bias": {"50": 5}, "functions": [{"name": "f"}],
+    "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "parallel_tool_calls": False, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a"], "best_of": 2, "suffix": "end",
-    "use_beam_search": True, "stop_token_ids": [5], "length_penalty": 2,
+    "use_beam_search": True, "length_penalty": 2,
 }
 
 
