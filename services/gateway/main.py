@@ -8,7 +8,6 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from typing import Any
 
 import uvicorn
 
@@ -23,16 +22,15 @@ from services.gateway.grpc_api import add_to_server as add_text_api
 from services.gateway.http_limits import uvicorn_limits
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.settings import GatewaySettings
+from services.gateway.text_tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5
 
 
-def load_tokenizer(settings: GatewaySettings) -> Any:
-    from transformers import AutoTokenizer
-
+def load_tokenizer(settings: GatewaySettings) -> TextTokenizer:
     model_dir = resolve_model_dir(settings.model_name, settings.model_cache_dir)
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return TextTokenizer.from_dir(model_dir)
 
 
 class _Server(uvicorn.Server):
