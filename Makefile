@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,17 @@ integration: install
 
 bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench --rounds 3
+
+# The same workload against fairserve, vLLM (CPU build), llama.cpp's llama-server and
+# transformers serve, one at a time (~30 min); results.json, table.md and PNG curves under
+# .cache/bench-serving/<time>. Peers not set up are skipped with a line saying so:
+#   make bench-peers                     # once: vLLM's venv and llama-server's build (~20 min)
+#   make bench-serving ARGS="--quick"    # tiny model: checks the harness
+bench-serving: install prepare-model
+	$(PY) -m benchmarks.head_to_head $(ARGS)
+
+bench-peers: install
+	$(PY) -m benchmarks.head_to_head.peers $(ARGS)
 
 # Kills a worker, the scheduler, the KV index and Redis (if installed) mid-stream, in turn,
 # and checks every stream against an undisturbed run (exit 1 on a loss, a difference, a

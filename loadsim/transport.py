@@ -37,6 +37,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    text: str = ""                     # the streamed answer (a multi-turn benchmark sends it back)
 
 
 class Transport(Protocol):
@@ -131,7 +132,9 @@ class HttpTransport:
             if event.get("usage"):
                 apply_usage(record, event["usage"])
             finished = finished or any(choice.get("finish_reason") for choice in event.get("choices") or [])
-            if chunk_text(event):
+            piece = chunk_text(event)
+            if piece:
+                record.text += piece
                 now = self._clock() - sent
                 record.chunk_times_s.append(now)
                 if record.ttft_s is None:
