@@ -5,7 +5,7 @@ included), the tools and the tool_choice, and how the reply's calls are read."""
 from __future__ import annotations
 
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,8 +43,11 @@ class ChatRequest:
 def read_chat(body: ChatCompletionBody) -> ChatRequest:
     tools = check_tools(body.tools)
     choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
-    messages = tuple(chat_message(message, index) for index, message in enumerate(body.messages))
-    return ChatRequest(messages, tools, choice)
+    return ChatRequest(read_messages(body.messages), tools, choice)
+
+
+def read_messages(messages: Sequence[ChatMessageBody]) -> tuple[ChatMessage, ...]:
+    return tuple(chat_message(message, index) for index, message in enumerate(messages))
 
 
 def chat_message(message: ChatMessageBody, index: int) -> ChatMessage:

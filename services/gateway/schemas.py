@@ -141,6 +141,27 @@ class ChatCompletionBody(ExtraSamplingFields):
     parallel_tool_calls: bool | None = None
 
 
+class _OpenBody(_Body):
+    """Unknown fields kept (model_extra) for unsupported.py to look at."""
+    model_config = ConfigDict(extra="allow")
+
+
+class TokenizeBody(_OpenBody):
+    """vLLM's /tokenize: a prompt, or chat messages (with tools) through the template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    tools: list[ToolBody] | None = None
+    add_special_tokens: bool | None = None      # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_OpenBody):
+    model: str | None = None
+    tokens: list[int]
+
+
 class ModelCard(_Body):
     id: str
     object: Literal["model"] = "model"
