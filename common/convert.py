@@ -17,7 +17,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
         logprobs=params.logprobs, top_logprobs=params.top_logprobs,
         min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
-        logit_bias=dict(params.logit_bias),
+        logit_bias=dict(params.logit_bias), prompt_logprobs=params.prompt_logprobs,
     )
     if params.seed is not None:
         # OpenAI seeds may be negative; two's complement keeps them distinct in the uint64 field.
@@ -40,6 +40,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         min_tokens=max(0, message.min_tokens),
         stop_token_ids=tuple(message.stop_token_ids),
         logit_bias=tuple(sorted(message.logit_bias.items())),
+        prompt_logprobs=message.prompt_logprobs,
     )
 
 

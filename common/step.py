@@ -78,6 +78,11 @@ class SeqResult:
     # Accepted speculative tokens and the one sampled after them, following token_id.
     more_token_ids: tuple[int, ...] = ()
     more_logprobs: tuple[TokenLogprob | None, ...] = ()
+    # A request with prompt_logprobs: the logprobs of its prompt tokens at positions
+    # prompt_logprobs_start, prompt_logprobs_start + 1, ... that this step's chunk scored
+    # (each token given the ones before it; position 0 never has one).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs_start: int = 0
 
     @property
     def token_ids(self) -> tuple[int, ...]:

@@ -81,6 +81,8 @@ def seq_result_to_proto(result: SeqResult) -> worker_pb2.SeqResult:
     message.more_token_ids.extend(result.more_token_ids)
     if result.more_logprobs and all(logprob is not None for logprob in result.more_logprobs):
         message.more_logprobs.extend(logprob_to_proto(logprob) for logprob in result.more_logprobs)
+    message.prompt_logprobs.extend(logprob_to_proto(logprob) for logprob in result.prompt_logprobs)
+    message.prompt_logprobs_start = result.prompt_logprobs_start
     return message
 
 
@@ -92,6 +94,8 @@ def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
         logprob=logprob_from_proto(message.logprob) if message.HasField("logprob") else None,
         error=step_error_from_proto(message.error), more_token_ids=tuple(message.more_token_ids),
         more_logprobs=tuple(logprob_from_proto(logprob) for logprob in message.more_logprobs),
+        prompt_logprobs=tuple(logprob_from_proto(logprob) for logprob in message.prompt_logprobs),
+        prompt_logprobs_start=message.prompt_logprobs_start,
     )
 
 

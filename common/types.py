@@ -20,6 +20,7 @@ class SamplingParams:
     top_logprobs: int = 0
     min_tokens: int = 0               # EOS and stop_token_ids are banned until then
     stop_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: bool = False     # also score the prompt's tokens (top_logprobs alternatives)
     # (token id, bias) pairs, ascending ids: added to the logits before penalties and the
     # draw (OpenAI's logit_bias; -100 in effect bans a token, +100 forces it)
     logit_bias: tuple[tuple[int, float], ...] = ()

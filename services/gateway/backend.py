@@ -66,6 +66,9 @@ class Finish:
 class GenerationEvent:
     tokens: tuple[TokenOutput, ...] = ()
     finish: Finish | None = None
+    # With the first tokens, when sampling.prompt_logprobs: the prompt's tokens' logprobs,
+    # from the second token on (the first has none).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,8 @@ def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
                         usage=usage_from_proto(message.finish.usage),
                         message=message.finish.message,
                         queue_wait_s=queue_wait_ms / 1000.0 if queue_wait_ms > 0 else None)
-    return GenerationEvent(tokens=tokens, finish=finish)
+    return GenerationEvent(tokens=tokens, finish=finish,
+                           prompt_logprobs=tuple(logprob_from_proto(logprob) for logprob in message.prompt_logprobs))
 
 
 def scheduler_view_from_proto(message: scheduler_pb2.SchedulerStats) -> SchedulerView:

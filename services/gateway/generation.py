@@ -12,7 +12,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 
 from services.gateway.latency_tracker import LatencyTracker, RequestRecord
-from common.types import Usage
+from common.types import TokenLogprob, Usage
 from services.gateway.backend import (
     BackendError,
     Finish,
@@ -26,7 +26,6 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenant_quota import TenantQuotas, Ticket
-from services.gateway.tool_parsers.base import ToolCall
 
 log = logging.getLogger(__name__)
 STOP_DRAIN_TIMEOUT_S = 2.0
@@ -43,7 +42,7 @@ class TextDelta:
     tokens: tuple[TokenOutput, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
-    tool_calls: tuple[ToolCall, ...] = ()   # chat with tools: calls parsed out of the text (tool_stream.py)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # sampling.prompt_logprobs: once, before any token
 
 
 @dataclass
@@ -104,6 +103,8 @@ class GenerationService:
             ticket = self._quotas.admit(spec.client_id)  # QuotaExceeded: a 429 for this tenant
             async with aclosing(generation.events()) as events:
                 async for event in events:
+                    if event.prompt_logprobs:
+                        yield TextDelta("", prompt_logprobs=event.prompt_logprobs)
                     for position, token in enumerate(event.tokens):
                         self._note_token(progress, ticket)
                         if self._is_final_stop_token(event, position, spec):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -15,12 +15,13 @@ from fastapi.responses import JSONResponse, Response
 
 from common.types import Usage
 from services.gateway.backend import BackendError, GenerationSpec
-from services.gateway.chat_request import call_reader, constrain_tool_call, read_chat
 from services.gateway.chat_template import (
+    ChatMessage,
     chat_prompt_ids,
     raw_prompt_ids,
     turn_stop_token_ids,
 )
+from services.gateway.echo import Echo, echoed, prompt_texts
 from services.gateway.errors import bad_request, from_backend
 from services.gateway.generation import TextDelta, merge_streams
 from services.gateway.openai_format import (
@@ -32,6 +33,7 @@ from services.gateway.openai_format import (
 )
 from services.gateway.schemas import (
     ChatCompletionBody,
+    ChatMessageBody,
     CompletionBody,
     ModelCard,
     ModelList,
@@ -52,10 +54,10 @@ from services.gateway.validation import (
     SamplingInput,
     check_int,
     check_n,
+    check_text,
 )
 
 router = APIRouter(prefix="/v1")
-CallReader = Callable[[AsyncIterator[tuple[int, TextDelta]], int], AsyncIterator[tuple[int, TextDelta]]]
 MAX_CHOICES = 64
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "bad values"}, 401: {"description": "missing or wrong API key"},
@@ -72,6 +74,19 @@ class Choice:
     index: int
     prompt_index: int
     spec: GenerationSpec
+    echo: Echo | None = None     # /v1/completions with echo: the prompt comes first
+
+
+def _echo_choices(state: GatewayState, body: CompletionBody, prompts: Sequence[list[int]],
+                  choices: list[Choice]) -> list[Choice]:
+    """`choices` echoing their prompts, scored when logprobs are asked for."""
+    texts = prompt_texts(state.tokenizer, body.prompt, prompts)
+    scored = body.logprobs is not None
+    return [dataclasses.replace(
+        choice, echo=Echo(texts[choice.prompt_index], tuple(prompts[choice.prompt_index]), body.max_tokens != 0),
+        spec=dataclasses.replace(choice.spec, sampling=dataclasses.replace(choice.spec.sampling,
+                                                                         prompt_logprobs=scored)))
+        for choice in choices]
 
 
 def _request_info(request: Request, state: GatewayState) -> RequestInfo:
@@ -95,11 +110,14 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     state = _state(request)
     info = _request_info(request, state)
     reject_unsupported(body.model_extra)
-    if body.echo:
-        raise bad_request("echo is not supported.", "echo", "unsupported")
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     prompts = await _completion_prompts(state, body.prompt)
-    choices = await _choices(state, prompts, completion_fields(body), check_n(body.n), info.tenant)
+    fields = completion_fields(body)
+    if body.echo and body.max_tokens == 0:
+        fields = dataclasses.replace(fields, max_tokens=1)   # scores the prompt only (echo.py)
+    choices = await _choices(state, prompts, fields, check_n(body.n), info.tenant)
+    if body.echo:
+        choices = _echo_choices(state, body, prompts, choices)
     response_id = f"cmpl-{info.request_id}"
     formatter = CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
     return await _respond(request, state, info, choices, bool(body.stream),
@@ -113,15 +131,13 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     reject_unsupported(body.model_extra)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    chat = read_chat(body)
-    prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
-                                      param="messages")
-    fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
+    messages = [_chat_message(message, index) for index, message in enumerate(body.messages)]
+    prompt_ids = await state.tokenize(chat_prompt_ids, messages, param="messages")
+    fields = chat_fields(body, turn_stop_token_ids(state.tokenizer))
     choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant)
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
     return await _respond(request, state, info, choices, bool(body.stream),
-                          _include_usage(body.stream_options), formatter,
-                          call_reader(chat, state.settings.tool_call_parser))
+                          _include_usage(body.stream_options), formatter)
 
 
 def _include_usage(options: Any) -> bool:
@@ -161,6 +177,23 @@ def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, logprobs=logprobs,
         top_logprobs=top_logprobs)
+
+
+def _chat_message(message: ChatMessageBody, index: int) -> ChatMessage:
+    content = message.content
+    param = f"messages.{index}.content"
+    if content is None:
+        raise bad_request(f"Each message needs content; message {index} has none.", param,
+                          "missing_content")
+    if isinstance(content, str):
+        return ChatMessage(message.role, check_text(content, param))
+    texts: list[str] = []
+    for part in content:
+        if part.type != "text" or part.text is None:
+            raise bad_request(f"Only text content parts are supported, got {part.type!r}.",
+                              param, "unsupported_content")
+        texts.append(check_text(part.text, param))
+    return ChatMessage(message.role, "\n".join(texts))
 
 
 async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int]]:
@@ -203,14 +236,14 @@ def _nth_sample(spec: GenerationSpec, sample: int) -> GenerationSpec:
 
 async def _respond(request: Request, state: GatewayState, info: RequestInfo,
                    choices: list[Choice], stream: bool, include_usage: bool,
-                   formatter: Format, read_calls: CallReader | None = None) -> Response:
+                   formatter: Format) -> Response:
     streams = [state.service.stream(choice.spec,
                                     scheduler_request_id(info.request_id, choice.index, info.supplied),
                                     info.request_id)
                for choice in choices]
+    streams = [echoed(stream, choice.echo) if choice.echo is not None else stream
+               for stream, choice in zip(streams, choices)]
     merged = merge_streams(streams)
-    if read_calls is not None:
-        merged = read_calls(merged, len(choices))
     try:
         if stream:
             events = _stream_events(await prime(merged, request), choices, include_usage, formatter)
@@ -228,7 +261,6 @@ async def _collect(merged: AsyncIterator[tuple[int, TextDelta]], count: int) -> 
             result = results[index]
             result.text.append(delta.text)
             result.tokens.extend(delta.tokens)
-            result.tool_calls.extend(delta.tool_calls)
             if delta.finish_reason is not None:
                 result.finish_reason = delta.finish_reason
                 result.usage = delta.usage or result.usage
@@ -259,7 +291,7 @@ async def _stream_events(merged: AsyncIterator[tuple[int, TextDelta]], choices: 
                     opening = formatter.opening_chunk(index, include_usage)
                     if opening is not None:
                         yield sse_data(opening)
-                if delta.text or delta.tool_calls or (formatter.logprobs and delta.tokens):
+                if delta.text or (formatter.logprobs and delta.tokens):
                     yield sse_data(formatter.delta_chunk(index, delta, include_usage))
                 if delta.finish_reason is not None:
                     results[index].finish_reason = delta.finish_reason

@@ -79,6 +79,7 @@ def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEven
         item = event.tokens.add(token_id=token.token_id)
         if token.logprob is not None:
             item.logprob.CopyFrom(logprob_to_proto(token.logprob))
+    event.prompt_logprobs.extend(logprob_to_proto(logprob) for logprob in update.prompt_logprobs)
     if update.finish is not None:
         event.finish.CopyFrom(scheduler_pb2.FinishEvent(
             finish_reason=update.finish.reason.value, usage=usage_to_proto(update.finish.usage),

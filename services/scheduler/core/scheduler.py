@@ -381,6 +381,7 @@ class SchedulerCore:
             return RequestUpdate(request.request_id, finish=finish)
         if request.cached_tokens is None:
             request.cached_tokens = min(result.num_cached_tokens, len(request.prompt))
+        request.note_prompt_logprobs(result.prompt_logprobs_start, result.prompt_logprobs)
         if not tokens:
             return None
         self._book.activate(worker, request)
@@ -391,7 +392,8 @@ class SchedulerCore:
         out, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids,
                                   lambda: self._vtc.charge_output(request.client_id, user=request.user))
         finish = self._finish(request, reason) if reason is not None else None
-        return RequestUpdate(request.request_id, tokens=out, finish=finish)
+        return RequestUpdate(request.request_id, tokens=out, finish=finish,
+                             prompt_logprobs=request.take_prompt_logprobs())
 
     def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:
         return self._book.finish(self._workers.get(request.worker_id), request, reason, message)

@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from common.types import SamplingParams
+from common.types import SamplingParams, TokenLogprob
 
 from services.scheduler.core.types import Gate, PoolStats, RequestSpec, StepOutput, StepBatch, WorkerSpec
 from services.scheduler.core.vtc import sane_weight
@@ -47,6 +47,26 @@ class RequestState:
     held_by: set[Gate] = field(default_factory=set)
     # Times it was running on a worker that failed and moved on (failover.py, MAX_MIGRATIONS).
     failovers: int = 0
+    # sampling.prompt_logprobs: what the workers scored, by position (a recompute scores
+    # again); sent once, with the first tokens.
+    prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs_sent: bool = False
+
+    def note_prompt_logprobs(self, start: int, logprobs: tuple[TokenLogprob, ...]) -> None:
+        for offset, logprob in enumerate(logprobs):
+            if 0 < start + offset < len(self.spec.prompt_token_ids):
+                self.prompt_logprobs[start + offset] = logprob
+
+    def take_prompt_logprobs(self) -> tuple[TokenLogprob, ...]:
+        """The prompt's logprobs, positions 1 on, the first time they are all known
+        (a continuation's client has them already); else ()."""
+        if self.prompt_logprobs_sent or self.spec.resume_token_ids or not self.sampling.prompt_logprobs:
+            return ()
+        positions = range(1, len(self.spec.prompt_token_ids))
+        if any(position not in self.prompt_logprobs for position in positions):
+            return ()
+        self.prompt_logprobs_sent = True
+        return tuple(self.prompt_logprobs.pop(position) for position in positions)
 
     @classmethod
     def arriving(cls, spec: RequestSpec, client_id: str, max_tokens: int, arrival_s: float,

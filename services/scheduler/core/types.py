@@ -136,6 +136,9 @@ class RequestUpdate:
     tokens: tuple[TokenOut, ...] = ()
     finish: Finish | None = None
     rejection: Rejection | None = None
+    # With the first tokens of a request with sampling.prompt_logprobs: the logprobs
+    # of its prompt tokens from the second on (the first has none).
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True)

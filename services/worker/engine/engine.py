@@ -35,6 +35,7 @@ from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
 from services.worker.engine.prompt_logits import PromptLogitsCache
+from services.worker.engine.prompt_logprobs import PromptScorer
 from services.worker.engine.sampler import SampledToken, Sampler
 from services.worker.engine.sampling import LogitsRows, StepSampler
 from services.worker.engine.sequences import Sequences
@@ -78,6 +79,7 @@ class Engine:
                                                if config.enable_prefix_caching else 0)
         self.sampling = StepSampler(prepared, Sampler(eos_token_ids=prepared.eos_token_ids), self.prompt_logits,
                                     self.block_size)
+        self.prompt_scorer = PromptScorer(prepared.lm_head, prepared.softcap)
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
         self.isolation = StepIsolation(self.sequences, self.pool)
@@ -245,5 +247,6 @@ class Engine:
         """Samples of every plan that samples: one forward over the plans that compute, then
         the draws (exact-match plans draw from their cached logits)."""
         computed = [p for p in planned if p.num_tokens]
-        sample_plans, hidden = self.forward.sampling_hidden_states(computed) if computed else ([], None)
+        sample_plans, hidden = (self.forward.sampling_hidden_states(computed, self.prompt_scorer)
+                                if computed else ([], None))
         return self.sampling.sample(planned, sample_plans, hidden, logits_rows)

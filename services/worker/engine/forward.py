@@ -6,6 +6,7 @@ the paged KV cache through the step's metadata (step_inputs.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,7 +17,9 @@ from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
-from services.worker.engine.step_inputs import build_step_inputs, slot
+from services.worker.engine.step_inputs import ScoreRun, build_step_inputs, slot
+
+ScoreRows = Callable[[ScoreRun, torch.Tensor], None]
 
 if TYPE_CHECKING:
     from services.worker.engine.cpu.native_decode import NativeDecodeAttention
@@ -37,9 +40,11 @@ class Forward:
         self.decode_kernel = decode_kernel
         self.graphs: DecodeGraphs | None = None   # set once captured graphs can call hidden_states
 
-    def sampling_hidden_states(self, planned: list[Planned]) -> tuple[list[Planned], torch.Tensor]:
+    def sampling_hidden_states(self, planned: list[Planned], score: ScoreRows | None = None
+                               ) -> tuple[list[Planned], torch.Tensor]:
         """One packed forward over `planned`; the final hidden states of the rows that sample,
-        with the plan of each row."""
+        with the plan of each row. The hidden states of the rows that predict a prompt token
+        of a prompt-logprobs plan go to `score`, run by run."""
         # Decodes first (one row each), then prefill chunks and verified drafts as contiguous runs.
         order = sorted(planned, key=lambda p: p.rows != 1)
         rows = self._decode_with_graphs(order)
@@ -48,6 +53,9 @@ class Forward:
         inputs = build_step_inputs(order, self.pool, self.kv, self.cache_layer, self.device,
                                    varlen=self.varlen, decode_kernel=self.decode_kernel)
         hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
+        if score is not None:
+            for run in inputs.score_runs:
+                score(run, hidden[run.first_row:run.first_row + run.count])
         if not inputs.sample_plans:
             return [], hidden[:0]
         return inputs.sample_plans, hidden[torch.tensor(inputs.sample_rows, device=self.device)]

@@ -5,8 +5,9 @@ inside the model's context), then planned: a started decode may verify n-gram
 drafts; a new sequence first tries the exact-match path (an identical prompt's
 cached K/V and last logits: nothing is computed), else reuses its leading
 cached full blocks and copies the longest shared run of a cached block after
-them; then the pool grows its block table to cover the chunk. A plan the pool
-cannot cover fails the item with "out_of_blocks" and changes nothing.
+them (not when its prompt is scored for logprobs: that computes every position);
+then the pool grows its block table to cover the chunk. A plan the pool cannot
+cover fails the item with "out_of_blocks" and changes nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from common.block_hash import parent_of
+from common.types import TokenLogprob
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache import PagedKVCache
@@ -35,6 +37,9 @@ class Planned:
     result_index: int
     cached_logits: torch.Tensor | None = None   # exact match: sample from these, compute nothing
     drafts: list[int] = field(default_factory=list)   # speculative tokens verified after a decode
+    # The chunk's scored prompt tokens (prompt_logprobs.py), from position prompt_logprobs_start on.
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    prompt_logprobs_start: int = 0
 
     @property
     def end(self) -> int:
@@ -113,7 +118,9 @@ class StepPlanner:
             speculative = self._plan_speculative(seq, draft_tokens, result_index)
             if speculative is not None:
                 return speculative
-        fresh = not seq.started and self.pool.enable_prefix_caching
+        # A prompt scored for its logprobs computes every position: nothing is reused.
+        fresh = (not seq.started and self.pool.enable_prefix_caching
+                 and not seq.request.params.prompt_logprobs)
         if fresh:
             exact = self._plan_exact(seq, result_index)
             if exact is not None:

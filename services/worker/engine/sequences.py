@@ -121,6 +121,9 @@ class Sequences:
                 self.pool.shrink(seq.seq_id, seq.num_computed)
                 results[plan.result_index].num_computed_tokens = seq.num_computed
             self._register_full_blocks(seq)
+            if plan.prompt_logprobs:
+                results[plan.result_index].prompt_logprobs = plan.prompt_logprobs
+                results[plan.result_index].prompt_logprobs_start = plan.prompt_logprobs_start
             if emitted:
                 _append_sampled(seq, results[plan.result_index], emitted)
         return accepted

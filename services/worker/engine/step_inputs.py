@@ -5,11 +5,13 @@ chunk's context slots, and which rows are sampled.
 Rows come in plan order: a plan's chunk tokens, then its drafts. Single-row plans
 before the first multi-row one are decodes (attended through padded block tables);
 every later plan is a prefill chunk (a contiguous run of rows over its context).
+A chunk of a sequence that asked for prompt logprobs also names its rows that
+predict a prompt token (score runs).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +33,17 @@ class StepInputs:
     positions: torch.Tensor        # [T]
     sample_rows: list[int]         # rows whose hidden states are sampled, in order
     sample_plans: list[Planned]    # the plan of each sampled row (one per row; a plan with drafts repeats)
+    score_runs: list[ScoreRun] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ScoreRun:
+    """Rows first_row .. first_row + count - 1 of a prompt-logprobs plan: each predicts the
+    prompt token after its own, the first one the token at `first_target`."""
+    plan: Planned
+    first_row: int
+    count: int
+    first_target: int
 
 
 @dataclass
@@ -43,6 +56,7 @@ class _Rows:
     prefills: list[PrefillChunk]
     sample_rows: list[int]
     sample_plans: list[Planned]
+    score_runs: list[ScoreRun] = field(default_factory=list)
 
 
 def slot(table: list[int], position: int, block_size: int) -> int:
@@ -68,7 +82,7 @@ def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, c
         prefills=rows.prefills, num_tokens=len(rows.ids), varlen=varlen, decode_kernel=decode_kernel)
     input_ids = torch.tensor(rows.ids, dtype=torch.long, device=device)
     position_tensor = torch.tensor(rows.positions, dtype=torch.long, device=device)
-    return StepInputs(meta, input_ids, position_tensor, rows.sample_rows, rows.sample_plans)
+    return StepInputs(meta, input_ids, position_tensor, rows.sample_rows, rows.sample_plans, rows.score_runs)
 
 
 def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device) -> _Rows:
@@ -91,8 +105,21 @@ def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device) -> _
             context_slots = table_tensor[context // block_size] * block_size + context % block_size
             rows.slots.extend(context_slots[plan.start:].tolist())
             rows.prefills.append(PrefillChunk(row, plan.rows, plan.start, context_slots.to(device)))
+        run = _score_run(plan, row)
+        if run is not None:
+            rows.score_runs.append(run)
         if plan.samples:
             # The last computed token's row, then one row per draft.
             rows.sample_rows.extend(range(len(rows.ids) - 1 - len(plan.drafts), len(rows.ids)))
             rows.sample_plans.extend([plan] * (1 + len(plan.drafts)))
     return rows
+
+
+def _score_run(plan: Planned, first_row: int) -> ScoreRun | None:
+    """The rows of `plan` (its chunk starting at `first_row`) that predict a prompt token,
+    when its sequence asked for prompt logprobs."""
+    if not plan.seq.request.params.prompt_logprobs:
+        return None
+    last_target = min(plan.end, len(plan.seq.request.prompt_token_ids) - 1)
+    count = last_target - plan.start
+    return ScoreRun(plan, first_row, count, plan.start + 1) if count > 0 else None

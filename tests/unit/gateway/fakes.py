@@ -99,15 +99,19 @@ class FakeScheduler:
                     done = True
                     yield self._finish(spec, "cancelled", produced)
                     return
+                first = produced == len(spec.resume_token_ids)
                 produced += 1
                 token = (TokenOutput(token_id, self._logprob(spec, token_id)),)
+                # As the scheduler: the prompt's logprobs come with the first tokens.
+                scored = self.prompt_logprobs(spec) if first and spec.sampling.prompt_logprobs else ()
                 ends = token_id in spec.stop_token_ids or (
                     token_id == EOS_ID and not spec.ignore_eos and produced >= spec.min_tokens)
                 if ends:  # like the scheduler: the last token and the finish travel together
                     done = True
-                    yield GenerationEvent(tokens=token, finish=self._finish(spec, "stop", produced).finish)
+                    yield GenerationEvent(tokens=token, finish=self._finish(spec, "stop", produced).finish,
+                                          prompt_logprobs=scored)
                     return
-                yield GenerationEvent(tokens=token)
+                yield GenerationEvent(tokens=token, prompt_logprobs=scored)
             done = True
             if self.finish_error is not None:
                 yield GenerationEvent(finish=Finish("error", Usage(0, 0, 0), self.finish_error))
@@ -120,6 +124,15 @@ class FakeScheduler:
     def _finish(self, spec: GenerationSpec, reason: str, produced: int) -> GenerationEvent:
         usage = Usage(len(spec.prompt_token_ids), produced, self.cached_tokens)
         return GenerationEvent(finish=Finish(reason, usage))
+
+    @staticmethod
+    def prompt_logprobs(spec: GenerationSpec) -> tuple[TokenLogprob, ...]:
+        """Prompt position p (from 1) scores -p / 10, its top alternatives as a sampled token's."""
+        prompt = spec.prompt_token_ids
+        top = spec.sampling.top_logprobs
+        return tuple(TokenLogprob(-position / 10, (TopLogprob(prompt[position], -position / 10),
+                                                   TopLogprob(3, -9.0))[:top])
+                     for position in range(1, len(prompt)))
 
     @staticmethod
     def _logprob(spec: GenerationSpec, token_id: int) -> TokenLogprob | None:

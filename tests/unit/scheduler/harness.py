@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import count
 
+from common.types import TokenLogprob
 from services.scheduler.core import (
     CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SchedulerCore, StepBatch,
     SubmitResult, TokenOut,
@@ -35,6 +36,7 @@ class Stream:
     rejection: Rejection | None = None
     first_token_step: int | None = None
     finish_step: int | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
@@ -118,6 +120,9 @@ class Harness:
                 assert not stream.tokens
                 stream.rejection = update.rejection
                 continue
+            if update.prompt_logprobs:
+                assert update.tokens and not stream.prompt_logprobs, "sent once, with the first tokens"
+                stream.prompt_logprobs.extend(update.prompt_logprobs)
             if update.tokens and stream.first_token_step is None:
                 stream.first_token_step = self.steps
             stream.tokens.extend(update.tokens)

@@ -1,0 +1,55 @@
+"""Prompt logprobs through the real stack (tiny model): /v1/completions with echo and
+logprobs scores every prompt token as transformers does, over chunked prefills and
+whether or not the prompt's blocks are cached; max_tokens 0 generates nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from scripts.stack import Stack
+
+PROMPT = ("Once upon a time there was a small village by the sea where the fishermen told stories "
+          "of a lighthouse that never went dark, and the children listened every night.")
+
+
+def reference_logprobs(model_dir: Path, ids: list[int]) -> list[float]:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return [float(logprobs[position - 1, ids[position]]) for position in range(1, len(ids))]
+
+
+def score(stack: Stack, **fields) -> dict:
+    body = {"prompt": PROMPT, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0, **fields}
+    reply = httpx.post(f"{stack.url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    return reply.json()
+
+
+def test_echo_scores_the_prompt_as_transformers_does(tiny_stack: Stack, tiny_model_dir: Path) -> None:
+    ids = AutoTokenizer.from_pretrained(tiny_model_dir)(PROMPT)["input_ids"]
+    assert len(ids) > 16    # more than one prefill chunk (PREFILL_CHUNK_SIZE)
+    expected = reference_logprobs(tiny_model_dir, ids)
+    for _ in range(2):      # the second time, the prompt's blocks are cached on the worker
+        body = score(tiny_stack)
+        choice = body["choices"][0]
+        assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(ids) and logprobs["token_logprobs"][0] is None
+        assert logprobs["token_logprobs"][1:] == pytest.approx(expected, abs=1e-3)
+        assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+        assert body["usage"] == {**body["usage"], "prompt_tokens": len(ids), "completion_tokens": 0}
+
+
+def test_echo_with_generation_appends_the_completion(tiny_stack: Stack) -> None:
+    body = score(tiny_stack, max_tokens=4, ignore_eos=True)
+    choice = body["choices"][0]
+    assert choice["text"].startswith(PROMPT) and len(choice["text"]) > len(PROMPT)
+    assert len(choice["logprobs"]["tokens"]) == body["usage"]["prompt_tokens"] + 4
+    assert all(value is not None for value in choice["logprobs"]["token_logprobs"][1:])
