@@ -26,6 +26,7 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenant_quota import TenantQuotas, Ticket
+from services.gateway.tool_parsers.base import ToolCall
 
 log = logging.getLogger(__name__)
 STOP_DRAIN_TIMEOUT_S = 2.0
@@ -42,6 +43,7 @@ class TextDelta:
     tokens: tuple[TokenOutput, ...] = ()
     finish_reason: str | None = None
     usage: Usage | None = None
+    tool_calls: tuple[ToolCall, ...] = ()   # chat with tools: calls parsed out of the text (tool_stream.py)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()   # sampling.prompt_logprobs: once, before any token
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
@@ -15,8 +15,8 @@ from fastapi.responses import JSONResponse, Response
 
 from common.types import Usage
 from services.gateway.backend import BackendError, GenerationSpec
+from services.gateway.chat_request import call_reader, constrain_tool_call, read_chat
 from services.gateway.chat_template import (
-    ChatMessage,
     chat_prompt_ids,
     raw_prompt_ids,
     turn_stop_token_ids,
@@ -33,7 +33,6 @@ from services.gateway.openai_format import (
 )
 from services.gateway.schemas import (
     ChatCompletionBody,
-    ChatMessageBody,
     CompletionBody,
     ModelCard,
     ModelList,
@@ -54,10 +53,10 @@ from services.gateway.validation import (
     SamplingInput,
     check_int,
     check_n,
-    check_text,
 )
 
 router = APIRouter(prefix="/v1")
+CallReader = Callable[[AsyncIterator[tuple[int, TextDelta]], int], AsyncIterator[tuple[int, TextDelta]]]
 MAX_CHOICES = 64
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "bad values"}, 401: {"description": "missing or wrong API key"},
@@ -131,13 +130,15 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     reject_unsupported(body.model_extra)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    messages = [_chat_message(message, index) for index, message in enumerate(body.messages)]
-    prompt_ids = await state.tokenize(chat_prompt_ids, messages, param="messages")
-    fields = chat_fields(body, turn_stop_token_ids(state.tokenizer))
+    chat = read_chat(body)
+    prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
+                                      param="messages")
+    fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
     choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant)
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
     return await _respond(request, state, info, choices, bool(body.stream),
-                          _include_usage(body.stream_options), formatter)
+                          _include_usage(body.stream_options), formatter,
+                          call_reader(chat, state.settings.tool_call_parser))
 
 
 def _include_usage(options: Any) -> bool:
@@ -177,23 +178,6 @@ def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
         repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty, seed=body.seed, logprobs=logprobs,
         top_logprobs=top_logprobs)
-
-
-def _chat_message(message: ChatMessageBody, index: int) -> ChatMessage:
-    content = message.content
-    param = f"messages.{index}.content"
-    if content is None:
-        raise bad_request(f"Each message needs content; message {index} has none.", param,
-                          "missing_content")
-    if isinstance(content, str):
-        return ChatMessage(message.role, check_text(content, param))
-    texts: list[str] = []
-    for part in content:
-        if part.type != "text" or part.text is None:
-            raise bad_request(f"Only text content parts are supported, got {part.type!r}.",
-                              param, "unsupported_content")
-        texts.append(check_text(part.text, param))
-    return ChatMessage(message.role, "\n".join(texts))
 
 
 async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int]]:
@@ -236,7 +220,7 @@ def _nth_sample(spec: GenerationSpec, sample: int) -> GenerationSpec:
 
 async def _respond(request: Request, state: GatewayState, info: RequestInfo,
                    choices: list[Choice], stream: bool, include_usage: bool,
-                   formatter: Format) -> Response:
+                   formatter: Format, read_calls: CallReader | None = None) -> Response:
     streams = [state.service.stream(choice.spec,
                                     scheduler_request_id(info.request_id, choice.index, info.supplied),
                                     info.request_id)
@@ -244,6 +228,8 @@ async def _respond(request: Request, state: GatewayState, info: RequestInfo,
     streams = [echoed(stream, choice.echo) if choice.echo is not None else stream
                for stream, choice in zip(streams, choices)]
     merged = merge_streams(streams)
+    if read_calls is not None:
+        merged = read_calls(merged, len(choices))
     try:
         if stream:
             events = _stream_events(await prime(merged, request), choices, include_usage, formatter)
@@ -261,6 +247,7 @@ async def _collect(merged: AsyncIterator[tuple[int, TextDelta]], count: int) -> 
             result = results[index]
             result.text.append(delta.text)
             result.tokens.extend(delta.tokens)
+            result.tool_calls.extend(delta.tool_calls)
             if delta.finish_reason is not None:
                 result.finish_reason = delta.finish_reason
                 result.usage = delta.usage or result.usage
@@ -291,7 +278,7 @@ async def _stream_events(merged: AsyncIterator[tuple[int, TextDelta]], choices: 
                     opening = formatter.opening_chunk(index, include_usage)
                     if opening is not None:
                         yield sse_data(opening)
-                if delta.text or (formatter.logprobs and delta.tokens):
+                if delta.text or delta.tool_calls or (formatter.logprobs and delta.tokens):
                     yield sse_data(formatter.delta_chunk(index, delta, include_usage))
                 if delta.finish_reason is not None:
                     results[index].finish_reason = delta.finish_reason

@@ -15,6 +15,7 @@ from services.gateway.detokenizer import token_bytes
 from services.gateway.generation import TextDelta
 from services.gateway.state import GatewayState
 from services.gateway.tenants import Tenant
+from services.gateway.tool_parsers import ToolCall
 
 
 @dataclass
@@ -23,6 +24,7 @@ class ChoiceResult:
     tokens: list[TokenOutput] = field(default_factory=list)
     finish_reason: str = ""
     usage: Usage = Usage(0, 0, 0)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,11 @@ class ChatFormat(Format):
                             "logprobs": None, "finish_reason": None}, include_usage)
 
     def delta_chunk(self, index: int, delta: TextDelta, include_usage: bool) -> dict[str, Any]:
-        return self._chunk({"index": index, "delta": {"content": delta.text},
+        message: dict[str, Any] = {"content": delta.text} if delta.text or not delta.tool_calls else {}
+        if delta.tool_calls:
+            message["tool_calls"] = [{"index": call.index, **_tool_call(call)}
+                                     for call in delta.tool_calls]
+        return self._chunk({"index": index, "delta": message,
                             "logprobs": self._logprobs(delta.tokens), "finish_reason": None},
                            include_usage)
 
@@ -157,7 +163,11 @@ class ChatFormat(Format):
                             "finish_reason": finish_reason}, include_usage)
 
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": "".join(result.text)},
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(result.text)}
+        if result.tool_calls:   # OpenAI's: no content beside the calls is null
+            message["content"] = message["content"].strip() or None
+            message["tool_calls"] = [_tool_call(call) for call in result.tool_calls]
+        return {"index": index, "message": message,
                 "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
@@ -177,3 +187,8 @@ class ChatFormat(Format):
                                      for top in token.logprob.top]
             content.append(entry)
         return {"content": content}
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {"id": call.id, "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}

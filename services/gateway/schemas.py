@@ -4,7 +4,7 @@ fields the server does not implement in unsupported.py (400)."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,13 @@ class ExtraSamplingFields(_Body):
     session_id: str | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (a JSON key) -> bias
+    # Structured output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
 
 
 class GenerateBody(ExtraSamplingFields):
@@ -72,10 +79,44 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCallBody(_Body):
+    name: str
+    arguments: str      # JSON text, as OpenAI sends it
+
+
+class ToolCallBody(_Body):
+    id: str
+    type: str = "function"
+    function: FunctionCallBody
+
+
 class ChatMessageBody(_Body):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallBody] | None = None    # an assistant's calls
+    tool_call_id: str | None = None                 # role "tool": the call it answers
+
+
+class FunctionBody(_Body):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None        # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolBody(_Body):
+    type: str
+    function: FunctionBody
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class ToolChoiceBody(_Body):
+    type: str
+    function: NamedFunction
 
 
 class ChatCompletionBody(ExtraSamplingFields):
@@ -95,6 +136,30 @@ class ChatCompletionBody(ExtraSamplingFields):
     frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
+    tools: list[ToolBody] | None = None
+    tool_choice: str | ToolChoiceBody | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class _OpenBody(_Body):
+    """Unknown fields kept (model_extra) for unsupported.py to look at."""
+    model_config = ConfigDict(extra="allow")
+
+
+class TokenizeBody(_OpenBody):
+    """vLLM's /tokenize: a prompt, or chat messages (with tools) through the template."""
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageBody] | None = None
+    tools: list[ToolBody] | None = None
+    add_special_tokens: bool | None = None      # default: true for a prompt, false for messages
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeBody(_OpenBody):
+    model: str | None = None
+    tokens: list[int]
 
 
 class ModelCard(_Body):

@@ -12,6 +12,7 @@ from common.settings import EnvReader
 from services.gateway.identity import CACHE_SCOPES
 from services.gateway.tenant_config import load_tenants
 from services.gateway.tenants import TenantRegistry
+from services.gateway.tool_parsers import PARSERS
 
 ONE_MIB = 1024 * 1024
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -45,6 +46,7 @@ class GatewaySettings:
     scheduler_recovery_s: float = 30.0
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
     drain_timeout_s: float = 30.0   # on SIGTERM, how long generations in flight may take to end
+    tool_call_parser: str = "hermes"   # how chat replies' tool calls are read (tool_parsers/)
 
     @property
     def model_id(self) -> str:
@@ -86,4 +88,5 @@ class GatewaySettings:
             scheduler_recovery_s=read.float("SCHEDULER_RECOVERY_S", cls.scheduler_recovery_s, minimum=0.0),
             internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
+            tool_call_parser=read.choice("TOOL_CALL_PARSER", cls.tool_call_parser, tuple(PARSERS)),
         )

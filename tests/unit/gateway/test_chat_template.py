@@ -34,7 +34,7 @@ def test_system_message_folds_into_the_first_user_turn() -> None:
 
 def test_unknown_role_and_empty_messages_are_rejected(tokenizer: Any) -> None:
     with pytest.raises(ChatTemplateError):
-        chat_prompt_ids(tokenizer, [ChatMessage("tool", "x")])
+        chat_prompt_ids(tokenizer, [ChatMessage("narrator", "x")])
     with pytest.raises(ChatTemplateError):
         chat_prompt_ids(tokenizer, [])
     with pytest.raises(ChatTemplateError):

@@ -1,0 +1,42 @@
+"""Tool calls in a chat reply's stream: each choice's text goes through its
+own parser, which passes content on, holds back what may be a call, and turns
+a complete call into a ToolCall on the delta. A choice that called ends with
+finish_reason "tool_calls"."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+
+from services.gateway.chat_tools import new_call_id
+from services.gateway.generation import TextDelta
+from services.gateway.tool_parsers import ParseStep, ToolCall, ToolCallParser
+
+
+async def with_tool_calls(merged: AsyncIterator[tuple[int, TextDelta]],
+                          make_parser: Callable[[], ToolCallParser], count: int,
+                          max_calls: int | None = None) -> AsyncIterator[tuple[int, TextDelta]]:
+    """`merged` (index, delta) of `count` choices, with their calls parsed out;
+    past `max_calls` calls a choice's further calls are dropped."""
+    parsers = [make_parser() for _ in range(count)]
+    calls = [0] * count
+    async with aclosing(merged):  # type: ignore[type-var]
+        async for index, delta in merged:
+            step = parsers[index].feed(delta.text)
+            if delta.finish_reason is not None:
+                step = step.then(parsers[index].finish())
+            made = _numbered(step, calls[index])
+            if max_calls is not None:
+                made = made[:max(0, max_calls - calls[index])]
+            calls[index] += len(made)
+            finish_reason = delta.finish_reason
+            if finish_reason == "stop" and calls[index]:
+                finish_reason = "tool_calls"
+            yield index, dataclasses.replace(delta, text=step.content, tool_calls=made,
+                                             finish_reason=finish_reason)
+
+
+def _numbered(step: ParseStep, before: int) -> tuple[ToolCall, ...]:
+    return tuple(ToolCall(before + offset, new_call_id(), call.name, call.arguments)
+                 for offset, call in enumerate(step.calls))
