@@ -29,6 +29,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "prediction": (),
     "web_search_options": (),
     "reasoning_effort": (),
+    "verbosity": ("medium",),
     # vLLM
     "guided_json": (),
     "guided_regex": (),
@@ -50,6 +51,12 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "chat_template": (),
     "chat_template_kwargs": ({},),
     "documents": (),
+    "echo": (False,),                   # chat's (the last message first); completions implement theirs
+    "skip_special_tokens": (True,),     # replies leave special tokens out
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "mm_processor_kwargs": (),
+    "vllm_xargs": (),
 }
 
 

@@ -61,7 +61,7 @@ UNSUPPORTED_VALUES: dict[str, Any] = {
     "tool_choice": "auto", "functions": [{"name": "f"}],
     "function_call": "auto", "parallel_tool_calls": False, "guided_decoding_backend": "xgrammar",
     "guided_whitespace_pattern": " ", "best_of": 2, "suffix": "end",
-    "use_beam_search": True, "length_penalty": 2,
+    "use_beam_search": True, "length_penalty": 2, "verbosity": "low", "skip_special_tokens": False,
 }
 
 
@@ -76,6 +76,12 @@ async def test_unsupported_fields_are_named(client: httpx.AsyncClient, path: str
     error = error_of(reply)
     assert error["param"] == name and error["code"] == "unsupported_parameter"
     assert name in error["message"]
+
+
+async def test_chat_echo_is_named(client: httpx.AsyncClient) -> None:
+    reply = await client.post("/v1/chat/completions", json={**CHAT, "echo": True})
+    assert error_of(reply)["param"] == "echo"
+    assert (await client.post("/v1/chat/completions", json={**CHAT, "echo": False})).status_code == 200
 
 
 async def test_unsupported_fields_at_null_or_default_are_fine(client: httpx.AsyncClient) -> None:
