@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fairserve.v1 import common_pb2
 
-from common.types import SamplingParams, TokenLogprob, TopLogprob, Usage
+from common.types import Constraint, ConstraintKind, SamplingParams, TokenLogprob, TopLogprob, Usage
 
 _UINT64_MASK = (1 << 64) - 1
 
@@ -19,6 +19,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
         logit_bias=dict(params.logit_bias), prompt_logprobs=params.prompt_logprobs,
     )
+    if params.constraint is not None:
+        message.constraint.CopyFrom(constraint_to_proto(params.constraint))
     if params.seed is not None:
         # OpenAI seeds may be negative; two's complement keeps them distinct in the uint64 field.
         message.seed = params.seed & _UINT64_MASK
@@ -41,7 +43,22 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         logit_bias=tuple(sorted(message.logit_bias.items())),
         prompt_logprobs=message.prompt_logprobs,
+        constraint=constraint_from_proto(message.constraint) if message.HasField("constraint") else None,
     )
+
+
+def constraint_to_proto(constraint: Constraint) -> common_pb2.Constraint:
+    return common_pb2.Constraint(kind=common_pb2.ConstraintKind.Value("CONSTRAINT_KIND_" + constraint.kind.name),
+                                 value=constraint.value, choices=list(constraint.choices))
+
+
+def constraint_from_proto(message: common_pb2.Constraint) -> Constraint | None:
+    """None for CONSTRAINT_KIND_NONE (and for a kind this build does not know)."""
+    try:
+        kind = ConstraintKind[common_pb2.ConstraintKind.Name(message.kind)[len("CONSTRAINT_KIND_"):]]
+    except (KeyError, ValueError):
+        return None
+    return Constraint(kind=kind, value=message.value, choices=tuple(message.choices))
 
 
 def logprob_to_proto(value: TokenLogprob) -> common_pb2.TokenLogprob:

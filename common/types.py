@@ -4,6 +4,28 @@ to and from protobuf at each edge."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ConstraintKind(StrEnum):
+    """What a structured-output constraint's value is (common.proto's ConstraintKind)."""
+
+    JSON_OBJECT = "json_object"   # any JSON object; no value
+    JSON_SCHEMA = "json_schema"   # value: a JSON Schema, as JSON text
+    REGEX = "regex"               # value: a regular expression the whole output matches
+    CHOICE = "choice"             # choices: the output is exactly one of them
+    GRAMMAR = "grammar"           # value: a Lark grammar (or GBNF/EBNF with ::= rules)
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """Structured output: every token the worker samples keeps the output a prefix of a match,
+    and the output ends (EOS) only where it is a whole match. common/grammar.py turns one into
+    the grammar engine's grammar; the gateway checks it there before the request is queued."""
+
+    kind: ConstraintKind
+    value: str = ""
+    choices: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -24,6 +46,7 @@ class SamplingParams:
     # (token id, bias) pairs, ascending ids: added to the logits before penalties and the
     # draw (OpenAI's logit_bias; -100 in effect bans a token, +100 forces it)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    constraint: Constraint | None = None   # structured output, enforced by a token mask
 
     @property
     def is_greedy(self) -> bool:

@@ -30,8 +30,12 @@ from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.device import dtype_name
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.forward import Forward
+from services.worker.engine.grammar import Grammars, GrammarTokenizer, tokenizer_from_model_dir
+from services.worker.engine.grammar_masks import GrammarMasker
 from services.worker.engine.isolation import StepIsolation
 from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.kv_policy import KvEvictor
+from services.worker.engine.kv_rotation import KeyRotation
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
 from services.worker.engine.prompt_logits import PromptLogitsCache
@@ -81,10 +85,17 @@ class Engine:
                                     self.block_size)
         self.prompt_scorer = PromptScorer(prepared.lm_head, prepared.softcap)
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
+        vocab_size = int(self.model_config.vocab_size)
+        # Structured output: the grammar tokenizer builds in the background (seconds on 262k tokens).
+        self.grammars = Grammars(GrammarTokenizer(
+            tokenizer_from_model_dir(config.model_dir, vocab_size, prepared.eos_token_ids),
+            background=(Path(config.model_dir) / "tokenizer.json").is_file()), vocab_size, prepared.eos_token_ids)
+        self.grammar_masks = GrammarMasker()
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
         self.isolation = StepIsolation(self.sequences, self.pool)
+        self.evictor = KvEvictor(self.pool, KeyRotation.of(prepared.base, self.kv), self.block_size)
         self.planner = StepPlanner(self.sequences, self.pool, self.kv, self.prompt_logits, PlanLimits(
-            self.block_size, self.max_model_len, config.ngram_min, config.ngram_max))
+            self.block_size, self.max_model_len, config.ngram_min, config.ngram_max), self.evictor)
         self._info = t.EngineInfo(
             model_name=config.model_key or getattr(self.model_config, "name_or_path", "") or Path(config.model_dir).name,
             block_size=self.block_size, num_blocks=num_blocks, device=str(self.device),
@@ -110,6 +121,10 @@ class Engine:
             self.sequences.free(seq_id)
         for new in batch.new_sequences:
             self.sequences.register(new)
+            if new.sampling.constraint is not None:
+                # A resumed sequence's matcher replays the tokens it already generated.
+                self.sequences.get(new.seq_id).grammar = self.grammars.state(new.sampling.constraint,
+                                                                             new.output_token_ids)
         replays = self.graphs.replays if self.graphs is not None else 0
         totals = _StepTotals()
         # A sequence whose planning or forward raises fails alone (isolation.py).
@@ -171,7 +186,7 @@ class Engine:
         self.pool.check_invariants()
         for seq in self.sequences:
             table = self.pool.table(seq.seq_id)
-            if self.pool.blocks_for(seq.num_computed) > len(table):
+            if self.pool.blocks_for(seq.cache_len) > len(table):
                 raise AssertionError(f"{seq.seq_id} computed {seq.num_computed} tokens in {len(table)} blocks")
 
     def wait_for_screen(self, timeout: float | None = None) -> bool:
@@ -247,6 +262,7 @@ class Engine:
         """Samples of every plan that samples: one forward over the plans that compute, then
         the draws (exact-match plans draw from their cached logits)."""
         computed = [p for p in planned if p.num_tokens]
+        masks = self.grammar_masks.start(planned)   # computed while the forward runs
         sample_plans, hidden = (self.forward.sampling_hidden_states(computed, self.prompt_scorer)
                                 if computed else ([], None))
-        return self.sampling.sample(planned, sample_plans, hidden, logits_rows)
+        return self.sampling.sample(planned, sample_plans, hidden, logits_rows, masks)

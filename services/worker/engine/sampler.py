@@ -3,6 +3,9 @@
 Order, as in transformers' generate, with the logit bias first as in vLLM:
 logit bias -> penalties -> temperature -> top-k -> top-p -> min-p -> draw.
 Greedy rows take the argmax of the penalized logits.
+A constrained row's grammar mask (engine/grammar.py) sets the tokens it forbids to -inf
+before the draw; the grammar wins over min_tokens (when it allows only what min_tokens
+bans, EOS at the end of a match, the ban is lifted).
 Reported logprobs come from the raw model distribution (log_softmax of the
 unprocessed logits), like vLLM's default.
 
@@ -18,7 +21,9 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -36,6 +41,7 @@ class SampleRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     num_sampled: int        # tokens this request sampled before (seeds its next draw)
+    banned: Any = None      # numpy bool [vocab]: what the row's grammar forbids (None: unconstrained)
 
 
 @dataclass(frozen=True)
@@ -73,7 +79,8 @@ class Sampler:
         biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
         penalized = [i for i, r in enumerate(requests) if _has_penalties(r.params)]
         banned = [i for i, r in enumerate(requests) if _below_min_tokens(r)]
-        if biased or penalized or banned:
+        masked = [i for i, r in enumerate(requests) if r.banned is not None]
+        if biased or penalized or banned or masked:
             logits = logits.clone()
             for row in biased:
                 _apply_logit_bias(logits[row], requests[row].params.logit_bias)
@@ -82,6 +89,8 @@ class Sampler:
             for row in banned:
                 ids = self._banned_token_ids(requests[row].params)
                 logits[row, [i for i in ids if 0 <= i < logits.shape[-1]]] = float("-inf")
+            for row in masked:
+                _apply_grammar_mask(logits[row], raw[row], requests[row].banned)
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
@@ -180,6 +189,19 @@ def _apply_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> N
     if pairs:
         ids = torch.tensor([token_id for token_id, _ in pairs], device=row.device)
         row[ids] += torch.tensor([value for _, value in pairs], dtype=row.dtype, device=row.device)
+
+
+def _apply_grammar_mask(row: torch.Tensor, raw: torch.Tensor, banned: np.ndarray) -> None:
+    """-inf where the grammar forbids; when nothing else is left (min_tokens banned what the
+    grammar allows), the allowed tokens get their raw logits back."""
+    width = min(row.shape[-1], banned.shape[0])
+    if row.device.type == "cpu":
+        np.copyto(row.numpy()[:width], -np.inf, where=banned[:width])   # masked_fill_ was 10x slower on CPU
+    else:
+        row[:width].masked_fill_(torch.from_numpy(banned[:width]).to(row.device), float("-inf"))
+    if not bool(torch.isfinite(row.max())):
+        allowed = torch.from_numpy(~banned[:width]).to(row.device)
+        row[:width][allowed] = raw[:width][allowed]
 
 
 def _apply_penalties(row: torch.Tensor, request: SampleRequest) -> None:

@@ -5,6 +5,8 @@ screen (cpu/lm_head_screen.py) when it is built: exact where their draw can land
 -inf elsewhere, which is all such a draw reads. An exact-match plan brings its
 cached logits instead. A row after drafts draws as if they were already output.
 Complete rows of whole prompts are kept for later identical prompts.
+Constrained rows take the full LM head (their grammar may forbid every token a screen keeps
+exact) and their grammar masks (grammar_masks.py) just before the draw.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
+from services.worker.engine.grammar_masks import PendingMasks
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
 from services.worker.engine.prompt_logits import PromptLogitsCache
@@ -37,10 +40,11 @@ class StepSampler:
         self.block_size = block_size
 
     def sample(self, planned: list[Planned], sample_plans: list[Planned], hidden: torch.Tensor | None,
-               logits_rows: LogitsRows) -> list[tuple[Planned, list[SampledToken]]]:
+               logits_rows: LogitsRows, masks: PendingMasks | None = None,
+               ) -> list[tuple[Planned, list[SampledToken]]]:
         """Samples of every plan that samples: one token, or one per verified row. `hidden`
         holds the final hidden states of `sample_plans`' rows; the computed logits rows are
-        counted by path into `logits_rows`."""
+        counted by path into `logits_rows`; `masks`, the grammar masks of constrained rows."""
         sample_plans = list(sample_plans)
         requests: list[SampleRequest] = []
         rows: list[torch.Tensor] = []
@@ -60,6 +64,8 @@ class StepSampler:
         if not sample_plans:
             return []
         logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        if masks is not None:
+            requests = masks.attach(sample_plans, requests)
         sampled = self.sampler.sample(logits, requests)
         by_plan: dict[int, tuple[Planned, list[SampledToken]]] = {}
         for plan, token in zip(sample_plans, sampled):
@@ -92,7 +98,7 @@ class StepSampler:
         """(how many best tokens the row's draw reads, tokens its sampler adjusts), or None
         when the row needs its full logits."""
         count = tokens_drawn_from(request.params)
-        if count is None or count > LMHeadScreen.MAX_TOP_K or count >= screen.vocab_size:
+        if count is None or request.params.constraint is not None or count > LMHeadScreen.MAX_TOP_K or count >= screen.vocab_size:
             return None
         adjusted = self.sampler.adjusted_token_ids(request)
         if len(adjusted) > LMHeadScreen.MAX_ADJUSTED_TOKENS:

@@ -11,19 +11,23 @@ results) and registers newly computed full blocks with the pool's prefix cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from common.block_hash import ROOT_HASH, extend_chain, parent_of, partial_block_hash, salted_key
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool, PartialBlock
+from services.worker.engine.kv_policy import BlockBudget, block_budget, policy_error
 from services.worker.engine.prompt_logits import PromptKey, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 
 if TYPE_CHECKING:
     from services.worker.engine.planning import Planned
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +42,19 @@ class SequenceState:
     ngrams: NgramIndex | None = None    # built on the first speculative decode
     cache_salt: str = ""                # blocks are shared only with sequences of the same salt
     hash_key: str = ""                  # salted_key(model key, cache_salt): what its blocks hash under
+    budget: BlockBudget | None = None   # a lossy KV policy's (kv_policy.py); None: keeps everything
+    evicted: int = 0                    # tokens its KV policy dropped from the cache
+    block_scores: list[float] = field(default_factory=list)   # h2o: attention accumulated per table entry
+
+    @property
+    def cache_len(self) -> int:
+        """Computed tokens still in the cache: positions and slots count from the cache's start."""
+        return self.num_computed - self.evicted
+
+    @property
+    def lossy(self) -> bool:
+        return self.budget is not None
+    grammar: Any = None                 # grammar.GrammarState of a constrained sequence: advanced by what it keeps
 
     def full_block_hashes(self, block_size: int) -> list[int]:
         return extend_chain(self.hashes, self.tokens, block_size, self.hash_key)
@@ -85,14 +102,22 @@ class Sequences:
                                 output_token_ids=list(new.output_token_ids),
                                 num_sampled=len(new.output_token_ids))
         self._by_id[new.seq_id] = SequenceState(new.seq_id, tokens, request, cache_salt=new.cache_salt,
-                                                hash_key=salted_key(self.model_key, new.cache_salt))
+                                                hash_key=salted_key(self.model_key, new.cache_salt),
+                                                budget=self._budget(new))
+
+    def _budget(self, new: t.NewSequence) -> BlockBudget | None:
+        error = policy_error(new.kv_policy)
+        if error:   # the scheduler checks policies; one it let through is served in full
+            log.warning("KV policy not served: %s", error, extra={"seq_id": new.seq_id})
+            return None
+        return block_budget(new.kv_policy, self.block_size)
 
     def _partial_block(self, seq: SequenceState) -> PartialBlock | None:
         """The computed head of `seq`'s partly filled last block, if it has one. When the
         prompt ends inside it, it is aliased by the prompt's partial-block hash (the index's
         exact-match key), even if generated tokens follow the prompt's in it."""
         full, used = divmod(seq.num_computed, self.block_size)
-        if not used or not self.pool.enable_prefix_caching:
+        if not used or not self.pool.enable_prefix_caching or seq.lossy:
             return None
         parent = seq.full_block_hashes(self.block_size)[full - 1] if full else ROOT_HASH
         start = full * self.block_size
@@ -129,7 +154,7 @@ class Sequences:
         return accepted
 
     def _register_full_blocks(self, seq: SequenceState) -> None:
-        if not self.pool.enable_prefix_caching:
+        if not self.pool.enable_prefix_caching or seq.lossy:
             return
         full = seq.num_computed // self.block_size
         first = seq.num_registered_blocks
@@ -144,6 +169,8 @@ class Sequences:
 def _append_sampled(seq: SequenceState, result: t.SeqResult, emitted: list[SampledToken]) -> None:
     """The tokens a step sampled for `seq`, appended to it and reported in `result`."""
     token_ids = [token.token_id for token in emitted]
+    if seq.grammar is not None:
+        seq.grammar.advance(token_ids)
     seq.tokens.extend(token_ids)
     seq.request.output_token_ids.extend(token_ids)
     seq.request.num_sampled += len(token_ids)

@@ -1,0 +1,84 @@
+"""A structured-output Constraint as the grammar engine's grammar, and its check.
+
+The engine is llguidance (chosen by measurement, docs/engine.md): it imports without torch, so
+the gateway checks every constraint with it before a request is queued, and the worker builds
+its matchers from the same grammar text. JSON comes out compact (no free whitespace between
+tokens, `,` and `:` as separators), so a constrained output cannot spend its budget on blanks.
+A GBNF/EBNF grammar (rules written `name ::= ...`, as llama.cpp and xgrammar take them) is
+translated to Lark first.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from typing import Any
+
+from common.types import Constraint, ConstraintKind
+
+# Compact JSON: what json.dumps(separators=(",", ":")) writes.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class ConstraintError(ValueError):
+    """The constraint cannot be compiled; the message says why."""
+
+
+def json_schema_constraint(schema: Any) -> Constraint:
+    """The Constraint for a JSON Schema given as a parsed value (a dict) or as JSON text."""
+    text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    return Constraint(ConstraintKind.JSON_SCHEMA, text)
+
+
+def grammar_of(constraint: Constraint) -> str:
+    """The llguidance grammar of `constraint` (not yet checked: see check)."""
+    from llguidance import LLMatcher
+
+    kind = constraint.kind
+    if kind is ConstraintKind.JSON_OBJECT:
+        return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind is ConstraintKind.JSON_SCHEMA:
+        try:
+            schema = json.loads(constraint.value)
+        except ValueError as error:
+            raise ConstraintError(f"the schema is not valid JSON: {error}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ConstraintError("the schema must be a JSON object")
+        try:
+            return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except (ValueError, TypeError) as error:
+            raise ConstraintError(str(error)) from None
+    if kind is ConstraintKind.REGEX:
+        return LLMatcher.grammar_from_regex(constraint.value)
+    if kind is ConstraintKind.CHOICE:
+        if not constraint.choices:
+            raise ConstraintError("the choices are empty")
+        # Lark string literals: JSON's escapes are Lark's.
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in constraint.choices))
+    if kind is ConstraintKind.GRAMMAR:
+        return LLMatcher.grammar_from_lark(_lark_text(constraint.value))
+    raise ConstraintError(f"unknown constraint kind {kind!r}")
+
+
+@functools.lru_cache(maxsize=256)
+def check(constraint: Constraint) -> str:
+    """The grammar of `constraint`, checked (the last ones remembered: n > 1 choices and a schema
+    sent again are checked once); raises ConstraintError naming the problem."""
+    from llguidance import LLMatcher
+
+    grammar = grammar_of(constraint)
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ConstraintError(error.strip())
+    return grammar
+
+
+def _lark_text(text: str) -> str:
+    if "::=" not in text:
+        return text
+    from llguidance.gbnf_to_lark import GbnfToLarkError, gbnf_to_lark
+
+    try:
+        return gbnf_to_lark(text)
+    except GbnfToLarkError as error:
+        raise ConstraintError(f"the GBNF grammar does not parse: {error}") from None

@@ -1,0 +1,198 @@
+"""Structured output on the worker: matchers, masks, drafts, replay, the sampler's mask and the
+engine end to end, on the tiny tokenizer (384 tokens) and a tiny random model, whose random
+tokens are what a constraint has to hold in check."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+
+from common.grammar import json_schema_constraint
+from common.types import Constraint, ConstraintKind, SamplingParams
+from services.worker.engine import NewSequence, StepBatch, WorkItem
+from services.worker.engine.grammar import Grammars, GrammarTokenizer
+from services.worker.engine.sampler import SampleRequest, Sampler
+from tests.fixtures.tiny_model import build_tokenizer
+from tests.unit.worker.engine_helpers import make_engine
+
+EOS = 1
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "level": {"type": "integer", "minimum": 1, "maximum": 5},
+    "kind": {"enum": ["a", "bb"]},
+    "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3}},
+    "required": ["name", "level", "kind"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return build_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def grammars(hf_tokenizer) -> Grammars:
+    import llguidance.hf
+    vocab = len(hf_tokenizer)
+    tokenizer = GrammarTokenizer(lambda: llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab, eos_token=EOS),
+                                 background=False)
+    return Grammars(tokenizer, vocab, [EOS])
+
+
+def walk(state, vocab: int, seed: int, limit: int = 200) -> list[int]:
+    """Tokens drawn by argmax of seeded random logits under the mask, until EOS."""
+    rng = np.random.default_rng(seed)
+    tokens: list[int] = []
+    for _ in range(limit):
+        banned = state.banned()
+        logits = np.where(banned, -np.inf, rng.standard_normal(vocab))
+        token = int(logits.argmax())
+        assert not banned[token]
+        if token == EOS:
+            return tokens
+        state.advance([token])
+        tokens.append(token)
+    raise AssertionError(f"no EOS after {limit} tokens")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_masked_walks_validate_against_the_schema(grammars, hf_tokenizer, seed):
+    state = grammars.state(json_schema_constraint(SCHEMA))
+    text = hf_tokenizer.decode(walk(state, grammars.vocab_size, seed))
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_regex_choice_and_grammar_walks_match(grammars, hf_tokenizer, seed):
+    regex = grammars.state(Constraint(ConstraintKind.REGEX, r"[a-c]{2,4}-[0-9]{3}"))
+    assert re.fullmatch(r"[a-c]{2,4}-[0-9]{3}", hf_tokenizer.decode(walk(regex, grammars.vocab_size, seed)))
+    choice = grammars.state(Constraint(ConstraintKind.CHOICE, choices=("yes", "no", "a \"quoted\" one")))
+    assert hf_tokenizer.decode(walk(choice, grammars.vocab_size, seed)) in ("yes", "no", "a \"quoted\" one")
+    gbnf = grammars.state(Constraint(ConstraintKind.GRAMMAR, 'root ::= "(" [0-9] ("+" [0-9])? ")"'))
+    assert re.fullmatch(r"\([0-9](\+[0-9])?\)", hf_tokenizer.decode(walk(gbnf, grammars.vocab_size, seed)))
+
+
+def test_eos_only_where_the_output_is_a_whole_match(grammars, hf_tokenizer):
+    state = grammars.state(Constraint(ConstraintKind.REGEX, "ab+"))
+    assert state.banned()[EOS]
+    state.advance(hf_tokenizer.encode("a", add_special_tokens=False))
+    assert state.banned()[EOS]
+    state.advance(hf_tokenizer.encode("b", add_special_tokens=False))
+    assert not state.banned()[EOS]
+    done = grammars.state(Constraint(ConstraintKind.CHOICE, choices=("yes",)))
+    done.advance(hf_tokenizer.encode("yes", add_special_tokens=False))
+    assert done.finished
+    assert np.flatnonzero(~done.banned()).tolist() == [EOS]     # a finished grammar allows only EOS
+
+
+def test_compiled_grammars_are_cached_by_constraint(grammars):
+    before = grammars.compiles
+    constraint = json_schema_constraint({"type": "object", "properties": {"x": {"type": "integer"}}})
+    grammars.state(constraint).banned()
+    grammars.state(json_schema_constraint({"properties": {"x": {"type": "integer"}}, "type": "object"})).banned()
+    assert grammars.compiles == before + 1
+
+
+def test_draft_rows_are_masked_as_if_drafts_were_output_and_rolled_back(grammars, hf_tokenizer):
+    constraint = Constraint(ConstraintKind.REGEX, "abcabc")
+    drafts = hf_tokenizer.encode("abcabc", add_special_tokens=False)[:3]
+    state = grammars.state(constraint)
+    rows = state.banned_rows(drafts)
+    assert len(rows) == len(drafts) + 1
+    expected = grammars.state(constraint)
+    for row, token in zip(rows, [*drafts, None]):
+        assert np.array_equal(row, expected.banned())
+        if token is not None:
+            expected.advance([token])
+    assert np.array_equal(state.banned(), grammars.state(constraint).banned())   # rolled back
+    bad = hf_tokenizer.convert_tokens_to_ids("z")
+    refused = state.banned_rows([drafts[0], bad, drafts[0]])
+    assert refused[1][bad]     # the row at the refused draft forbids it: the draw there ends the run
+    assert len(refused) == 4
+
+
+def test_replayed_output_restores_the_matcher(grammars, hf_tokenizer):
+    constraint = json_schema_constraint(SCHEMA)
+    state = grammars.state(constraint)
+    tokens = walk(state, grammars.vocab_size, seed=3)[:5]
+    live = grammars.state(constraint)
+    live.advance(tokens)
+    resumed = grammars.state(constraint, replay=tokens)
+    assert np.array_equal(resumed.banned(), live.banned())
+
+
+def test_sampler_never_draws_a_banned_token_and_the_grammar_wins_over_min_tokens():
+    vocab = 50
+    sampler = Sampler(seed=0, eos_token_ids=[EOS])
+    allowed = [7, 11, 30]
+    banned = np.ones(vocab, dtype=bool)
+    banned[allowed] = False
+    logits = torch.randn(4, vocab) * 5
+    requests = [SampleRequest(SamplingParams(temperature=t, seed=i), [2], [], 0, banned=banned)
+                for i, t in enumerate((0.0, 0.7, 1.5, 0.0))]
+    for _ in range(20):
+        assert all(s.token_id in allowed for s in sampler.sample(logits, requests))
+        logits = torch.randn(4, vocab) * 5
+    only_eos = np.ones(vocab, dtype=bool)
+    only_eos[EOS] = False
+    request = SampleRequest(SamplingParams(min_tokens=5), [2], [], 0, banned=only_eos)
+    assert sampler.sample(torch.randn(1, vocab), [request])[0].token_id == EOS
+
+
+def constrained_engine(hf_tokenizer, grammars, **config):
+    engine = make_engine("gemma3", **config)
+    engine.grammars = grammars
+    return engine
+
+
+def run_to_eos(engine, seq_id: str, sampling: SamplingParams, output: tuple[int, ...] = (),
+               draft_tokens: int = 0, limit: int = 120, drafts: list[int] | None = None) -> list[int]:
+    prompt = (2, 40, 41, 42, 43)
+    engine.step(StepBatch(new_sequences=(NewSequence(seq_id, prompt, output, sampling),), work=()))
+    tokens = list(output)
+    num = len(prompt) + len(output)
+    for _ in range(limit):
+        step = engine.step(StepBatch(work=(WorkItem(seq_id, num, draft_tokens if tokens else 0),)))
+        result = step.results[0]
+        if drafts is not None:
+            drafts.append(step.draft_tokens)
+        assert not result.error, result.error
+        num = 1
+        for token in result.token_ids:
+            if token == EOS:
+                return tokens
+            tokens.append(token)
+    raise AssertionError("no EOS")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_engine_constrained_outputs_validate(hf_tokenizer, grammars, temperature):
+    engine = constrained_engine(hf_tokenizer, grammars)
+    for index in range(3):
+        sampling = SamplingParams(temperature=temperature, seed=index, constraint=json_schema_constraint(SCHEMA))
+        text = hf_tokenizer.decode(run_to_eos(engine, f"s{index}", sampling))
+        jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_engine_resumed_sequence_continues_its_grammar(hf_tokenizer, grammars):
+    engine = constrained_engine(hf_tokenizer, grammars)
+    sampling = SamplingParams(temperature=1.0, seed=5, constraint=json_schema_constraint(SCHEMA))
+    whole = run_to_eos(engine, "whole", sampling)
+    # The same request resumed after its first 4 tokens (a preemption or a moved request): the same text.
+    assert run_to_eos(engine, "resumed", sampling, output=tuple(whole[:4])) == whole
+
+
+def test_engine_speculative_drafts_are_checked_against_the_grammar(hf_tokenizer, grammars):
+    engine = constrained_engine(hf_tokenizer, grammars)
+    regex = r"(ab){6}c"
+    sampling = SamplingParams(constraint=Constraint(ConstraintKind.REGEX, regex))
+    plain = run_to_eos(engine, "plain", sampling)
+    verified: list[int] = []
+    drafted = run_to_eos(engine, "drafted", sampling, draft_tokens=3, drafts=verified)
+    assert sum(verified) > 0
+    assert drafted == plain
+    assert re.fullmatch(regex, hf_tokenizer.decode(drafted))
