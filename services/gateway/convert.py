@@ -6,7 +6,13 @@ from typing import Any
 
 import grpc
 
-from common.convert import logprob_from_proto, sampling_to_proto, usage_from_proto, usage_to_proto
+from common.convert import (
+    constraint_from_proto,
+    logprob_from_proto,
+    sampling_to_proto,
+    usage_from_proto,
+    usage_to_proto,
+)
 from common.grpc_server import REJECTION_KEY
 from common.types import Usage
 from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2, kvindex_pb2
@@ -165,7 +171,10 @@ def text_input_from_proto(message: gateway_pb2.TextRequest) -> TextInput:
         ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
         session_id=message.session_id, user=message.user,
         requested_stop_token_ids=tuple(message.sampling.stop_token_ids),
-        logit_bias={str(token_id): bias for token_id, bias in message.sampling.logit_bias.items()}))
+        logit_bias={str(token_id): bias for token_id, bias in message.sampling.logit_bias.items()},
+        constraint=(constraint_from_proto(message.sampling.constraint)
+                    if message.sampling.HasField("constraint") else None),
+        constraint_param="sampling.constraint"))
 
 
 def text_chunk_to_proto(text: str, token_ids: tuple[int, ...], finish_reason: str | None,

@@ -10,7 +10,10 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from common.grammar import ConstraintError, check
+from common.types import Constraint
 from services.gateway.backend import GenerationSpec
+from services.gateway.errors import bad_request
 from services.gateway.identity import Caller, cap_priority, resolve_identity
 from services.gateway.token_controls import check_logit_bias, check_stop_token_ids
 from services.gateway.validation import (
@@ -43,6 +46,8 @@ class RequestFields:
     priority: int | None = None
     session_id: str | None = None
     user: str | None = None
+    constraint: Constraint | None = None  # structured output (structured.py reads it from a body)
+    constraint_param: str = "response_format"  # the field that asked for it, for errors
 
 
 @dataclass(frozen=True)
@@ -70,16 +75,33 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
     check_prompt_ids(prompt_ids, limits.vocab_size, fields.prompt_param)
     sampling = dataclasses.replace(
         build_sampling(fields.sampling, fields.default_temperature),
-        logit_bias=check_logit_bias(fields.logit_bias, limits.vocab_size))
+        logit_bias=check_logit_bias(fields.logit_bias, limits.vocab_size),
+        constraint=check_constraint(fields))
     stop_token_ids = tuple(dict.fromkeys((*fields.stop_token_ids, *check_stop_token_ids(
         fields.requested_stop_token_ids, limits.vocab_size))))
     stop = normalize_stop(fields.stop)
     priority = cap_priority(check_priority(fields.priority), caller)
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
                                     limits.max_model_len, fields.max_tokens_param)
+    if sampling.constraint is not None and fields.ignore_eos:
+        raise bad_request("ignore_eos cannot be combined with a constrained output: the output ends "
+                          "where the grammar does.", "ignore_eos")
     return GenerationSpec(
         prompt_token_ids=tuple(prompt_ids), max_tokens=max_tokens, sampling=sampling, stop=stop,
         stop_token_ids=stop_token_ids, ignore_eos=bool(fields.ignore_eos),
         min_tokens=check_min_tokens(fields.min_tokens, max_tokens),
         client_id=identity.client_id, session_id=identity.session_id, priority=priority,
         user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt)
+
+
+def check_constraint(fields: RequestFields) -> Constraint | None:
+    """The request's constraint, compiled once here so that a bad schema, regex or grammar is a
+    400 naming the problem before anything is queued."""
+    if fields.constraint is None:
+        return None
+    try:
+        check(fields.constraint)
+    except ConstraintError as error:
+        raise bad_request(f"{fields.constraint_param}: {error}", fields.constraint_param,
+                          "invalid_constraint") from None
+    return fields.constraint

@@ -1,8 +1,8 @@
 """Request fields this server does not implement. Other servers' clients send
-them (OpenAI's tools and structured output, vLLM's guided decoding and beam
-search); ignoring them would answer a different question than the one asked,
-so each is a 400 that names it, unless it is null or has its default value
-(which asks for nothing). Unknown fields outside this list (`store`,
+them (vLLM's guided decoding backend choice and beam search, among others);
+ignoring them would answer a different question than the one asked, so each
+is a 400 that names it, unless it is null or has its default value (which
+asks for nothing). Unknown fields outside this list (`store`,
 `metadata`, ...) change nothing about the answer and stay ignored.
 """
 
@@ -16,7 +16,6 @@ from services.gateway.errors import bad_request
 # name: the values that ask for nothing beyond what the server does anyway
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     # OpenAI
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -31,13 +30,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "reasoning_effort": (),
     "verbosity": ("medium",),
     # vLLM
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
     "guided_decoding_backend": (),
     "guided_whitespace_pattern": (),
-    "structured_outputs": (),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
     "prompt_logprobs": (),

@@ -1,0 +1,135 @@
+"""Structured output at the gateway: each way a client asks for it becomes the one Constraint the
+request carries to the scheduler, and a bad schema, regex or grammar is a 400 naming the problem,
+before anything is queued (the fake scheduler sees no request)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+import grpc
+import httpx
+import pytest
+
+from common.convert import constraint_to_proto, sampling_from_proto, sampling_to_proto
+from common.grpc_server import GrpcServer, insecure_channel
+from common.types import Constraint, ConstraintKind, SamplingParams
+from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from tests.unit.gateway.fakes import FakeScheduler
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"), sort_keys=True)
+CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+COMPLETION = {"prompt": "Hi", "max_tokens": 2}
+BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
+          "/generate": {"prompt": "Hi", "max_tokens": 2, "stream": False}}
+
+ASKED = [
+    ({"response_format": {"type": "json_object"}}, Constraint(ConstraintKind.JSON_OBJECT)),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
+     Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA_TEXT)),
+    ({"guided_json": SCHEMA}, Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA_TEXT)),
+    ({"guided_json": json.dumps(SCHEMA)}, Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA_TEXT)),
+    ({"guided_regex": "[0-9]+"}, Constraint(ConstraintKind.REGEX, "[0-9]+")),
+    ({"guided_choice": ["yes", "no", "yes"]}, Constraint(ConstraintKind.CHOICE, choices=("yes", "no"))),
+    ({"guided_grammar": 'start: "a" | "b"'}, Constraint(ConstraintKind.GRAMMAR, 'start: "a" | "b"')),
+    ({"structured_outputs": {"json": SCHEMA, "disable_any_whitespace": True}},
+     Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA_TEXT)),
+    ({"structured_outputs": {"choice": ["x", "y"]}}, Constraint(ConstraintKind.CHOICE, choices=("x", "y"))),
+    ({"structured_outputs": {"regex": "a+"}}, Constraint(ConstraintKind.REGEX, "a+")),
+    ({"structured_outputs": {"grammar": 'root ::= "a"'}}, Constraint(ConstraintKind.GRAMMAR, 'root ::= "a"')),
+    ({"structured_outputs": {"json_object": True}}, Constraint(ConstraintKind.JSON_OBJECT)),
+]
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+@pytest.mark.parametrize("fields, expected", ASKED)
+async def test_each_way_of_asking_reaches_the_scheduler(client: httpx.AsyncClient, fake: FakeScheduler,
+                                                        path: str, fields: dict[str, Any],
+                                                        expected: Constraint) -> None:
+    reply = await client.post(path, json={**BODIES[path], **fields})
+    assert reply.status_code == 200, reply.text
+    assert fake.requests[-1].spec.sampling.constraint == expected
+
+
+async def test_n_choices_all_carry_the_constraint(client: httpx.AsyncClient, fake: FakeScheduler) -> None:
+    reply = await client.post("/v1/completions", json={**COMPLETION, "n": 3, "guided_regex": "a+"})
+    assert reply.status_code == 200, reply.text
+    assert [r.spec.sampling.constraint for r in fake.requests] == [Constraint(ConstraintKind.REGEX, "a+")] * 3
+
+
+async def test_text_format_asks_for_nothing(client: httpx.AsyncClient, fake: FakeScheduler) -> None:
+    reply = await client.post("/v1/completions", json={**COMPLETION, "response_format": {"type": "text"}})
+    assert reply.status_code == 200, reply.text
+    assert fake.requests[-1].spec.sampling.constraint is None
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format", "nope"),
+    ({"guided_json": {"type": "object", "properties": {"a": {"type": "string", "pattern": "a(b"}}}},
+     "guided_json", "unclosed group"),
+    ({"guided_regex": "[a-"}, "guided_regex", "unclosed character class"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar", "missing_rule"),
+    ({"guided_grammar": 'root ::= "a'}, "guided_grammar", "GBNF"),
+    ({"structured_outputs": {"regex": "(x"}}, "structured_outputs", "unclosed group"),
+    ({"guided_json": "{not json"}, "guided_json", "not valid JSON"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema.schema", "schema"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "xml"),
+    ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "both constrain"),
+    ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "structured_outputs", "set one"),
+    ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag", "not supported"),
+    ({"guided_regex": "a+", "ignore_eos": True}, "ignore_eos", "ignore_eos"),
+]
+
+
+@pytest.mark.parametrize("path", sorted(BODIES))
+@pytest.mark.parametrize("fields, param, words", BAD)
+async def test_bad_constraints_are_named_before_queueing(client: httpx.AsyncClient, fake: FakeScheduler,
+                                                         path: str, fields: dict[str, Any], param: str,
+                                                         words: str) -> None:
+    reply = await client.post(path, json={**BODIES[path], **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert fake.requests == []
+
+
+async def test_grpc_text_api_takes_the_constraint_in_its_sampling(make_app: Any, fake: FakeScheduler) -> None:
+    state = make_app(fake).state.gateway
+    server = GrpcServer([(add_to_server, TextGenerationServicer(state))], [SERVICE_NAME], "127.0.0.1", 0)
+    await server.start()
+    channel = insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        stub = gateway_pb2_grpc.TextGenerationStub(channel)
+        choice = Constraint(ConstraintKind.CHOICE, choices=("yes", "no"))
+        sampling = common_pb2.SamplingParams(constraint=constraint_to_proto(choice))
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", max_tokens=2, sampling=sampling), timeout=10)
+        assert fake.requests[-1].spec.sampling.constraint == choice
+        bad = common_pb2.SamplingParams(constraint=constraint_to_proto(Constraint(ConstraintKind.REGEX, "(")))
+        with pytest.raises(grpc.aio.AioRpcError) as raised:
+            await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", max_tokens=2, sampling=bad), timeout=10)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "sampling.constraint" in raised.value.details()
+    finally:
+        await channel.close()
+        await server.stop(0)
+    assert len(fake.requests) == 1
+
+
+def test_the_constraint_survives_the_proto_round_trip() -> None:
+    for constraint in [Constraint(ConstraintKind.JSON_OBJECT), Constraint(ConstraintKind.JSON_SCHEMA, SCHEMA_TEXT),
+                       Constraint(ConstraintKind.CHOICE, choices=("a", "b")), None]:
+        params = SamplingParams(temperature=0.5, constraint=constraint)
+        assert sampling_from_proto(sampling_to_proto(params)) == params
+
+
+def test_checking_a_constraint_imports_no_torch() -> None:
+    code = ("import sys; from common.grammar import check, json_schema_constraint; "
+            "check(json_schema_constraint({'type': 'object'})); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
