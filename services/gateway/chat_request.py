@@ -4,16 +4,19 @@ included), the tools and the tool_choice, and how the reply's calls are read."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from common.grammar import json_schema_constraint
 from services.gateway.chat_template import ChatMessage
 from services.gateway.chat_tools import (
     Tool,
     ToolChoice,
     ToolMode,
+    call_schema,
     check_tools,
     message_tool_calls,
     resolve_tool_choice,
@@ -82,14 +85,18 @@ def _text(content: Any, param: str) -> str:
 
 
 def constrain_tool_call(fields: RequestFields, chat: ChatRequest) -> RequestFields:
-    """A required call (tool_choice "required" or a named function) needs its
-    output constrained to call_schema(...), which the request fields cannot
-    carry yet: such a request is refused, naming tool_choice."""
+    """A required call (tool_choice "required" or a named function): the reply
+    is constrained to call_schema's JSON, an array of {"name", "arguments"}
+    whose arguments follow the tool's parameters schema."""
     if not chat.choice.constrained:
         return fields
-    raise bad_request(f"tool_choice {_choice_name(chat.choice)} needs decoding constrained to the "
-                      "tool's JSON schema, which this server does not implement yet; use 'auto' "
-                      "or 'none'.", "tool_choice", "unsupported_parameter")
+    if fields.constraint is not None:
+        raise bad_request(f"tool_choice {_choice_name(chat.choice)} constrains the reply to tool "
+                          f"calls, and {fields.constraint_param} constrains it too; send one of them.",
+                          "tool_choice")
+    return dataclasses.replace(
+        fields, constraint=json_schema_constraint(call_schema(chat.tools, chat.choice)),
+        constraint_param="tools")
 
 
 def _choice_name(choice: ToolChoice) -> str:

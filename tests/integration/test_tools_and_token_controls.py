@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -187,3 +188,54 @@ def test_a_tool_conversation_through_the_openai_client(tool_stack: Stack, stream
     assert not calls and content
     none = client.chat.completions.create(**{**args, "tool_choice": "none"})
     assert none.choices[0].message.content == content
+
+
+BOUNDED_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 12},
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+        "required": ["city", "days"], "additionalProperties": False}}}
+BOUNDED_TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"enum": ["UTC", "CET", "PST"]}},
+    "required": ["zone"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("tool_choice", [
+    "required", {"type": "function", "function": {"name": "get_time"}},
+    {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_required_call_validates_against_the_tools_parameters(
+        tool_stack: Stack, tool_choice: Any, stream: bool) -> None:
+    client = make_client(tool_stack)
+    model = client.models.list().data[0].id
+    tools = [BOUNDED_WEATHER, BOUNDED_TIME]
+    args: dict[str, Any] = dict(model=model, messages=CONVERSATION[:2], tools=tools,
+                                tool_choice=tool_choice, parallel_tool_calls=False,
+                                max_tokens=120, temperature=0.8, seed=7, n=2)
+    if stream:
+        chunks = list(client.chat.completions.create(**args, stream=True))
+        per_choice: dict[int, list[Any]] = {}
+        reasons: dict[int, str] = {}
+        for chunk in chunks:
+            for choice in chunk.choices:
+                per_choice.setdefault(choice.index, []).extend(choice.delta.tool_calls or ())
+                if choice.finish_reason:
+                    reasons[choice.index] = choice.finish_reason
+        results = [(reasons[i], [(c.function.name, c.function.arguments) for c in per_choice[i]])
+                   for i in sorted(per_choice)]
+    else:
+        reply = client.chat.completions.create(**args)
+        results = [(choice.finish_reason, [(c.function.name, c.function.arguments)
+                                           for c in choice.message.tool_calls or ()])
+                   for choice in reply.choices]
+    assert len(results) == 2
+    by_name = {tool["function"]["name"]: tool["function"]["parameters"] for tool in tools}
+    for finish_reason, calls in results:
+        assert finish_reason == "tool_calls", results
+        assert len(calls) == 1
+        name, arguments = calls[0]
+        if isinstance(tool_choice, dict):
+            assert name == tool_choice["function"]["name"]
+        jsonschema.validate(json.loads(arguments), by_name[name])

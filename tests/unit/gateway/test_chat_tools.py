@@ -14,6 +14,7 @@ import jsonschema
 import openai
 import pytest
 
+from common.types import ConstraintKind
 from services.gateway.chat_template import ChatMessage, ToolCallRecord, chat_prompt_ids
 from services.gateway.chat_tools import (
     ToolChoice,
@@ -317,11 +318,46 @@ async def test_bad_tool_messages_are_named(client: httpx.AsyncClient, fake: Fake
     assert not fake.requests
 
 
-async def test_a_required_call_is_refused_until_it_can_be_constrained(
+async def test_a_required_call_constrains_the_reply_to_the_call_schema(
         client: httpx.AsyncClient, fake: FakeScheduler) -> None:
-    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+    fake.model_len = 8192
+    for choice, parallel, expected in [
+            ("required", None, ToolChoice(ToolMode.REQUIRED)),
+            ("required", False, ToolChoice(ToolMode.REQUIRED, parallel=False)),
+            ({"type": "function", "function": {"name": "get_time"}}, None,
+             ToolChoice(ToolMode.NAMED, "get_time", parallel=False))]:
+        fake.requests.clear()
         reply = await client.post("/v1/chat/completions", json={
-            "messages": USER, "tools": [WEATHER], "tool_choice": choice})
-        assert reply.status_code == 400, reply.text
-        assert reply.json()["error"]["param"] == "tool_choice"
+            "messages": USER, "tools": [WEATHER, TIME], "tool_choice": choice,
+            "parallel_tool_calls": parallel, "max_tokens": 4})
+        assert reply.status_code == 200, reply.text
+        constraint = fake.requests[0].spec.sampling.constraint
+        assert constraint is not None and constraint.kind == ConstraintKind.JSON_SCHEMA
+        assert json.loads(constraint.value) == call_schema(tools_of(WEATHER, TIME), expected)
+
+
+async def test_a_required_call_and_response_format_are_one_constraint_too_many(
+        client: httpx.AsyncClient, fake: FakeScheduler) -> None:
+    reply = await client.post("/v1/chat/completions", json={
+        "messages": USER, "tools": [WEATHER], "tool_choice": "required",
+        "response_format": {"type": "json_object"}})
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["param"] == "tool_choice"
     assert not fake.requests
+
+
+def test_a_constrained_reply_comes_back_as_calls(serve_reply: Any) -> None:
+    api, _fake = serve_reply('[{"name":"get_weather","arguments":{"city":"Oslo","days":3}}]')
+    reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+                                        tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    chunks = list(api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+                                              tool_choice="required", stream=True))
+    streamed = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [
+        ("get_weather", {"city": "Oslo", "days": 3})]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
