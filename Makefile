@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ integration: install
 
 bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench --rounds 3
+
+# TPOT at 8 concurrent streams with a JSON schema against without one, alternating rounds
+# (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.
+bench-structured: install prepare-model
+	$(PY) -m benchmarks.structured_bench $(ARGS)
 
 # The same workload against fairserve, vLLM (CPU build), llama.cpp's llama-server and
 # transformers serve, one at a time (~30 min); results.json, table.md and PNG curves under
