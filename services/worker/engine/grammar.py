@@ -156,9 +156,8 @@ class GrammarState:
         taken = 0
         try:
             for draft in drafts:
-                if rows[-1][draft] if 0 <= draft < self.grammars.vocab_size else True:
-                    break
-                if not self.matcher.consume_token(draft):
+                refused = not 0 <= draft < self.grammars.vocab_size or rows[-1][draft]
+                if refused or not self.matcher.consume_token(draft):
                     break
                 taken += 1
                 rows.append(self.banned())

@@ -41,7 +41,6 @@ class PendingMasks:
 class GrammarMasker:
     def __init__(self) -> None:
         self._executor: ThreadPoolExecutor | None = None
-        self.masked_rows = 0     # rows masked since start (stats)
 
     def start(self, planned: list[Planned]) -> PendingMasks | None:
         """Starts the masks of the constrained plans that sample this step; None when there are none."""
@@ -51,7 +50,6 @@ class GrammarMasker:
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-masks")
-        self.masked_rows += sum(1 + len(plan.drafts) for plan in jobs)
         return PendingMasks(self._executor.submit(_masks, jobs))
 
 
