@@ -12,7 +12,7 @@ GEN_STAMP := gen/.stamp
 
 .PHONY: run test install proto prepare-model bench-engine bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
 
-$(STAMP): requirements.txt
+$(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt

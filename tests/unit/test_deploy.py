@@ -206,3 +206,18 @@ def test_prometheus_finds_every_replica_of_the_scaled_services() -> None:
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     for name, port in (("gateway", 8000), ("worker", 9102)):
         assert jobs[name]["dns_sd_configs"] == [{"names": [name], "type": "A", "port": port}], name
+
+
+def test_images_install_only_the_runtime_requirements() -> None:
+    def pinned(name: str) -> dict[str, str]:
+        lines = [line for line in (ROOT / name).read_text().splitlines() if line and not line.startswith("#")]
+        return dict(line.split("==") for line in lines if not line.startswith("-r "))
+
+    runtime, dev = pinned("requirements-runtime.txt"), pinned("requirements.txt")
+    assert "-r requirements-runtime.txt" in (ROOT / "requirements.txt").read_text().splitlines()
+    assert not set(runtime) & set(dev)                            # each pin in one file
+    assert {"torch", "grpcio", "fastapi", "redis"} <= set(runtime)
+    assert not {"pytest", "playwright", "schemathesis", "locust", "hypothesis"} & set(runtime)
+    dockerfile = (DEPLOY / "Dockerfile").read_text()
+    assert "COPY requirements-runtime.txt ." in dockerfile and "-r requirements-runtime.txt" in dockerfile
+    assert "requirements.txt" not in dockerfile.replace("requirements-runtime.txt", "")
