@@ -13,7 +13,7 @@ from transformers import PretrainedConfig
 
 from services.worker.engine.attention import ATTENTION_NAME
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.host_memory import keep_freed_host_memory
+from services.worker.engine.cpu.host_memory import keep_freed_host_memory, release_freed_host_memory
 from services.worker.engine.cpu.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.cpu.screen_loader import ScreenLoader
 from services.worker.engine.cpu.speedups import Speedups, apply_speedups
@@ -59,6 +59,8 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
     kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
     speedups = apply_speedups(base, model.get_output_embeddings(), config, device, dtype, kernel_cache_dir)
     softcap = getattr(model_config, "final_logit_softcapping", None)
+    if device.type == "cpu":
+        release_freed_host_memory()   # what loading and the speed-ups freed (host_memory.py)
     screen = ScreenLoader(config, softcap, kernel_cache_dir, speedups.native_kernels)
     screen.start(model.get_output_embeddings(), device, dtype)
     layer_types = getattr(model_config, "layer_types", None)
@@ -72,7 +74,23 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
 def _load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    _own_weights(model)
+    return model
+
+
+def _own_weights(model: torch.nn.Module) -> None:
+    """Weights loaded from safetensors are views of the file's memory mapping, and
+    every page read stays resident as long as one of them lives. Copying each into
+    memory of its own lets the mapping go, so that the weights the speed-ups replace
+    (by packs or codes) are really let go."""
+    seen: set[int] = set()
+    with torch.no_grad():
+        for tensor in (*model.parameters(), *model.buffers()):
+            if id(tensor) in seen or tensor.device.type != "cpu":
+                continue
+            seen.add(id(tensor))
+            tensor.data = tensor.data.clone()
 
 
 def _eos_token_ids(model: torch.nn.Module) -> list[int]:

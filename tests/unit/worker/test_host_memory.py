@@ -31,3 +31,12 @@ def test_without_glibc_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(host_memory.ctypes, "CDLL", no_libc)
     assert host_memory._tune_glibc() is False
+    assert host_memory.release_freed_host_memory() is False
+
+
+def test_freed_memory_goes_back() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        pytest.skip("not glibc")
+    assert host_memory.release_freed_host_memory()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.worker.engine import Engine, EngineConfig
-from services.worker.engine.cpu.cpu_linear import PackedLinear
+from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_ops import load_skinny_linear
 from services.worker.engine.cpu.weight_codes import MAX_ROWS, PANEL, NativeCodedLinear, load_coded_linear
@@ -139,6 +139,35 @@ def test_a_packed_linear_takes_the_codes_for_few_rows_only(kernel: NativeCodedLi
     assert not plain.use_codes(kernel, MAX_ROWS) and plain.coded is None
 
 
+@pytest.mark.skipif(not kernel_available("onednn", torch.float32), reason="no oneDNN float32 packs here")
+def test_a_coded_layer_drops_its_float32_weight_and_keeps_its_results(kernel: NativeCodedLinear) -> None:
+    linear = torch.nn.Linear(128, 96, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(coded_weight(96, 128))
+    packed = PackedLinear(linear, kernel="onednn")
+    assert not packed.drop_float32_weight()                 # no codes yet: the weight serves
+    assert packed.use_codes(kernel, MAX_ROWS)
+    packed.repack_for_prefill("onednn")
+    xs = [torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) for rows in (1, 32, 33, 300)]
+    before = [packed(x) for x in xs]
+    assert packed.drop_float32_weight() and packed.weight is None
+    assert all(torch.equal(packed(x), expected) for x, expected in zip(xs, before))
+
+
+def test_a_coded_lm_head_drops_its_pack(kernel: NativeCodedLinear) -> None:
+    linear = torch.nn.Linear(128, 96, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(coded_weight(96, 128))
+    packed = PackedLinear(linear)
+    assert not packed.drop_pack()                           # no codes yet: the pack serves
+    assert packed.use_codes(kernel, MAX_ROWS) and packed.drop_pack()
+    assert packed.packed is None
+    for rows in (MAX_ROWS, MAX_ROWS + 1, 300):
+        x = torch.randn(rows, 128)
+        expected = kernel(x, packed.coded, None) if rows <= MAX_ROWS else linear(x)
+        assert torch.equal(packed(x), expected)
+
+
 def _engine(model: torch.nn.Module, **config) -> Engine:
     return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="coded", **config),
                   model=copy.deepcopy(model))
@@ -151,6 +180,7 @@ def test_the_engine_with_coded_weights_gives_generates_tokens(kind: str) -> None
     engine = _engine(reference)
     layers = reference.config.num_hidden_layers
     assert engine.coded_linears >= 7 * layers + 1          # every projection and the LM head
+    assert engine.prepared.speedups.dropped_bytes > 0            # copies no path reads are let go
     assert _engine(reference, cpu_weight_codes="off").coded_linears == 0
     assert _engine(reference, cpu_native_kernels="off").coded_linears == 0
     prompts = {"a": prompt_of(7, 1), "b": prompt_of(30, 2), "c": prompt_of(3, 3)}

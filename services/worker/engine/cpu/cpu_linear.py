@@ -20,7 +20,11 @@ bfloat16 has one packed kernel, oneDNN's (AMX or AVX512-BF16 where the CPU has
 them): 1-32 rows run 1.3-2.4x faster on the layers' shapes and the LM head at
 32 rows 1.6x faster, while 512-row chunks are faster with the plain kernel.
 Every kind keeps the original weight (shared, e.g. a tied embedding) beside the
-pack, which costs one more copy of the weights in memory.
+pack, which costs one more copy of the weights in memory, until the weight codes
+(weight_codes.py) take the few-row steps: then a layer whose pack is oneDNN's for
+every row count drops its float32 weight (the pack serves prefill alone), and the
+LM head drops its pack (its few rows run from the codes; more rows, which only
+prompt logprobs and very wide steps ask for, from the plain float32 weight).
 """
 
 from __future__ import annotations
@@ -245,6 +249,22 @@ class PackedLinear(torch.nn.Module):
         self.packed = self._pack(kernel, PREFILL_PACK_ROWS_HINT)
         self.kernel, self.max_packed_rows = kernel, ALL_ROWS
 
+    def drop_float32_weight(self) -> bool:
+        """Drops the float32 weight where nothing reads it any more: codes serve the
+        few-row steps and oneDNN's pack (which never reads the weight) all the others."""
+        if (self.coded is None or self.kernel != "onednn" or self.max_packed_rows != ALL_ROWS
+                or self.weight is None or self.weight.dtype != torch.float32):
+            return False
+        self.weight, self.native, self.native_max_rows = None, None, 0
+        return True
+
+    def drop_pack(self) -> bool:
+        """Drops the pack: codes serve the few-row steps, the plain float32 weight the others."""
+        if self.coded is None or self.packed is None or self.weight is None:
+            return False
+        self.packed, self.max_packed_rows = None, 0
+        return True
+
     def use_native(self, kernel: NativeSkinnyLinear, max_rows: int) -> bool:
         """Routes steps of at most `max_rows` rows to the C kernel (float32, contiguous weight)."""
         weight = self.weight
@@ -274,6 +294,8 @@ class PackedLinear(torch.nn.Module):
             out = self.native(rows.contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if rows.shape[0] > self.max_packed_rows:
+            if self.weight is None:
+                raise RuntimeError("a float32 step the codes do not serve reached a linear without its weight")
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.kernel == "mkl":
             out = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, self.bias, rows.shape[0])

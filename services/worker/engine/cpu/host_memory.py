@@ -7,6 +7,11 @@ the heap. A CPU step allocates the same multi-megabyte buffers every time
 all its pages back in: on a 2-core AMD EPYC that made the K/V gathers of a
 decode step of 8 sequences cost ~45 ms instead of ~5. Raising the threshold to
 its maximum (32 MiB) and not trimming keeps those pages mapped and reused.
+
+The flip side: everything freed while the model is prepared (load buffers, the
+LM head screen's quantization temporaries, packs that were replaced) would stay
+resident too, so `release_freed_host_memory` hands free pages back once, after
+preparation; the steps' buffers come back on the first steps and stay.
 """
 
 from __future__ import annotations
@@ -36,13 +41,34 @@ def keep_freed_host_memory() -> bool:
     return _applied
 
 
-def _tune_glibc() -> bool:
+def release_freed_host_memory() -> bool:
+    """Returns the heap's free pages to the kernel (glibc's malloc_trim); False
+    where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    trim = libc.malloc_trim
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True
+
+
+def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
+        libc.mallopt, libc.malloc_trim  # noqa: B018 (both glibc's)
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def _tune_glibc() -> bool:
+    libc = _glibc()
+    if libc is None:
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     applied = all(mallopt(option, value) == 1 for option, value in (

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.config import EngineConfig, require_choice
+from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
 
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
@@ -76,4 +77,5 @@ class ScreenLoader:
         except Exception:   # the full head keeps serving; the failure is only logged
             log.exception("LM head screen could not be built; the full LM head serves every row")
         finally:
+            release_freed_host_memory()   # the quantization's temporaries (host_memory.py)
             self._ready.set()

@@ -49,6 +49,7 @@ class Speedups:
     coded_linears: int = 0                 # packed linears whose few-row steps run from 8-bit codes
     prefill_linear_kernel: str | None = None   # the coded linears' packs, when they differ from the plan's
     direct: DirectForward | None = None
+    dropped_bytes: int = 0                 # weight copies the coded linears made unneeded, let go
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,25 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     done.native_linears = _route_few_rows_to_native(target, base, done.lm_head) if done.native_kernels else 0
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
+    done.dropped_bytes = _drop_unserved_copies(base, done.lm_head)
     return done
+
+
+def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module) -> int:
+    """Coded linears keep one copy of their weight beside the codes: the layers their
+    prefill pack, the LM head its float32 weight (shared with the tied embedding and
+    the screen). Returns the bytes let go."""
+    dropped = 0
+    for linear in _packed_linears(base, lm_head):
+        weight, packed = linear.weight, linear.packed
+        if linear is lm_head:
+            if linear.drop_pack():
+                dropped += packed.numel() * packed.element_size()
+        elif linear.drop_float32_weight():
+            dropped += weight.numel() * weight.element_size()
+    if dropped:
+        log.info("coded linears: %.0f MB of weight copies no path reads dropped", dropped / 1e6)
+    return dropped
 
 
 def _native_kernels_enabled(target: _Target) -> bool:
