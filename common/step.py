@@ -29,6 +29,28 @@ class StepError(StrEnum):
     INTERNAL = "internal"                      # the worker failed this sequence (or sent an unknown code)
 
 
+KV_POLICIES = ("full", "window", "sink", "h2o")
+
+
+@dataclass(frozen=True)
+class KvPolicy:
+    """What a sequence's KV cache keeps once it holds `budget_tokens` (lossy policies only):
+    window  the most recent tokens;
+    sink    the first `sink_tokens` (the attention sinks) plus the most recent;
+    h2o     the blocks with the most accumulated attention plus the most recent.
+    Block granular (the worker rounds both up to whole blocks); positions are assigned
+    within the cache (StreamingLLM), so such a sequence can run past the model's context.
+    "full" keeps everything (the default)."""
+
+    kind: str = "full"
+    budget_tokens: int = 0
+    sink_tokens: int = 0
+
+    @property
+    def lossy(self) -> bool:
+        return self.kind != "full"
+
+
 @dataclass(frozen=True)
 class NewSequence:
     """A sequence's full data; it travels once (again when resumed after a preemption, with the
@@ -39,6 +61,7 @@ class NewSequence:
     output_token_ids: tuple[int, ...] = ()
     sampling: SamplingParams = SamplingParams()
     cache_salt: str = ""    # mixed into its block hashes: other salts never share its cached blocks
+    kv_policy: KvPolicy = KvPolicy()
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fairserve.v1 import worker_pb2
 
 from common.convert import logprob_from_proto, logprob_to_proto, sampling_from_proto, sampling_to_proto
-from common.step import NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem
+from common.step import KvPolicy, NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem
 
 _PROTO_PREFIX = "STEP_ERROR_"
 
@@ -29,7 +29,10 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
         new_sequences=[worker_pb2.NewSequence(seq_id=n.seq_id, prompt_token_ids=n.prompt_token_ids,
                                               output_token_ids=n.output_token_ids,
                                               sampling=sampling_to_proto(n.sampling),
-                                              cache_salt=n.cache_salt)
+                                              cache_salt=n.cache_salt,
+                                              kv_policy=worker_pb2.KvPolicy(
+                                                  kind=n.kv_policy.kind, budget_tokens=n.kv_policy.budget_tokens,
+                                                  sink_tokens=n.kv_policy.sink_tokens))
                        for n in batch.new_sequences],
         work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
               for w in batch.work],
@@ -45,7 +48,9 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
         new_sequences=tuple(
             NewSequence(seq_id=s.seq_id, prompt_token_ids=tuple(s.prompt_token_ids),
                         output_token_ids=tuple(s.output_token_ids), sampling=sampling_from_proto(s.sampling),
-                        cache_salt=s.cache_salt)
+                        cache_salt=s.cache_salt,
+                        kv_policy=KvPolicy(kind=s.kv_policy.kind or "full", budget_tokens=s.kv_policy.budget_tokens,
+                                           sink_tokens=s.kv_policy.sink_tokens))
             for s in message.new_sequences),
         work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
                    for w in message.work),

@@ -196,6 +196,15 @@ class BlockPool(PoolInvariants):
             self._unref(block)
         del table[keep:]
 
+    def drop(self, seq_id: str, indices: Sequence[int]) -> None:
+        """Takes the blocks at `indices` out of `seq_id`'s table (a lossy KV policy evicting
+        them: kv_policy.py); the later ones move up."""
+        table = self._tables[seq_id]
+        gone = set(indices)
+        for index in sorted(gone, reverse=True):
+            self._unref(table[index])
+        table[:] = [block for index, block in enumerate(table) if index not in gone]
+
     def _unref(self, block: int) -> None:
         self._refcount[block] -= 1
         if self._refcount[block] > 0:

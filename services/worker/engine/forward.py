@@ -77,7 +77,7 @@ class Forward:
         block_size = self.pool.block_size
         return self.graphs.run(DecodeRows(
             token_ids=[p.seq.tokens[p.start] for p in order],
-            positions=[p.start for p in order],
-            slots=[slot(table, p.start, block_size) for p, table in zip(order, tables)],
-            ctx_lens=[p.end for p in order],
+            positions=[p.start - p.seq.evicted for p in order],
+            slots=[slot(table, p.start - p.seq.evicted, block_size) for p, table in zip(order, tables)],
+            ctx_lens=[p.end - p.seq.evicted for p in order],
             block_tables=tables))

@@ -37,6 +37,7 @@ class PagedKVCache:
             self.keys.append(torch.zeros(shape, dtype=dtype, device=device))
             self.values.append(torch.zeros(shape, dtype=dtype, device=device))
         self.block_size = block_size
+        self.device = device
 
     def copy_slots(self, src_block: int, dst_block: int, num_tokens: int) -> None:
         """Copies the K/V of the first `num_tokens` slots of `src_block` into `dst_block`."""

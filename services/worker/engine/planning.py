@@ -21,6 +21,7 @@ from common.types import TokenLogprob
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.kv_policy import KvEvictor
 from services.worker.engine.prompt_logits import PromptLogitsCache
 from services.worker.engine.sequences import Sequences, SequenceState
 from services.worker.engine.speculation import NgramIndex
@@ -70,8 +71,9 @@ class PlanLimits:
 
 class StepPlanner:
     def __init__(self, sequences: Sequences, pool: BlockPool, kv: PagedKVCache, prompt_logits: PromptLogitsCache,
-                 limits: PlanLimits) -> None:
+                 limits: PlanLimits, evictor: KvEvictor | None = None) -> None:
         self.sequences = sequences
+        self.evictor = evictor if evictor is not None else KvEvictor(pool, None, limits.block_size)
         self.pool = pool
         self.kv = kv
         self.prompt_logits = prompt_logits
@@ -108,19 +110,20 @@ class StepPlanner:
             return t.StepError.INVALID_NUM_TOKENS
         if seq.num_computed >= len(seq.tokens):
             return t.StepError.NOTHING_TO_COMPUTE
-        if len(seq.tokens) > self.limits.max_model_len:
+        if len(seq.tokens) > self.limits.max_model_len and not seq.lossy:
             return t.StepError.EXCEEDS_MAX_MODEL_LEN
         return t.StepError.NONE
 
     def _plan_one(self, seq: SequenceState, budget: int, result_index: int,
                   draft_tokens: int = 0) -> Planned | None:
-        if seq.started and draft_tokens > 0 and len(seq.tokens) - seq.num_computed == 1:
+        if seq.started and draft_tokens > 0 and len(seq.tokens) - seq.num_computed == 1 and not seq.lossy:
             speculative = self._plan_speculative(seq, draft_tokens, result_index)
             if speculative is not None:
                 return speculative
         # A prompt scored for its logprobs computes every position: nothing is reused.
+        # A lossy sequence's blocks are its own (kv_policy.py).
         fresh = (not seq.started and self.pool.enable_prefix_caching
-                 and not seq.request.params.prompt_logprobs)
+                 and not seq.request.params.prompt_logprobs and not seq.lossy)
         if fresh:
             exact = self._plan_exact(seq, result_index)
             if exact is not None:
@@ -128,7 +131,9 @@ class StepPlanner:
         cached_blocks, tail_source, copied = self._reusable(seq) if fresh else ([], None, 0)
         start = len(cached_blocks) * self.block_size if fresh else seq.num_computed
         num_tokens = min(budget, len(seq.tokens) - start - copied)
-        if not self._allocate(seq, start + copied + num_tokens, cached_blocks, tail_source, copied):
+        if seq.lossy:
+            num_tokens = self.evictor.make_room(seq, num_tokens)
+        if not self._allocate(seq, start + copied + num_tokens - seq.evicted, cached_blocks, tail_source, copied):
             if tail_source is None:
                 return None
             # Holding the copy source can be what leaves the pool one block short.

@@ -91,20 +91,22 @@ def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device) -> _
     for plan in order:
         table = pool.table(plan.seq.seq_id)
         row = len(rows.ids)
-        end = plan.end + len(plan.drafts)
         rows.ids.extend(plan.seq.tokens[plan.start:plan.end])
         rows.ids.extend(plan.drafts)
-        rows.positions.extend(range(plan.start, end))
+        # Positions and slots count from the cache's start (a lossy KV policy's dropped tokens are not in it).
+        start = plan.start - plan.seq.evicted
+        end = start + plan.rows
+        rows.positions.extend(range(start, end))
         if plan.rows == 1 and not rows.prefills:
-            rows.slots.append(slot(table, plan.start, block_size))
-            rows.decode_ctx.append(plan.end)
+            rows.slots.append(slot(table, start, block_size))
+            rows.decode_ctx.append(end)
             rows.decode_tables.append(table)
         else:
             table_tensor = torch.tensor(table[:pool.blocks_for(end)], dtype=torch.long)
             context = torch.arange(end)
             context_slots = table_tensor[context // block_size] * block_size + context % block_size
-            rows.slots.extend(context_slots[plan.start:].tolist())
-            rows.prefills.append(PrefillChunk(row, plan.rows, plan.start, context_slots.to(device)))
+            rows.slots.extend(context_slots[start:].tolist())
+            rows.prefills.append(PrefillChunk(row, plan.rows, start, context_slots.to(device)))
         run = _score_run(plan, row)
         if run is not None:
             rows.score_runs.append(run)

@@ -533,3 +533,13 @@ def _hot_prefix_hits(policy: str) -> list[int]:
 def test_lfu_keeps_a_reused_prefix_through_floods_of_one_off_prompts() -> None:
     assert _hot_prefix_hits("lru") == [0, 32, 32, 32] + [0] * 8    # each big flood pushed it out
     assert _hot_prefix_hits("lfu") == [0] + [32] * 11
+
+
+def test_drop_takes_blocks_out_of_the_middle_of_a_table() -> None:
+    pool = BlockPool(8, 4, enable_prefix_caching=False)
+    assert pool.allocate("s", 20)
+    table = list(pool.table("s"))
+    pool.drop("s", [1, 2])
+    assert pool.table("s") == [table[0], table[3], table[4]]
+    assert pool.stats().free_blocks == 8 - 3
+    pool.check_invariants()
