@@ -90,6 +90,11 @@ def test_constrained_parser_reads_the_json_array() -> None:
         ("get_time", {"zone": "UTC"})]
     cut = parse_all(ConstrainedCallsParser(), ['[{"name":"get_ti'])
     assert cut.content == '[{"name":"get_ti' and not cut.calls
+    # Cut short after whole calls (max_tokens): those calls are kept.
+    longer = parse_all(ConstrainedCallsParser(), [
+        '[{"arguments":{"zone":"UTC"},"name":"get_time"}, {"name":"get_time","arguments":{"zone":"C'])
+    assert [(c.name, json.loads(c.arguments)) for c in longer.calls] == [("get_time", {"zone": "UTC"})]
+    assert longer.content == ""
 
 
 def tools_of(*tools: dict[str, Any]) -> Any:
@@ -344,6 +349,18 @@ async def test_a_required_call_and_response_format_are_one_constraint_too_many(
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["param"] == "tool_choice"
     assert not fake.requests
+
+
+def test_a_constrained_reply_cut_short_keeps_its_whole_calls(serve_reply: Any,
+                                                             tokenizer: Any) -> None:
+    text = '[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"get_w'
+    api, _fake = serve_reply(text)
+    reply = api.chat.completions.create(  # the budget ends before the reply does
+        model="m", messages=USER, tools=[WEATHER], tool_choice="required",
+        max_tokens=len(tokenizer.encode(text, add_special_tokens=False)))
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
 
 
 def test_a_constrained_reply_comes_back_as_calls(serve_reply: Any) -> None:
