@@ -5,8 +5,9 @@ refuses any other field, so a kustomization that grows past it fails loudly:
 - `resources`: YAML files, or directories holding a kustomization.yaml;
 - `images`: `name` with `newName` and/or `newTag`, on containers' `image`;
 - `patches`: `path` to a strategic merge patch, matched by kind and name.
-  Maps merge key by key; lists of maps with a `name` merge entry by entry
-  (containers, env, ports, volumes); other lists are replaced.
+  Maps merge key by key, a key set to null is removed; lists of maps with a
+  `name` merge entry by entry (containers, env, ports, volumes); other lists
+  are replaced.
 
 `kubectl kustomize deploy/k8s` renders the same where kubectl is installed."""
 
@@ -54,7 +55,10 @@ def _merge(base: Any, patch: Any) -> Any:
     if isinstance(base, dict) and isinstance(patch, dict):
         merged = copy.deepcopy(base)
         for key, value in patch.items():
-            merged[key] = _merge(merged[key], value) if key in merged else copy.deepcopy(value)
+            if value is None:
+                merged.pop(key, None)
+            else:
+                merged[key] = _merge(merged[key], value) if key in merged else copy.deepcopy(value)
         return merged
     if (isinstance(base, list) and isinstance(patch, list) and base and patch
             and all(isinstance(item, dict) and "name" in item for item in [*base, *patch])):

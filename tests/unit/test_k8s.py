@@ -18,7 +18,8 @@ K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30"
 SERVICES = {"gateway": 8000, "scheduler": 50051, "worker": 50061, "kvcache": 50071}
 METRICS_PORTS = {"gateway": 8000, "scheduler": 9101, "worker": 9102, "kvcache": 9103}
-TARGETS = {"default": K8S, "base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu"}
+TARGETS = {"default": K8S, "base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
+           "tls": K8S / "overlays" / "tls"}
 
 
 @pytest.fixture(autouse=True)
@@ -124,3 +125,30 @@ def test_prometheus_on_kubernetes_scrapes_pods_by_their_annotations() -> None:
     assert sources[("__meta_kubernetes_pod_annotation_prometheus_io_path",)]["target_label"] == "__metrics_path__"
     port_rule = sources[("__address__", "__meta_kubernetes_pod_annotation_prometheus_io_port")]
     assert re.sub(port_rule["regex"], port_rule["replacement"].replace("$", "\\"), "10.0.0.7:50061;9102") == "10.0.0.7:9102"
+
+
+def test_the_tls_overlay_probes_through_the_healthcheck_with_the_certificates_mounted() -> None:
+    cpu, tls = render(K8S / "overlays" / "cpu"), render(K8S / "overlays" / "tls")
+    config = _by_kind(tls)[("ConfigMap", "fairserve-config")]["data"]
+    tls_files = {config[name] for name in ("GRPC_TLS_CA", "GRPC_TLS_CERT", "GRPC_TLS_KEY")}
+    (directory,) = {path.rsplit("/", 1)[0] for path in tls_files}
+    assert config["GRPC_TLS_SERVER_NAME"]                  # workers are dialled by pod IP
+    added = set(config) - set(_by_kind(cpu)[("ConfigMap", "fairserve-config")]["data"])
+    read = set(re.findall(r'"(GRPC_TLS_[A-Z_]+)"', (ROOT / "common" / "internal_auth.py").read_text()))
+    assert added == read == {"GRPC_TLS_CA", "GRPC_TLS_CERT", "GRPC_TLS_KEY", "GRPC_TLS_SERVER_NAME"}
+    for name in SERVICES:
+        container = _container(tls, name)
+        pod = _by_kind(tls)[("Deployment", name)]["spec"]["template"]["spec"]
+        (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert volume["secret"]["secretName"] == "fairserve-grpc-tls" and mount["readOnly"] is True
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            spec = container[probe]
+            if name == "gateway":                          # HTTP, untouched by internal TLS
+                assert spec == _container(cpu, name)[probe]
+            else:                                          # one handler: the plaintext grpc probe is gone
+                assert "grpc" not in spec and spec["exec"]["command"] == [
+                    "python", "-m", "scripts.healthcheck", name], (name, probe)
+                assert spec["timeoutSeconds"] > 3          # scripts/healthcheck.py gives up after 3 s
+    assert [o for o in tls if o["kind"] != "Deployment" and o["kind"] != "ConfigMap"] == \
+        [o for o in cpu if o["kind"] != "Deployment" and o["kind"] != "ConfigMap"]
