@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.machine import cpu_name
+from benchmarks.memory import resident_mb
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
 
@@ -274,6 +275,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="the engine's int8 LM head screen for greedy rows (LM_HEAD_SCREEN)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="end-to-end and transformers measurements, alternating; the table shows medians")
+    parser.add_argument("--num-blocks", type=int, default=0,
+                        help="KV pool blocks (0: the engine's default size)")
     parser.add_argument("--speculative-tokens", type=int, default=0,
                         help="n-gram draft tokens each engine decode may verify (SPECULATIVE_TOKENS)")
     args = parser.parse_args(argv)
@@ -289,7 +292,8 @@ def main(argv: list[str] | None = None) -> None:
 
     dtype = getattr(torch, args.dtype)
     engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
-                                 cpu_linear_kernel=args.linear_kernel, lm_head_screen=args.lm_head_screen))
+                                 cpu_linear_kernel=args.linear_kernel, lm_head_screen=args.lm_head_screen,
+                                 num_blocks=args.num_blocks))
     engine.wait_for_screen()       # `auto` builds it in the background; measure the steady state
     runner = EngineRunner(engine, sizes.token_budget, args.speculative_tokens)
     vocab = engine.info.vocab_size
@@ -306,6 +310,11 @@ def main(argv: list[str] | None = None) -> None:
                  runner.prefill_tokens_per_s(fresh(sizes.prefill_prompts, 1)), None, None))
     decode_rates = {batch: runner.decode_tokens_per_s(fresh(batch, 10 + batch), sizes.decode_steps)
                     for batch in sizes.decode_batches}
+    # The engine's own footprint, after its prefill and decode runs and before
+    # transformers' reference model joins it in this process.
+    engine_resident = resident_mb()
+    rows.append((f"engine process resident MB ({engine.pool_stats().total_blocks}-block KV pool, "
+                 "before the reference loads)", engine_resident, None, None))
     reference = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM

@@ -26,6 +26,14 @@ def test_quick_run_with_rounds_prints_medians_and_each_round(tiny_model_dir: Pat
     assert len(table) == 2 and all("—" not in line for line in table)
     rounds = [line for line in out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [line.split(" | ")[0] for line in rounds] == ["| 1", "| 2", "| 3"]
+    memory = [line for line in out.splitlines() if line.startswith("| engine process resident MB")]
+    assert len(memory) == 1 and float(memory[0].split(" | ")[1].replace(",", "")) > 50
+
+
+def test_the_pool_size_is_reported(tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    engine_bench.main(["--quick", "--model-dir", str(tiny_model_dir), "--skip-transformers",
+                       "--num-blocks", "64", "--threads", "1"])
+    assert "| engine process resident MB (64-block KV pool" in capsys.readouterr().out
 
 
 def test_medians_skip_missing_values() -> None:

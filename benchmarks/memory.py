@@ -1,0 +1,66 @@
+"""Resident memory of processes, for the benchmarks' reports.
+
+    resident_mb()                        # this process (an in-process engine)
+    service_resident_mb({"gateway": pid, "worker-0": pid, ...})   # a running stack
+
+A service counts its whole process tree (a worker's compiler or helper children
+included). Figures are VmRSS from /proc (Linux), else psutil's rss: the pages a
+process holds in memory, file-backed ones (mapped weights, libraries) included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+
+MB = 1 << 20
+
+
+def _vm_rss_bytes(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def resident_bytes(pid: int | None = None) -> int:
+    """One process's resident bytes (this one by default); 0 once it has gone."""
+    pid = psutil.Process(pid).pid if pid is None else pid
+    found = _vm_rss_bytes(pid)
+    if found is not None:
+        return found
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.NoSuchProcess:
+        return 0
+
+
+def resident_mb(pid: int | None = None) -> float:
+    return resident_bytes(pid) / MB
+
+
+def tree_resident_bytes(pid: int) -> int:
+    """A process and all its descendants, summed; 0 when it has gone."""
+    try:
+        process = psutil.Process(pid)
+        members = [process, *process.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0
+    return sum(resident_bytes(member.pid) for member in members)
+
+
+def service_resident_mb(pids: Mapping[str, int]) -> dict[str, float]:
+    """Each named service's resident MB (its process tree), in the order given."""
+    return {name: tree_resident_bytes(pid) / MB for name, pid in pids.items()}
+
+
+def render_memory(resident: Mapping[str, float]) -> str:
+    """A markdown table of resident MB per service."""
+    lines = ["| service | resident MB |", "|---|---:|"]
+    lines += [f"| {name} | {value:,.0f} |" for name, value in resident.items()]
+    return "\n".join(lines)

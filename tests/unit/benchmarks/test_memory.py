@@ -1,0 +1,53 @@
+"""Resident memory per process and per process tree (benchmarks/memory.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+from benchmarks.memory import (render_memory, resident_bytes, resident_mb, service_resident_mb,
+                               tree_resident_bytes)
+
+HOLD_64_MB = "import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); " \
+             "print('ready', flush=True); time.sleep(60)"
+
+
+def _spawn(code: str) -> subprocess.Popen[str]:
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+    return child
+
+
+def test_this_process_agrees_with_psutil() -> None:
+    ours, theirs = resident_bytes(), psutil.Process(os.getpid()).memory_info().rss
+    assert abs(ours - theirs) < 16 << 20
+    assert resident_mb() > 1
+
+
+def test_a_process_tree_counts_its_children() -> None:
+    parent = _spawn("import subprocess, sys, time; "
+                    f"c = subprocess.Popen([sys.executable, '-c', {HOLD_64_MB!r}], stdout=subprocess.PIPE, text=True); "
+                    "assert c.stdout.readline().strip() == 'ready'; print('ready', flush=True); time.sleep(60)")
+    try:
+        own = resident_bytes(parent.pid)
+        tree = tree_resident_bytes(parent.pid)
+        assert tree - own >= 64 << 20                      # the child's touched 64 MB
+        resident = service_resident_mb({"stack": parent.pid})
+        assert list(resident) == ["stack"] and resident["stack"] >= 64
+        assert "| stack |" in render_memory(resident)
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait()
+
+
+def test_a_process_that_has_gone_counts_nothing() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    time.sleep(0.1)
+    assert tree_resident_bytes(child.pid) == 0
