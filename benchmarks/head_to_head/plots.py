@@ -36,11 +36,15 @@ def _series(points: list[Point], system: str, kind: str, field: str) -> tuple[li
 
 def throughput_vs_concurrency(points: list[Point], systems: list[str], path: Path, title: str) -> Path:
     plt, figure, axes = _axes(f"Output tokens/s vs concurrency\n{title}", "requests in flight", "output tokens/s")
+    ticks: set[float] = set()
     for system in systems:
         xs, ys = _series(points, system, "concurrency", "output_tokens_per_s")
         if xs:
             axes.plot(xs, ys, marker="o", label=system)
+            ticks.update(xs)
     axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted(ticks), [f"{x:g}" for x in sorted(ticks)])
+    axes.set_ylim(bottom=0)
     return _save(plt, figure, axes, path)
 
 
@@ -65,6 +69,7 @@ def goodput_vs_rate(points: list[Point], systems: list[str], path: Path, title: 
         xs, ys = _series(points, system, "rate", "goodput_per_s")
         if xs:
             axes.plot(xs, ys, marker="o", label=system)
+    axes.set_ylim(bottom=0)
     return _save(plt, figure, axes, path)
 
 

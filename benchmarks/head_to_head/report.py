@@ -38,6 +38,7 @@ class Point:
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
     mean_output_tokens: float
+    mean_prompt_tokens: float           # as the server counted them (its tokenizer, BOS included or not)
     wrong_length: int                   # ok requests whose reported completion_tokens != max_tokens
     cached_prompt_fraction: float       # what the server says it served from its prefix cache
     errors: tuple[str, ...]
@@ -63,6 +64,7 @@ def point(system: str, run: PointRun, slo: Slo) -> Point:
         goodput_per_s=good / duration, ttft_p50_ms=_ms(summary.ttft_s.p50), ttft_p99_ms=_ms(summary.ttft_s.p99),
         tpot_p50_ms=_ms(summary.tpot_s.p50), tpot_p99_ms=_ms(summary.tpot_s.p99),
         mean_output_tokens=sum(r.completion_tokens for r, _ in ok) / len(ok) if ok else 0.0,
+        mean_prompt_tokens=sum(r.prompt_tokens for r, _ in ok) / len(ok) if ok else 0.0,
         wrong_length=sum(r.completion_tokens != want for r, want in ok),
         cached_prompt_fraction=summary.cached_prompt_fraction,
         errors=tuple(f"{count}x {text}" for text, count in errors.most_common(3)))

