@@ -12,12 +12,17 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from common.convert import constraint_to_proto, sampling_from_proto, sampling_to_proto
 from common.grpc_server import GrpcServer, insecure_channel
 from common.types import Constraint, ConstraintKind, SamplingParams
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from services.gateway.errors import ApiError
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.spec import RequestFields, check_constraint
+from services.gateway.structured import ConstraintFields, read_constraint
 from tests.unit.gateway.fakes import FakeScheduler
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -133,3 +138,22 @@ def test_checking_a_constraint_imports_no_torch() -> None:
     code = ("import sys; from common.grammar import check, json_schema_constraint; "
             "check(json_schema_constraint({'type': 'object'})); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**40, 2**40), st.floats(allow_nan=False), st.text(max_size=12)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(
+        st.sampled_from(["type", "properties", "schema", "json_schema", "json", "regex", "choice", "grammar",
+                         "items", "enum", "required", "minimum", "pattern", "json_object", "x"]), inner, max_size=4)),
+    max_leaves=16)
+
+
+@settings(max_examples=300, deadline=None)
+@given(name=st.sampled_from(["response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                             "structured_outputs"]), value=json_values)
+def test_any_value_is_a_constraint_or_a_400(name: str, value: Any) -> None:
+    try:
+        constraint, param = read_constraint(ConstraintFields(**{name: value}))
+        check_constraint(RequestFields(constraint=constraint, constraint_param=param or name))
+    except ApiError as error:
+        assert error.status == 400 and error.param and error.param.startswith(name)
