@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from common.grammar import json_schema_constraint
-from services.gateway.chat_template import ChatMessage
+from services.gateway.chat_template import ChatMessage, template_takes_tools
 from services.gateway.chat_tools import (
     Tool,
     ToolChoice,
@@ -23,7 +23,7 @@ from services.gateway.chat_tools import (
 )
 from services.gateway.errors import bad_request
 from services.gateway.generation import TextDelta
-from services.gateway.schemas import ChatCompletionBody, ChatMessageBody
+from services.gateway.schemas import ChatCompletionBody, ChatMessageBody, ToolBody
 from services.gateway.spec import RequestFields
 from services.gateway.tool_parsers import PARSERS, ConstrainedCallsParser, ToolCallParser
 from services.gateway.tool_stream import with_tool_calls
@@ -43,10 +43,19 @@ class ChatRequest:
         return [tool.as_template() for tool in self.tools]
 
 
-def read_chat(body: ChatCompletionBody) -> ChatRequest:
-    tools = check_tools(body.tools)
+def read_chat(body: ChatCompletionBody, tokenizer: Any) -> ChatRequest:
+    tools = checked_tools(body.tools, tokenizer)
     choice = resolve_tool_choice(body.tool_choice, tools, body.parallel_tool_calls)
     return ChatRequest(read_messages(body.messages), tools, choice)
+
+
+def checked_tools(tools: Sequence[ToolBody] | None, tokenizer: Any) -> tuple[Tool, ...]:
+    """The tools, when the chat template can show them to the model."""
+    checked = check_tools(tools)
+    if checked and not template_takes_tools(tokenizer):
+        raise bad_request("This model's chat template does not write tools into the prompt, so "
+                          "the model would never see them.", "tools", "unsupported_parameter")
+    return checked
 
 
 def read_messages(messages: Sequence[ChatMessageBody]) -> tuple[ChatMessage, ...]:

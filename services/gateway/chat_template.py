@@ -48,6 +48,12 @@ def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
+def template_takes_tools(tokenizer: Any) -> bool:
+    """Whether the tools a request offers reach the model: the built-in format
+    writes them, a checkpoint's template only if it reads its `tools` variable."""
+    return not has_chat_template(tokenizer) or "tools" in tokenizer.chat_template
+
+
 def raw_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
     """The prompt as is, with BOS when the tokenizer adds one."""
     return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])

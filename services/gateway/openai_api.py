@@ -131,7 +131,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     reject_unsupported(body.model_extra)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
-    chat = read_chat(body)
+    chat = read_chat(body, state.tokenizer)
     prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
                                       param="messages")
     fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)

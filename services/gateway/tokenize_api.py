@@ -9,9 +9,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from services.gateway.chat_request import read_messages
+from services.gateway.chat_request import checked_tools, read_messages
 from services.gateway.chat_template import chat_prompt_ids
-from services.gateway.chat_tools import check_tools
 from services.gateway.errors import bad_request
 from services.gateway.schemas import DetokenizeBody, TokenizeBody
 from services.gateway.state import GatewayState
@@ -40,7 +39,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
                                       body.add_special_tokens is not False)
     else:
         messages = read_messages(body.messages or [])
-        tools = [tool.as_template() for tool in check_tools(body.tools)]
+        tools = [tool.as_template() for tool in checked_tools(body.tools, state.tokenizer)]
         ids = await state.tokenize(_chat_ids, messages, tools, body.add_generation_prompt,
                                    bool(body.add_special_tokens), param="messages")
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": (await state.limits()).max_model_len,

@@ -378,3 +378,21 @@ def test_a_constrained_reply_comes_back_as_calls(serve_reply: Any) -> None:
     assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == [
         ("get_weather", {"city": "Oslo", "days": 3})]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+async def test_a_template_that_cannot_show_tools_refuses_them(
+        client: httpx.AsyncClient, fake: FakeScheduler, tokenizer: Any) -> None:
+    original = tokenizer.chat_template
+    tokenizer.chat_template = ("{% for message in messages %}{{ message.role }}: {{ message.content }}\n"
+                               "{% endfor %}")
+    try:
+        for path, body in (("/v1/chat/completions", {"messages": USER, "tools": [WEATHER]}),
+                           ("/tokenize", {"messages": USER, "tools": [WEATHER]})):
+            reply = await client.post(path, json=body)
+            assert reply.status_code == 400, reply.text
+            assert reply.json()["error"]["param"] == "tools"
+        plain = await client.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 2})
+        assert plain.status_code == 200, plain.text
+    finally:
+        tokenizer.chat_template = original
+    assert len(fake.requests) == 1
