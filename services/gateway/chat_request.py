@@ -112,14 +112,16 @@ def _choice_name(choice: ToolChoice) -> str:
     return f"'{choice.mode}'" if choice.mode is not ToolMode.NAMED else f"function {choice.name!r}"
 
 
-def call_reader(chat: ChatRequest, parser_name: str) -> Callable[[Deltas, int], Deltas] | None:
+def call_reader(chat: ChatRequest, parser_name: str,
+                stream: bool = False) -> Callable[[Deltas, int], Deltas] | None:
     """How the reply's deltas get their calls: the parser of the template's
-    convention when the model may call, the JSON of a constrained reply when
-    it must, nothing when it may not."""
+    convention when the model may call (streamed replies get their calls in
+    pieces as they come), the JSON of a constrained reply when it must,
+    nothing when it may not."""
     if chat.choice.mode is ToolMode.NONE:
         return None
-    make: Callable[[], ToolCallParser] = (ConstrainedCallsParser if chat.choice.constrained
-                                          else PARSERS[parser_name])
+    parser = ConstrainedCallsParser if chat.choice.constrained else PARSERS[parser_name]
+    make: Callable[[], ToolCallParser] = functools.partial(parser, incremental=stream)
     return functools.partial(_read_calls, make=make,
                              max_calls=None if chat.choice.parallel else 1)
 

@@ -139,7 +139,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter,
-                          call_reader(chat, state.settings.tool_call_parser))
+                          call_reader(chat, state.settings.tool_call_parser, bool(body.stream)))
 
 
 def _include_usage(options: Any) -> bool:

@@ -166,7 +166,7 @@ class ChatFormat(Format):
         message: dict[str, Any] = {"role": "assistant", "content": "".join(result.text)}
         if result.tool_calls:   # OpenAI's: no content beside the calls is null
             message["content"] = message["content"].strip() or None
-            message["tool_calls"] = [_tool_call(call) for call in result.tool_calls]
+            message["tool_calls"] = [_tool_call(call) for call in _whole(result.tool_calls)]
         return {"index": index, "message": message,
                 "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
 
@@ -190,5 +190,20 @@ class ChatFormat(Format):
 
 
 def _tool_call(call: ToolCall) -> dict[str, Any]:
+    if call.id is None:   # a streamed fragment of the call's arguments
+        return {"function": {"arguments": call.arguments}}
     return {"id": call.id, "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _whole(calls: Sequence[ToolCall]) -> list[ToolCall]:
+    """Calls with their streamed fragments joined."""
+    whole: dict[int, ToolCall] = {}
+    for call in calls:
+        if call.id is None and call.index in whole:
+            known = whole[call.index]
+            whole[call.index] = ToolCall(known.index, known.id, known.name,
+                                         known.arguments + call.arguments)
+        elif call.id is not None:
+            whole[call.index] = call
+    return [whole[index] for index in sorted(whole)]

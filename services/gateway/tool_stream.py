@@ -27,9 +27,9 @@ async def with_tool_calls(merged: AsyncIterator[tuple[int, TextDelta]],
             if delta.finish_reason is not None:
                 step = step.then(parsers[index].finish())
             made = _numbered(step, calls[index])
+            calls[index] += sum(1 for call in made if call.id is not None)
             if max_calls is not None:
-                made = made[:max(0, max_calls - calls[index])]
-            calls[index] += len(made)
+                made = tuple(call for call in made if call.index < max_calls)
             finish_reason = delta.finish_reason
             if finish_reason == "stop" and calls[index]:
                 finish_reason = "tool_calls"
@@ -38,5 +38,14 @@ async def with_tool_calls(merged: AsyncIterator[tuple[int, TextDelta]],
 
 
 def _numbered(step: ParseStep, before: int) -> tuple[ToolCall, ...]:
-    return tuple(ToolCall(before + offset, new_call_id(), call.name, call.arguments)
-                 for offset, call in enumerate(step.calls))
+    """Each new call takes the next index and an id; an arguments fragment goes
+    with the call started last."""
+    numbered: list[ToolCall] = []
+    index = before - 1
+    for piece in step.calls:
+        if piece.name is not None:
+            index += 1
+            numbered.append(ToolCall(index, new_call_id(), piece.name, piece.arguments))
+        elif piece.arguments:
+            numbered.append(ToolCall(index, None, None, piece.arguments))
+    return tuple(numbered)

@@ -10,7 +10,10 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class ParsedCall:
-    name: str
+    """A call; or, from a parser that streams arguments, a piece of one: a piece
+    with a name starts a call, a piece without one (None) carries the next
+    fragment of the arguments of the call started last."""
+    name: str | None
     arguments: str      # a JSON object's text, as OpenAI's function.arguments carries it
 
 
@@ -26,7 +29,12 @@ class ParseStep:
 
 
 class ToolCallParser(ABC):
-    """One per choice: feed() each text delta in order, finish() once at the end."""
+    """One per choice: feed() each text delta in order, finish() once at the end.
+    A parser is made with `incremental`: True when the reply is streamed, so it
+    may pass calls on in pieces; False, whole calls only."""
+
+    def __init__(self, incremental: bool = False) -> None:
+        self.incremental = incremental
 
     @abstractmethod
     def feed(self, text: str) -> ParseStep:
@@ -40,8 +48,9 @@ class ToolCallParser(ABC):
 @dataclass(frozen=True)
 class ToolCall:
     """A call as a choice of the reply carries it: its place among the choice's
-    calls and the id the client answers it with."""
+    calls and the id the client answers it with. A streamed fragment of a call's
+    arguments has the call's index and no id or name."""
     index: int
-    id: str
-    name: str
+    id: str | None
+    name: str | None
     arguments: str

@@ -42,7 +42,8 @@ def complete_items(text: str) -> list[Any]:
 
 
 class ConstrainedCallsParser(ToolCallParser):
-    def __init__(self) -> None:
+    def __init__(self, incremental: bool = False) -> None:
+        super().__init__(incremental)   # the calls are known only once the array is whole
         self._text = ""
 
     def feed(self, text: str) -> ParseStep:

@@ -75,6 +75,46 @@ def test_hermes_parser_whatever_the_deltas(text: str, content: str,
         assert [(call.name, json.loads(call.arguments)) for call in step.calls] == calls, pieces
 
 
+@pytest.mark.parametrize("text, content, calls", [
+    (CALL_TEXT, "", [("get_weather", {"city": "Paris", "days": 2})]),
+    (f"Let me check.\n{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'R}o{me')}", "Let me check.\n",
+     [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "R}o{me", "days": 2})]),
+    ('<tool_call>{"name": "get_time", "arguments": {"zone": {"id": "UTC"}}}', "",
+     [("get_time", {"zone": {"id": "UTC"}})]),                  # cut before its closing tag
+    ('<tool_call>{"name": "f", "arguments": {"a": [1, {}]}}   \n</tool_call>', "",
+     [("f", {"a": [1, {}]})]),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>', "", [("f", {"a": 1})]),
+    ('<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>', "",
+     [("get_time", {"zone": "UTC"})]),                          # not streamable: passed on whole
+    ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>', "",
+     [("get_time", {"zone": "UTC"})]),
+])
+def test_hermes_parser_streams_calls_in_pieces_whatever_the_deltas(
+        text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:
+    for pieces in split_every_way(text):
+        step = parse_all(HermesToolParser(incremental=True), pieces)
+        assert step.content == content, pieces
+        joined: list[list[str]] = []
+        for piece in step.calls:
+            if piece.name is not None:
+                joined.append([piece.name, piece.arguments])
+            else:
+                joined[-1][1] += piece.arguments
+        assert [(name, json.loads(arguments)) for name, arguments in joined] == calls, pieces
+
+
+def test_a_streamed_call_shows_its_name_before_its_arguments_end() -> None:
+    parser = HermesToolParser(incremental=True)
+    assert parser.feed('<tool_call>\n{"name": "get_weather", "argu').calls == []
+    started, first = parser.feed('ments": {"ci').calls
+    assert (started.name, started.arguments) == ("get_weather", "")
+    assert (first.name, first.arguments) == (None, '{"ci')
+    assert parser.feed('ty": "Pa').calls[0].arguments == 'ty": "Pa'
+    assert parser.feed('ris"}').calls[0].arguments == 'ris"'       # the braces wait
+    [rest] = parser.feed('}\n</tool_call>').calls
+    assert rest.name is None and rest.arguments == "}"
+
+
 def test_hermes_parser_passes_content_on_as_it_comes() -> None:
     parser = HermesToolParser()
     assert parser.feed("Hello <to").content == "Hello "     # "<to" may open a call
