@@ -50,6 +50,16 @@ class KvPolicy:
     def lossy(self) -> bool:
         return self.kind != "full"
 
+    def sink_blocks(self, block_size: int) -> int:
+        return -(-self.sink_tokens // block_size) if self.kind == "sink" else 0
+
+    def cache_blocks(self, block_size: int) -> int:
+        """The most blocks a lossy sequence holds (0 for "full": no bound): its budget in whole
+        blocks, and at least its sinks plus two (the partial last block and one to drop)."""
+        if not self.lossy:
+            return 0
+        return max(-(-self.budget_tokens // block_size), self.sink_blocks(block_size) + 2)
+
 
 @dataclass(frozen=True)
 class NewSequence:

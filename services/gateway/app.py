@@ -218,7 +218,7 @@ def generate_input(body: GenerateBody) -> TextInput:
         sampling=sampling, default_temperature=0.0, max_tokens=body.max_tokens, stop=body.stop,
         ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, priority=body.priority,
         session_id=body.session_id, user=body.user, requested_stop_token_ids=body.stop_token_ids,
-        logit_bias=body.logit_bias, **body_constraint(body)))
+        logit_bias=body.logit_bias, kv_policy=body.kv_policy, **body_constraint(body)))
 
 
 @router.post("/generate", responses={

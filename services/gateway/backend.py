@@ -34,6 +34,9 @@ class GenerationSpec:
     # A continuation (continuation.py): tokens already streamed for this request
     # before its scheduler was lost; max_tokens and min_tokens count them.
     resume_token_ids: tuple[int, ...] = ()
+    # What its KV keeps past the deployment's budget (full | window | sink | h2o); "": KV_POLICY.
+    # A lossy one is not held to the model's context.
+    kv_policy: str = ""
 
 
 @dataclass(frozen=True)

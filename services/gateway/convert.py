@@ -70,6 +70,7 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         weight=spec.weight,
         cache_salt=spec.cache_salt,
         resume_token_ids=list(spec.resume_token_ids),
+        kv_policy=spec.kv_policy,
     )
 
 

@@ -169,7 +169,7 @@ def _request_fields(body: CompletionBody | ChatCompletionBody, sampling: Samplin
                          ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                          priority=body.priority, session_id=body.session_id, user=body.user,
                          requested_stop_token_ids=body.stop_token_ids,
-                         logit_bias=body.logit_bias, **body_constraint(body), **door)
+                         logit_bias=body.logit_bias, kv_policy=body.kv_policy, **body_constraint(body), **door)
 
 
 def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,

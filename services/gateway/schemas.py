@@ -29,6 +29,7 @@ class ExtraSamplingFields(_Body):
     session_id: str | None = None
     stop_token_ids: list[int] | None = None
     logit_bias: dict[str, float] | None = None   # OpenAI's: token id (a JSON key) -> bias
+    kv_policy: str | None = None   # fairserve's: full | window | sink | h2o (else the deployment's KV_POLICY)
     # Structured output (structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs.
     response_format: Any = None
     guided_json: Any = None

@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from common.grammar import ConstraintError, check
+from common.step import KV_POLICIES
 from common.types import Constraint
 from services.gateway.backend import GenerationSpec
 from services.gateway.errors import bad_request
@@ -41,6 +42,7 @@ class RequestFields:
     stop_token_ids: tuple[int, ...] = ()  # the door's: the chat template's end of turn
     requested_stop_token_ids: Sequence[int] | None = None  # the client's, checked here
     logit_bias: Mapping[str, float] | None = None
+    kv_policy: str | None = None
     ignore_eos: bool | None = None
     min_tokens: int | None = None
     priority: int | None = None
@@ -81,8 +83,11 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
         fields.requested_stop_token_ids, limits.vocab_size))))
     stop = normalize_stop(fields.stop)
     priority = cap_priority(check_priority(fields.priority), caller)
+    kv_policy = check_kv_policy(fields.kv_policy)
+    # A lossy KV policy keeps positions within its cache: the model's context does not bound it.
+    context = limits.max_model_len if kv_policy in ("", "full") else None
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
-                                    limits.max_model_len, fields.max_tokens_param)
+                                    context, fields.max_tokens_param)
     if sampling.constraint is not None and fields.ignore_eos:
         raise bad_request("ignore_eos cannot be combined with a constrained output: the output ends "
                           "where the grammar does.", "ignore_eos")
@@ -91,7 +96,15 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
         stop_token_ids=stop_token_ids, ignore_eos=bool(fields.ignore_eos),
         min_tokens=check_min_tokens(fields.min_tokens, max_tokens),
         client_id=identity.client_id, session_id=identity.session_id, priority=priority,
-        user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt)
+        user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt, kv_policy=kv_policy)
+
+
+def check_kv_policy(kv_policy: str | None) -> str:
+    if kv_policy is None:
+        return ""
+    if kv_policy not in KV_POLICIES:
+        raise bad_request(f"kv_policy must be one of {', '.join(KV_POLICIES)}, got {kv_policy!r}.", "kv_policy")
+    return kv_policy
 
 
 def check_constraint(fields: RequestFields) -> Constraint | None:

@@ -49,6 +49,7 @@ def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSp
         weight=message.weight if message.weight > 0 else 1.0,
         cache_salt=message.cache_salt,
         resume_token_ids=tuple(message.resume_token_ids),
+        kv_policy=message.kv_policy,
     )
 
 

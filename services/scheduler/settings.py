@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from common.internal_auth import InternalAuth
+from common.step import KV_POLICIES, KvPolicy
 
 from common.settings import EnvReader
 
@@ -38,6 +39,9 @@ class SchedulerSettings:
     speculative_max_batch: int = 8
     max_migrations: int = _CORE.max_migrations
     step_timeout_s: float = 60.0    # a Step RPC's deadline; 0: none
+    kv_policy: str = "full"
+    kv_budget_tokens: int = 1024
+    kv_sink_tokens: int = 4
     log_level: str = "info"
     internal: InternalAuth = InternalAuth()
 
@@ -68,6 +72,9 @@ class SchedulerSettings:
             speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
             max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
             step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
+            kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),
+            kv_budget_tokens=read.int("KV_BUDGET_TOKENS", cls.kv_budget_tokens, minimum=1),
+            kv_sink_tokens=read.int("KV_SINK_TOKENS", cls.kv_sink_tokens, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
             internal=InternalAuth.from_env(env),
         )
@@ -84,6 +91,7 @@ class SchedulerSettings:
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
             max_migrations=self.max_migrations,
+            kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),
         )
 
     @property

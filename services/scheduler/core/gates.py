@@ -14,6 +14,9 @@ Pure checks over plain values; the core counts and reports the outcomes.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
+
+from common.step import KV_POLICIES, KvPolicy
 
 from services.scheduler.core.state import blocks_for
 from services.scheduler.core.types import Gate, Rejection, RequestSpec, WorkerSpec
@@ -26,6 +29,8 @@ def reject_early(spec: RequestSpec, already_in_flight: bool, num_workers: int, n
         return Rejection(Gate.INVALID, "the prompt is empty")
     if already_in_flight:
         return Rejection(Gate.INVALID, f"request_id {spec.request_id!r} is already in flight")
+    if spec.kv_policy and spec.kv_policy not in KV_POLICIES:
+        return Rejection(Gate.INVALID, f"kv_policy {spec.kv_policy!r} is not one of {', '.join(KV_POLICIES)}")
     if num_workers == 0:
         return Rejection(Gate.NO_WORKER, "no worker is registered (or every one is draining)")
     if num_waiting >= max_queue_len:
@@ -39,17 +44,27 @@ def output_limit(requested_max_tokens: int, prompt_len: int, max_model_len: int)
     return requested_max_tokens if requested_max_tokens > 0 else max_model_len - prompt_len
 
 
+def kv_policy_of(spec: RequestSpec, default: KvPolicy) -> KvPolicy:
+    """The request's KV policy: the kind it names (else the deployment's) with the
+    deployment's budget and sinks."""
+    return replace(default, kind=spec.kv_policy) if spec.kv_policy else default
+
+
 def never_fit(worker: WorkerSpec, prompt_len: int, max_tokens: int, max_active_kv_tokens: int,
-              generated: int = 0) -> str:
+              generated: int = 0, cap_tokens: int = 0) -> str:
     """Why a request of `prompt_len` + `max_tokens` tokens could never run on
     `worker` even alone, or "" when it could. A continuation has `generated`
-    of its max_tokens already, and must have room for one more."""
+    of its max_tokens already, and must have room for one more. Under a lossy KV
+    policy (`cap_tokens`: the most its cache holds) it may run past the model's
+    context, and its cache never holds more than the cap."""
     total = prompt_len + max_tokens
     head = f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = {total} tokens"
-    if max_tokens <= 0 or total > worker.max_model_len:
+    if max_tokens <= 0 or (total > worker.max_model_len and not cap_tokens):
         return f"{head} exceeds the model context of {worker.max_model_len} tokens"
     if generated >= max_tokens:
         return f"the {generated} tokens it resumes from leave nothing of max_tokens ({max_tokens})"
+    if cap_tokens:
+        total = min(total, cap_tokens)
     blocks = blocks_for(total, worker.block_size)
     if blocks > worker.num_blocks:
         return (f"{head} needs {blocks} KV blocks of {worker.block_size} tokens, "

@@ -88,7 +88,7 @@ class RequestBook:
         self.by_seq[seq_id] = request
         return NewSequence(seq_id=seq_id, prompt_token_ids=request.prompt,
                            output_token_ids=tuple(request.output), sampling=worker_sampling(request),
-                           cache_salt=request.spec.cache_salt)
+                           cache_salt=request.spec.cache_salt, kv_policy=request.kv_policy)
 
     def activate(self, worker: WorkerState, request: RequestState) -> None:
         """prefilling -> active, once it has sampled a token (no-op when active)."""

@@ -17,16 +17,26 @@ from services.scheduler.core.slot_fairness import preemption_victim
 from services.scheduler.core.state import RequestState, blocks_for
 
 
-def blocks_to_grow(num_computed: int, num_tokens: int, block_size: int) -> int:
-    """New blocks a sequence holding `num_computed` tokens needs to compute `num_tokens` more."""
+def blocks_to_grow(num_computed: int, num_tokens: int, block_size: int, cap_tokens: int = 0) -> int:
+    """New blocks a sequence holding `num_computed` tokens needs to compute `num_tokens` more;
+    a lossy KV policy's sequence (`cap_tokens`: the most its cache holds) never holds more
+    than its cap."""
+    if cap_tokens:
+        held = blocks_for(min(num_computed, cap_tokens), block_size)
+        return max(0, blocks_for(min(num_computed + num_tokens, cap_tokens), block_size) - held)
     return blocks_for(num_computed + num_tokens, block_size) - blocks_for(num_computed, block_size)
 
 
-def tokens_that_fit(num_computed: int, available_blocks: int, block_size: int, wanted: int) -> int:
+def tokens_that_fit(num_computed: int, available_blocks: int, block_size: int, wanted: int,
+                    cap_tokens: int = 0) -> int:
     """How many of `wanted` more tokens fit in the blocks the sequence holds
-    (the last one partly filled) plus the available ones; 0 to `wanted`."""
-    capacity = (blocks_for(num_computed, block_size) + max(available_blocks, 0)) * block_size - num_computed
-    return max(0, min(wanted, capacity))
+    (the last one partly filled) plus the available ones; 0 to `wanted`. A lossy sequence
+    that can reach its cap fits them all: it drops blocks to make room."""
+    held_tokens = min(num_computed, cap_tokens) if cap_tokens else num_computed
+    room_blocks = blocks_for(held_tokens, block_size) + max(available_blocks, 0)
+    if cap_tokens and room_blocks * block_size >= cap_tokens:
+        return wanted
+    return max(0, min(wanted, room_blocks * block_size - held_tokens))
 
 
 def victims_for_room(running: Sequence[RequestState], requester: RequestState, shortfall: int,

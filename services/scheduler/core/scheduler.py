@@ -160,14 +160,16 @@ class SchedulerCore:
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len)
+        kv_policy = gates.kv_policy_of(spec, self._config.kv_policy)
+        cap = kv_policy.cache_blocks(worker.spec.block_size) * worker.spec.block_size
         problem = gates.never_fit(worker.spec, prompt_len, max_tokens, self._config.max_active_kv_tokens,
-                                  generated=len(spec.resume_token_ids))
+                                  generated=len(spec.resume_token_ids), cap_tokens=cap)
         if problem:
             return self._count_rejection(spec.request_id, Rejection(Gate.NEVER_FIT, problem))
         if spec.session_id:
             self._sessions.remember(spec.session_id, worker.worker_id)
         request = RequestState.arriving(spec, spec.client_id or ANONYMOUS_CLIENT, max_tokens, self._clock(),
-                                        next(self._arrivals), worker.worker_id)
+                                        next(self._arrivals), worker.worker_id, kv_policy, cap)
         self._book.add(worker, request)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
 
@@ -266,10 +268,11 @@ class SchedulerCore:
                 continue  # its last tokens are (or, as drafts, may be) sampled in a step in flight
             if plan.token_budget < 1:
                 return
-            needed = blocks_to_grow(request.num_computed, 1, worker.spec.block_size)
+            needed = blocks_to_grow(request.num_computed, 1, worker.spec.block_size, request.kv_cap_tokens)
             if self._make_room(worker, plan, request, needed):
                 assert request.seq_id is not None
-                drafts, extra = self._draft_allowance(worker, plan, request, needed) if drafting else (0, 0)
+                drafts, extra = (self._draft_allowance(worker, plan, request, needed)
+                                 if drafting and not request.kv_cap_tokens else (0, 0))
                 plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
 
     def _draft_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
@@ -297,14 +300,14 @@ class SchedulerCore:
                      self._config.prefill_chunk_size, plan.token_budget)
         if wanted <= 0 or not request.wants_more:
             return
-        block_size = worker.spec.block_size
-        num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted)
+        block_size, cap = worker.spec.block_size, request.kv_cap_tokens
+        num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted, cap)
         if num_tokens == 0:
-            if not self._make_room(worker, plan, request, blocks_to_grow(request.num_computed, 1, block_size)):
+            if not self._make_room(worker, plan, request, blocks_to_grow(request.num_computed, 1, block_size, cap)):
                 return
-            num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted)
+            num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted, cap)
         assert request.seq_id is not None
-        plan.add(request.seq_id, num_tokens, blocks_to_grow(request.num_computed, num_tokens, block_size),
+        plan.add(request.seq_id, num_tokens, blocks_to_grow(request.num_computed, num_tokens, block_size, cap),
                  is_decode=False)
 
     def _plan_admissions(self, worker: WorkerState, plan: StepBuilder) -> None:
@@ -321,7 +324,8 @@ class SchedulerCore:
             if len(worker.running) >= config.max_batch_size and not self._free_a_slot(worker, plan, request):
                 return
             gate = gates.holding_gate(worker.reserved_kv_tokens, request.kv_reservation,
-                                      config.max_active_kv_tokens, request.known_tokens, block_size,
+                                      config.max_active_kv_tokens, request.cache_tokens(request.known_tokens),
+                                      block_size,
                                       plan.available_blocks)
             if gate is not None:
                 self._counts.count_hold(request, gate)
@@ -344,7 +348,8 @@ class SchedulerCore:
         seq_id = sequence_id(request.request_id, self._new_id())
         plan.new_sequences.append(self._book.admit(worker, request, seq_id, now=self._clock()))
         num_tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
-        plan.add(seq_id, num_tokens, blocks_for(num_tokens, worker.spec.block_size), is_decode=False)
+        plan.add(seq_id, num_tokens, blocks_for(request.cache_tokens(num_tokens), worker.spec.block_size),
+                 is_decode=False)
 
     def _make_room(self, worker: WorkerState, plan: StepBuilder, requester: RequestState,
                    needed_blocks: int) -> bool:

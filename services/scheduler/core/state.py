@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
+from common.step import KvPolicy
 from common.types import SamplingParams, TokenLogprob
 
 from services.scheduler.core.types import Gate, PoolStats, RequestSpec, StepOutput, StepBatch, WorkerSpec
@@ -51,6 +52,14 @@ class RequestState:
     # again); sent once, with the first tokens.
     prompt_logprobs: dict[int, TokenLogprob] = field(default_factory=dict)
     prompt_logprobs_sent: bool = False
+    # What its KV keeps past a budget (its kv_policy, else the deployment's), and the most
+    # tokens that leaves in the cache (0: "full", no bound; whole blocks of its worker).
+    kv_policy: KvPolicy = KvPolicy()
+    kv_cap_tokens: int = 0
+
+    def cache_tokens(self, num_tokens: int) -> int:
+        """Of `num_tokens` tokens of this request, how many its cache holds."""
+        return min(num_tokens, self.kv_cap_tokens) if self.kv_cap_tokens else num_tokens
 
     def note_prompt_logprobs(self, start: int, logprobs: tuple[TokenLogprob, ...]) -> None:
         for offset, logprob in enumerate(logprobs):
@@ -70,13 +79,15 @@ class RequestState:
 
     @classmethod
     def arriving(cls, spec: RequestSpec, client_id: str, max_tokens: int, arrival_s: float,
-                 arrival_order: int, worker_id: str) -> RequestState:
+                 arrival_order: int, worker_id: str, kv_policy: KvPolicy = KvPolicy(),
+                 kv_cap_tokens: int = 0) -> RequestState:
         """A request as it is submitted. A continuation starts with the tokens it
         resumes from as output, as if preempted after them: recomputed from prompt
         and output when admitted, and first in its queue."""
         resumed = spec.resume_token_ids
         return cls(spec=spec, client_id=client_id, max_tokens=max_tokens, arrival_s=arrival_s,
-                   arrival_order=arrival_order, worker_id=worker_id, output=list(resumed), resumed=bool(resumed))
+                   arrival_order=arrival_order, worker_id=worker_id, output=list(resumed), resumed=bool(resumed),
+                   kv_policy=kv_policy, kv_cap_tokens=kv_cap_tokens)
 
     @property
     def started(self) -> bool:
@@ -134,7 +145,7 @@ class RequestState:
     @property
     def kv_reservation(self) -> int:
         """Tokens counted against the active-KV gate while admitted."""
-        return len(self.spec.prompt_token_ids) + self.max_tokens
+        return self.cache_tokens(len(self.spec.prompt_token_ids) + self.max_tokens)
 
     @property
     def running_key(self) -> tuple[int, int]:
@@ -226,7 +237,7 @@ class WorkerState:
         return frees, releasing
 
     def blocks_held(self, request: RequestState) -> int:
-        return blocks_for(request.num_computed, self.spec.block_size)
+        return blocks_for(request.cache_tokens(request.num_computed), self.spec.block_size)
 
     def available_blocks(self) -> int:
         """Free and evictable blocks once the steps in flight have run (estimate)."""

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from common.step import (  # noqa: F401  (the step contract, re-exported for the core)
-    NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem,
+    KvPolicy, NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem,
 )
 from common.types import SamplingParams, TokenLogprob, Usage
 
@@ -68,6 +68,9 @@ class CoreConfig:
     # A request running on a worker that fails moves to another at most this
     # many times, then ends with an error (a request that crashes workers).
     max_migrations: int = 2
+    # What a request's KV keeps past a budget when it names no kv_policy (KV_POLICY, with
+    # KV_BUDGET_TOKENS and KV_SINK_TOKENS; common/step.py's KvPolicy).
+    kv_policy: KvPolicy = KvPolicy()
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,7 @@ class RequestSpec:
     # streamed. It starts as a request preempted after them; max_tokens and
     # min_tokens count them.
     resume_token_ids: tuple[int, ...] = ()
+    kv_policy: str = ""      # full | window | sink | h2o; "": the deployment's KV_POLICY
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from transformers import AttentionInterface
 from services.worker.engine.kv_cache import PagedKVCache
 
 if TYPE_CHECKING:   # the device kernels are handed in; the core does not load them
+    from services.worker.engine.h2o_scores import AttentionScores
     from services.worker.engine.cpu.native_decode import NativeDecodeAttention
     from services.worker.engine.cuda.varlen_attention import VarlenKernel
 
@@ -53,6 +54,7 @@ class StepMetadata:
     num_tokens: int
     varlen: VarlenKernel | None = None   # fused kernel for the prefill chunks, if loaded
     decode_kernel: NativeDecodeAttention | None = None   # decodes read K/V through the block tables
+    scores: AttentionScores | None = None   # h2o sequences' attention, accumulated per position
     _varlen_inputs: dict[int | None, tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=dict)
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     _prefill_views: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
@@ -155,6 +157,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
     window = _layer_window(module, sliding_window)
+    if meta.scores:
+        meta.scores.observe(query, k_cache, scaling, window)
     out = query.new_empty((meta.num_tokens, query.shape[1], value.shape[-1]))
     if meta.num_decodes:
         _decode_attention(meta, query, k_cache, v_cache, window, scaling, out)

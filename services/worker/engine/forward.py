@@ -53,6 +53,8 @@ class Forward:
         inputs = build_step_inputs(order, self.pool, self.kv, self.cache_layer, self.device,
                                    varlen=self.varlen, decode_kernel=self.decode_kernel)
         hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
+        if inputs.meta.scores is not None:
+            inputs.meta.scores.commit()
         if score is not None:
             for run in inputs.score_runs:
                 score(run, hidden[run.first_row:run.first_row + run.count])
@@ -73,6 +75,8 @@ class Forward:
         not decode-only, no bucket fits, or graphs turned off)."""
         if self.graphs is None or not all(p.rows == 1 and p.samples for p in order):
             return None
+        if any(p.seq.budget is not None and p.seq.budget.kind == "h2o" for p in order):
+            return None     # h2o reports its attention (h2o_scores.py): no graph replay
         tables = [self.pool.table(p.seq.seq_id) for p in order]
         block_size = self.pool.block_size
         return self.graphs.run(DecodeRows(

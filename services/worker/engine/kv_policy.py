@@ -20,7 +20,6 @@ blocks: what its blocks hold depends on what it dropped.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -30,8 +29,6 @@ from common.step import KV_POLICIES, KvPolicy
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_rotation import KeyRotation
 
-log = logging.getLogger(__name__)
-MIN_FREE_BLOCKS = 2   # blocks a budget leaves past the sinks: the partial last one and one to drop
 
 
 @dataclass(frozen=True)
@@ -58,8 +55,8 @@ def block_budget(policy: KvPolicy, block_size: int) -> BlockBudget | None:
     to drop grows to the smallest that works."""
     if not policy.lossy:
         return None
-    sink = -(-policy.sink_tokens // block_size) if policy.kind == "sink" else 0
-    blocks = max(-(-policy.budget_tokens // block_size), sink + MIN_FREE_BLOCKS)
+    sink = policy.sink_blocks(block_size)
+    blocks = policy.cache_blocks(block_size)
     recent = max(1, blocks // 2) if policy.kind == "h2o" else 0
     return BlockBudget(policy.kind, blocks, sink, recent)
 

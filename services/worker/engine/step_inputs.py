@@ -18,6 +18,7 @@ import torch
 
 from services.worker.engine.attention import PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.h2o_scores import AttentionScores
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.planning import Planned
 
@@ -68,7 +69,10 @@ def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, c
                       device: torch.device, varlen: VarlenKernel | None = None,
                       decode_kernel: NativeDecodeAttention | None = None) -> StepInputs:
     """The inputs of one forward over `order` (decodes first), with the pool's block tables."""
-    rows = _pack_rows(order, pool, device)
+    scores = AttentionScores(pool.block_size)
+    rows = _pack_rows(order, pool, device, scores)
+    if scores:
+        decode_kernel = None    # the C decode layers take no step that must report its attention
     width = max((len(table) for table in rows.decode_tables), default=0)
     padded = [table + [0] * (width - len(table)) for table in rows.decode_tables]
     decode_ctx = rows.decode_ctx
@@ -79,13 +83,14 @@ def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, c
         decode_ctx_lens=torch.tensor(decode_ctx, dtype=torch.long, device=device),
         decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
         decode_ctx_range=(min(decode_ctx, default=0), max(decode_ctx, default=0)),
-        prefills=rows.prefills, num_tokens=len(rows.ids), varlen=varlen, decode_kernel=decode_kernel)
+        prefills=rows.prefills, num_tokens=len(rows.ids), varlen=varlen, decode_kernel=decode_kernel,
+        scores=scores if scores else None)
     input_ids = torch.tensor(rows.ids, dtype=torch.long, device=device)
     position_tensor = torch.tensor(rows.positions, dtype=torch.long, device=device)
     return StepInputs(meta, input_ids, position_tensor, rows.sample_rows, rows.sample_plans, rows.score_runs)
 
 
-def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device) -> _Rows:
+def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device, scores: AttentionScores) -> _Rows:
     block_size = pool.block_size
     rows = _Rows([], [], [], [], [], [], [], [])
     for plan in order:
@@ -107,6 +112,12 @@ def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device) -> _
             context_slots = table_tensor[context // block_size] * block_size + context % block_size
             rows.slots.extend(context_slots[start:].tolist())
             rows.prefills.append(PrefillChunk(row, plan.rows, start, context_slots.to(device)))
+        if plan.seq.budget is not None and plan.seq.budget.kind == "h2o":
+            context = torch.arange(end)
+            table_tensor = torch.tensor(table[:pool.blocks_for(end)], dtype=torch.long)
+            last_row = len(rows.ids) - 1 - len(plan.drafts)
+            scores.track(plan.seq, last_row, (table_tensor[context // block_size] * block_size
+                                              + context % block_size).to(device))
         run = _score_run(plan, row)
         if run is not None:
             rows.score_runs.append(run)

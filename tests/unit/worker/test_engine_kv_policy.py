@@ -148,3 +148,27 @@ def test_moving_a_key_back_equals_storing_it_at_the_earlier_position(kind: str, 
               + _rotate_half(key) * rotation.cos_sin(layer_type, p, torch.device("cpu"))[1] for p in (37, 21)}
         cos, sin = rotation.cos_sin(layer_type, 16, torch.device("cpu"))
         torch.testing.assert_close(at[37] * cos - _rotate_half(at[37]) * sin, at[21], atol=1e-5, rtol=0)
+
+
+def test_h2o_scores_are_each_layer_and_head_attention_summed(kind: str) -> None:
+    engine = make_engine(kind, block_size=BLOCK)
+    new = NewSequence("s", tuple(prompt_of(10, 6)), (), SamplingParams(), kv_policy=KvPolicy("h2o", 64))
+    engine.step(StepBatch(new_sequences=[new], work=[WorkItem("s", 1024)]))
+    engine.step(StepBatch(work=[WorkItem("s", 1)]))
+    config = engine.model_config
+    per_step = config.num_hidden_layers * config.num_attention_heads     # each head's weights sum to 1
+    scores = engine.sequences.get("s").block_scores
+    assert len(scores) == 3 and sum(scores) == pytest.approx(2 * per_step, rel=1e-4)
+
+
+def test_h2o_drops_the_least_attended_blocks_outside_the_recent_half() -> None:
+    from services.worker.engine.kv_policy import BlockBudget, KvEvictor
+
+    class Seq:
+        block_scores = [9.0, 1.0, 5.0, 0.5, 7.0, 0.1, 0.2]
+
+    evictor = KvEvictor(None, None, BLOCK)  # type: ignore[arg-type]
+    budget = BlockBudget("h2o", blocks=6, sink_blocks=0, recent_blocks=3)
+    # candidates 0..6: the last three are recent; of 0..3 the two least attended are 3 and 1
+    assert evictor._victims(Seq(), budget, list(range(7)), 2) == [1, 3]
+    assert evictor._victims(Seq(), budget, list(range(7)), 5) == [0, 1, 2, 3, 4]
