@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import shlex
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -118,6 +119,17 @@ def model_for(args: argparse.Namespace, scratch: Path) -> Path:
     return model_dir
 
 
+def source_version() -> str:
+    """The commit the run's fairserve came from, "+changes" when the tree differs from it."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "services", "common"]).returncode != 0
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -150,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{system}] skipped: {error}", file=sys.stderr, flush=True)
     meta = {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu_name(), "cpus": os.cpu_count(),
             "model": model_dir.name, "command": "python -m benchmarks.head_to_head " + shlex.join(argv or sys.argv[1:]),
-            "plan": plan.__dict__, "slo": slo.__dict__, "systems": ran}
+            "plan": plan.__dict__, "slo": slo.__dict__, "systems": ran, "fairserve_source": source_version()}
     (out / "results.json").write_text(json.dumps(to_json(points, skipped, meta), indent=2))
     title = f"{model_dir.name}, {cpu_name()}, {os.cpu_count()} CPUs"
     pictures = plots.write_all(points, ran, out, title) if points else []

@@ -125,7 +125,8 @@ def transformers_serve(config: LaunchConfig) -> Iterator[Served]:
 
 @contextmanager
 def vllm_serve(config: LaunchConfig) -> Iterator[Served]:
-    """vLLM's CPU build from its own venv, float32, room for every request in flight."""
+    """vLLM's CPU build from its own venv, float32, room for every request in flight, its
+    prefix cache on (its default) and reported in the usage."""
     if config.vllm is None:
         raise RuntimeError("vLLM is not set up")
     port = free_port()
@@ -135,8 +136,9 @@ def vllm_serve(config: LaunchConfig) -> Iterator[Served]:
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_dir),
                "--served-model-name", "model",
                "--dtype", "float32", "--max-model-len", "1024" if config.tiny else "4096",
-               "--max-num-seqs", str(max(config.max_concurrency, 1)), "--host", "127.0.0.1", "--port", str(port)]
-    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_TARGET_DEVICE": "cpu"}
+               "--max-num-seqs", str(max(config.max_concurrency, 1)), "--enable-prompt-tokens-details",
+               "--host", "127.0.0.1", "--port", str(port)]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_TARGET_DEVICE": "cpu"}
     with _process("vllm", command, config.log_dir, port, "model", env) as served:
         yield served
 
