@@ -313,6 +313,11 @@ def test_parallel_tool_calls_false_keeps_the_first_call(serve_reply: Any) -> Non
     reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
                                         parallel_tool_calls=False)
     assert [json.loads(c.function.arguments)["city"] for c in reply.choices[0].message.tool_calls] == ["Paris"]
+    chunks = list(api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+                                              parallel_tool_calls=False, stream=True))
+    pieces = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
+    assert {call.index for call in pieces} == {0}
+    assert json.loads("".join(call.function.arguments or "" for call in pieces)) == {"city": "Paris", "days": 2}
 
 
 def test_tool_choice_none_and_no_call_leave_the_text_alone(serve_reply: Any) -> None:
