@@ -60,6 +60,21 @@ def _without_call_end(text: str) -> str:
     return text
 
 
+def _headed_call(body: str) -> ParsedCall | None:
+    """A call written name first whose object the model left unclosed, read as
+    a streamed one is: {"name": "f", "arguments": {"a": 1}</tool_call>."""
+    head = CALL_HEAD.match(body)
+    if head is None:
+        return None
+    try:
+        arguments = json.loads(_without_call_end(body[head.end():].rstrip()))
+    except ValueError:
+        return None
+    if not isinstance(arguments, dict):
+        return None
+    return ParsedCall(head.group(1), json.dumps(arguments, ensure_ascii=False))
+
+
 class HermesToolParser(ToolCallParser):
     """With `incremental`, a call whose text opens {"name": ..., "arguments": {
     is passed on as it comes: its name at once, then its arguments' text as it
@@ -129,7 +144,7 @@ class HermesToolParser(ToolCallParser):
             arguments = _without_call_end(body[self._arguments_at:].rstrip())
             rest, self._arguments_at = arguments[self._sent:], None
             return ParseStep(calls=[ParsedCall(None, rest)] if rest else [])
-        call = parse_call(body.strip())
+        call = parse_call(body.strip()) or _headed_call(body)
         if call is None:   # not a call after all: the text stays content, tags and all
             return ParseStep(self._content(f"{OPEN_TAG}{body}{CLOSE_TAG}"))
         self._calls += 1

@@ -65,6 +65,7 @@ def split_every_way(text: str) -> Iterator[list[str]]:
     ('<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>', "",
      [("get_time", {"zone": "UTC"})]),
     ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>', "", [("f", {"a": 1})]),
     ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
 ])
 def test_hermes_parser_whatever_the_deltas(text: str, content: str,
