@@ -16,6 +16,7 @@ def test_defaults() -> None:
     assert not settings.tenants.enabled and settings.max_request_bytes == 1024 * 1024
     assert settings.default_max_tokens == 128 and settings.max_model_len == 0
     assert settings.model_id == "google/gemma-3-270m"
+    assert settings.tool_call_parser == "hermes"
 
 
 def test_values_from_env() -> None:
@@ -30,7 +31,8 @@ def test_values_from_env() -> None:
 
 @pytest.mark.parametrize(("name", "value"), [("GATEWAY_PORT", "http"), ("GATEWAY_PORT", "70000"),
                                              ("MAX_REQUEST_BYTES", "10"), ("LOG_LEVEL", "loud"),
-                                             ("DEFAULT_MAX_TOKENS", "0")])
+                                             ("DEFAULT_MAX_TOKENS", "0"),
+                                             ("TOOL_CALL_PARSER", "llama3_json")])
 def test_invalid_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(SettingsError, match=name):
         GatewaySettings.from_env({name: value})
