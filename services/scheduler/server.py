@@ -306,7 +306,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             "scheduler_request_id": request_id, "finish_reason": finish.reason.value,
             "prompt_tokens": finish.usage.prompt_tokens, "completion_tokens": finish.usage.completion_tokens,
             "cached_tokens": finish.usage.cached_tokens, "queue_wait_ms": round(queue_wait_ms, 3),
-            **({"message": finish.message} if finish.message else {})})
+            **({"finish_message": finish.message} if finish.message else {})})
 
     def _cancel(self, request_id: str) -> bool:
         worker_id = self._core.worker_of(request_id)
