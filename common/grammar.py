@@ -25,8 +25,9 @@ class ConstraintError(ValueError):
 
 
 def json_schema_constraint(schema: Any) -> Constraint:
-    """The Constraint for a JSON Schema given as a parsed value (a dict) or as JSON text."""
-    text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"), sort_keys=True)
+    """The Constraint for a JSON Schema given as a parsed value (a dict) or as JSON text. Key order
+    is kept: the output's properties come in the schema's order."""
+    text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     return Constraint(ConstraintKind.JSON_SCHEMA, text)
 
 

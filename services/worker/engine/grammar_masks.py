@@ -1,5 +1,8 @@
 """The grammar masks of a step's sampled rows, computed while the forward runs.
 
+A row's mask goes to the sampler as an additive float32 bias (0 where the grammar allows, -inf
+where it forbids), made in the thread too: the sampler's part is one numpy add per row.
+
 The engine starts them before the forward, in one background thread (llguidance lets go of the
 GIL while it computes a mask, and torch while it runs the forward), and the sampler waits for
 them only after the logits are computed: the masks cost the step nothing unless they take
@@ -34,7 +37,7 @@ class PendingMasks:
             rows = masks.get(id(plan))
             index = row_index.get(id(plan), 0)
             row_index[id(plan)] = index + 1
-            attached.append(request if rows is None else dataclasses.replace(request, banned=rows[index]))
+            attached.append(request if rows is None else dataclasses.replace(request, grammar_bias=rows[index]))
         return attached
 
 
@@ -53,5 +56,9 @@ class GrammarMasker:
         return PendingMasks(self._executor.submit(_masks, jobs))
 
 
+_FORBIDDEN, _ALLOWED = np.float32(-np.inf), np.float32(0.0)
+
+
 def _masks(jobs: list[Planned]) -> dict[int, list[np.ndarray]]:
-    return {id(plan): plan.seq.grammar.banned_rows(plan.drafts) for plan in jobs}
+    return {id(plan): [np.where(banned, _FORBIDDEN, _ALLOWED) for banned in plan.seq.grammar.banned_rows(plan.drafts)]
+            for plan in jobs}

@@ -41,7 +41,7 @@ class SampleRequest:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     num_sampled: int        # tokens this request sampled before (seeds its next draw)
-    banned: Any = None      # numpy bool [vocab]: what the row's grammar forbids (None: unconstrained)
+    grammar_bias: Any = None  # numpy float32 [vocab]: -inf where the row's grammar forbids, else 0
 
 
 @dataclass(frozen=True)
@@ -79,7 +79,7 @@ class Sampler:
         biased = [i for i, r in enumerate(requests) if r.params.logit_bias]
         penalized = [i for i, r in enumerate(requests) if _has_penalties(r.params)]
         banned = [i for i, r in enumerate(requests) if _below_min_tokens(r)]
-        masked = [i for i, r in enumerate(requests) if r.banned is not None]
+        masked = [i for i, r in enumerate(requests) if r.grammar_bias is not None]
         if biased or penalized or banned or masked:
             logits = logits.clone()
             for row in biased:
@@ -90,7 +90,7 @@ class Sampler:
                 ids = self._banned_token_ids(requests[row].params)
                 logits[row, [i for i in ids if 0 <= i < logits.shape[-1]]] = float("-inf")
             for row in masked:
-                _apply_grammar_mask(logits[row], raw[row], requests[row].banned)
+                _apply_grammar_mask(logits[row], raw[row], requests[row].grammar_bias)
 
         tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
         greedy = [i for i, r in enumerate(requests) if r.params.is_greedy]
@@ -191,16 +191,20 @@ def _apply_logit_bias(row: torch.Tensor, bias: Sequence[tuple[int, float]]) -> N
         row[ids] += torch.tensor([value for _, value in pairs], dtype=row.dtype, device=row.device)
 
 
-def _apply_grammar_mask(row: torch.Tensor, raw: torch.Tensor, banned: np.ndarray) -> None:
-    """-inf where the grammar forbids; when nothing else is left (min_tokens banned what the
-    grammar allows), the allowed tokens get their raw logits back."""
-    width = min(row.shape[-1], banned.shape[0])
+def _apply_grammar_mask(row: torch.Tensor, raw: torch.Tensor, bias: np.ndarray) -> None:
+    """Adds the grammar's bias (-inf where it forbids); when nothing is left (min_tokens banned
+    what the grammar allows), the allowed tokens get their raw logits back. On CPU a numpy add:
+    on a busy 2-vCPU machine 8 rows took ~1 ms, torch's add_ ~150 ms, masked_fill_ ~40 ms."""
+    width = min(row.shape[-1], bias.shape[0])
     if row.device.type == "cpu":
-        np.copyto(row.numpy()[:width], -np.inf, where=banned[:width])   # masked_fill_ was 10x slower on CPU
+        values = row.numpy()[:width]
+        np.add(values, bias[:width], out=values)
+        exhausted = not np.isfinite(values.max())
     else:
-        row[:width].masked_fill_(torch.from_numpy(banned[:width]).to(row.device), float("-inf"))
-    if not bool(torch.isfinite(row.max())):
-        allowed = torch.from_numpy(~banned[:width]).to(row.device)
+        row[:width] += torch.from_numpy(bias[:width]).to(row.device)
+        exhausted = not bool(torch.isfinite(row.max()))
+    if exhausted:
+        allowed = torch.from_numpy(bias[:width] == 0).to(row.device)
         row[:width][allowed] = raw[:width][allowed]
 
 

@@ -26,7 +26,7 @@ from services.gateway.structured import ConstraintFields, read_constraint
 from tests.unit.gateway.fakes import FakeScheduler
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"), sort_keys=True)
+SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 COMPLETION = {"prompt": "Hi", "max_tokens": 2}
 BODIES = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETION,
