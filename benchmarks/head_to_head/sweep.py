@@ -25,19 +25,19 @@ class Plan:
     concurrencies: tuple[int, ...] = (1, 8, 32)
     rates: tuple[float, ...] = (0.5, 1.0, 2.0)
     max_tokens: int = 64
-    requests_per_slot: int = 2          # a closed-loop point sends max(min_requests, slots x this)
-    min_requests: int = 6
-    rate_requests: int = 12             # requests per Poisson point
+    requests_per_slot: float = 1.5      # a closed-loop point sends max(min_requests, slots x this)
+    min_requests: int = 4
+    rate_requests: int = 10             # requests per Poisson point
     chat_users: int = 8
-    chat_conversations: int = 12
+    chat_conversations: int = 10
     chat_max_turns: int = 3
     chat_max_tokens: int = 32
-    point_cap_s: float = 90.0
+    point_cap_s: float = 60.0
     short_prompts: bool = False         # the tiny model
     seed: int = 0
 
     def closed_count(self, concurrency: int) -> int:
-        return max(self.min_requests, concurrency * self.requests_per_slot)
+        return max(self.min_requests, round(concurrency * self.requests_per_slot))
 
 
 @dataclass

@@ -69,6 +69,7 @@ def test_point_counts_goodput_within_both_slos_and_wrong_lengths() -> None:
 def test_plan_sends_at_least_min_requests() -> None:
     plan = Plan(requests_per_slot=2, min_requests=6)
     assert [plan.closed_count(c) for c in (1, 8, 32)] == [6, 16, 64]
+    assert [Plan(requests_per_slot=1.5, min_requests=4).closed_count(c) for c in (1, 8, 32)] == [4, 12, 48]
 
 
 def test_peers_not_set_up_say_why(tmp_path: Path) -> None:
