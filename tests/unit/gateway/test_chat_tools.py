@@ -1,7 +1,7 @@
-"""Tool calling: tools and tool_choice checked, calls parsed out of replies
-(whole or split anywhere between deltas), earlier calls and tool results
-rendered through the chat template, and the reply's calls in the shapes the
-openai client reads, streamed and not."""
+"""Tool calling: tools and tool_choice checked, earlier calls and tool
+results rendered through the chat template, required calls constrained, and
+the reply's calls in the shapes the openai client reads, streamed and not
+(the parsers alone: test_tool_parsers.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ from services.gateway.chat_tools import (
 )
 from services.gateway.errors import ApiError
 from services.gateway.schemas import ToolBody, ToolChoiceBody
-from services.gateway.tool_parsers import ConstrainedCallsParser, HermesToolParser, ParseStep
 from tests.fixtures.tool_template import TOOL_CHAT_TEMPLATE
 from tests.unit.gateway.fakes import EOS_ID, FakeScheduler, ServerThread
 
@@ -38,104 +37,6 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
     "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
-
-
-def parse_all(parser: Any, pieces: list[str]) -> ParseStep:
-    step = ParseStep()
-    for piece in pieces:
-        step = step.then(parser.feed(piece))
-    return step.then(parser.finish())
-
-
-def split_every_way(text: str) -> Iterator[list[str]]:
-    yield [text]
-    yield list(text)
-    for cut in range(1, len(text)):
-        yield [text[:cut], text[cut:]]
-
-
-@pytest.mark.parametrize("text, content, calls", [
-    ("Just text, no call.", "Just text, no call.", []),
-    ("a < b <tool and <tool_cal", "a < b <tool and <tool_cal", []),
-    (CALL_TEXT, "", [("get_weather", {"city": "Paris", "days": 2})]),
-    (f"Let me check.\n{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'Rome')}", "Let me check.\n",
-     [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "Rome", "days": 2})]),
-    ('<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}', "",
-     [("get_time", {"zone": "UTC"})]),                         # cut before its closing tag
-    ('<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>', "",
-     [("get_time", {"zone": "UTC"})]),
-    ("<tool_call>not json</tool_call> after", "<tool_call>not json</tool_call> after", []),
-    ('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>', "", [("f", {"a": 1})]),
-    ('<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"arguments": {}}</tool_call>', []),
-])
-def test_hermes_parser_whatever_the_deltas(text: str, content: str,
-                                           calls: list[tuple[str, dict[str, Any]]]) -> None:
-    for pieces in split_every_way(text):
-        step = parse_all(HermesToolParser(), pieces)
-        assert step.content == content, pieces
-        assert [(call.name, json.loads(call.arguments)) for call in step.calls] == calls, pieces
-
-
-@pytest.mark.parametrize("text, content, calls", [
-    (CALL_TEXT, "", [("get_weather", {"city": "Paris", "days": 2})]),
-    (f"Let me check.\n{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'R}o{me')}", "Let me check.\n",
-     [("get_weather", {"city": "Paris", "days": 2}), ("get_weather", {"city": "R}o{me", "days": 2})]),
-    ('<tool_call>{"name": "get_time", "arguments": {"zone": {"id": "UTC"}}}', "",
-     [("get_time", {"zone": {"id": "UTC"}})]),                  # cut before its closing tag
-    ('<tool_call>{"name": "f", "arguments": {"a": [1, {}]}}   \n</tool_call>', "",
-     [("f", {"a": [1, {}]})]),
-    ('<tool_call>{"name": "f", "arguments": {"a": 1}</tool_call>', "", [("f", {"a": 1})]),
-    ('<tool_call>\n{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}\n</tool_call>', "",
-     [("get_time", {"zone": "UTC"})]),                          # not streamable: passed on whole
-    ('<tool_call>{"arguments": {"zone": "UTC"}, "name": "get_time"}</tool_call>', "",
-     [("get_time", {"zone": "UTC"})]),
-])
-def test_hermes_parser_streams_calls_in_pieces_whatever_the_deltas(
-        text: str, content: str, calls: list[tuple[str, dict[str, Any]]]) -> None:
-    for pieces in split_every_way(text):
-        step = parse_all(HermesToolParser(incremental=True), pieces)
-        assert step.content == content, pieces
-        joined: list[list[str]] = []
-        for piece in step.calls:
-            if piece.name is not None:
-                joined.append([piece.name, piece.arguments])
-            else:
-                joined[-1][1] += piece.arguments
-        assert [(name, json.loads(arguments)) for name, arguments in joined] == calls, pieces
-
-
-def test_a_streamed_call_shows_its_name_before_its_arguments_end() -> None:
-    parser = HermesToolParser(incremental=True)
-    assert parser.feed('<tool_call>\n{"name": "get_weather", "argu').calls == []
-    started, first = parser.feed('ments": {"ci').calls
-    assert (started.name, started.arguments) == ("get_weather", "")
-    assert (first.name, first.arguments) == (None, '{"ci')
-    assert parser.feed('ty": "Pa').calls[0].arguments == 'ty": "Pa'
-    assert parser.feed('ris"}').calls[0].arguments == 'ris"'       # the braces wait
-    [rest] = parser.feed('}\n</tool_call>').calls
-    assert rest.name is None and rest.arguments == "}"
-
-
-def test_hermes_parser_passes_content_on_as_it_comes() -> None:
-    parser = HermesToolParser()
-    assert parser.feed("Hello <to").content == "Hello "     # "<to" may open a call
-    assert parser.feed("day").content == "<today"
-    assert parser.feed(" <tool_call>{").content == " "
-    step = parser.feed('"name": "f", "arguments": {}}</tool_call>')
-    assert [call.name for call in step.calls] == ["f"]
-
-
-def test_constrained_parser_reads_the_json_array() -> None:
-    step = parse_all(ConstrainedCallsParser(), ['[{"name":"get_time",', '"arguments":{"zone":"UTC"}}]'])
-    assert step.content == "" and [(c.name, json.loads(c.arguments)) for c in step.calls] == [
-        ("get_time", {"zone": "UTC"})]
-    cut = parse_all(ConstrainedCallsParser(), ['[{"name":"get_ti'])
-    assert cut.content == '[{"name":"get_ti' and not cut.calls
-    # Cut short after whole calls (max_tokens): those calls are kept.
-    longer = parse_all(ConstrainedCallsParser(), [
-        '[{"arguments":{"zone":"UTC"},"name":"get_time"}, {"name":"get_time","arguments":{"zone":"C'])
-    assert [(c.name, json.loads(c.arguments)) for c in longer.calls] == [("get_time", {"zone": "UTC"})]
-    assert longer.content == ""
 
 
 def tools_of(*tools: dict[str, Any]) -> Any:
