@@ -14,13 +14,17 @@ steps run the per-layer path (the price of h2o, besides this extra product per l
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.worker.engine.sequences import SequenceState
 
 
 @dataclass
 class _Tracked:
-    seq: object             # sequences.SequenceState
+    seq: SequenceState
     row: int                # its last row in the packed batch
     slots: torch.Tensor     # [L] slots of cache positions 0 .. L-1
     totals: torch.Tensor    # [L] float32, summed over heads and layers
@@ -31,7 +35,7 @@ class AttentionScores:
         self.block_size = block_size
         self._tracked: list[_Tracked] = []
 
-    def track(self, seq, row: int, slots: torch.Tensor) -> None:
+    def track(self, seq: SequenceState, row: int, slots: torch.Tensor) -> None:
         self._tracked.append(_Tracked(seq, row, slots, torch.zeros(slots.shape[0], dtype=torch.float32,
                                                                    device=slots.device)))
 

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from common.step import KV_POLICIES, KvPolicy
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_rotation import KeyRotation
+
+if TYPE_CHECKING:
+    from services.worker.engine.sequences import SequenceState
 
 
 
@@ -68,10 +72,11 @@ class KvEvictor:
         self.block_size = block_size
         self.evicted_blocks = 0
 
-    def make_room(self, seq, num_tokens: int) -> int:   # seq: sequences.SequenceState
+    def make_room(self, seq: SequenceState, num_tokens: int) -> int:
         """Drops `seq`'s blocks until a chunk of up to `num_tokens` tokens fits its budget;
         returns how many of them it can compute now (at least one)."""
-        budget: BlockBudget = seq.budget
+        budget = seq.budget
+        assert budget is not None
         size = self.block_size
         cache_len = seq.cache_len
         full, tail = divmod(cache_len, size)
@@ -83,7 +88,7 @@ class KvEvictor:
             self._drop(seq, self._victims(seq, budget, list(range(sink, full)), -(-over // size)))
         return count
 
-    def _victims(self, seq, budget: BlockBudget, candidates: list[int], count: int) -> list[int]:
+    def _victims(self, seq: SequenceState, budget: BlockBudget, candidates: list[int], count: int) -> list[int]:
         """Which `count` of the droppable blocks (table indices, oldest first) go."""
         if budget.kind != "h2o":
             return candidates[:count]
@@ -96,7 +101,7 @@ class KvEvictor:
             chosen += candidates[len(heavy):len(heavy) + count - len(chosen)]
         return sorted(chosen)
 
-    def _drop(self, seq, victims: list[int]) -> None:
+    def _drop(self, seq: SequenceState, victims: list[int]) -> None:
         if self.rotation is None:
             raise RuntimeError("this model's cached keys cannot be moved: lossy KV policies are not served")
         table = self.pool.table(seq.seq_id)
