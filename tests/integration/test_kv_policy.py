@@ -1,0 +1,44 @@
+"""Lossy KV policies through the real stack (tiny model, a pool of 32 blocks of 4 tokens):
+a request for more tokens than the pool holds completes under kv_policy "sink" (its cache
+stays within KV_BUDGET_TOKENS) while under "full" it is refused with the numbers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from scripts.stack import Stack
+from tests.integration.conftest import start_stack
+
+NEW_TOKENS = 300     # the pool holds 128 tokens
+
+
+@pytest.fixture(scope="module")
+def small_pool_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("kv-policy"), tiny_model_dir, extra_env={
+        "KV_CACHE_NUM_BLOCKS": "32", "KV_BUDGET_TOKENS": "32", "KV_SINK_TOKENS": "4"})
+    yield stack
+    stack.stop()
+
+
+def complete(stack: Stack, **fields) -> httpx.Response:
+    body = {"prompt": "Once upon a time", "max_tokens": NEW_TOKENS, "ignore_eos": True, "temperature": 0, **fields}
+    return httpx.post(f"{stack.url}/v1/completions", json=body, timeout=300)
+
+
+def test_sink_runs_past_the_pool_and_full_is_refused(small_pool_stack: Stack) -> None:
+    reply = complete(small_pool_stack, kv_policy="sink")
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["usage"]["completion_tokens"] == NEW_TOKENS
+    assert body["choices"][0]["finish_reason"] == "length"
+
+    refused = complete(small_pool_stack, kv_policy="full")
+    assert refused.status_code == 400, refused.text
+    assert "KV blocks" in refused.json()["error"]["message"]
+
+    stats = httpx.get(f"{small_pool_stack.url}/stats", timeout=10).json()["scheduler"]
+    assert all(worker["used_blocks"] == 0 for worker in stats["workers"])
