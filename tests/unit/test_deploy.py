@@ -205,7 +205,24 @@ def test_prometheus_finds_every_replica_of_the_scaled_services() -> None:
     config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     for name, port in (("gateway", 8000), ("worker", 9102)):
-        assert jobs[name]["dns_sd_configs"] == [{"names": [name], "type": "A", "port": port}], name
+        assert jobs[name]["dns_sd_configs"] == [
+            {"names": [name], "type": "A", "port": port, "refresh_interval": "10s"}], name
+
+
+def test_grafana_is_provisioned_where_compose_mounts_it() -> None:
+    """Grafana does not run here (tests/container checks the dashboard's
+    queries against the real Prometheus); its provisioning is checked as files."""
+    grafana = _compose("compose.yaml")["services"]["grafana"]
+    mounts = dict(volume.rsplit(":", 1)[0].split(":") for volume in grafana["volumes"])
+    provisioning = (DEPLOY / next(src for src, dst in mounts.items() if dst == "/etc/grafana/provisioning"))
+    dashboards_dir = next(dst for src, dst in mounts.items() if dst != "/etc/grafana/provisioning")
+    assert (DEPLOY / next(src for src, dst in mounts.items() if dst == dashboards_dir) / "fairserve.json").is_file()
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "fairserve.yml").read_text())["providers"]
+    assert provider["type"] == "file" and provider["options"]["path"] == dashboards_dir
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    assert datasource["type"] == "prometheus" and datasource["uid"] == "prometheus"
+    assert datasource["url"] == "http://prometheus:9090"       # the compose service, on its container port
+    assert _compose("compose.yaml")["services"]["prometheus"]["ports"] == ["${PROMETHEUS_PORT:-9090}:9090"]
 
 
 def test_images_install_only_the_runtime_requirements() -> None:
