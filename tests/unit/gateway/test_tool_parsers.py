@@ -110,3 +110,37 @@ def test_constrained_parser_reads_the_json_array() -> None:
         '[{"arguments":{"zone":"UTC"},"name":"get_time"}, {"name":"get_time","arguments":{"zone":"C'])
     assert [(c.name, json.loads(c.arguments)) for c in longer.calls] == [("get_time", {"zone": "UTC"})]
     assert longer.content == ""
+
+
+def joined_calls(step: ParseStep) -> list[tuple[str, Any]]:
+    joined: list[list[str]] = []
+    for piece in step.calls:
+        if piece.name is not None:
+            joined.append([piece.name, piece.arguments])
+        else:
+            joined[-1][1] += piece.arguments
+    return [(name, json.loads(arguments)) for name, arguments in joined]
+
+
+@pytest.mark.parametrize("text, calls", [
+    ('[{"name":"get_time","arguments":{"zone":"U}T\\"C"}}]', [("get_time", {"zone": 'U}T"C'})]),
+    ('[{"name":"f","arguments":{"a":[1,{"b":{}}]}},{"name":"g","arguments":{}}]',
+     [("f", {"a": [1, {"b": {}}]}), ("g", {})]),
+    ('[{"arguments":{"zone":"UTC"},"name":"get_time"}]', [("get_time", {"zone": "UTC"})]),
+])
+def test_a_constrained_array_streams_its_calls_whatever_the_deltas(
+        text: str, calls: list[tuple[str, Any]]) -> None:
+    for pieces in split_every_way(text):
+        step = parse_all(ConstrainedCallsParser(incremental=True), pieces)
+        assert step.content == "" and joined_calls(step) == calls, pieces
+
+
+def test_a_streamed_constrained_call_shows_its_name_first() -> None:
+    parser = ConstrainedCallsParser(incremental=True)
+    assert parser.feed('[{"name":"get_ti').calls == []
+    assert parser.feed('me","arguments":').calls == []      # its arguments not begun yet
+    started, first = parser.feed('{"zone":"UT').calls
+    assert (started.name, started.arguments) == ("get_time", "")
+    assert (first.name, first.arguments) == (None, '{"zone":"UT')
+    assert [p.arguments for p in parser.feed('C"}}]').calls] == ['C"}']
+    assert parser.finish().calls == []
