@@ -189,6 +189,17 @@ def test_a_tool_conversation_through_the_openai_client(tool_stack: Stack, stream
     assert none.choices[0].message.content == content
 
 
+def joined(pieces: list[Any]) -> list[tuple[str, str]]:
+    """Streamed tool-call pieces as whole calls: a piece with an id starts one,
+    the others carry more of its arguments."""
+    calls: dict[int, list[str]] = {}
+    for piece in pieces:
+        entry = calls.setdefault(piece.index, ["", ""])
+        entry[0] += (piece.function.name or "") if piece.function else ""
+        entry[1] += (piece.function.arguments or "") if piece.function else ""
+    return [(name, arguments) for name, arguments in (calls[i] for i in sorted(calls))]
+
+
 BOUNDED_WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {
@@ -222,8 +233,7 @@ def test_a_required_call_validates_against_the_tools_parameters(
                 per_choice.setdefault(choice.index, []).extend(choice.delta.tool_calls or ())
                 if choice.finish_reason:
                     reasons[choice.index] = choice.finish_reason
-        results = [(reasons[i], [(c.function.name, c.function.arguments) for c in per_choice[i]])
-                   for i in sorted(per_choice)]
+        results = [(reasons[i], joined(per_choice[i])) for i in sorted(per_choice)]
     else:
         reply = client.chat.completions.create(**args)
         results = [(choice.finish_reason, [(c.function.name, c.function.arguments)
