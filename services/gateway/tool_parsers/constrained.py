@@ -95,9 +95,9 @@ class ConstrainedCallsParser(ToolCallParser):
             value = complete_items(text)
         if not isinstance(value, list) or not value or not all(_is_call(item) for item in value):
             return ParseStep(text)
-        return ParseStep(calls=[ParsedCall(item["name"], json.dumps(item["arguments"],
-                                                                    ensure_ascii=False))
-                                for item in value])
+        # Compact, as the grammar wrote them (and as they stream).
+        return ParseStep(calls=[ParsedCall(item["name"], json.dumps(
+            item["arguments"], ensure_ascii=False, separators=(",", ":"))) for item in value])
 
 
 class _Scan:
