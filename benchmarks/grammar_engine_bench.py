@@ -198,11 +198,11 @@ def mask_apply_ms(vocab: int, rows: int, repeats: int = 50) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--model-dir", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model_dir = args.model_dir or default_model_dir(default_cache_dir())
     config = json.loads((model_dir / "config.json").read_text())
     vocab = config.get("vocab_size") or config["text_config"]["vocab_size"]

@@ -18,6 +18,7 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -101,14 +102,14 @@ def check_prefix(stream: Stream) -> None:
         raise AssertionError(f"constrained output does not follow the schema: {stream.text[:80]!r}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny random model, short streams")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     scratch = Path(tempfile.mkdtemp(prefix="structured-bench-"))
     if args.quick:
         from tests.fixtures.tiny_model import save_tiny_model
@@ -117,7 +118,8 @@ def main() -> None:
         model_dir, max_tokens, rounds = default_model_dir(default_cache_dir()), args.max_tokens, args.rounds
         if not is_prepared(model_dir):
             raise SystemExit("the default model is not prepared: run `make prepare-model`")
-    env = {"MODEL_NAME": str(model_dir), "LOG_LEVEL": "warning"}
+    # A shared machine can starve a worker's heartbeats for 10 s (the default timeout) while it loads.
+    env = {"MODEL_NAME": str(model_dir), "LOG_LEVEL": "warning", "WORKER_HEARTBEAT_TIMEOUT_S": "60"}
     stack = Stack(ports=StackPorts.free(1), env=env, log_dir=scratch / "logs").start(timeout_s=600)
     results: dict[bool, list[list[Stream]]] = {False: [], True: []}
     try:
@@ -126,6 +128,8 @@ def main() -> None:
         for round_index in range(rounds):
             order = (False, True) if round_index % 2 == 0 else (True, False)
             for constrained in order:
+                print(f"round {round_index + 1}, {'JSON schema' if constrained else 'no constraint'}",
+                      file=sys.stderr, flush=True)
                 streams = asyncio.run(one_round(stack.url, constrained, args.streams, max_tokens,
                                                 args.temperature, round_index))
                 if constrained:

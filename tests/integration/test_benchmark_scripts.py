@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import async_scheduling_bench, serving_bench
+from benchmarks import async_scheduling_bench, serving_bench, structured_bench
 
 
 def test_async_scheduling_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
@@ -24,3 +24,10 @@ def test_serving_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     for row in rows:
         ok, sent = row.split("|")[3].split("/")
         assert int(ok) == int(sent) > 0, row          # every request of both servers succeeded
+
+
+def test_structured_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    structured_bench.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "| 1 |" in out and "| all |" in out
+    assert "finish reasons ['length']" in out    # every constrained stream ran to max_tokens
