@@ -3,7 +3,9 @@ that a stop among several tokens of one step (accepted speculative tokens)
 ends it there and the tokens after it are dropped.
 
 Below min_tokens, neither EOS nor a stop token stops it (the worker is told to
-ban them until then: request_book.worker_sampling); max_tokens always does.
+ban them until then: request_book.worker_sampling); max_tokens always does. A
+constrained request (sampling.constraint) is the exception for EOS: the worker
+lets its grammar win over min_tokens, so its EOS marks a complete match and ends it.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ def finish_reason(spec: RequestSpec, max_tokens: int, generated: int, token_id: 
                   eos_token_ids: Collection[int]) -> FinishReason | None:
     """Why the request ends with `token_id`, its `generated`-th output token
     (`max_tokens` resolved at submit), or None when it goes on."""
+    if not spec.ignore_eos and token_id in eos_token_ids and (
+            generated >= spec.min_tokens or spec.sampling.constraint is not None):
+        return FinishReason.STOP
     if generated >= spec.min_tokens:
-        if not spec.ignore_eos and token_id in eos_token_ids:
-            return FinishReason.STOP
         if token_id in spec.stop_token_ids:
             return FinishReason.STOP
     if generated >= max_tokens:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from common.types import Constraint, ConstraintKind, SamplingParams
 from services.scheduler.core.stopping import finish_reason, take_tokens
 from services.scheduler.core.types import FinishReason, RequestSpec
 from tests.unit.scheduler.plain_state import make_request
@@ -33,6 +34,14 @@ def test_below_min_tokens_only_max_tokens_stops() -> None:
     assert finish_reason(spec, 4, generated=2, token_id=9, eos_token_ids=EOS) is None
     assert finish_reason(spec, 4, generated=3, token_id=9, eos_token_ids=EOS) is FinishReason.STOP
     assert finish_reason(spec, 2, generated=2, token_id=7, eos_token_ids=EOS) is FinishReason.LENGTH
+
+
+def test_a_constrained_request_ends_on_eos_below_min_tokens() -> None:
+    """The worker lets a grammar's EOS (a complete match) through below min_tokens; it ends the request."""
+    spec = _spec(min_tokens=3, stop_token_ids=frozenset({9}),
+                 sampling=SamplingParams(constraint=Constraint(ConstraintKind.REGEX, "a")))
+    assert finish_reason(spec, 4, generated=1, token_id=1, eos_token_ids=EOS) is FinishReason.STOP
+    assert finish_reason(spec, 4, generated=1, token_id=9, eos_token_ids=EOS) is None
 
 
 def test_ignore_eos_keeps_the_stop_tokens() -> None:
