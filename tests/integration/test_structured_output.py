@@ -113,6 +113,10 @@ def test_guided_choice_returns_one_of_the_choices(client: openai.OpenAI, model_i
     chat = client.chat.completions.create(model=model_id, messages=[{"role": "user", "content": "?"}],
                                           max_tokens=20, extra_body={"structured_outputs": {"choice": choices}})
     assert chat.choices[0].message.content in choices
+    # min_tokens cannot hold a complete match open: the grammar's end ends the reply.
+    held = client.completions.create(model=model_id, prompt="?", max_tokens=20, temperature=1.0, seed=2,
+                                     extra_body={"guided_choice": ["ok"], "min_tokens": 15})
+    assert held.choices[0].text == "ok" and held.choices[0].finish_reason == "stop"
 
 
 def test_regex_and_grammar_outputs_match(client: openai.OpenAI, model_id: str) -> None:
