@@ -5,6 +5,7 @@ speed-ups (cpu/speedups.py) and the LM head screen (cpu/screen_loader.py).
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from transformers import PretrainedConfig
 
 from services.worker.engine.attention import ATTENTION_NAME
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.cpu.coded_head import serve_tied_weight_from_codes
 from services.worker.engine.cpu.host_memory import keep_freed_host_memory, release_freed_host_memory
 from services.worker.engine.cpu.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.cpu.screen_loader import ScreenLoader
@@ -59,10 +61,15 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
     kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
     speedups = apply_speedups(base, model.get_output_embeddings(), config, device, dtype, kernel_cache_dir)
     softcap = getattr(model_config, "final_logit_softcapping", None)
+    # The tied embedding and LM head from the head's codes: the float32 matrix only builds the screen.
+    head_weight = serve_tied_weight_from_codes(model, speedups.lm_head)
     if device.type == "cpu":
+        gc.collect()                  # replaced modules sit in reference cycles, holding weights
         release_freed_host_memory()   # what loading and the speed-ups freed (host_memory.py)
     screen = ScreenLoader(config, softcap, kernel_cache_dir, speedups.native_kernels)
-    screen.start(model.get_output_embeddings(), device, dtype)
+    screen.start(model.get_output_embeddings(), device, dtype, head_weight,
+                 speedups.lm_head.coded if head_weight is not None else None)
+    del head_weight
     layer_types = getattr(model_config, "layer_types", None)
     return PreparedModel(
         model=model, model_config=model_config, base=base, device=device, dtype=dtype,

@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.cpu import cpu_linear
+from services.worker.engine.cpu.coded_head import CodedEmbedding
 from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_ops import load_skinny_linear
@@ -166,6 +168,45 @@ def test_a_coded_lm_head_drops_its_pack(kernel: NativeCodedLinear) -> None:
         x = torch.randn(rows, 128)
         expected = kernel(x, packed.coded, None) if rows <= MAX_ROWS else linear(x)
         assert torch.equal(packed(x), expected)
+
+
+def test_codes_give_rows_back_bit_for_bit(kernel: NativeCodedLinear) -> None:
+    weight = coded_weight(100, 64, group=16)
+    coded = kernel.find(weight)
+    assert coded is not None
+    ids = torch.tensor([0, 99, 31, 32, 64, 7, 7])
+    assert torch.equal(coded.rows(ids), weight[ids])
+
+
+def test_a_code_only_linear_multiplies_tiles_of_its_codes(kernel: NativeCodedLinear,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "CODED_TILE_ROWS", 40)               # tiles of 40, 40, 16 rows
+    linear = torch.nn.Linear(128, 96)
+    with torch.no_grad():
+        linear.weight.copy_(coded_weight(96, 128))
+    packed = PackedLinear(linear)
+    assert not packed.serve_all_rows_from_codes()                     # no codes yet
+    assert packed.use_codes(kernel, MAX_ROWS) and packed.drop_pack() and packed.serve_all_rows_from_codes()
+    assert packed.weight is None
+    for rows in (1, MAX_ROWS + 1, 100):
+        x = torch.randn(rows, 128)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-6, atol=1e-6)
+
+
+def test_the_tied_embedding_and_head_run_from_codes() -> None:
+    reference = build_model(CONFIGS["gemma3"]())
+    snap_to_codes(reference)
+    engine = _engine(reference, lm_head_screen="on")
+    assert isinstance(engine.model.get_input_embeddings(), CodedEmbedding)
+    assert engine.prepared.lm_head.weight is None and engine.prepared.lm_head.packed is None
+    screen = engine.prepared.screen.screen
+    assert screen is not None and screen.weight is None                  # exact logits from the codes
+    embedding = reference.get_input_embeddings()
+    ids = torch.tensor([[2, 5, 383, 0]])
+    assert torch.equal(engine.model.get_input_embeddings()(ids), embedding(ids))
+    prompts = {"a": prompt_of(7, 1), "b": prompt_of(30, 2), "c": prompt_of(3, 3)}
+    got = Driver(engine).run(prompts, 12, chunk={"b": 9})
+    assert_greedy_matches(reference, prompts, got, 12)
 
 
 def _engine(model: torch.nn.Module, **config) -> Engine:

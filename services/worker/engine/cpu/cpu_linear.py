@@ -46,6 +46,7 @@ PREFILL_PACK_ROWS_HINT = 512
 MAX_PACKED_ROWS = 32       # MKL-packed layer weights, and oneDNN-packed bfloat16 ones
 MKL_LM_HEAD_MAX_PACKED_ROWS = 8
 ALL_ROWS = 1 << 62
+CODED_TILE_ROWS = 16384    # output rows per float32 tile a code-only linear expands for a wide step
 
 KERNEL_CHOICES = ("auto", "mkl", "onednn")   # CPU_LINEAR_KERNEL
 # What the calibration times: a layer-sized weight and a slice of a large vocabulary's
@@ -265,6 +266,25 @@ class PackedLinear(torch.nn.Module):
         self.packed, self.max_packed_rows = None, 0
         return True
 
+    def serve_all_rows_from_codes(self) -> bool:
+        """Drops the float32 weight of a coded linear without a pack (the LM head after
+        `drop_pack`): steps wider than the codes' kernel takes multiply float32 tiles of
+        CODED_TILE_ROWS output rows expanded from the codes (the same values, bit for bit)."""
+        if self.coded is None or self.packed is not None or self.weight is None:
+            return False
+        self.weight, self.native, self.native_max_rows = None, None, 0
+        return True
+
+    def _from_code_tiles(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
+        for start in range(0, self.out_features, CODED_TILE_ROWS):
+            ids = torch.arange(start, min(start + CODED_TILE_ROWS, self.out_features))
+            tile = self.coded.rows(ids).to(x.dtype)
+            bias = self.bias[start:start + ids.numel()] if self.bias is not None else None
+            out[:, start:start + ids.numel()] = torch.nn.functional.linear(rows, tile, bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
     def use_native(self, kernel: NativeSkinnyLinear, max_rows: int) -> bool:
         """Routes steps of at most `max_rows` rows to the C kernel (float32, contiguous weight)."""
         weight = self.weight
@@ -294,8 +314,10 @@ class PackedLinear(torch.nn.Module):
             out = self.native(rows.contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         if rows.shape[0] > self.max_packed_rows:
+            if self.weight is None and self.packed is None:
+                return self._from_code_tiles(x)
             if self.weight is None:
-                raise RuntimeError("a float32 step the codes do not serve reached a linear without its weight")
+                raise RuntimeError("a step the codes do not serve reached a linear without its weight")
             return torch.nn.functional.linear(x, self.weight, self.bias)
         if self.kernel == "mkl":
             out = torch.ops.mkl._mkl_linear(rows, self.packed, self.weight, self.bias, rows.shape[0])

@@ -45,6 +45,7 @@ import torch
 
 from services.worker.engine.cpu.int8_matmul import NATIVE_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.native_build import load_binding
+from services.worker.engine.cpu.weight_codes import CodedWeight
 
 log = logging.getLogger(__name__)
 
@@ -85,9 +86,11 @@ class LMHeadScreen:
         `native`: the C kernel for the approximate logits; None uses fbgemm's op."""
         if weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError("the LM head screen needs a float32 CPU weight")
-        self.weight = weight.detach()
+        self.weight: torch.Tensor | None = weight.detach()
+        self._coded: CodedWeight | None = None     # where exact logits read rows, once weight is let go
         self.softcap = softcap
         vocab, hidden = self.weight.shape
+        self._vocab, self._hidden = vocab, hidden
         scales = torch.empty(vocab, dtype=torch.float64)
         error_norms = torch.empty(vocab, dtype=torch.float32)
         quant_norms = torch.empty(vocab, dtype=torch.float32)
@@ -144,7 +147,14 @@ class LMHeadScreen:
 
     @property
     def vocab_size(self) -> int:
-        return self.weight.shape[0]
+        return self._vocab
+
+    def read_rows_from(self, coded: CodedWeight) -> None:
+        """Exact logits from rows expanded from `coded` (the same float32 values, bit for
+        bit) instead of the float32 weight, which the screen then lets go."""
+        if (coded.out_features, coded.in_features) != (self._vocab, self._hidden):
+            raise ValueError("codes of another shape than the screened head")
+        self._coded, self.weight = coded, None
 
     def self_check(self) -> bool:
         """The op on grid rows of extreme and random integers equals the float64 product
@@ -294,6 +304,12 @@ class LMHeadScreen:
         and thresholds live there; the cap is monotone, so it keeps their order). The C kernel
         reads each weight row in place; torch's path gathers a [N, hidden] copy first (on a
         first token after a prompt N can be thousands: 16k candidates took ~100 ms that way)."""
+        if self._coded is not None:
+            gathered = self._coded.rows(ids)
+            if self._native is not None:
+                positions = torch.arange(gathered.shape[0])
+                return self._native.gather_dot(gathered, x, rows, positions).view(ids.shape)
+            return (gathered * x[rows.reshape(-1)]).sum(dim=-1).view(ids.shape)
         if self._native is not None and self.weight.is_contiguous():
             return self._native.gather_dot(self.weight, x, rows, ids).view(ids.shape)
         return (self.weight[ids.reshape(-1)] * x[rows.reshape(-1)]).sum(dim=-1).view(ids.shape)

@@ -8,6 +8,7 @@ with a bias). A failed build is logged and leaves the full head serving.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ import torch
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
+from services.worker.engine.cpu.weight_codes import CodedWeight
 
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
 MIN_SCREENED_VOCAB = 32768   # `auto` screens vocabularies this large, where the LM head dominates a decode
@@ -41,20 +43,29 @@ class ScreenLoader:
         self._kernel_cache_dir = kernel_cache_dir
         self._native_kernels = native_kernels
         self._ready = threading.Event()
+        self._source: tuple[torch.Tensor, CodedWeight | None] | None = None
 
-    def start(self, head: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-        """Builds the screen of `head` now, in the background, or not, by the mode."""
-        weight = getattr(head, "weight", None)
+    def start(self, head: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+              weight: torch.Tensor | None = None, coded: CodedWeight | None = None) -> None:
+        """Builds the screen of `head` now, in the background, or not, by the mode. `weight`:
+        the head's float32 weight when the head no longer holds it, with `coded`, its codes,
+        which the screen reads its exact rows from once built (coded_head.py)."""
+        weight = weight if weight is not None else getattr(head, "weight", None)
         if (self.mode == "off" or device.type != "cpu" or dtype != torch.float32
                 or weight is None or getattr(head, "bias", None) is not None):
             self._ready.set()
             return
-        if self.mode == "on":
-            self._build(weight)
-        elif weight.shape[0] >= MIN_SCREENED_VOCAB:
-            threading.Thread(target=self._build, args=(weight,), name="lm-head-screen", daemon=True).start()
-        else:
+        if self.mode != "on" and weight.shape[0] < MIN_SCREENED_VOCAB:
             self._ready.set()
+            return
+        # Handed over through the loader, not the call's arguments, so that the build
+        # can let go of the last reference to the float32 head as soon as it is done.
+        self._source = (weight, coded)
+        del weight
+        if self.mode == "on":
+            self._build()
+        else:
+            threading.Thread(target=self._build, name="lm-head-screen", daemon=True).start()
 
     def wait(self, timeout: float | None = None) -> bool:
         """Blocks until the screen is built or known not to be."""
@@ -64,18 +75,25 @@ class ScreenLoader:
         """Screened rows per step at most: the setting, or past where the full head is faster."""
         return self.setting_max_rows or DEFAULT_SCREEN_MAX_ROWS[screen.kernel]
 
-    def _build(self, weight: torch.Tensor) -> None:
+    def _build(self) -> None:
+        weight, coded = self._source
+        self._source = None
         try:
             started = time.perf_counter()
             native = load_native_matmul(self._kernel_cache_dir) if self._native_kernels else None
             if native is None and not screening_available():
                 return
-            self.screen = LMHeadScreen.create(weight, self._softcap, native)
+            screen = LMHeadScreen.create(weight, self._softcap, native)
+            if screen is not None and coded is not None:
+                screen.read_rows_from(coded)
+            self.screen = screen
             if self.screen is not None:
                 log.info("LM head screen ready in %.1f s (%s kernel)", time.perf_counter() - started,
                          self.screen.kernel)
         except Exception:   # the full head keeps serving; the failure is only logged
             log.exception("LM head screen could not be built; the full LM head serves every row")
         finally:
+            del weight                    # with codes, the last reference to the float32 head
+            gc.collect()
             release_freed_host_memory()   # the quantization's temporaries (host_memory.py)
             self._ready.set()

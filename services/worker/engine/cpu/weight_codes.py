@@ -49,6 +49,16 @@ class CodedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `ids` ([N] -> [N, in]), bit for bit: `find` checked that
+        scale * code, rounded, plus offset, rounded, gives every value back."""
+        ids = ids.reshape(-1).to(torch.long)
+        panel, lane = ids // PANEL, ids % PANEL
+        codes = self.codes[panel, :, lane].view(ids.numel(), -1, self.group)
+        scales, offsets = self.scales[panel, :, lane], self.offsets[panel, :, lane]
+        values = codes.float().mul_(scales[..., None]).add_(offsets[..., None])
+        return values.view(ids.numel(), self.in_features)
+
 
 def _panels(rows_major: torch.Tensor) -> torch.Tensor:
     """[out, n] -> [ceil(out / PANEL), n, PANEL], the last panel padded with zero rows."""
