@@ -34,7 +34,7 @@ from common.model_store import default_cache_dir, default_model_dir, is_prepared
 
 QUICK_PLAN = Plan(concurrencies=(1, 4), rates=(2.0, 8.0), max_tokens=8, requests_per_slot=1, min_requests=2,
                   rate_requests=6, chat_users=2, chat_conversations=3, chat_max_turns=2, chat_max_tokens=6,
-                  point_cap_s=30.0, short_prompts=True)
+                  point_cap_s=30.0, drain_s=30.0, short_prompts=True)
 
 
 def _floats(text: str) -> tuple[float, ...]:

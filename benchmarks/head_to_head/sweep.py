@@ -3,8 +3,10 @@ concurrency, open-loop points at Poisson request rates, and the chat-like
 multi-turn point. Every request is a streamed /v1/completions call, greedy,
 with exactly `max_tokens` tokens asked for (see systems.greedy_fields).
 
-A point stops starting requests after `point_cap_s` (a system far slower
-than the others then still finishes in time; the report counts what was sent).
+A point stops starting requests after `point_cap_s`, and cuts the requests
+still running `drain_s` later (recorded as failed, "cut at the point's time
+limit"): a system far slower than the others still finishes in time, and the
+report counts what was sent and what came back.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass, field
 
 from benchmarks.head_to_head.systems import Served, greedy_fields
 from benchmarks.head_to_head.workload import ChatMix, CompletionRequest, chat_prompt, unique_requests
-from loadsim.transport import OK, HttpTransport, RequestRecord
+from loadsim.transport import OK, TRANSPORT_ERROR, HttpTransport, RequestRecord
 from loadsim.users import PlannedRequest
 
 
@@ -33,6 +35,7 @@ class Plan:
     chat_max_turns: int = 3
     chat_max_tokens: int = 32
     point_cap_s: float = 60.0
+    drain_s: float = 60.0               # then requests still running after this much more are cut
     short_prompts: bool = False         # the tiny model
     seed: int = 0
 
@@ -64,8 +67,14 @@ class Driver:
         return PlannedRequest(user=name, user_class=self.system, template=name, path="/v1/completions", body=body)
 
     async def _send(self, run: PointRun, prompt: str, max_tokens: int, started: float) -> RequestRecord:
-        record = await self._transport.send(self._planned(prompt, max_tokens, run.kind),
-                                            time.monotonic() - started)
+        planned, at = self._planned(prompt, max_tokens, run.kind), time.monotonic() - started
+        limit = self.plan.point_cap_s + self.plan.drain_s - at
+        try:
+            record = await asyncio.wait_for(self._transport.send(planned, at), timeout=max(limit, 0.001))
+        except asyncio.TimeoutError:
+            record = RequestRecord(user=planned.user, user_class=planned.user_class, template=planned.template,
+                                   started_s=at, outcome=TRANSPORT_ERROR, latency_s=limit,
+                                   error="cut at the point's time limit")
         run.records.append(record)
         run.expected_tokens.append(max_tokens)
         return record

@@ -80,3 +80,23 @@ def test_peers_not_set_up_say_why(tmp_path: Path) -> None:
     server.parent.mkdir(parents=True)
     server.write_text("")
     assert "no GGUF" in peers.find_peers(tmp_path)["llama.cpp"].reason
+
+
+def test_a_request_past_the_points_time_limit_is_cut_and_counted() -> None:
+    import asyncio
+
+    from benchmarks.head_to_head.sweep import Driver
+    from benchmarks.head_to_head.systems import Served
+
+    class Slow:
+        async def send(self, request, started_s):
+            await asyncio.sleep(10)
+
+        async def close(self) -> None:
+            pass
+
+    driver = Driver("fairserve", Served("http://127.0.0.1:9", "m"), Plan(point_cap_s=0.05, drain_s=0.05))
+    driver._transport = Slow()
+    run = asyncio.run(driver.closed(2, unique_requests(4, 8, seed=0)))
+    assert len(run.records) == 2 and run.duration_s < 1.0
+    assert all(r.outcome == "transport_error" and "time limit" in r.error for r in run.records)
