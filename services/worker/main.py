@@ -33,6 +33,10 @@ log = logging.getLogger("worker")
 async def serve(settings: WorkerSettings) -> None:
     model_dir = resolve_model_dir(settings.model_name, Path(settings.model_cache_dir))
     engine = Engine(dataclasses.replace(settings.engine, model_dir=str(model_dir)))
+    # Building the grammar tokenizer holds the GIL for seconds on a 262k vocabulary (llguidance
+    # does not let go of it): it finishes before the worker registers, so it never stalls heartbeats.
+    if not await asyncio.to_thread(engine.grammars.tokenizer.wait):
+        log.warning("structured output unavailable on this worker: its grammar tokenizer did not build")
     labels = engine_labels(engine)
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
                                     "decode_graphs": engine.graphs is not None, "native_linears": engine.native_linears,

@@ -68,6 +68,11 @@ class GrammarTokenizer:
                 self._error = error
             self._built = True
 
+    def wait(self) -> bool:
+        """Waits for the build; whether the tokenizer is there."""
+        self._ensure()
+        return self._error is None
+
     def get(self) -> Any:
         self._ensure()
         if self._error is not None:

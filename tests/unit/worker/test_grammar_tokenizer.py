@@ -1,0 +1,35 @@
+"""The grammar tokenizer's build: once, in the background or on first use; wait() tells
+whether it is there (the worker waits for it before registering)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from services.worker.engine.grammar import GrammarTokenizer
+
+
+def test_wait_returns_once_the_background_build_is_done() -> None:
+    release = threading.Event()
+    calls: list[int] = []
+
+    def build() -> str:
+        release.wait(5)
+        calls.append(1)
+        return "tokenizer"
+
+    tokenizer = GrammarTokenizer(build, background=True)
+    release.set()
+    assert tokenizer.wait() is True
+    assert tokenizer.get() == "tokenizer" and calls == [1]
+
+
+def test_a_failed_build_is_reported_by_wait_and_raised_by_get() -> None:
+    def build() -> str:
+        raise OSError("no tokenizer.json")
+
+    tokenizer = GrammarTokenizer(build, background=False)
+    assert tokenizer.wait() is False
+    with pytest.raises(RuntimeError, match="no tokenizer.json"):
+        tokenizer.get()
