@@ -54,9 +54,15 @@ def template_takes_tools(tokenizer: Any) -> bool:
     return not has_chat_template(tokenizer) or "tools" in tokenizer.chat_template
 
 
-def raw_prompt_ids(tokenizer: Any, prompt: str) -> list[int]:
-    """The prompt as is, with BOS when the tokenizer adds one."""
-    return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+def raw_prompt_ids(tokenizer: Any, prompt: str, add_special_tokens: bool = True) -> list[int]:
+    """The prompt as is, with BOS when the tokenizer adds one (unless told not to)."""
+    return list(tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def with_special_tokens(tokenizer: Any, ids: list[int]) -> list[int]:
+    """`ids` after the special tokens the tokenizer puts before any text (BOS), as vLLM's
+    add_special_tokens does on top of a chat template."""
+    return [*tokenizer("", add_special_tokens=True)["input_ids"], *ids]
 
 
 def user_turn_ids(tokenizer: Any, prompt: str) -> list[int]:

@@ -20,6 +20,7 @@ from services.gateway.chat_template import (
     chat_prompt_ids,
     raw_prompt_ids,
     turn_stop_token_ids,
+    with_special_tokens,
 )
 from services.gateway.echo import Echo, echoed, prompt_texts
 from services.gateway.errors import bad_request, from_backend
@@ -111,7 +112,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     info = _request_info(request, state)
     reject_unsupported(body.model_extra)
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
-    prompts = await _completion_prompts(state, body.prompt)
+    prompts = await _completion_prompts(state, body.prompt, body.add_special_tokens)
     fields = completion_fields(body)
     if body.echo and body.max_tokens == 0:
         fields = dataclasses.replace(fields, max_tokens=1)   # scores the prompt only (echo.py)
@@ -134,6 +135,8 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     chat = read_chat(body, state.tokenizer)
     prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
                                       param="messages")
+    if body.add_special_tokens:
+        prompt_ids = with_special_tokens(state.tokenizer, prompt_ids)
     fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
     choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant)
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
@@ -181,10 +184,10 @@ def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
         top_logprobs=top_logprobs)
 
 
-async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int]]:
+async def _completion_prompts(state: GatewayState, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
     """The prompts as token ids; ids a client gave are checked in build_spec."""
     if isinstance(prompt, str):
-        return [await state.tokenize(raw_prompt_ids, require_text(prompt))]
+        return [await state.tokenize(raw_prompt_ids, require_text(prompt), add_special_tokens)]
     if not prompt:
         raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
     if isinstance(prompt[0], int):   # one prompt of token ids: its length is no count of prompts
@@ -193,7 +196,7 @@ async def _completion_prompts(state: GatewayState, prompt: Any) -> list[list[int
         raise bad_request(f"At most {MAX_CHOICES} prompts per request, got {len(prompt)}.", "prompt")
     if isinstance(prompt[0], list):
         return [list(ids) for ids in prompt]
-    return [await state.tokenize(raw_prompt_ids, require_text(text)) for text in prompt]
+    return [await state.tokenize(raw_prompt_ids, require_text(text), add_special_tokens) for text in prompt]
 
 
 async def _choices(state: GatewayState, prompts: Sequence[list[int]], fields: RequestFields,

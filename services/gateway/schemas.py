@@ -73,6 +73,7 @@ class CompletionBody(ExtraSamplingFields):
     frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
+    add_special_tokens: bool = True     # vLLM's: the tokenizer's BOS before a text prompt
 
 
 class ContentPart(_Body):
@@ -140,6 +141,7 @@ class ChatCompletionBody(ExtraSamplingFields):
     tools: list[ToolBody] | None = None
     tool_choice: str | ToolChoiceBody | None = None
     parallel_tool_calls: bool | None = None
+    add_special_tokens: bool = False    # vLLM's: the tokenizer's BOS on top of the template's
 
 
 class _OpenBody(_Body):

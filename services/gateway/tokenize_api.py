@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from services.gateway.chat_request import checked_tools, read_messages
-from services.gateway.chat_template import chat_prompt_ids
+from services.gateway.chat_template import chat_prompt_ids, with_special_tokens
 from services.gateway.errors import bad_request
 from services.gateway.schemas import DetokenizeBody, TokenizeBody
 from services.gateway.state import GatewayState
@@ -72,6 +72,4 @@ def _chat_ids(tokenizer: Any, messages: Any, tools: list[dict[str, Any]],
     """The conversation's ids, as a chat request sends them; add_special_tokens
     adds the tokenizer's own special tokens on top of what the template writes."""
     ids = chat_prompt_ids(tokenizer, messages, tools, add_generation_prompt)
-    if add_special_tokens:
-        ids = [*tokenizer("", add_special_tokens=True)["input_ids"], *ids]
-    return ids
+    return with_special_tokens(tokenizer, ids) if add_special_tokens else ids

@@ -86,3 +86,24 @@ async def test_bad_input_is_a_4xx(client: httpx.AsyncClient, path: str, body: di
     assert reply.status_code == status, reply.text
     if param is not None:
         assert reply.json()["error"]["param"] == param
+
+
+async def test_add_special_tokens_steers_what_a_generation_is_sent(
+        client: httpx.AsyncClient, fake: FakeScheduler) -> None:
+    """Completions add BOS unless told not to, chat adds it on top of the template only
+    when told to: each the same ids /tokenize gives for the same field."""
+    sent: list[list[int]] = []
+    messages = [{"role": "user", "content": "Hi"}]
+    for path, body, tokenize in [
+            ("/v1/completions", {"prompt": "Hello world"}, {"prompt": "Hello world"}),
+            ("/v1/chat/completions", {"messages": messages}, {"messages": messages})]:
+        for flag in (True, False):
+            reply = await client.post(path, json={**body, "max_tokens": 2, "add_special_tokens": flag})
+            assert reply.status_code == 200, reply.text
+            sent.append(list(fake.requests[-1].spec.prompt_token_ids))
+            expected = (await client.post("/tokenize", json={**tokenize, "add_special_tokens": flag})).json()
+            assert sent[-1] == expected["tokens"], (path, flag)
+    completion_bos, completion_bare, chat_doubled, chat_plain = sent
+    assert completion_bos[1:] == completion_bare and chat_doubled[1:] == chat_plain
+    wrong = await client.post("/v1/completions", json={"prompt": "x", "add_special_tokens": [1]})
+    assert wrong.status_code in (400, 422) and "add_special_tokens" in wrong.text
