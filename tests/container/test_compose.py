@@ -26,7 +26,7 @@ from tests.container.prometheus import dashboard_expressions, query, target_coun
 RUNTIME, NO_RUNTIME = find_runtime()
 if RUNTIME is None:
     pytest.skip(NO_RUNTIME, allow_module_level=True)
-pytestmark = [pytest.mark.container, pytest.mark.timeout(3600)]
+pytestmark = [pytest.mark.container, pytest.mark.timeout(2400)]
 
 SERVICES = ["redis", "kvcache", "scheduler", "worker", "gateway", "proxy", "prometheus"]
 SCALE = {"worker": 2, "gateway": 2}
@@ -41,7 +41,7 @@ NOTHING_HERE = {
 
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
-    run(make_image_command(RUNTIME), timeout=3000, cwd=ROOT)
+    run(make_image_command(RUNTIME), timeout=1500, cwd=ROOT)
     # The committed compose file and monitoring configuration, in the same
     # layout, next to secrets of the test's own (deploy/secrets/ is the user's).
     workdir = tmp_path_factory.mktemp("compose")
