@@ -47,7 +47,7 @@ bench-engine: install prepare-model
 
 # Perplexity of a 16k-token text scored streaming under full, window, sink and h2o at budgets
 # 256/512/1024, and KV memory and decode tok/s at 8k context, full against sink
-# (docs/benchmarks.md, ~15 min); ARGS="--quick" checks it on the tiny model.
+# (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.
 bench-longkv: install prepare-model
 	$(PY) -m benchmarks.longkv_bench $(ARGS)
 

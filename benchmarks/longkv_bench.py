@@ -12,7 +12,7 @@ once the first tokens leave the cache, while keeping a few sink tokens stays clo
 Speed and memory: a sequence of --context tokens, then --new-tokens greedy decodes, full
 against sink (budget 1024): KV bytes the sequence holds at the end and decode tokens/s.
 
-    python -m benchmarks.longkv_bench            # default model, ~15 min on 2 CPUs
+    python -m benchmarks.longkv_bench            # default model: long (a forward per token per policy)
     python -m benchmarks.longkv_bench --quick    # tiny random model: checks the script
 """
 
