@@ -118,10 +118,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chunk", type=int, default=32, help="tokens per prefill chunk while scoring")
     parser.add_argument("--context", type=int, default=8192, help="context of the decode measurement")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="lossy policies' budgets, tokens")
     parser.add_argument("--out", default=".cache/bench-longkv", help="where results.json goes")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    budgets, block_size = BUDGETS, 16
+    budgets, block_size = tuple(int(b) for b in args.budgets.split(",")), 16
     if args.quick:
         args.tokens, args.context, args.new_tokens, budgets, block_size = 600, 300, 8, (64, 128), 4
     engine, tokenizer, model_name = _engine(args, block_size)
