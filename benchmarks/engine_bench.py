@@ -238,7 +238,10 @@ def _ratio(ours: float | None, theirs: float | None) -> str:
     return "—" if not ours or not theirs else f"{ours / theirs:.1f}×"
 
 
-def render(rows: list[tuple[str, float | None, float | None, float | None]], header: str) -> str:
+Row = tuple[str, float | None, float | None, float | None]   # metric, engine, generate, generate_batch
+
+
+def render(rows: list[Row], header: str) -> str:
     lines = [header, "",
              "| metric | engine | transformers generate | transformers generate_batch | vs generate | vs generate_batch |",
              "|---|---:|---:|---:|---:|---:|"]
@@ -261,7 +264,7 @@ def render_rounds(rounds: list[Round], concurrency: tuple[int, ...]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script, not the speed")
     parser.add_argument("--model-dir", default="", help="default: the prepared default model")
@@ -282,50 +285,75 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
+    return args
+
+
+def _model_dir(args: argparse.Namespace) -> str:
+    if args.model_dir:
+        return args.model_dir
+    if not is_prepared(default_model_dir(default_cache_dir())):
+        raise SystemExit("default model not prepared: run `make prepare-model` first")
+    return str(default_model_dir(default_cache_dir()))
+
+
+def _engine_only_rows(runner: EngineRunner, engine: Engine, sizes: BenchSizes,
+                      fresh: Callable[[int, int], list[list[int]]]) -> tuple[list[Row], dict[int, float]]:
+    """Prefill, decode per batch, and the engine's own resident memory (measured before
+    transformers' reference model joins it in this process)."""
+    rows: list[Row] = [(f"prefill tokens/s ({sizes.prefill_prompts}×{sizes.prompt_len}, "
+                        f"budget {sizes.token_budget})",
+                        runner.prefill_tokens_per_s(fresh(sizes.prefill_prompts, 1)), None, None)]
+    decode_rates = {batch: runner.decode_tokens_per_s(fresh(batch, 10 + batch), sizes.decode_steps)
+                    for batch in sizes.decode_batches}
+    rows.append((f"engine process resident MB ({engine.pool_stats().total_blocks}-block KV pool, "
+                 "before the reference loads)", resident_mb(), None, None))
+    return rows, decode_rates
+
+
+def _header(args: argparse.Namespace, model_dir: str, engine: Engine, sizes: BenchSizes, e2e_hit_tokens: int) -> str:
+    linear_kernel = engine.linear_kernel.kernel if engine.linear_kernel is not None else "plain"
+    screened = "on" if engine.lm_head_screened else "off"
+    packs = f" (prefill packs: {engine.prefill_linear_kernel})" if engine.prefill_linear_kernel else ""
+    return (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
+            f"{cpu_name()}, {os.cpu_count()} CPUs, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
+            f"engine linear kernel {linear_kernel}, weight codes on {engine.coded_linears} linears{packs}, "
+            f"LM head screen {screened}, forward {engine.direct_forward}, "
+            f"speculative tokens {args.speculative_tokens}. "
+            f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
+            f"End-to-end rows: median of {args.rounds} round(s), engine and transformers alternating. "
+            f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     sizes = QUICK if args.quick else FULL
-    model_dir = args.model_dir or str(default_model_dir(default_cache_dir()))
-    if not args.model_dir and not is_prepared(default_model_dir(default_cache_dir())):
-        raise SystemExit("default model not prepared: run `make prepare-model` first")
+    model_dir = _model_dir(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-
-    dtype = getattr(torch, args.dtype)
     engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
                                  cpu_linear_kernel=args.linear_kernel, lm_head_screen=args.lm_head_screen,
                                  num_blocks=args.num_blocks))
     engine.wait_for_screen()       # `auto` builds it in the background; measure the steady state
     runner = EngineRunner(engine, sizes.token_budget, args.speculative_tokens)
     vocab = engine.info.vocab_size
+
     # Every measurement gets prompts of its own: with prefix caching on, prompts an
     # earlier phase computed would skip their prefill, which transformers cannot do.
     def fresh(count: int, seed: int) -> list[list[int]]:
         return make_prompts(count, sizes.prompt_len, vocab, seed=seed)
 
     runner.end_to_end_tokens_per_s(fresh(1, 99), 2)   # warm-up
-
-    rows: list[tuple[str, float | None, float | None, float | None]] = []
-    rows.append((f"prefill tokens/s ({sizes.prefill_prompts}×{sizes.prompt_len}, "
-                 f"budget {sizes.token_budget})",
-                 runner.prefill_tokens_per_s(fresh(sizes.prefill_prompts, 1)), None, None))
-    decode_rates = {batch: runner.decode_tokens_per_s(fresh(batch, 10 + batch), sizes.decode_steps)
-                    for batch in sizes.decode_batches}
-    # The engine's own footprint, after its prefill and decode runs and before
-    # transformers' reference model joins it in this process.
-    engine_resident = resident_mb()
-    rows.append((f"engine process resident MB ({engine.pool_stats().total_blocks}-block KV pool, "
-                 "before the reference loads)", engine_resident, None, None))
+    rows, decode_rates = _engine_only_rows(runner, engine, sizes, fresh)
     reference = None
     if not args.skip_transformers:
         from transformers import AutoModelForCausalLM
 
-        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, args.dtype)).eval()
     hits_before = engine.pool_stats().prefix_hit_tokens
     rounds = [_round(runner, reference, sizes, fresh, index) for index in range(args.rounds)]
     e2e_hit_tokens = engine.pool_stats().prefix_hit_tokens - hits_before
-    linear_kernel = engine.linear_kernel.kernel if engine.linear_kernel is not None else "plain"
-    screened = "on" if engine.lm_head_screened else "off"
-    forward = engine.direct_forward
 
     generate_decode = _median([r.generate_decode for r in rounds])
     generate_rate = _median([r.generate for r in rounds])
@@ -335,22 +363,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append((f"end-to-end output tokens/s, {n} concurrent × {sizes.prompt_len}-token prompts, "
                      f"{sizes.new_tokens} new", _median([r.engine[n] for r in rounds]), generate_rate,
                      _median([r.generate_batch[n] for r in rounds])))
-
-    header = (f"Engine benchmark ({'quick' if args.quick else 'full'}): {model_dir}, "
-              f"{cpu_name()}, {os.cpu_count()} CPUs, "
-              f"torch {torch.__version__}, {torch.get_num_threads()} threads, {args.dtype}, "
-              f"engine linear kernel {linear_kernel}, weight codes on {engine.coded_linears} linears"
-              f"{f' (prefill packs: {engine.prefill_linear_kernel})' if engine.prefill_linear_kernel else ''}, "
-              f"LM head screen {screened}, forward {forward}, "
-              f"speculative tokens {args.speculative_tokens}. "
-              f"Sequential generate runs {sizes.generate_prompts} prompts one after another. "
-              f"End-to-end rows: median of {args.rounds} round(s), engine and transformers alternating. "
-              f"Prompt tokens the end-to-end runs took from the prefix cache: {e2e_hit_tokens}.")
-    print(render(rows, header))
+    print(render(rows, _header(args, model_dir, engine, sizes, e2e_hit_tokens)))
     if args.rounds > 1 and reference is not None:
         print()
         print(render_rounds(rounds, sizes.concurrency))
-
 
 if __name__ == "__main__":
     main()
