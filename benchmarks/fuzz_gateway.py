@@ -232,7 +232,10 @@ def run_fuzz(base_url: str, requests: int, threads: int = 8, seed: int = 0,
         thread.join()
     flood_done.set()
     stream_thread.join(timeout=120)
-    seconds = time.perf_counter() - started
+    return _report(outcomes, time.perf_counter() - started, streams)
+
+
+def _report(outcomes: list[Outcome], seconds: float, streams: list[StreamResult]) -> FuzzReport:
     statuses: Counter[int | None] = Counter(outcome.status for outcome in outcomes)
     by_kind: dict[str, Counter[int | None]] = {}
     for outcome in outcomes:
