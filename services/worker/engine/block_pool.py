@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import make_eviction_policy
 from services.worker.engine.pool_invariants import PoolInvariants, TailKey
+from services.worker.engine.pool_snapshot import hash_chains
 from services.worker.engine.types import BlockEvent, PoolStats
 
 
@@ -266,22 +267,8 @@ class BlockPool(PoolInvariants):
         return events
 
     def cached_chains(self) -> list[tuple[int, list[int]]]:
-        """Every registered block as chains (parent_hash, [hashes in prefix order]); a chain
-        continues while its last block has exactly one registered child."""
-        children: dict[int, list[int]] = {}
-        for value, block in self._by_hash.items():
-            children.setdefault(self._parent_hash[block], []).append(value)
-        chains: list[tuple[int, list[int]]] = []
-        starts = [(parent, value) for parent, values in children.items()
-                  if parent == ROOT_HASH or parent not in self._by_hash for value in values]
-        while starts:
-            parent, value = starts.pop()
-            chain = [value]
-            while len(kids := children.get(chain[-1], [])) == 1:
-                chain.append(kids[0])
-            starts.extend((chain[-1], kid) for kid in children.get(chain[-1], []))
-            chains.append((parent, chain))
-        return chains
+        """Every registered block as chains (parent_hash, [hashes in prefix order])."""
+        return hash_chains(self._by_hash, self._parent_hash)
 
     def cached_partials(self) -> list[tuple[int, int]]:
         """Every published alias as (parent_hash, alias), once however many partial
