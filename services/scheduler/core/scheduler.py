@@ -45,9 +45,8 @@ from services.scheduler.core.state import InFlightStep, Phase, RequestState, Wor
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.stopping import take_tokens
 from services.scheduler.core.types import (
-    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats,
-    PrefillMode, Rejection, RequestSpec, RequestUpdate, SeqResult, StepBatch, StepError, StepOutput, SubmitResult,
-    WorkerSpec,
+    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats, PrefillMode, Rejection,
+    RequestSpec, RequestUpdate, SeqResult, StepBatch, StepError, StepOutput, SubmitResult, WorkerSpec,
 )
 
 ANONYMOUS_CLIENT = "anonymous"
@@ -366,16 +365,14 @@ class SchedulerCore:
 
     def _apply_result(self, worker: WorkerState, request: RequestState, result: SeqResult,
                       later_tokens: int, echoes_refusal: bool) -> RequestUpdate | None:
-        # What the worker holds now, plus what the steps still in flight add
-        # (`later_tokens`); they never compute past the tokens the worker will hold
-        # (the cap matters when a prefix-cache hit computed more than was planned).
+        # What the worker holds now, plus what the steps still in flight add (`later_tokens`),
+        # capped at what it will hold (a prefix-cache hit may compute more than was planned).
         tokens = (result.token_id, *result.more_token_ids) if result.sampled and not result.error else ()
         holds = request.worker_tokens + len(tokens)
         request.num_computed = min(result.num_computed_tokens + later_tokens, holds)
         if result.error == StepError.OUT_OF_BLOCKS:
-            # Nothing changed on the worker; make room for the next step. Steps
-            # already in flight were planned without knowing: their refusals are
-            # echoes of this one and make no more room, and they do not lift it.
+            # Nothing changed on the worker; make room for the next step. Refusals of steps
+            # already in flight echo this one: they make no more room and do not lift it.
             if not echoes_refusal:
                 worker.note_refusal()
                 self._book.preempt(worker, preemption_victim(worker.running))
