@@ -170,7 +170,7 @@ def text_input_from_proto(message: gateway_pb2.TextRequest) -> TextInput:
         sampling=sampling_input_from_proto(message.sampling), default_temperature=0.0,
         max_tokens=message.max_tokens or None, stop=tuple(message.stop),
         ignore_eos=message.ignore_eos, min_tokens=message.min_tokens, priority=message.priority,
-        session_id=message.session_id, user=message.user,
+        session_id=message.session_id, user=message.user, kv_policy=message.kv_policy or None,
         requested_stop_token_ids=tuple(message.sampling.stop_token_ids),
         logit_bias={str(token_id): bias for token_id, bias in message.sampling.logit_bias.items()},
         constraint=(constraint_from_proto(message.sampling.constraint)

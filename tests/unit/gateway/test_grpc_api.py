@@ -94,3 +94,15 @@ async def test_api_keys_apply_to_grpc(text_api: Callable[..., Any]) -> None:
     reply = await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"),
                                 metadata=(("authorization", "Bearer k"),))
     assert reply.text == REPLY_TEXT
+
+
+async def test_kv_policy_reaches_the_scheduler_and_an_unknown_one_is_invalid(
+        text_api: Callable[..., Any], fake: FakeScheduler) -> None:
+    stub = await text_api()
+    await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", kv_policy="sink"))
+    assert fake.requests[-1].spec.kv_policy == "sink"
+    await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"))
+    assert fake.requests[-1].spec.kv_policy == ""
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", kv_policy="lru"))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_policy" in refused.value.details()
