@@ -45,6 +45,7 @@ class ModelInfo:
     (no worker has registered yet)."""
     max_model_len: int | None = None
     vocab_size: int | None = None
+    default_kv_policy: str = "full"     # the scheduler's KV_POLICY
 
     @property
     def known(self) -> bool:

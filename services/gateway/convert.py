@@ -77,7 +77,8 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
 def model_info_from_proto(message: scheduler_pb2.ModelInfo) -> ModelInfo:
     """Zeros (no worker registered yet) become None: unknown."""
     return ModelInfo(max_model_len=message.max_model_len or None,
-                     vocab_size=message.vocab_size or None)
+                     vocab_size=message.vocab_size or None,
+                     default_kv_policy=message.default_kv_policy or "full")
 
 
 def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:

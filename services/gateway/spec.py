@@ -68,6 +68,7 @@ class Limits:
     default_max_tokens: int
     max_model_len: int | None
     vocab_size: int | None
+    default_kv_policy: str = "full"     # what a request naming no kv_policy gets (KV_POLICY)
 
 
 def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
@@ -84,8 +85,9 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
     stop = normalize_stop(fields.stop)
     priority = cap_priority(check_priority(fields.priority), caller)
     kv_policy = check_kv_policy(fields.kv_policy)
-    # A lossy KV policy keeps positions within its cache: the model's context does not bound it.
-    context = limits.max_model_len if kv_policy in ("", "full") else None
+    # A lossy KV policy (the request's, else the deployment's) keeps positions within its
+    # cache: the model's context does not bound it.
+    context = limits.max_model_len if (kv_policy or limits.default_kv_policy) == "full" else None
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
                                     context, fields.max_tokens_param)
     if sampling.constraint is not None and fields.ignore_eos:

@@ -59,7 +59,8 @@ class GatewayState:
         model = await self.backend.model_info()
         return Limits(default_max_tokens=self.settings.default_max_tokens,
                       max_model_len=self.settings.max_model_len or model.max_model_len,
-                      vocab_size=model.vocab_size or self.tokenizer_size)
+                      vocab_size=model.vocab_size or self.tokenizer_size,
+                      default_kv_policy=model.default_kv_policy)
 
     def caller(self, tenant: Tenant | None) -> Caller:
         """Who a request comes from, as build_spec takes it."""

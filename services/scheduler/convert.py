@@ -65,13 +65,16 @@ def worker_figures_from_proto(info: worker_pb2.WorkerInfo) -> WorkerFigures:
                          max_model_len=info.max_model_len, vocab_size=info.vocab_size)
 
 
-def model_info_to_proto(infos: Sequence[worker_pb2.WorkerInfo]) -> scheduler_pb2.ModelInfo:
+def model_info_to_proto(infos: Sequence[worker_pb2.WorkerInfo], default_kv_policy: str = "full"
+                        ) -> scheduler_pb2.ModelInfo:
     """What the registered workers serve: the smallest context length and
-    vocabulary any of them reports (zeros while none has)."""
+    vocabulary any of them reports (zeros while none has); and the KV policy a
+    request that names none gets."""
     lengths = [info.max_model_len for info in infos if info.max_model_len > 0]
     vocabularies = [info.vocab_size for info in infos if info.vocab_size > 0]
     return scheduler_pb2.ModelInfo(max_model_len=min(lengths, default=0),
-                                   vocab_size=min(vocabularies, default=0))
+                                   vocab_size=min(vocabularies, default=0),
+                                   default_kv_policy=default_kv_policy)
 
 
 def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEvent:

@@ -150,7 +150,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GetModelInfo(self, request: scheduler_pb2.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> scheduler_pb2.ModelInfo:
-        return convert.model_info_to_proto([link.info for link in self._links.values()])
+        return convert.model_info_to_proto([link.info for link in self._links.values()],
+                                           self._settings.kv_policy)
 
     async def RegisterWorker(self, request: scheduler_pb2.RegisterWorkerRequest,
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:

@@ -58,6 +58,7 @@ class FakeScheduler:
     cached_tokens: int = 0
     model_len: int | None = 512
     vocab_size: int | None = None  # None: no worker has told it yet
+    default_kv_policy: str = "full"  # the scheduler's KV_POLICY
     healthy_workers: int = 1
     kvcache_serving: bool = True
     readiness_probes: int = 0
@@ -161,7 +162,8 @@ class FakeScheduler:
         return Readiness(True, "", dependencies)
 
     async def model_info(self) -> ModelInfo:
-        return ModelInfo(max_model_len=self.model_len, vocab_size=self.vocab_size)
+        return ModelInfo(max_model_len=self.model_len, vocab_size=self.vocab_size,
+                         default_kv_policy=self.default_kv_policy)
 
     async def close(self) -> None:
         return None

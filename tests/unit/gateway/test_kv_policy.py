@@ -47,3 +47,15 @@ def test_a_lossy_policy_may_ask_past_the_model_context(server: ServerThread, fak
     reply = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": too_long, "kv_policy": "sink"})
     assert reply.status_code == 200, reply.text
     assert fake.requests[-1].spec.max_tokens == too_long
+
+
+def test_under_a_lossy_deployment_default_a_request_naming_none_may_ask_past_the_context(
+        server: ServerThread, fake: FakeScheduler) -> None:
+    fake.default_kv_policy = "sink"     # the scheduler's KV_POLICY, as GetModelInfo reports it
+    too_long = fake.model_len + 10
+    reply = post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": too_long})
+    assert reply.status_code == 200, reply.text
+    assert fake.requests[-1].spec.kv_policy == "" and fake.requests[-1].spec.max_tokens == too_long
+    # A request that asks for the full cache is still held to the model's context.
+    assert post(server, "/v1/completions", {"prompt": "Hello", "max_tokens": too_long,
+                                            "kv_policy": "full"}).status_code == 400

@@ -77,7 +77,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.model_info_calls += 1
         if not self.worker_address:
             return scheduler_pb2.ModelInfo()
-        return scheduler_pb2.ModelInfo(max_model_len=777, vocab_size=384)
+        return scheduler_pb2.ModelInfo(max_model_len=777, vocab_size=384, default_kv_policy="sink")
 
 
 @pytest.fixture
@@ -168,6 +168,6 @@ async def test_model_info_comes_from_the_scheduler_and_is_kept_once_known(backen
     assert await client.model_info() == ModelInfo()  # no worker registered yet
     assert await client.model_info() == ModelInfo()  # so it asks again
     scheduler.worker_address = f"127.0.0.1:{server.port}"
-    assert await client.model_info() == ModelInfo(max_model_len=777, vocab_size=384)
-    assert await client.model_info() == ModelInfo(max_model_len=777, vocab_size=384)
+    assert await client.model_info() == ModelInfo(max_model_len=777, vocab_size=384, default_kv_policy="sink")
+    assert await client.model_info() == ModelInfo(max_model_len=777, vocab_size=384, default_kv_policy="sink")
     assert scheduler.model_info_calls == 3

@@ -1,5 +1,6 @@
 """The scheduler tells the gateway what model its workers serve (context
-length, vocabulary size), from the workers' own Info at registration."""
+length, vocabulary size), from the workers' own Info at registration, and the
+KV policy a request that names none gets (KV_POLICY)."""
 
 from __future__ import annotations
 
@@ -24,14 +25,19 @@ FAKE_VOCAB = 1000  # what the fake worker server reports
 
 
 def test_no_worker_is_zeros() -> None:
-    assert model_info_to_proto([]) == scheduler_pb2.ModelInfo(max_model_len=0, vocab_size=0)
+    assert model_info_to_proto([]) == scheduler_pb2.ModelInfo(max_model_len=0, vocab_size=0, default_kv_policy="full")
+
+
+def test_the_deployment_kv_policy_is_reported() -> None:
+    assert model_info_to_proto([], "sink").default_kv_policy == "sink"
 
 
 def test_workers_that_differ_give_the_smallest_values() -> None:
     infos = [worker_pb2.WorkerInfo(max_model_len=4096, vocab_size=512),
              worker_pb2.WorkerInfo(max_model_len=1024, vocab_size=640),
              worker_pb2.WorkerInfo(max_model_len=0, vocab_size=0)]  # says nothing
-    assert model_info_to_proto(infos) == scheduler_pb2.ModelInfo(max_model_len=1024, vocab_size=512)
+    assert model_info_to_proto(infos) == scheduler_pb2.ModelInfo(max_model_len=1024, vocab_size=512,
+                                                                 default_kv_policy="full")
 
 
 @pytest.fixture
@@ -51,12 +57,13 @@ async def test_model_info_follows_the_registered_workers(scheduler) -> None:
     async def info() -> scheduler_pb2.ModelInfo:
         return await stub.GetModelInfo(scheduler_pb2.ModelInfoRequest(), timeout=5)
 
-    assert await info() == scheduler_pb2.ModelInfo()
+    assert await info() == scheduler_pb2.ModelInfo(default_kv_policy="full")
     long_context = FakeWorkerProcess(FakeEngine(max_model_len=4096), "w0", address)
     short_context = FakeWorkerProcess(FakeEngine(max_model_len=256), "w1", address)
     await long_context.start()
     try:
-        assert await info() == scheduler_pb2.ModelInfo(max_model_len=4096, vocab_size=FAKE_VOCAB)
+        assert await info() == scheduler_pb2.ModelInfo(max_model_len=4096, vocab_size=FAKE_VOCAB,
+                                                       default_kv_policy="full")
         await short_context.start()
         assert (await info()).max_model_len == 256
         short_context.stop_heartbeats()  # the silent worker leaves; so does its limit
