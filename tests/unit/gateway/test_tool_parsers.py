@@ -69,13 +69,7 @@ def test_hermes_parser_streams_calls_in_pieces_whatever_the_deltas(
     for pieces in split_every_way(text):
         step = parse_all(HermesToolParser(incremental=True), pieces)
         assert step.content == content, pieces
-        joined: list[list[str]] = []
-        for piece in step.calls:
-            if piece.name is not None:
-                joined.append([piece.name, piece.arguments])
-            else:
-                joined[-1][1] += piece.arguments
-        assert [(name, json.loads(arguments)) for name, arguments in joined] == calls, pieces
+        assert joined_calls(step) == calls, pieces
 
 
 def test_a_streamed_call_shows_its_name_before_its_arguments_end() -> None:
