@@ -26,14 +26,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
+from benchmarks.head_to_head.systems import wait_healthy
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from loadsim import default_texts
 from loadsim.drive import drive_closed_loop
@@ -84,7 +82,8 @@ def transformers_serve(model_dir: Path, log_dir: Path, num_blocks: int, max_batc
     executable = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
     port = free_port()
     log_dir.mkdir(parents=True, exist_ok=True)
-    log = open(log_dir / "transformers-serve.log", "w")
+    log_path = log_dir / "transformers-serve.log"
+    log = open(log_path, "w")
     process = subprocess.Popen(
         [executable, "serve", str(model_dir), "--continuous-batching", "--cb-num-blocks", str(num_blocks),
          "--cb-max-batch-tokens", str(max_batch_tokens),
@@ -92,18 +91,7 @@ def transformers_serve(model_dir: Path, log_dir: Path, num_blocks: int, max_batc
         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"transformers serve exited ({process.returncode}); see {log.name}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("transformers serve did not become healthy in 600 s")
-            time.sleep(1)
+        wait_healthy(process, url, log_path, timeout_s=600)
         yield url
     finally:
         process.terminate()

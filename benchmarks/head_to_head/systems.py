@@ -57,7 +57,9 @@ def greedy_fields(system: str, max_tokens: int) -> dict[str, Any]:
     return {"ignore_eos": True}
 
 
-def _wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+def wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: float) -> None:
+    """Returns once `url`/health answers 200; raises with the log's tail if the process exits
+    first, or after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         if process.poll() is not None:
@@ -85,7 +87,7 @@ def _process(name: str, command: list[str], log_dir: Path, port: int, model: str
                                    env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(process, url, log, START_TIMEOUT_S)
+        wait_healthy(process, url, log, START_TIMEOUT_S)
         yield Served(url, model)
     finally:
         if process.poll() is None:

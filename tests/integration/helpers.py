@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import time
 from typing import Any
 
 import httpx
+
+from scripts.stack import ROOT
 
 
 def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
@@ -22,3 +27,21 @@ def stream_generate(base_url: str, body: dict[str, Any], timeout: float = 120) -
         assert response.status_code == 200, response.read()
         assert response.headers["content-type"].startswith("text/event-stream")
         return sse_events(response)
+
+
+def start_launcher(env: dict[str, str], timeout_s: float = 180) -> tuple[subprocess.Popen[str], str]:
+    """`make run`'s launcher (scripts.run_stack) with `env`, and its banner once it has
+    printed it (every service started); the caller stops the launcher."""
+    launcher = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    banner = ""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while "Ctrl-C stops" not in banner and time.monotonic() < deadline:
+            line = launcher.stdout.readline()
+            assert line or launcher.poll() is None, f"launcher exited:\n{banner}"
+            banner += line
+    except BaseException:
+        launcher.kill()
+        raise
+    return launcher, banner

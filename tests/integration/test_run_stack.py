@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import psutil
 
-from scripts.stack import ROOT, free_ports
+from scripts.stack import free_ports
 from tests.integration.conftest import TINY_ENV
+from tests.integration.helpers import start_launcher
 
 
 def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> None:
@@ -23,15 +21,8 @@ def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> Non
     ports = dict(zip(names, map(str, free_ports(len(names)))))
     gateway = int(ports["GATEWAY_PORT"])
     env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path), **ports}
-    launcher = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher, banner = start_launcher(env)
     try:
-        banner = ""
-        deadline = time.monotonic() + 180
-        while "Ctrl-C stops" not in banner and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            assert line or launcher.poll() is None, f"launcher exited:\n{banner}"
-            banner += line
         assert f"127.0.0.1:{gateway}" in banner and "curl -N" in banner
         children = psutil.Process(launcher.pid).children(recursive=True)
         assert len(children) == 4

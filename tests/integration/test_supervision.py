@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,8 +15,9 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.stack import ROOT, free_ports
+from scripts.stack import free_ports
 from tests.integration.conftest import TINY_ENV
+from tests.integration.helpers import start_launcher
 
 PORTS = ("GATEWAY_PORT", "GATEWAY_GRPC_PORT", "SCHEDULER_PORT", "SCHEDULER_METRICS_PORT",
          "KVCACHE_PORT", "KVCACHE_METRICS_PORT", "WORKER_PORT", "WORKER_METRICS_PORT",
@@ -62,15 +62,8 @@ def test_killed_services_come_back_and_are_counted(tiny_model_dir: Path, tmp_pat
     url = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
     metrics_url = f"http://127.0.0.1:{ports['SUPERVISOR_METRICS_PORT']}/metrics"
     env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path), **ports}
-    launcher = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    launcher, banner = start_launcher(env)
     try:
-        banner = ""
-        deadline = time.monotonic() + 180
-        while "Ctrl-C stops" not in banner and time.monotonic() < deadline:
-            line = launcher.stdout.readline()
-            assert line or launcher.poll() is None, f"launcher exited:\n{banner}"
-            banner += line
         assert metrics_url in banner and serves(url)
         assert restarts(metrics_url) == {"kvcache": 0, "scheduler": 0, "worker-0": 0, "gateway": 0}
 
