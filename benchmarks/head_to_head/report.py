@@ -1,13 +1,15 @@
 """From request records to the numbers `vllm bench serve` reports (output
-tokens/s, TTFT and TPOT p50/p99, goodput under stated SLOs), the JSON results
+tokens/s, TTFT and TPOT p50/p99, goodput under stated SLOs) with the system's
+resident memory during the point (peak and closing, per service), the JSON results
 and the markdown tables."""
 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from benchmarks.head_to_head.resident import render_services
 from benchmarks.head_to_head.sweep import PointRun
 from loadsim.stats import summarize
 from loadsim.transport import OK
@@ -42,6 +44,9 @@ class Point:
     wrong_length: int                   # ok requests whose reported completion_tokens != max_tokens
     cached_prompt_fraction: float       # what the server says it served from its prefix cache
     errors: tuple[str, ...]
+    resident_peak_total_mb: float | None = None       # highest sum over the services of one reading
+    resident_peak_mb: dict[str, float] = field(default_factory=dict)   # per service, during the point
+    resident_end_mb: dict[str, float] = field(default_factory=dict)    # per service, as the point ended
 
 
 def _ms(value: float | None) -> float | None:
@@ -58,6 +63,7 @@ def point(system: str, run: PointRun, slo: Slo) -> Point:
         good += record.ttft_s is not None and record.ttft_s <= slo.ttft_s and tpot <= slo.tpot_s
     errors = Counter(f"{r.outcome}: {r.error[:120]}" for r in run.records if r.outcome != OK)
     duration = max(run.duration_s, 1e-9)
+    resident = run.resident
     return Point(
         system=system, kind=run.kind, x=run.x, sent=len(run.records), ok=len(ok), duration_s=run.duration_s,
         output_tokens_per_s=summary.output_tokens_per_s, requests_per_s=len(ok) / duration,
@@ -67,7 +73,10 @@ def point(system: str, run: PointRun, slo: Slo) -> Point:
         mean_prompt_tokens=sum(r.prompt_tokens for r, _ in ok) / len(ok) if ok else 0.0,
         wrong_length=sum(r.completion_tokens != want for r, want in ok),
         cached_prompt_fraction=summary.cached_prompt_fraction,
-        errors=tuple(f"{count}x {text}" for text, count in errors.most_common(3)))
+        errors=tuple(f"{count}x {text}" for text, count in errors.most_common(3)),
+        resident_peak_total_mb=resident.peak_total_mb if resident else None,
+        resident_peak_mb=dict(resident.peak_mb) if resident else {},
+        resident_end_mb=dict(resident.end_mb) if resident else {})
 
 
 def to_json(points: list[Point], skipped: dict[str, str], meta: dict[str, Any]) -> dict[str, Any]:
@@ -83,10 +92,13 @@ def _x(kind: str, x: float) -> str:
 
 
 def table(points: list[Point], systems: list[str]) -> str:
-    """One row per point and system, points in sweep order, systems in run order."""
+    """One row per point and system, points in sweep order, systems in run order; the
+    resident-memory columns: the peak of all services together during the point, and
+    each service's peak."""
     lines = ["| load | system | ok / sent | output tok/s | goodput req/s | TTFT p50 ms | TTFT p99 ms | "
-             "TPOT p50 ms | TPOT p99 ms | tokens/req | prefix-cached |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "TPOT p50 ms | TPOT p99 ms | tokens/req | prefix-cached | peak resident MB | "
+             "peak resident MB per service |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     keys = list(dict.fromkeys((p.kind, p.x) for p in points))
     for kind, x in keys:
         for system in systems:
@@ -96,7 +108,8 @@ def table(points: list[Point], systems: list[str]) -> str:
                     f"| {_x(kind, x)} | {system} | {p.ok} / {p.sent} | {_num(p.output_tokens_per_s, 1)} | "
                     f"{_num(p.goodput_per_s, 2)} | {_num(p.ttft_p50_ms)} | {_num(p.ttft_p99_ms)} | "
                     f"{_num(p.tpot_p50_ms)} | {_num(p.tpot_p99_ms)} | {tokens} | "
-                    f"{p.cached_prompt_fraction:.0%} |")
+                    f"{p.cached_prompt_fraction:.0%} | {_num(p.resident_peak_total_mb)} | "
+                    f"{render_services(p.resident_peak_mb)} |")
     return "\n".join(lines)
 
 

@@ -7,6 +7,9 @@ A point stops starting requests after `point_cap_s`, and cuts the requests
 still running `drain_s` later (recorded as failed, "cut at the point's time
 limit"): a system far slower than the others still finishes in time, and the
 report counts what was sent and what came back.
+
+While each point runs, a `ResidentSampler` reads the resident memory of every
+service of the system (resident.py): the point keeps its peak and closing figures.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 
+from benchmarks.head_to_head.resident import Resident, ResidentSampler
 from benchmarks.head_to_head.systems import Served, greedy_fields
 from benchmarks.head_to_head.workload import ChatMix, CompletionRequest, chat_prompt, unique_requests
 from loadsim.transport import OK, TRANSPORT_ERROR, HttpTransport, RequestRecord
@@ -25,7 +30,7 @@ from loadsim.users import PlannedRequest
 @dataclass(frozen=True)
 class Plan:
     concurrencies: tuple[int, ...] = (1, 8, 32)
-    rates: tuple[float, ...] = (0.5, 1.0, 2.0)
+    rates: tuple[float, ...] = (0.5, 1.0, 2.0)     # () for no Poisson points
     max_tokens: int = 64
     requests_per_slot: float = 1.5      # a closed-loop point sends max(min_requests, slots x this)
     min_requests: int = 4
@@ -38,6 +43,7 @@ class Plan:
     drain_s: float = 60.0               # then requests still running after this much more are cut
     short_prompts: bool = False         # the tiny model
     seed: int = 0
+    memory_interval_s: float = 0.25     # between resident-memory readings while a point runs
 
     def closed_count(self, concurrency: int) -> int:
         return max(self.min_requests, round(concurrency * self.requests_per_slot))
@@ -50,6 +56,7 @@ class PointRun:
     records: list[RequestRecord] = field(default_factory=list)
     expected_tokens: list[int] = field(default_factory=list)   # per record, what it asked for
     duration_s: float = 0.0
+    resident: Resident | None = None    # the system's services' resident memory during the point
 
 
 class Driver:
@@ -135,6 +142,17 @@ async def warm_up(driver: Driver) -> None:
     await driver.closed(2, requests)
 
 
+async def sampled(served: Served, plan: Plan, run: Awaitable[PointRun]) -> PointRun:
+    """`run`, with its services' resident memory read throughout (see resident.py)."""
+    sampler = ResidentSampler(served.services, plan.memory_interval_s).start()
+    try:
+        result = await run
+    finally:
+        resident = sampler.finish()
+    result.resident = resident
+    return result
+
+
 async def sweep(system: str, served: Served, plan: Plan, chat: bool = True) -> list[PointRun]:
     driver = Driver(system, served, plan)
     try:
@@ -143,13 +161,13 @@ async def sweep(system: str, served: Served, plan: Plan, chat: bool = True) -> l
         for concurrency in plan.concurrencies:
             requests = unique_requests(plan.closed_count(concurrency), plan.max_tokens,
                                        seed=plan.seed * 1000 + concurrency, short=plan.short_prompts)
-            points.append(await driver.closed(concurrency, requests))
+            points.append(await sampled(served, plan, driver.closed(concurrency, requests)))
         for index, rate in enumerate(plan.rates):
             requests = unique_requests(plan.rate_requests, plan.max_tokens, seed=plan.seed * 1000 + 500 + index,
                                        short=plan.short_prompts)
-            points.append(await driver.poisson(rate, requests))
+            points.append(await sampled(served, plan, driver.poisson(rate, requests)))
         if chat:
-            points.append(await driver.chat(plan.chat_users, plan.chat_conversations))
+            points.append(await sampled(served, plan, driver.chat(plan.chat_users, plan.chat_conversations)))
         return points
     finally:
         await driver.close()

@@ -3,8 +3,9 @@ ports, and what each needs in a request body so that every system decodes the
 same way: greedy, exactly `max_tokens` tokens (the end-of-sequence token does
 not stop it).
 
-A system is started as a context manager that yields a `Served` (base URL and
-the model name its requests name) and stops it, with its whole process group,
+A system is started as a context manager that yields a `Served` (base URL, the
+model name its requests name, and the root process of each of its services, whose
+resident memory the sweep samples) and stops it, with its whole process group,
 on the way out. Logs go under the run's log directory.
 """
 
@@ -19,7 +20,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ START_TIMEOUT_S = 900.0
 class Served:
     url: str
     model: str
+    services: dict[str, int] = field(default_factory=dict)   # service name -> root pid of its process tree
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,8 @@ def wait_healthy(process: subprocess.Popen, url: str, log: Path, timeout_s: floa
 
 @contextmanager
 def _process(name: str, command: list[str], log_dir: Path, port: int, model: str,
-             env: dict[str, str] | None = None) -> Iterator[Served]:
+             env: dict[str, str] | None = None, service: str | None = None) -> Iterator[Served]:
+    """`command` as one service (named `service`, default `name`): its process tree."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     with log.open("w") as out:
@@ -88,7 +91,7 @@ def _process(name: str, command: list[str], log_dir: Path, port: int, model: str
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(process, url, log, START_TIMEOUT_S)
-        yield Served(url, model)
+        yield Served(url, model, {service or name: process.pid})
     finally:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGTERM)
@@ -107,7 +110,8 @@ def fairserve(config: LaunchConfig) -> Iterator[Served]:
         timeout_s=START_TIMEOUT_S)
     try:
         models = httpx.get(stack.url + "/v1/models", timeout=10).json()["data"]
-        yield Served(stack.url, str(models[0]["id"]))
+        yield Served(stack.url, str(models[0]["id"]),
+                     {name: process.pid for name, process in stack.processes.items()})
     finally:
         stack.stop()
 
@@ -121,7 +125,8 @@ def transformers_serve(config: LaunchConfig) -> Iterator[Served]:
     command = [executable, "serve", str(config.model_dir), "--continuous-batching", "--cb-num-blocks",
                str(blocks), "--cb-max-batch-tokens", "2048", "--device", "cpu", "--dtype", "float32",
                "--host", "127.0.0.1", "--port", str(port)]
-    with _process("transformers", command, config.log_dir, port, str(config.model_dir)) as served:
+    with _process("transformers", command, config.log_dir, port, str(config.model_dir),
+                  service="transformers serve") as served:
         yield served
 
 
@@ -155,7 +160,7 @@ def llama_server(config: LaunchConfig) -> Iterator[Served]:
     command = [str(config.llama_server), "-m", str(config.gguf), "--alias", "model", "--host", "127.0.0.1",
                "--port", str(port), "-np", str(slots), "-c", str(slots * 2048), "-t", str(os.cpu_count() or 1),
                "--no-webui"]
-    with _process("llama.cpp", command, config.log_dir, port, "model") as served:
+    with _process("llama.cpp", command, config.log_dir, port, "model", service="llama-server") as served:
         yield served
 
 
