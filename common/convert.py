@@ -18,6 +18,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         logprobs=params.logprobs, top_logprobs=params.top_logprobs,
         min_tokens=params.min_tokens, stop_token_ids=list(params.stop_token_ids),
         logit_bias=dict(params.logit_bias), prompt_logprobs=params.prompt_logprobs,
+        prompt_top_logprobs=params.prompt_top_logprobs,
     )
     if params.constraint is not None:
         message.constraint.CopyFrom(constraint_to_proto(params.constraint))
@@ -43,6 +44,7 @@ def sampling_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(message.stop_token_ids),
         logit_bias=tuple(sorted(message.logit_bias.items())),
         prompt_logprobs=message.prompt_logprobs,
+        prompt_top_logprobs=max(0, message.prompt_top_logprobs),
         constraint=constraint_from_proto(message.constraint) if message.HasField("constraint") else None,
     )
 
@@ -65,6 +67,7 @@ def logprob_to_proto(value: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         logprob=value.logprob,
         top=[common_pb2.TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in value.top],
+        rank=value.rank,
     )
 
 
@@ -72,6 +75,7 @@ def logprob_from_proto(message: common_pb2.TokenLogprob) -> TokenLogprob:
     return TokenLogprob(
         logprob=message.logprob,
         top=tuple(TopLogprob(token_id=t.token_id, logprob=t.logprob) for t in message.top),
+        rank=max(0, message.rank),
     )
 
 

@@ -42,7 +42,8 @@ class SamplingParams:
     top_logprobs: int = 0
     min_tokens: int = 0               # EOS and stop_token_ids are banned until then
     stop_token_ids: tuple[int, ...] = ()
-    prompt_logprobs: bool = False     # also score the prompt's tokens (top_logprobs alternatives)
+    prompt_logprobs: bool = False     # also score the prompt's tokens, with their ranks
+    prompt_top_logprobs: int = 0      # alternatives per scored prompt token
     # (token id, bias) pairs, ascending ids: added to the logits before penalties and the
     # draw (OpenAI's logit_bias; -100 in effect bans a token, +100 forces it)
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -63,6 +64,7 @@ class TopLogprob:
 class TokenLogprob:
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    rank: int = 0   # 1: the most likely token (ties count against it); 0: not computed
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ tokens, the first one's logprob null (nothing comes before it) and every later o
 as the worker scored it (sampling.prompt_logprobs). `max_tokens: 0` with echo scores
 the prompt without generating: the scheduler is asked for one token (its smallest
 budget), which is dropped; the choice finishes with "length" and no completion tokens.
+The delta that brings the prompt's logprobs keeps them (prompt_scores.py reads them too).
 """
 
 from __future__ import annotations
@@ -23,13 +24,20 @@ class Echo:
     prompt_text: str
     prompt_ids: tuple[int, ...]
     generate: bool = True      # False: max_tokens 0, the prompt alone is the choice
+    top_logprobs: int = 0      # alternatives shown per prompt token (the worker may score more)
 
 
-def prompt_tokens(prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprob]) -> tuple[TokenOutput, ...]:
-    """The prompt as tokens with their logprobs: none for the first, then `logprobs` (none
-    for any position they do not reach)."""
-    return tuple(TokenOutput(token_id, logprobs[index - 1] if 0 < index <= len(logprobs) else None)
+def prompt_tokens(prompt_ids: Sequence[int], logprobs: Sequence[TokenLogprob],
+                  top_logprobs: int = 0) -> tuple[TokenOutput, ...]:
+    """The prompt as tokens with their logprobs (`top_logprobs` alternatives each): none for
+    the first, then `logprobs` (none for any position they do not reach)."""
+    return tuple(TokenOutput(token_id, _shown(logprobs[index - 1], top_logprobs) if 0 < index <= len(logprobs)
+                             else None)
                  for index, token_id in enumerate(prompt_ids))
+
+
+def _shown(logprob: TokenLogprob, top_logprobs: int) -> TokenLogprob:
+    return dataclasses.replace(logprob, top=logprob.top[:top_logprobs])
 
 
 def prompt_texts(tokenizer: Any, prompt: Any, prompts: Sequence[list[int]]) -> list[str]:
@@ -48,7 +56,8 @@ async def echoed(deltas: AsyncIterator[TextDelta], echo: Echo) -> AsyncIterator[
     async for delta in deltas:
         if delta.prompt_logprobs and not echoed_prompt:
             echoed_prompt = True
-            yield TextDelta(echo.prompt_text, prompt_tokens(echo.prompt_ids, delta.prompt_logprobs))
+            yield TextDelta(echo.prompt_text, prompt_tokens(echo.prompt_ids, delta.prompt_logprobs, echo.top_logprobs),
+                            prompt_logprobs=delta.prompt_logprobs)
             continue
         if not echoed_prompt:
             echoed_prompt = True

@@ -32,6 +32,7 @@ from services.gateway.openai_format import (
     Format,
     RequestInfo,
 )
+from services.gateway.prompt_scores import check_prompt_logprobs, scoring
 from services.gateway.schemas import (
     ChatCompletionBody,
     CompletionBody,
@@ -82,12 +83,17 @@ def _echo_choices(state: GatewayState, body: CompletionBody, prompts: Sequence[l
                   choices: list[Choice]) -> list[Choice]:
     """`choices` echoing their prompts, scored when logprobs are asked for."""
     texts = prompt_texts(state.tokenizer, body.prompt, prompts)
-    scored = body.logprobs is not None
-    return [dataclasses.replace(
-        choice, echo=Echo(texts[choice.prompt_index], tuple(prompts[choice.prompt_index]), body.max_tokens != 0),
-        spec=dataclasses.replace(choice.spec, sampling=dataclasses.replace(choice.spec.sampling,
-                                                                         prompt_logprobs=scored)))
+    echoed_choices = [dataclasses.replace(choice, echo=Echo(
+        texts[choice.prompt_index], tuple(prompts[choice.prompt_index]), body.max_tokens != 0, body.logprobs or 0))
         for choice in choices]
+    return _scoring_prompts(echoed_choices, body.logprobs)
+
+
+def _scoring_prompts(choices: list[Choice], alternatives: int | None) -> list[Choice]:
+    """`choices` scoring their prompts with `alternatives` per token (None: as they were)."""
+    if alternatives is None:
+        return choices
+    return [dataclasses.replace(choice, spec=scoring(choice.spec, alternatives)) for choice in choices]
 
 
 def _request_info(request: Request, state: GatewayState) -> RequestInfo:
@@ -112,6 +118,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     info = _request_info(request, state)
     reject_unsupported(body.model_extra)
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
+    prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
     prompts = await _completion_prompts(state, body.prompt, body.add_special_tokens)
     fields = completion_fields(body)
     if body.echo and body.max_tokens == 0:
@@ -119,8 +126,10 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     choices = await _choices(state, prompts, fields, check_n(body.n), info.tenant)
     if body.echo:
         choices = _echo_choices(state, body, prompts, choices)
+    choices = _scoring_prompts(choices, prompt_alternatives)
     response_id = f"cmpl-{info.request_id}"
-    formatter = CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None)
+    formatter = CompletionFormat(state, response_id, info, logprobs=body.logprobs is not None,
+                                 prompt_logprobs=prompt_alternatives)
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter)
 
@@ -132,14 +141,17 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     reject_unsupported(body.model_extra)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
+    prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
     chat = read_chat(body, state.tokenizer)
     prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
                                       param="messages")
     if body.add_special_tokens:
         prompt_ids = with_special_tokens(state.tokenizer, prompt_ids)
     fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
-    choices = await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant)
-    formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs))
+    choices = _scoring_prompts(await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant),
+                               prompt_alternatives)
+    formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs),
+                           prompt_logprobs=prompt_alternatives)
     return await _respond(request, state, info, choices, bool(body.stream),
                           _include_usage(body.stream_options), formatter,
                           call_reader(chat, state.settings.tool_call_parser, bool(body.stream)))
@@ -241,6 +253,8 @@ async def _respond(request: Request, state: GatewayState, info: RequestInfo,
         results = await until_disconnected(request, _collect(merged, len(choices)))
     except BackendError as error:
         raise from_backend(error) from None
+    for choice, result in zip(choices, results):
+        result.prompt_token_ids = choice.spec.prompt_token_ids
     return JSONResponse(formatter.response(results, _total_usage(choices, results)))
 
 
@@ -252,6 +266,7 @@ async def _collect(merged: AsyncIterator[tuple[int, TextDelta]], count: int) -> 
             result.text.append(delta.text)
             result.tokens.extend(delta.tokens)
             result.tool_calls.extend(delta.tool_calls)
+            result.prompt_logprobs = delta.prompt_logprobs or result.prompt_logprobs
             if delta.finish_reason is not None:
                 result.finish_reason = delta.finish_reason
                 result.usage = delta.usage or result.usage

@@ -9,10 +9,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from common.types import Usage
+from common.types import TokenLogprob, Usage
 from services.gateway.backend import TokenOutput
 from services.gateway.detokenizer import token_bytes
 from services.gateway.generation import TextDelta
+from services.gateway.prompt_scores import prompt_logprobs_json
 from services.gateway.state import GatewayState
 from services.gateway.tenants import Tenant
 from services.gateway.tool_parsers import ToolCall
@@ -25,6 +26,8 @@ class ChoiceResult:
     finish_reason: str = ""
     usage: Usage = Usage(0, 0, 0)
     tool_calls: list[ToolCall] = field(default_factory=list)
+    prompt_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()   # as the worker scored them (prompt_scores.py)
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,12 @@ class Format(ABC):
     chunk_object_name = ""
 
     def __init__(self, state: GatewayState, response_id: str, info: RequestInfo,
-                 logprobs: bool) -> None:
+                 logprobs: bool, prompt_logprobs: int | None = None) -> None:
         self.state = state
         self.response_id = response_id
         self.info = info
         self.logprobs = logprobs
+        self.prompt_logprobs = prompt_logprobs   # vLLM's: alternatives per prompt token; None: not asked
 
     def _envelope(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.response_id, "object": object_name, "created": self.info.created,
@@ -84,6 +88,11 @@ class Format(ABC):
 
     def token_text(self, token_id: int) -> str:
         return self.state.service.token_text(token_id)
+
+    def scored_prompt(self, result: ChoiceResult) -> list[dict[str, Any] | None]:
+        """vLLM's prompt_logprobs of `result`'s prompt (prompt_scores.py)."""
+        return prompt_logprobs_json(result.prompt_token_ids, result.prompt_logprobs,
+                                    self.prompt_logprobs or 0, self.token_text)
 
     @abstractmethod
     def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
@@ -119,8 +128,11 @@ class CompletionFormat(Format):
                             "finish_reason": finish_reason}, include_usage)
 
     def choice(self, index: int, result: ChoiceResult) -> dict[str, Any]:
-        return {"index": index, "text": "".join(result.text),
-                "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
+        choice = {"index": index, "text": "".join(result.text),
+                  "logprobs": self._logprobs(result.tokens), "finish_reason": result.finish_reason}
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.scored_prompt(result)
+        return choice
 
     def _logprobs(self, tokens: Sequence[TokenOutput]) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -144,6 +156,12 @@ class CompletionFormat(Format):
 class ChatFormat(Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
+
+    def response(self, results: Sequence[ChoiceResult], usage: Usage) -> dict[str, Any]:
+        body = super().response(results, usage)
+        if self.prompt_logprobs is not None and results:   # vLLM's: the response's, one prompt
+            body["prompt_logprobs"] = self.scored_prompt(results[0])
+        return body
 
     def opening_chunk(self, index: int, include_usage: bool) -> dict[str, Any] | None:
         return self._chunk({"index": index, "delta": {"role": "assistant", "content": ""},

@@ -68,6 +68,7 @@ class CompletionBody(ExtraSamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: int | None = None
     echo: bool | None = None
+    prompt_logprobs: int | None = None   # vLLM's (prompt_scores.py)
     stop: StopField = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -133,6 +134,7 @@ class ChatCompletionBody(ExtraSamplingFields):
     stream_options: StreamOptions | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    prompt_logprobs: int | None = None   # vLLM's (prompt_scores.py)
     stop: StopField = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None

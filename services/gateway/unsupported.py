@@ -34,7 +34,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "guided_whitespace_pattern": (),
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "prompt_logprobs": (),
+    "prompt_logprobs": (),              # /generate's; the OpenAI endpoints implement theirs
     "include_stop_str_in_output": (False,),
     "bad_words": ([],),
     "allowed_token_ids": (),

@@ -128,11 +128,12 @@ class FakeScheduler:
 
     @staticmethod
     def prompt_logprobs(spec: GenerationSpec) -> tuple[TokenLogprob, ...]:
-        """Prompt position p (from 1) scores -p / 10, its top alternatives as a sampled token's."""
+        """Prompt position p (from 1) scores -p / 10 with rank p, its alternatives token 3
+        (-0.05, rank 1), then the prompt's token, then token 5 (-9.0)."""
         prompt = spec.prompt_token_ids
-        top = spec.sampling.top_logprobs
-        return tuple(TokenLogprob(-position / 10, (TopLogprob(prompt[position], -position / 10),
-                                                   TopLogprob(3, -9.0))[:top])
+        top = spec.sampling.prompt_top_logprobs
+        return tuple(TokenLogprob(-position / 10, (TopLogprob(3, -0.05), TopLogprob(prompt[position], -position / 10),
+                                                   TopLogprob(5, -9.0))[:top], rank=position)
                      for position in range(1, len(prompt)))
 
     @staticmethod

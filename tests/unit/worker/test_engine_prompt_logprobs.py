@@ -1,5 +1,6 @@
-"""Prompt logprobs (SamplingParams.prompt_logprobs): every prompt token's logprob given the
-ones before it, with the top alternatives, against a full transformers forward; chunked
+"""Prompt logprobs (SamplingParams.prompt_logprobs): every prompt token's logprob and rank
+given the ones before it, with prompt_top_logprobs alternatives (not top_logprobs, the
+sampled tokens' count), against a full transformers forward; chunked
 prefills report their own positions; a scored prompt reuses no cached block."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def _reference_logprobs(reference: torch.nn.Module, prompt: list[int]) -> torch.
 
 def _score(driver: Driver, seq_id: str, prompt: list[int], chunk: int, top: int = 0) -> dict[int, object]:
     """Prefills `prompt` in chunks of `chunk`; the scored positions -> their TokenLogprob."""
-    params = SamplingParams(logprobs=True, top_logprobs=top, prompt_logprobs=True)
+    params = SamplingParams(logprobs=True, top_logprobs=1, prompt_logprobs=True, prompt_top_logprobs=top)
     new = [NewSequence(seq_id, tuple(prompt), (), params)]
     scored: dict[int, object] = {}
     while True:
@@ -47,6 +48,8 @@ def test_prompt_logprobs_match_a_full_forward_in_any_chunking(kind: str, referen
         for position, logprob in scored.items():
             row = expected[position - 1]
             assert abs(logprob.logprob - float(row[prompt[position]])) < ATOL
+            target = row[prompt[position]]   # ranked among the tokens at least as likely
+            assert int((row > target + ATOL).sum()) < logprob.rank <= int((row >= target - ATOL).sum())
             values, ids = torch.topk(row, 3)
             assert [top.token_id for top in logprob.top] == ids.tolist()
             torch.testing.assert_close(torch.tensor([top.logprob for top in logprob.top]), values,
