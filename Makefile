@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-longkv bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ integration: install
 
 bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench --rounds 3
+
+# Where a concurrency-32 W1 run's step time goes (engine in-process, timers per part, the GEMMs
+# against oneDNN's float32 rate on the same shapes; docs/engine.md); ARGS="--served" adds the
+# worker's wait between steps in a served run, ARGS="--quick" checks it on the tiny model.
+bench-profile: install prepare-model
+	$(PY) -m benchmarks.step_profile $(ARGS)
 
 # Perplexity of a 16k-token text scored streaming under full, window, sink and h2o at budgets
 # 256/512/1024, and KV memory and decode tok/s at 8k context, full against sink
