@@ -140,14 +140,21 @@ class Engine:
 
     def _compute(self, work: list[t.WorkItem], totals: _StepTotals) -> list[t.SeqResult]:
         """Plans, computes and commits `work`, adding to `totals`; an exception before the
-        commit leaves the sequences for the isolation to roll back."""
+        commit takes back the lossy policies' drops (drop_journal.py) and leaves the
+        sequences for the isolation to roll back."""
         results: list[t.SeqResult] = []
-        planned = self.planner.plan(work, results)
+        try:
+            planned = self.planner.plan(work, results)
+            if planned:
+                logits_rows = LogitsRows()
+                started = time.perf_counter()
+                sampled = self._forward(planned, logits_rows)
+                totals.forward_ms += (time.perf_counter() - started) * 1000.0
+        except Exception:
+            self.evictor.undo()
+            raise
+        self.evictor.settle()
         if planned:
-            logits_rows = LogitsRows()
-            started = time.perf_counter()
-            sampled = self._forward(planned, logits_rows)
-            totals.forward_ms += (time.perf_counter() - started) * 1000.0
             totals.accepted += self.sequences.commit(planned, sampled, results)
             totals.planned.extend(planned)
             totals.logits_rows.screened += logits_rows.screened

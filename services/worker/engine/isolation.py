@@ -1,7 +1,8 @@
 """A step whose planning or forward raises: which work items are to blame.
 
 Before a step's work is planned, its sequences are marked (how far each was
-computed, how many blocks it held); when planning, the forward or sampling
+computed, how many blocks it held, what its lossy KV policy had dropped and scored);
+when planning, the forward or sampling
 raises, they are rolled back to the mark (blocks planned for the step go back
 to the pool; nothing was committed) and the work runs again in halves, down
 to single items. An item that fails alone ends with StepError.INTERNAL; every
@@ -38,6 +39,8 @@ class _SeqMark:
     started: bool
     num_computed: int
     num_registered_blocks: int
+    evicted: int
+    block_scores: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -110,12 +113,14 @@ class StepIsolation:
             seq = self.sequences.get(item.seq_id)
             if seq is not None:
                 marks.append(_SeqMark(seq, self.pool.has_sequence(seq.seq_id), len(self.pool.table(seq.seq_id)),
-                                      seq.started, seq.num_computed, seq.num_registered_blocks))
+                                      seq.started, seq.num_computed, seq.num_registered_blocks,
+                                      seq.evicted, tuple(seq.block_scores)))
         return _Mark(tuple(marks), self.pool.prefix_query_tokens, self.pool.prefix_hit_tokens)
 
     def _roll_back(self, mark: _Mark) -> None:
         """Puts the marked sequences back as they were: blocks planned since go back to
-        the pool (cached ones stay cached), and so do their counters."""
+        the pool (cached ones stay cached), and so do their counters. Blocks a lossy
+        policy dropped are back in their tables already (the engine undid the drops)."""
         for seq_mark in mark.sequences:
             seq = seq_mark.seq
             if not seq_mark.had_table:
@@ -125,5 +130,7 @@ class StepIsolation:
             seq.started = seq_mark.started
             seq.num_computed = seq_mark.num_computed
             seq.num_registered_blocks = seq_mark.num_registered_blocks
+            seq.evicted = seq_mark.evicted
+            seq.block_scores = list(seq_mark.block_scores)
         self.pool.prefix_query_tokens = mark.prefix_query_tokens
         self.pool.prefix_hit_tokens = mark.prefix_hit_tokens

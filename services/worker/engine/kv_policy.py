@@ -15,7 +15,9 @@ chunk is cut to what the budget can hold with the protected blocks. The blocks a
 dropped one move up in the block table, and their keys are rotated to their new,
 earlier positions (kv_rotation.py): positions are always contiguous within the cache,
 as StreamingLLM assigns them. A lossy sequence neither reuses nor publishes cached
-blocks: what its blocks hold depends on what it dropped.
+blocks: what its blocks hold depends on what it dropped. A drop is taken back when its
+step fails (drop_journal.py): the engine settles or undoes the evictor's drops after
+each attempt at a step.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from common.step import KV_POLICIES, KvPolicy
 from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.drop_journal import DropJournal
 from services.worker.engine.kv_rotation import KeyRotation
 
 if TYPE_CHECKING:
@@ -71,6 +74,16 @@ class KvEvictor:
         self.rotation = rotation
         self.block_size = block_size
         self.evicted_blocks = 0
+        self.journal = DropJournal(pool)
+
+    def settle(self) -> None:
+        """The step computed: its drops stand."""
+        self.journal.settle()
+
+    def undo(self) -> None:
+        """The step failed: its drops are taken back (the isolation restores the counters)."""
+        self.evicted_blocks -= self.journal.dropped_blocks()
+        self.journal.undo(self.rotation)
 
     def make_room(self, seq: SequenceState, num_tokens: int) -> int:
         """Drops `seq`'s blocks until a chunk of up to `num_tokens` tokens fits its budget;
@@ -114,10 +127,13 @@ class KvEvictor:
             elif gone:
                 by_shift[gone].append(table[index])
         device = self.rotation.kv.device
+        drop = self.journal.park(seq.seq_id, table, victims)   # taken back if the step fails
         for shift, blocks in by_shift.items():
-            slots = (torch.tensor(blocks)[:, None] * size + torch.arange(size)[None, :]).reshape(-1)
-            self.rotation.shift(slots.to(device), shift * size)
+            slots = (torch.tensor(blocks)[:, None] * size + torch.arange(size)[None, :]).reshape(-1).to(device)
+            self.rotation.shift(slots, shift * size)
+            drop.shifts.append((slots, shift * size))
         self.pool.drop(seq.seq_id, victims)
+        drop.taken = True
         if seq.block_scores:
             dropped = set(victims)
             seq.block_scores = [score for index, score in enumerate(seq.block_scores) if index not in dropped]
