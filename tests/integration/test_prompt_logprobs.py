@@ -1,6 +1,7 @@
 """Prompt logprobs through the real stack (tiny model): /v1/completions with echo and
 logprobs scores every prompt token as transformers does, over chunked prefills and
-whether or not the prompt's blocks are cached; max_tokens 0 generates nothing."""
+whether or not the prompt's blocks are cached; max_tokens 0 generates nothing. vLLM's
+prompt_logprobs field gives the same numbers, ranked."""
 
 from __future__ import annotations
 
