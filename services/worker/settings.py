@@ -57,6 +57,8 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         block_size=read.int("KV_CACHE_BLOCK_SIZE", 16, minimum=1, maximum=1024),
         num_blocks=read.int("KV_CACHE_NUM_BLOCKS", 0, minimum=0),
         kv_memory_fraction=read.float("KV_CACHE_MEMORY_FRACTION", 0.0, minimum=0.0, maximum=0.95),
+        kv_hybrid=read.bool("KV_CACHE_HYBRID", True),
+        sliding_blocks=read.int("KV_CACHE_SLIDING_BLOCKS", 0, minimum=0),
         eviction_policy=read.choice("EVICTION_POLICY", "lru", EVICTION_POLICIES),
         enable_prefix_caching=read.bool("ENABLE_PREFIX_CACHING", True),
         prompt_logits_cache_size=read.int("PROMPT_LOGITS_CACHE_SIZE", 32, minimum=0, maximum=100_000),

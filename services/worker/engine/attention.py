@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
 
 if TYPE_CHECKING:   # the device kernels are handed in; the core does not load them
     from services.worker.engine.h2o_scores import AttentionScores
@@ -55,9 +55,19 @@ class StepMetadata:
     varlen: VarlenKernel | None = None   # fused kernel for the prefill chunks, if loaded
     decode_kernel: NativeDecodeAttention | None = None   # decodes read K/V through the block tables
     scores: AttentionScores | None = None   # h2o sequences' attention, accumulated per position
+    # The same step in the sliding group's blocks (sliding_blocks.py): its slots, tables and
+    # context slots, for the layers whose cache is the sliding group's; None: one group.
+    sliding: StepMetadata | None = None
+    sliding_window: int = 0        # (in `sliding`) the group's window: no sliding layer may attend wider
     _varlen_inputs: dict[int | None, tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=dict)
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
     _prefill_views: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
+
+    def for_layer(self, cache_layer: int) -> StepMetadata:
+        """The metadata of the group whose cache `cache_layer` owns."""
+        if self.sliding is not None and self.kv.group[cache_layer] == SLIDING_GROUP:
+            return self.sliding
+        return self
 
     def decode_view(self, window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(slots [D, L], mask [D, 1, 1, L] or None) for decodes under a sliding `window`:
@@ -145,10 +155,10 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
                             sliding_window: int | None = None, paged_metadata: StepMetadata | None = None,
                             **_kwargs) -> tuple[torch.Tensor, None]:
     """query [1, H, T, d], key/value [1, KVH, T, d] for the packed rows -> ([1, T, H, d], None)."""
-    meta = paged_metadata
-    if meta is None:
+    if paged_metadata is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention needs paged_metadata in the forward kwargs")
-    layer = meta.cache_layer[module.layer_idx]
+    layer = paged_metadata.cache_layer[module.layer_idx]
+    meta = paged_metadata.for_layer(layer)
     k_cache, v_cache = meta.kv.keys[layer], meta.kv.values[layer]
     assert k_cache is not None and v_cache is not None
     if not getattr(module, "is_kv_shared_layer", False):
@@ -157,6 +167,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
         v_cache.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
     window = _layer_window(module, sliding_window)
+    if meta.sliding_window and (window is None or window > meta.sliding_window):
+        raise RuntimeError(f"layer {module.layer_idx} attends {window or 'all'} positions through the sliding "
+                           f"cache, which holds {meta.sliding_window}")
     if meta.scores:
         meta.scores.observe(query, k_cache, scaling, window)
     out = query.new_empty((meta.num_tokens, query.shape[1], value.shape[-1]))

@@ -33,7 +33,7 @@ from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import make_eviction_policy
 from services.worker.engine.pool_invariants import PoolInvariants, TailKey
 from services.worker.engine.pool_snapshot import hash_chains
-from services.worker.engine.types import BlockEvent, PoolStats
+from services.worker.engine.types import BlockEvent, PoolListener, PoolStats
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,7 @@ class BlockPool(PoolInvariants):
         self.evictions = 0
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0
+        self.listener: PoolListener | None = None
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -159,6 +160,8 @@ class BlockPool(PoolInvariants):
         removed: list[int] = []
         for _ in range(needed):
             block = self._pop_free_block(removed)
+            if self.listener is not None:
+                self.listener.block_reused(block)
             self._take(block)
             table.append(block)
         if removed:
@@ -185,6 +188,8 @@ class BlockPool(PoolInvariants):
             self._keep_partial(table, partial)
         for block in reversed(table):   # tail first: children become evictable before parents
             self._unref(block)
+        if self.listener is not None:
+            self.listener.table_changed(seq_id, ())
 
     def shrink(self, seq_id: str, num_tokens: int) -> None:
         """Drops `seq_id`'s blocks past the ones covering `num_tokens` tokens (slots that
@@ -196,6 +201,20 @@ class BlockPool(PoolInvariants):
         for block in reversed(table[keep:]):
             self._unref(block)
         del table[keep:]
+        if self.listener is not None:
+            self.listener.table_changed(seq_id, table)
+
+    def replace_table(self, seq_id: str, blocks: Sequence[int]) -> None:
+        """Gives `seq_id` the table `blocks` in place of its own (each block referenced or
+        cached): the new entries are referenced before the old ones are released."""
+        for block in blocks:
+            self._take(block)
+        old = self._tables.get(seq_id, [])
+        self._tables[seq_id] = list(blocks)
+        for block in reversed(old):
+            self._unref(block)
+        if self.listener is not None:
+            self.listener.table_changed(seq_id, self._tables[seq_id])
 
     def drop(self, seq_id: str, indices: Sequence[int]) -> None:
         """Takes the blocks at `indices` out of `seq_id`'s table (a lossy KV policy evicting
@@ -205,6 +224,8 @@ class BlockPool(PoolInvariants):
         for index in sorted(gone, reverse=True):
             self._unref(table[index])
         table[:] = [block for index, block in enumerate(table) if index not in gone]
+        if self.listener is not None:
+            self.listener.table_changed(seq_id, table)
 
     def _unref(self, block: int) -> None:
         self._refcount[block] -= 1

@@ -14,6 +14,8 @@ class EngineConfig:
     block_size: int = 16
     num_blocks: int = 0                # 0 = size from kv_memory_fraction, else 0.5 of free memory (CUDA) / cpu_kv_bytes
     kv_memory_fraction: float = 0.0    # of free device memory (CUDA) or available host memory; 0 = default
+    kv_hybrid: bool = True             # sliding-window layers keep their own, smaller cache (sliding_blocks.py)
+    sliding_blocks: int = 0            # its blocks; 0 = num_blocks when that is given, else half the byte budget
     enable_prefix_caching: bool = True
     prompt_logits_cache_size: int = 32 # prompts whose last logits are kept (identical prompts skip the forward)
     eviction_policy: str = "lru"       # lru | lfu (eviction.py)

@@ -15,12 +15,10 @@ undo    the step failed: the moved keys are rotated back (exact up to the cache 
         isolation's roll back then shrinks away). Its counters (evicted tokens, h2o scores)
         are the isolation mark's to restore.
 
-Only public pool calls are used: a parked or held table takes references through
-`allocate(..., cached_blocks=...)` and gives them back through `free`. Two costs of that,
-both on the failure path alone: under EVICTION_POLICY=lfu those calls count as reuses
-of the blocks (a small bias should one of them later hold a cached prefix), and the
-rebuilt table is announced to the pool's listener as freed, then taken (its blocks'
-pins are taken again when the step is planned anew).
+A parked table takes references through `allocate(..., cached_blocks=...)` and gives them
+back through `free` (under EVICTION_POLICY=lfu that counts as a reuse of those blocks, a
+small bias on the failure path alone); the sequence's table is put back in place
+(`BlockPool.replace_table`), so the sliding group's pins on its window stay.
 """
 
 from __future__ import annotations
@@ -33,7 +31,6 @@ from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_rotation import KeyRotation
 
 PARKED = "\x00dropped:"     # pool table ids of parked blocks: no sequence id holds a NUL
-HELD = "\x00undoing"
 
 
 @dataclass
@@ -85,11 +82,5 @@ class DropJournal:
             self.pool.free(drop.parked)
 
     def _give_back(self, drop: Drop) -> None:
-        size = self.pool.block_size
         now = list(self.pool.table(drop.seq_id))
-        restored = [*drop.table, *now[len(drop.table) - drop.dropped:]]
-        # The sequence's blocks stay referenced while its table is rebuilt.
-        self.pool.allocate(HELD, len(now) * size, cached_blocks=now)
-        self.pool.free(drop.seq_id)
-        self.pool.allocate(drop.seq_id, len(restored) * size, cached_blocks=restored)
-        self.pool.free(HELD)
+        self.pool.replace_table(drop.seq_id, [*drop.table, *now[len(drop.table) - drop.dropped:]])

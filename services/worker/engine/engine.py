@@ -14,7 +14,7 @@ planning (planning.py), the forward (forward.py) and sampling (sampling.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -43,7 +43,8 @@ from services.worker.engine.prompt_logprobs import PromptScorer
 from services.worker.engine.sampler import SampledToken, Sampler
 from services.worker.engine.sampling import LogitsRows, StepSampler
 from services.worker.engine.sequences import Sequences
-from services.worker.engine.sizing import default_num_blocks, layer_kv_layout, max_model_len
+from services.worker.engine.sizing import kv_layout, layer_kv_layout, max_model_len
+from services.worker.engine.sliding_blocks import SlidingBlocks
 
 
 @dataclass
@@ -68,15 +69,20 @@ class Engine:
         decode_kernel = load_decode_kernel(config.decode_attention, self.device, self.dtype,
                                            self.block_size, prepared.kernel_cache_dir)
         specs, cache_layer = layer_kv_layout(prepared.base)
-        num_blocks = config.num_blocks or default_num_blocks(specs, config, self.device, self.dtype)
+        self.kv_layout = layout = kv_layout(prepared.base, specs, config, self.device, self.dtype)
+        num_blocks = layout.num_blocks
         self.max_model_len = max_model_len(config, self.model_config, self.device)
         if graph_capture is None and config.use_cuda_graphs and self.device.type == "cuda":
             graph_capture = CudaGraphCapture()
         # Graphs' padding rows write into one scratch block past the pool's blocks.
         scratch_blocks = 1 if graph_capture is not None else 0
-        self.kv = PagedKVCache(specs, num_blocks + scratch_blocks, self.block_size, self.dtype, self.device)
+        self.kv = PagedKVCache(specs, num_blocks + scratch_blocks, self.block_size, self.dtype, self.device,
+                               layout.sliding, layout.sliding_blocks + scratch_blocks)
         self.pool = BlockPool(num_blocks, self.block_size, config.enable_prefix_caching, config.eviction_policy)
-        self.forward = Forward(prepared, self.kv, cache_layer, self.pool, varlen, decode_kernel)
+        self.sliding = (SlidingBlocks(layout.sliding_blocks, self.block_size, layout.window)
+                        if layout.window is not None else None)
+        self.pool.listener = self.sliding
+        self.forward = Forward(prepared, self.kv, cache_layer, self.pool, varlen, decode_kernel, self.sliding)
         if graph_capture is not None:
             self.forward.graphs = self._decode_graphs(graph_capture, cache_layer, num_blocks)
         self.prompt_logits = PromptLogitsCache(config.prompt_logits_cache_size
@@ -93,9 +99,9 @@ class Engine:
         self.grammar_masks = GrammarMasker()
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
         self.isolation = StepIsolation(self.sequences, self.pool)
-        self.evictor = KvEvictor(self.pool, KeyRotation.of(prepared.base, self.kv), self.block_size)
+        self.evictor = KvEvictor(self.pool, KeyRotation.of(prepared.base, self.kv, self.sliding), self.block_size)
         self.planner = StepPlanner(self.sequences, self.pool, self.kv, self.prompt_logits, PlanLimits(
-            self.block_size, self.max_model_len, config.ngram_min, config.ngram_max), self.evictor)
+            self.block_size, self.max_model_len, config.ngram_min, config.ngram_max), self.evictor, self.sliding)
         self._info = t.EngineInfo(
             model_name=config.model_key or getattr(self.model_config, "name_or_path", "") or Path(config.model_dir).name,
             block_size=self.block_size, num_blocks=num_blocks, device=str(self.device),
@@ -107,7 +113,9 @@ class Engine:
             self.forward.hidden_states, self.kv, cache_layer, capture, block_size=self.block_size,
             scratch_block=num_blocks, max_batch=self.config.cuda_graph_max_batch,
             max_context=min(self.max_model_len, self.config.cuda_graph_max_context),
-            device=self.device, min_context=decode_graphs.MIN_CONTEXT_BUCKET)
+            device=self.device, min_context=decode_graphs.MIN_CONTEXT_BUCKET,
+            sliding_scratch_block=self.kv_layout.sliding_blocks if self.sliding is not None else None,
+            sliding_window=self.kv_layout.window or 0)
 
     # ---- public API ----------------------------------------------------------------------
 
@@ -130,7 +138,7 @@ class Engine:
         # A sequence whose planning or forward raises fails alone (isolation.py).
         results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
         planned, logits_rows = totals.planned, totals.logits_rows
-        return t.StepOutput(results=tuple(results), pool=self.pool.stats(), forward_ms=totals.forward_ms,
+        return t.StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
                             batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
@@ -184,17 +192,33 @@ class Engine:
         return self.pool.cached_partials()
 
     def pool_stats(self) -> t.PoolStats:
-        return self.pool.stats()
+        """The pool's figures; under the hybrid layout, what an allocation can take (free
+        plus cached) is capped at the sliding blocks that can be attached, since every block
+        of a sequence shorter than the window needs one: the scheduler then admits what
+        the tighter of the two caches holds (a long sequence needs far fewer sliding blocks
+        than pool blocks, so for it the cap is conservative)."""
+        stats = self.pool.stats()
+        if self.sliding is None:
+            return stats
+        over = stats.available_blocks - self.sliding.num_available()
+        if over <= 0:
+            return stats
+        free_cut = min(over, stats.free_blocks)
+        return replace(stats, free_blocks=stats.free_blocks - free_cut,
+                       cached_blocks=stats.cached_blocks - (over - free_cut))
 
     def running_sequences(self) -> int:
         return len(self.sequences)
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        tables = {seq.seq_id: self.pool.table(seq.seq_id) for seq in self.sequences}
         for seq in self.sequences:
-            table = self.pool.table(seq.seq_id)
+            table = tables[seq.seq_id]
             if self.pool.blocks_for(seq.cache_len) > len(table):
                 raise AssertionError(f"{seq.seq_id} computed {seq.num_computed} tokens in {len(table)} blocks")
+        if self.sliding is not None:
+            self.sliding.check_invariants(tables)
 
     def wait_for_screen(self, timeout: float | None = None) -> bool:
         """Blocks until the screen is built or known not to be (benchmarks, tests)."""

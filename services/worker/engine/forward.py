@@ -13,11 +13,12 @@ import torch
 
 from services.worker.engine.attention import StepMetadata
 from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows
+from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows, GroupRows
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
-from services.worker.engine.step_inputs import ScoreRun, build_step_inputs, slot
+from services.worker.engine.sliding_blocks import SlidingBlocks
+from services.worker.engine.step_inputs import ScoreRun, build_step_inputs, sliding_table, slot
 
 ScoreRows = Callable[[ScoreRun, torch.Tensor], None]
 
@@ -28,7 +29,8 @@ if TYPE_CHECKING:
 
 class Forward:
     def __init__(self, prepared: PreparedModel, kv: PagedKVCache, cache_layer: list[int], pool: BlockPool,
-                 varlen: VarlenKernel | None, decode_kernel: NativeDecodeAttention | None) -> None:
+                 varlen: VarlenKernel | None, decode_kernel: NativeDecodeAttention | None,
+                 sliding: SlidingBlocks | None = None) -> None:
         self.base = prepared.base
         self.direct = prepared.speedups.direct
         self.mask_by_type = prepared.mask_by_type
@@ -38,6 +40,7 @@ class Forward:
         self.pool = pool
         self.varlen = varlen
         self.decode_kernel = decode_kernel
+        self.sliding = sliding
         self.graphs: DecodeGraphs | None = None   # set once captured graphs can call hidden_states
 
     def sampling_hidden_states(self, planned: list[Planned], score: ScoreRows | None = None
@@ -51,10 +54,11 @@ class Forward:
         if rows is not None:
             return order, rows
         inputs = build_step_inputs(order, self.pool, self.kv, self.cache_layer, self.device,
-                                   varlen=self.varlen, decode_kernel=self.decode_kernel)
+                                   varlen=self.varlen, decode_kernel=self.decode_kernel, sliding=self.sliding)
         hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
-        if inputs.meta.scores is not None:
-            inputs.meta.scores.commit()
+        for meta in (inputs.meta, inputs.meta.sliding):
+            if meta is not None and meta.scores is not None:
+                meta.scores.commit()     # each group's layers add to the same block scores
         if score is not None:
             for run in inputs.score_runs:
                 score(run, hidden[run.first_row:run.first_row + run.count])
@@ -79,9 +83,14 @@ class Forward:
             return None     # h2o reports its attention (h2o_scores.py): no graph replay
         tables = [self.pool.table(p.seq.seq_id) for p in order]
         block_size = self.pool.block_size
+        sliding = None
+        if self.sliding is not None:
+            sliding_tables = [sliding_table(self.sliding, p, table) for p, table in zip(order, tables)]
+            sliding = GroupRows(slots=[slot(table, p.start - p.seq.evicted, block_size)
+                                       for p, table in zip(order, sliding_tables)], block_tables=sliding_tables)
         return self.graphs.run(DecodeRows(
             token_ids=[p.seq.tokens[p.start] for p in order],
             positions=[p.start - p.seq.evicted for p in order],
             slots=[slot(table, p.start - p.seq.evicted, block_size) for p, table in zip(order, tables)],
             ctx_lens=[p.end - p.seq.evicted for p in order],
-            block_tables=tables))
+            block_tables=tables, sliding=sliding))

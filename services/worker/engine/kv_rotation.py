@@ -17,18 +17,22 @@ import inspect
 
 import torch
 
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
+from services.worker.engine.sliding_blocks import SlidingBlocks
 
 
 class KeyRotation:
     @staticmethod
-    def of(base: torch.nn.Module, kv: PagedKVCache) -> KeyRotation | None:
+    def of(base: torch.nn.Module, kv: PagedKVCache, sliding: SlidingBlocks | None = None) -> KeyRotation | None:
         """The rotation of `base`'s keys, or None for a model without a rotary embedding."""
-        return KeyRotation(base, kv) if isinstance(getattr(base, "rotary_emb", None), torch.nn.Module) else None
+        if not isinstance(getattr(base, "rotary_emb", None), torch.nn.Module):
+            return None
+        return KeyRotation(base, kv, sliding)
 
-    def __init__(self, base: torch.nn.Module, kv: PagedKVCache) -> None:
+    def __init__(self, base: torch.nn.Module, kv: PagedKVCache, sliding: SlidingBlocks | None = None) -> None:
         self.rotary = base.rotary_emb
         self.kv = kv
+        self.sliding = sliding
         types = getattr(base.config, "layer_types", None)
         takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.layer_types: list[str | None] = [
@@ -36,15 +40,26 @@ class KeyRotation:
         self._cos_sin: dict[tuple[str | None, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def shift(self, slots: torch.Tensor, delta: int) -> None:
-        """Moves the keys in `slots` (every layer that owns a cache) `delta` positions back."""
+        """Moves the keys in `slots` (pool slots: every layer that owns a cache, the sliding
+        group's layers where those blocks have sliding blocks) `delta` positions back."""
         if delta == 0 or slots.numel() == 0:
             return
+        sliding_slots = self._sliding_slots(slots) if self.sliding is not None else slots
         for layer, keys in enumerate(self.kv.keys):
-            if keys is None:
+            layer_slots = sliding_slots if self.kv.group[layer] == SLIDING_GROUP else slots
+            if keys is None or layer_slots.numel() == 0:
                 continue
             cos, sin = self.cos_sin(self.layer_types[layer], delta, keys.device)
-            k = keys.index_select(0, slots).float()
-            keys.index_copy_(0, slots, (k * cos - _rotate_half(k) * sin).to(keys.dtype))
+            k = keys.index_select(0, layer_slots).float()
+            keys.index_copy_(0, layer_slots, (k * cos - _rotate_half(k) * sin).to(keys.dtype))
+
+    def _sliding_slots(self, slots: torch.Tensor) -> torch.Tensor:
+        """The sliding group's slots of the attached blocks among pool `slots`."""
+        assert self.sliding is not None
+        size = self.kv.block_size
+        moved = [self.sliding.sliding_of(slot // size) * size + slot % size
+                 for slot in slots.tolist() if self.sliding.attached(slot // size)]
+        return torch.tensor(moved, dtype=torch.long, device=slots.device)
 
     def cos_sin(self, layer_type: str | None, position: int, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -6,8 +6,11 @@ drafts; a new sequence first tries the exact-match path (an identical prompt's
 cached K/V and last logits: nothing is computed), else reuses its leading
 cached full blocks and copies the longest shared run of a cached block after
 them (not when its prompt is scored for logprobs: that computes every position);
-then the pool grows its block table to cover the chunk. A plan the pool cannot
-cover fails the item with "out_of_blocks" and changes nothing.
+then the pool grows its block table to cover the chunk. Under the hybrid layout
+(sliding_blocks.py) a reused prefix must have its last window in the sliding group,
+and every plan attaches sliding blocks for the window its chunk attends through. A
+plan the pool (or the sliding group) cannot cover fails the item with
+"out_of_blocks" and changes nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ from common.block_hash import parent_of
 from common.types import TokenLogprob
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
 from services.worker.engine.kv_policy import KvEvictor
 from services.worker.engine.prompt_logits import PromptLogitsCache
 from services.worker.engine.sequences import Sequences, SequenceState
+from services.worker.engine.sliding_blocks import SlidingBlocks
 from services.worker.engine.speculation import NgramIndex
 
 MIN_PARTIAL_COPY = 2   # shortest run copied from a cached block when the tail differs
@@ -71,8 +75,10 @@ class PlanLimits:
 
 class StepPlanner:
     def __init__(self, sequences: Sequences, pool: BlockPool, kv: PagedKVCache, prompt_logits: PromptLogitsCache,
-                 limits: PlanLimits, evictor: KvEvictor | None = None) -> None:
+                 limits: PlanLimits, evictor: KvEvictor | None = None,
+                 sliding: SlidingBlocks | None = None) -> None:
         self.sequences = sequences
+        self.sliding = sliding
         self.evictor = evictor if evictor is not None else KvEvictor(pool, None, limits.block_size)
         self.pool = pool
         self.kv = kv
@@ -130,16 +136,17 @@ class StepPlanner:
                 return exact
         cached_blocks, tail_source, copied = self._reusable(seq) if fresh else ([], None, 0)
         start = len(cached_blocks) * self.block_size if fresh else seq.num_computed
-        num_tokens = min(budget, len(seq.tokens) - start - copied)
+        num_tokens = self._sliding_room(seq, start, min(budget, len(seq.tokens) - start - copied))
         if seq.lossy:
             num_tokens = self.evictor.make_room(seq, num_tokens)
-        if not self._allocate(seq, start + copied + num_tokens - seq.evicted, cached_blocks, tail_source, copied):
+        first = start - seq.evicted
+        if not self._allocate(seq, first + copied + num_tokens, cached_blocks, tail_source, copied, first):
             if tail_source is None:
                 return None
             # Holding the copy source can be what leaves the pool one block short.
             tail_source, copied = None, 0
-            num_tokens = min(budget, len(seq.tokens) - start)
-            if not self._allocate(seq, start + num_tokens, cached_blocks, None, 0):
+            num_tokens = self._sliding_room(seq, start, min(budget, len(seq.tokens) - start))
+            if not self._allocate(seq, start + num_tokens, cached_blocks, None, 0, start):
                 return None
         start += copied
         cached_tokens = 0
@@ -173,7 +180,7 @@ class StepPlanner:
         # Every verified row stays inside the model's context.
         limit = min(draft_tokens, self.limits.max_model_len - len(seq.tokens))
         drafts = seq.ngrams.propose(seq.tokens, limit)
-        if not drafts or not self.pool.allocate(seq.seq_id, len(seq.tokens) + len(drafts)):
+        if not drafts or not self._allocate(seq, len(seq.tokens) + len(drafts), [], None, 0, seq.num_computed):
             return None
         return Planned(seq, seq.num_computed, 1, 0, result_index, drafts=drafts)
 
@@ -185,17 +192,18 @@ class StepPlanner:
             return None
         hashes = seq.full_block_hashes(self.block_size)
         full = len(seq.tokens) // self.block_size
-        blocks = self.pool.find_cached_prefix(hashes[:full])
+        blocks = self._usable(self.pool.find_cached_prefix(hashes[:full]))
         if len(blocks) < full:
             return None
         rest = len(seq.tokens) - full * self.block_size
         tail_source = None
         if rest:
-            tail = self.pool.find_longest_tail(key[0], seq.tokens[full * self.block_size:], seq.cache_salt)
+            tail = self._attached_tail(self.pool.find_longest_tail(key[0], seq.tokens[full * self.block_size:],
+                                                                   seq.cache_salt))
             if tail is None or tail[1] < rest:
                 return None
             tail_source = tail[0]
-        if not self._allocate(seq, len(seq.tokens), blocks, tail_source, rest):
+        if not self._allocate(seq, len(seq.tokens), blocks, tail_source, rest, full * self.block_size):
             return None
         logits = self.prompt_logits.get(key)
         assert logits is not None
@@ -213,24 +221,64 @@ class StepPlanner:
         hashes = seq.full_block_hashes(self.block_size)
         # Keep at least the last token to compute: its logits give the next token.
         reusable = (len(seq.tokens) - 1) // self.block_size
-        blocks = self.pool.find_cached_prefix(hashes[:reusable])
+        blocks = self._usable(self.pool.find_cached_prefix(hashes[:reusable]))
         start = len(blocks) * self.block_size
         tail = seq.tokens[start:start + self.block_size]
         if len(tail) < 2:
             return blocks, None
-        return blocks, self.pool.find_longest_tail(parent_of(hashes, len(blocks)), tail, seq.cache_salt)
+        return blocks, self._attached_tail(self.pool.find_longest_tail(parent_of(hashes, len(blocks)), tail,
+                                                                       seq.cache_salt))
+
+    def _usable(self, blocks: list[int]) -> list[int]:
+        """The leading cached `blocks` whose last window the sliding group still holds."""
+        return blocks if self.sliding is None else blocks[:self.sliding.usable_prefix(blocks)]
+
+    def _attached_tail(self, tail: tuple[int, int] | None) -> tuple[int, int] | None:
+        """`tail` unless its block's sliding-group K/V are gone."""
+        if tail is None or self.sliding is None or self.sliding.attached(tail[0]):
+            return tail
+        return None
+
+    def _sliding_room(self, seq: SequenceState, start: int, num_tokens: int) -> int:
+        """`num_tokens`, cut so that the chunk's window fits the sliding group at all."""
+        if self.sliding is None:
+            return num_tokens
+        first = start - seq.evicted
+        room = (self.sliding.num_blocks + self.sliding.first_in_window(first)) * self.block_size - first
+        return max(1, min(num_tokens, room))
 
     def _allocate(self, seq: SequenceState, num_tokens: int, cached_blocks: list[int],
-                  tail_source: int | None, copied: int) -> bool:
-        """Grows `seq`'s table to `num_tokens` tokens; with a tail source, copies its first
-        `copied` slots into the block after the cached ones."""
-        if tail_source is None:
-            return self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
-        self.pool.hold(tail_source)     # the allocation must not evict the block copied from
+                  tail_source: int | None, copied: int, first_query: int) -> bool:
+        """Grows `seq`'s table to `num_tokens` tokens (cache positions), and the sliding
+        group's cover to the window from `first_query` on; with a tail source, copies its
+        first `copied` slots into the block after the cached ones."""
+        sources = () if tail_source is None else (tail_source,)
+        window_start = self.sliding.first_in_window(first_query) if self.sliding is not None else 0
+        if self.sliding is not None:
+            table = self.pool.table(seq.seq_id) or cached_blocks
+            computed = table[window_start:self.pool.blocks_for(first_query)]
+            if not all(self.sliding.attached(block) for block in computed):
+                raise RuntimeError(f"{seq.seq_id}: the sliding layers' K/V of its window are gone")
+            new = max(0, self.pool.blocks_for(num_tokens) - len(table))
+            if not self.sliding.can_cover(table[window_start:], new, sources, seq.seq_id):
+                return False
+        for source in sources:
+            self.pool.hold(source)     # the allocation must not evict the block copied from
         try:
-            allocated = self.pool.allocate(seq.seq_id, num_tokens, cached_blocks)
-            if allocated:
-                self.kv.copy_slots(tail_source, self.pool.table(seq.seq_id)[len(cached_blocks)], copied)
+            if not self.pool.allocate(seq.seq_id, num_tokens, cached_blocks):
+                return False
+            table = self.pool.table(seq.seq_id)
+            if self.sliding is not None and not self.sliding.cover(seq.seq_id, table[window_start:], sources):
+                raise AssertionError("the sliding group could not cover what it said it could")
+            if tail_source is not None:
+                self._copy_tail(tail_source, table[len(cached_blocks)], copied)
         finally:
-            self.pool.release(tail_source)
-        return allocated
+            for source in sources:
+                self.pool.release(source)
+        return True
+
+    def _copy_tail(self, source: int, target: int, copied: int) -> None:
+        self.kv.copy_slots(source, target, copied)
+        if self.sliding is not None:
+            self.kv.copy_slots(self.sliding.sliding_of(source), self.sliding.sliding_of(target), copied,
+                               SLIDING_GROUP)

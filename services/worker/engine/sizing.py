@@ -1,9 +1,12 @@
 """How large an engine's KV pool and context are: each layer's cache shape (and which
-layer's cache a KV-shared layer reads), the default block count from the memory
-left after the weights, and the longest sequence served.
+layer's cache a KV-shared layer reads), which layers keep the smaller sliding-window
+cache (sliding_blocks.py), the default block counts from the memory left after the
+weights, and the longest sequence served.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from transformers import PretrainedConfig
@@ -36,19 +39,62 @@ def layer_kv_layout(base: torch.nn.Module) -> tuple[list[LayerKVSpec | None], li
     return specs, cache_layer
 
 
-def default_num_blocks(specs: list[LayerKVSpec | None], config: EngineConfig, device: torch.device,
-                       dtype: torch.dtype) -> int:
-    """Blocks that fit the configured share of free memory (call after loading the weights)."""
-    per_block = PagedKVCache.bytes_per_block(specs, config.block_size, dtype)
+@dataclass(frozen=True)
+class KvLayout:
+    num_blocks: int             # the pool's (every full-attention layer's cache)
+    sliding_blocks: int         # the sliding group's; 0: no sliding group
+    window: int | None          # the sliding group's window (the largest of its layers')
+    sliding: list[bool]         # per layer: its cache is the sliding group's
+
+
+def sliding_layers(base: torch.nn.Module, specs: list[LayerKVSpec | None]) -> tuple[int | None, list[bool]]:
+    """The window of the cache-owning layers that attend through a sliding window (the
+    largest, where they differ), and which layers those are; (None, []) when none does."""
+    sliding: list[bool] = []
+    windows: list[int] = []
+    for layer, spec in zip(base.layers, specs):
+        attn = layer.self_attn
+        window = getattr(attn, "sliding_window", None) if getattr(attn, "is_sliding", None) is not False else None
+        sliding.append(spec is not None and bool(window))
+        if sliding[-1]:
+            windows.append(int(window))
+    return (max(windows), sliding) if windows else (None, [])
+
+
+def kv_layout(base: torch.nn.Module, specs: list[LayerKVSpec | None], config: EngineConfig,
+              device: torch.device, dtype: torch.dtype) -> KvLayout:
+    """The pool's and the sliding group's block counts (call after loading the weights).
+    Given KV_CACHE_NUM_BLOCKS, the sliding group gets as many blocks (nothing that fitted
+    before stops fitting); sized from memory, it gets half the byte budget."""
+    window, sliding = sliding_layers(base, specs) if config.kv_hybrid else (None, [])
+    size = config.block_size
+    if window is None:
+        blocks = config.num_blocks or max(1, kv_budget(config, device) // PagedKVCache.bytes_per_block(
+            specs, size, dtype))
+        return KvLayout(blocks, 0, None, [])
+    floor = window // size + 2      # one window's blocks, and one being written
+    if 0 < config.sliding_blocks < floor:
+        raise ValueError(f"KV_CACHE_SLIDING_BLOCKS must be at least {floor} (a {window}-token window "
+                         f"in blocks of {size}), got {config.sliding_blocks}")
+    if config.num_blocks:
+        return KvLayout(config.num_blocks, config.sliding_blocks or config.num_blocks, window, sliding)
+    budget = kv_budget(config, device)
+    per_sliding = PagedKVCache.bytes_per_block(specs, size, dtype, sliding)
+    per_full = PagedKVCache.bytes_per_block(specs, size, dtype, [not s for s in sliding])
+    sliding_blocks = config.sliding_blocks or max(floor, budget // 2 // per_sliding)
+    num_blocks = max(1, (budget - sliding_blocks * per_sliding) // (per_full or per_sliding))
+    return KvLayout(num_blocks, min(sliding_blocks, num_blocks), window, sliding)
+
+
+def kv_budget(config: EngineConfig, device: torch.device) -> int:
+    """Bytes for the KV caches: the configured share of free memory, or cpu_kv_bytes."""
     fraction = config.kv_memory_fraction
     if device.type == "cuda":
-        budget = int(free_device_memory(device) * (fraction or 0.5))
-    elif fraction > 0:
+        return int(free_device_memory(device) * (fraction or 0.5))
+    if fraction > 0:
         # After the weights are loaded, so the fraction is of what is left.
-        budget = int(free_device_memory(device) * fraction)
-    else:
-        budget = config.cpu_kv_bytes
-    return max(1, budget // per_block)
+        return int(free_device_memory(device) * fraction)
+    return config.cpu_kv_bytes
 
 
 def max_model_len(config: EngineConfig, model_config: PretrainedConfig, device: torch.device) -> int:

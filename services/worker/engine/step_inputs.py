@@ -7,11 +7,15 @@ before the first multi-row one are decodes (attended through padded block tables
 every later plan is a prefill chunk (a contiguous run of rows over its context).
 A chunk of a sequence that asked for prompt logprobs also names its rows that
 predict a prompt token (score runs).
+Under the hybrid layout (sliding_blocks.py) the slots, tables and context slots are
+built twice, in the pool's blocks and in the sliding group's, as two metadata.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,6 +25,7 @@ from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.h2o_scores import AttentionScores
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.planning import Planned
+from services.worker.engine.sliding_blocks import SlidingBlocks
 
 if TYPE_CHECKING:
     from services.worker.engine.cpu.native_decode import NativeDecodeAttention
@@ -48,15 +53,24 @@ class ScoreRun:
 
 
 @dataclass
+class _GroupRows:
+    """One cache group's part of the inputs: where each row's K/V go and the context each
+    attends through, in that group's blocks."""
+    table_of: Callable[[Planned, list[int]], list[int]]   # (plan, pool table) -> the group's table
+    block_size: int
+    scores: AttentionScores
+    slots: list[int] = field(default_factory=list)
+    decode_tables: list[list[int]] = field(default_factory=list)
+    prefills: list[PrefillChunk] = field(default_factory=list)
+
+
+@dataclass
 class _Rows:
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    decode_ctx: list[int]
-    decode_tables: list[list[int]]
-    prefills: list[PrefillChunk]
-    sample_rows: list[int]
-    sample_plans: list[Planned]
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    decode_ctx: list[int] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_plans: list[Planned] = field(default_factory=list)
     score_runs: list[ScoreRun] = field(default_factory=list)
 
 
@@ -65,34 +79,52 @@ def slot(table: list[int], position: int, block_size: int) -> int:
     return table[position // block_size] * block_size + position % block_size
 
 
+def sliding_table(sliding: SlidingBlocks, plan: Planned, table: list[int]) -> list[int]:
+    """`plan`'s sliding-group table: its window's entries from the chunk's first query on."""
+    return sliding.table(table, sliding.first_in_window(plan.start - plan.seq.evicted))
+
+
 def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, cache_layer: list[int],
                       device: torch.device, varlen: VarlenKernel | None = None,
-                      decode_kernel: NativeDecodeAttention | None = None) -> StepInputs:
-    """The inputs of one forward over `order` (decodes first), with the pool's block tables."""
-    scores = AttentionScores(pool.block_size)
-    rows = _pack_rows(order, pool, device, scores)
-    if scores:
+                      decode_kernel: NativeDecodeAttention | None = None,
+                      sliding: SlidingBlocks | None = None) -> StepInputs:
+    """The inputs of one forward over `order` (decodes first), with the pool's block tables
+    (and the sliding group's, under the hybrid layout)."""
+    size = pool.block_size
+    groups = [_GroupRows(lambda plan, table: table, size, AttentionScores(size))]
+    if sliding is not None:
+        groups.append(_GroupRows(partial(sliding_table, sliding), size, AttentionScores(size)))
+    rows = _Rows()
+    _pack_rows(order, rows, groups, pool, device)
+    if any(group.scores for group in groups):
         decode_kernel = None    # the C decode layers take no step that must report its attention
-    width = max((len(table) for table in rows.decode_tables), default=0)
-    padded = [table + [0] * (width - len(table)) for table in rows.decode_tables]
+    metas = [_metadata(group, rows, kv, cache_layer, device, varlen, decode_kernel) for group in groups]
+    if sliding is not None:
+        metas[0].sliding = metas[1]
+        metas[1].sliding_window = sliding.window
+    input_ids = torch.tensor(rows.ids, dtype=torch.long, device=device)
+    position_tensor = torch.tensor(rows.positions, dtype=torch.long, device=device)
+    return StepInputs(metas[0], input_ids, position_tensor, rows.sample_rows, rows.sample_plans, rows.score_runs)
+
+
+def _metadata(group: _GroupRows, rows: _Rows, kv: PagedKVCache, cache_layer: list[int], device: torch.device,
+              varlen: VarlenKernel | None, decode_kernel: NativeDecodeAttention | None) -> StepMetadata:
+    width = max((len(table) for table in group.decode_tables), default=0)
+    padded = [table + [0] * (width - len(table)) for table in group.decode_tables]
     decode_ctx = rows.decode_ctx
-    meta = StepMetadata(
-        kv=kv, cache_layer=cache_layer, block_size=pool.block_size,
-        slot_mapping=torch.tensor(rows.slots, dtype=torch.long, device=device),
+    return StepMetadata(
+        kv=kv, cache_layer=cache_layer, block_size=group.block_size,
+        slot_mapping=torch.tensor(group.slots, dtype=torch.long, device=device),
         num_decodes=len(decode_ctx),
         decode_ctx_lens=torch.tensor(decode_ctx, dtype=torch.long, device=device),
         decode_block_tables=torch.tensor(padded, dtype=torch.long, device=device).reshape(len(padded), width),
         decode_ctx_range=(min(decode_ctx, default=0), max(decode_ctx, default=0)),
-        prefills=rows.prefills, num_tokens=len(rows.ids), varlen=varlen, decode_kernel=decode_kernel,
-        scores=scores if scores else None)
-    input_ids = torch.tensor(rows.ids, dtype=torch.long, device=device)
-    position_tensor = torch.tensor(rows.positions, dtype=torch.long, device=device)
-    return StepInputs(meta, input_ids, position_tensor, rows.sample_rows, rows.sample_plans, rows.score_runs)
+        prefills=group.prefills, num_tokens=len(rows.ids), varlen=varlen, decode_kernel=decode_kernel,
+        scores=group.scores if group.scores else None)
 
 
-def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device, scores: AttentionScores) -> _Rows:
-    block_size = pool.block_size
-    rows = _Rows([], [], [], [], [], [], [], [])
+def _pack_rows(order: list[Planned], rows: _Rows, groups: list[_GroupRows], pool: BlockPool,
+               device: torch.device) -> None:
     for plan in order:
         table = pool.table(plan.seq.seq_id)
         row = len(rows.ids)
@@ -102,30 +134,40 @@ def _pack_rows(order: list[Planned], pool: BlockPool, device: torch.device, scor
         start = plan.start - plan.seq.evicted
         end = start + plan.rows
         rows.positions.extend(range(start, end))
-        if plan.rows == 1 and not rows.prefills:
-            rows.slots.append(slot(table, start, block_size))
+        decode = plan.rows == 1 and not groups[0].prefills
+        if decode:
             rows.decode_ctx.append(end)
-            rows.decode_tables.append(table)
-        else:
-            table_tensor = torch.tensor(table[:pool.blocks_for(end)], dtype=torch.long)
-            context = torch.arange(end)
-            context_slots = table_tensor[context // block_size] * block_size + context % block_size
-            rows.slots.extend(context_slots[start:].tolist())
-            rows.prefills.append(PrefillChunk(row, plan.rows, start, context_slots.to(device)))
-        if plan.seq.budget is not None and plan.seq.budget.kind == "h2o":
-            context = torch.arange(end)
-            table_tensor = torch.tensor(table[:pool.blocks_for(end)], dtype=torch.long)
-            last_row = len(rows.ids) - 1 - len(plan.drafts)
-            scores.track(plan.seq, last_row, (table_tensor[context // block_size] * block_size
-                                              + context % block_size).to(device))
+        last_row = len(rows.ids) - 1 - len(plan.drafts)
+        for group in groups:
+            _pack_group(group, plan, group.table_of(plan, table), row, start, end, decode, last_row, device)
         run = _score_run(plan, row)
         if run is not None:
             rows.score_runs.append(run)
         if plan.samples:
             # The last computed token's row, then one row per draft.
-            rows.sample_rows.extend(range(len(rows.ids) - 1 - len(plan.drafts), len(rows.ids)))
+            rows.sample_rows.extend(range(last_row, len(rows.ids)))
             rows.sample_plans.extend([plan] * (1 + len(plan.drafts)))
-    return rows
+
+
+def _pack_group(group: _GroupRows, plan: Planned, table: list[int], row: int, start: int, end: int,
+                decode: bool, last_row: int, device: torch.device) -> None:
+    size = group.block_size
+    if decode:
+        group.slots.append(slot(table, start, size))
+        group.decode_tables.append(table)
+    else:
+        context_slots = _context_slots(table, end, size)
+        group.slots.extend(context_slots[start:].tolist())
+        group.prefills.append(PrefillChunk(row, plan.rows, start, context_slots.to(device)))
+    if plan.seq.budget is not None and plan.seq.budget.kind == "h2o":
+        group.scores.track(plan.seq, last_row, _context_slots(table, end, size).to(device))
+
+
+def _context_slots(table: list[int], end: int, block_size: int) -> torch.Tensor:
+    """The slots of positions 0 .. end - 1 through `table`."""
+    table_tensor = torch.tensor(table[:-(-end // block_size)], dtype=torch.long)
+    context = torch.arange(end)
+    return table_tensor[context // block_size] * block_size + context % block_size
 
 
 def _score_run(plan: Planned, first_row: int) -> ScoreRun | None:

@@ -4,7 +4,9 @@ protobuf."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.step import (  # noqa: F401  (the engine's step contract, re-exported)
     NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem,
@@ -51,3 +53,12 @@ class EngineInfo:
     max_model_len: int
     eos_token_ids: list[int]
     vocab_size: int
+
+
+class PoolListener(Protocol):
+    """What follows a block pool's blocks (sliding_blocks.py): told when a block is handed
+    out for new tokens, and when a sequence's table loses entries."""
+
+    def block_reused(self, block: int) -> None: ...
+
+    def table_changed(self, seq_id: str, table: Sequence[int]) -> None: ...

@@ -94,9 +94,20 @@ def test_info_describes_the_engine() -> None:
 
 
 def test_default_pool_size_comes_from_the_kv_byte_budget() -> None:
-    engine = make_engine("gemma3", num_blocks=0, block_size=4, cpu_kv_bytes=1 << 20)
+    engine = make_engine("gemma3", num_blocks=0, block_size=4, cpu_kv_bytes=1 << 20, kv_hybrid=False)
     # 4 layers x K and V x 1 KV head x 16 dims x 4 bytes x 4 tokens per block = 2 KiB per block.
     assert engine.info.num_blocks == (1 << 20) // 2048
+    assert engine.kv.nbytes() == engine.info.num_blocks * 2048
+
+
+def test_the_hybrid_layout_gives_the_sliding_layers_half_the_byte_budget() -> None:
+    engine = make_engine("gemma3", num_blocks=0, block_size=4, cpu_kv_bytes=1 << 20)
+    # 3 sliding layers x 512 bytes a block, 1 full layer x 512: the sliding group gets half.
+    sliding = (1 << 19) // 1536
+    assert engine.kv_layout.sliding_blocks == sliding and engine.kv_layout.window == 8
+    assert engine.info.num_blocks == ((1 << 20) - sliding * 1536) // 512
+    assert engine.kv.nbytes() <= 1 << 20
+    assert engine.kv.nbytes() == engine.info.num_blocks * 512 + sliding * 1536
 
 
 def test_device_and_dtype_resolution() -> None:
@@ -124,8 +135,9 @@ def test_memory_fraction_sizes_the_pool_from_available_host_memory(monkeypatch: 
 
     monkeypatch.setattr(sizing, "free_device_memory", lambda device: 64 << 20)
     engine = make_engine("gemma3", num_blocks=0, block_size=4, kv_memory_fraction=0.25)
-    # A quarter of 64 MiB at 2 KiB per block (see above).
-    assert engine.info.num_blocks == (16 << 20) // 2048
+    # A quarter of 64 MiB, half of it for the sliding group (see above).
+    assert engine.kv.nbytes() <= 16 << 20 < engine.kv.nbytes() + 1536
+    assert engine.kv_layout.sliding_blocks == (8 << 20) // 1536
 
 
 def test_available_host_memory_is_positive() -> None:

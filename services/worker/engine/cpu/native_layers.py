@@ -42,16 +42,18 @@ class _Coded(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = ([(name, _Coded) for name in PROJECTIONS]
-                + [(name, ctypes.c_void_p) for name in (*NORMS, "k_cache", "v_cache", "cos", "sin")]
-                + [("window", ctypes.c_int64), ("splits", ctypes.c_int64), ("scaling", ctypes.c_float)])
+                + [(name, ctypes.c_void_p) for name in (*NORMS, "k_cache", "v_cache", "cos", "sin",
+                                                        "slots", "block_tables")]
+                + [(name, ctypes.c_int64) for name in ("table_width", "window", "splits")]
+                + [("scaling", ctypes.c_float)])
 
 
 class _Step(ctypes.Structure):
     _fields_ = ([(name, ctypes.c_int64) for name in ("rows", "hidden", "heads", "kv_heads", "head_dim",
                                                      "intermediate")]
                 + [("eps", ctypes.c_float)]
-                + [(name, ctypes.c_void_p) for name in ("slots", "block_tables", "ctx_lens")]
-                + [(name, ctypes.c_int64) for name in ("table_width", "block_size", "activation", "num_threads")]
+                + [("ctx_lens", ctypes.c_void_p)]
+                + [(name, ctypes.c_int64) for name in ("block_size", "activation", "num_threads")]
                 + [(name, ctypes.c_void_p) for name in SCRATCH])
 
 
@@ -198,18 +200,24 @@ class NativeDecodeLayers:
         shape = self._shape
         longest = meta.decode_ctx_range[1]
         threads = torch.get_num_threads()
-        tables = meta.decode_block_tables.contiguous()
         ctx_lens = meta.decode_ctx_lens.contiguous()
-        slots = meta.slot_mapping.contiguous()
+        groups = {id(group): (group.slot_mapping.contiguous(), group.decode_block_tables.contiguous())
+                  for group in (meta, meta.sliding) if group is not None}
         angles = {kind: (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
                   for kind, (cos, sin) in rotary.items()}
         for index, structure in enumerate(self._layers):
             layer = meta.cache_layer[index]
             structure.k_cache = meta.kv.keys[layer].data_ptr()
             structure.v_cache = meta.kv.values[layer].data_ptr()
+            slots, tables = groups[id(meta.for_layer(layer))]
+            structure.slots, structure.block_tables = slots.data_ptr(), tables.data_ptr()
+            structure.table_width = tables.shape[1]
             cos, sin = angles[self._layer_types[index]]
             structure.cos, structure.sin = cos.data_ptr(), sin.data_ptr()
             window = self._windows[index]
+            limit = meta.for_layer(layer).sliding_window
+            if limit and (window is None or window > limit):
+                raise RuntimeError(f"layer {index} attends {window or 'all'} positions through the sliding cache")
             structure.window = window or 0
             structure.splits = _splits(rows, shape["kv_heads"], threads, longest if window is None
                                        else min(longest, window))
@@ -218,8 +226,7 @@ class NativeDecodeLayers:
         for name in SCRATCH:
             pointers[name] = scratch.data_ptr() + offset * scratch.element_size()
             offset += rows * self._widths[name]
-        step = _Step(rows=rows, eps=self._eps, slots=slots.data_ptr(), block_tables=tables.data_ptr(),
-                     ctx_lens=ctx_lens.data_ptr(), table_width=tables.shape[1], block_size=meta.block_size,
+        step = _Step(rows=rows, eps=self._eps, ctx_lens=ctx_lens.data_ptr(), block_size=meta.block_size,
                      activation=self._activation, num_threads=threads, **shape, **pointers)
         if self._function(hidden.data_ptr(), ctypes.addressof(self._layers), len(self._layers),
                           ctypes.byref(step), ctypes.byref(self._kernels)):

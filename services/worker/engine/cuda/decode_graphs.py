@@ -99,8 +99,17 @@ class _Graph:
     slot_mapping: torch.Tensor   # [batch]
     ctx_lens: torch.Tensor       # [batch]
     block_tables: torch.Tensor   # [batch, context // block_size]
+    sliding_slots: torch.Tensor | None = None    # the same two in the sliding group's blocks
+    sliding_tables: torch.Tensor | None = None
     replay: Callable[[], torch.Tensor] | None = None
     rechecked: bool = False      # a replay on inputs other than the captured ones matched eager
+
+
+@dataclass(frozen=True)
+class GroupRows:
+    """The slots and block tables of a decode-only step's rows in the sliding group's blocks."""
+    slots: list[int]
+    block_tables: list[list[int]]
 
 
 @dataclass(frozen=True)
@@ -111,6 +120,7 @@ class DecodeRows:
     slots: list[int]
     ctx_lens: list[int]          # context length including the decoded token
     block_tables: list[list[int]]
+    sliding: GroupRows | None = None   # under the hybrid layout (sliding_blocks.py)
 
 
 def row_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -148,7 +158,8 @@ class DecodeGraphs:
     def __init__(self, forward: BaseForward, kv: PagedKVCache, cache_layer: list[int], capture: GraphCapture,
                  *, block_size: int, scratch_block: int, max_batch: int, max_context: int,
                  device: torch.device, min_context: int = MIN_CONTEXT_BUCKET,
-                 tolerance: float = REPLAY_TOLERANCE) -> None:
+                 tolerance: float = REPLAY_TOLERANCE, sliding_scratch_block: int | None = None,
+                 sliding_window: int = 0) -> None:
         if max_batch <= 0:
             raise ValueError("max_batch must be positive")
         self._forward = forward
@@ -157,6 +168,8 @@ class DecodeGraphs:
         self._capture = capture
         self.block_size = block_size
         self.scratch_block = scratch_block
+        self.sliding_scratch_block = sliding_scratch_block   # None: one cache group
+        self.sliding_window = sliding_window
         self.device = device
         self.tolerance = tolerance
         self.batch_buckets = batch_buckets(max_batch)
@@ -209,21 +222,29 @@ class DecodeGraphs:
         def buffer(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=self.device)
 
-        return _Graph(batch, context, buffer(batch), buffer(batch), buffer(batch), buffer(batch),
-                      buffer(batch, context // self.block_size))
+        graph = _Graph(batch, context, buffer(batch), buffer(batch), buffer(batch), buffer(batch),
+                       buffer(batch, context // self.block_size))
+        if self.sliding_scratch_block is not None:
+            graph.sliding_slots, graph.sliding_tables = buffer(batch), buffer(batch, context // self.block_size)
+        return graph
 
     def _body(self, graph: _Graph) -> Callable[[], torch.Tensor]:
         def forward() -> torch.Tensor:
             # Built inside the captured function: its derived tensors (slots, masks) are
             # recomputed from the static buffers on every replay.
-            meta = StepMetadata(
-                kv=self._kv, cache_layer=self._cache_layer, block_size=self.block_size,
-                slot_mapping=graph.slot_mapping, num_decodes=graph.batch, decode_ctx_lens=graph.ctx_lens,
-                decode_block_tables=graph.block_tables, decode_ctx_range=(0, graph.context),
-                prefills=[], num_tokens=graph.batch)
+            meta = self._metadata(graph, graph.slot_mapping, graph.block_tables)
+            if graph.sliding_slots is not None and graph.sliding_tables is not None:
+                meta.sliding = self._metadata(graph, graph.sliding_slots, graph.sliding_tables)
+                meta.sliding.sliding_window = self.sliding_window
             return self._forward(graph.input_ids, graph.positions, meta)
 
         return forward
+
+    def _metadata(self, graph: _Graph, slots: torch.Tensor, tables: torch.Tensor) -> StepMetadata:
+        return StepMetadata(
+            kv=self._kv, cache_layer=self._cache_layer, block_size=self.block_size, slot_mapping=slots,
+            num_decodes=graph.batch, decode_ctx_lens=graph.ctx_lens, decode_block_tables=tables,
+            decode_ctx_range=(0, graph.context), prefills=[], num_tokens=graph.batch)
 
     def _capture_checked(self, graph: _Graph) -> torch.Tensor | None:
         """Captures `graph` from its filled buffers. Returns its first replay's output, or
@@ -263,16 +284,25 @@ class DecodeGraphs:
 
     def _fill(self, graph: _Graph, rows: DecodeRows) -> None:
         pad = graph.batch - len(rows.token_ids)
-        width = graph.context // self.block_size
-        scratch_slot = self.scratch_block * self.block_size
-        tables = [table[:width] + [self.scratch_block] * (width - len(table[:width])) for table in rows.block_tables]
-        tables += [[self.scratch_block] * width] * pad
         # Padding rows: token 0 at position 0, its K/V into the scratch block, a context of one.
         host = torch.tensor([rows.token_ids + [0] * pad, rows.positions + [0] * pad,
-                             rows.slots + [scratch_slot] * pad, rows.ctx_lens + [1] * pad], dtype=torch.long)
+                             rows.ctx_lens + [1] * pad], dtype=torch.long)
         graph.input_ids.copy_(host[0], non_blocking=True)
         graph.positions.copy_(host[1], non_blocking=True)
-        graph.slot_mapping.copy_(host[2], non_blocking=True)
-        graph.ctx_lens.copy_(host[3], non_blocking=True)
-        graph.block_tables.copy_(torch.tensor(tables, dtype=torch.long).reshape(graph.batch, width),
-                                 non_blocking=True)
+        graph.ctx_lens.copy_(host[2], non_blocking=True)
+        self._fill_group(graph, graph.slot_mapping, graph.block_tables, rows.slots, rows.block_tables,
+                         self.scratch_block)
+        if graph.sliding_slots is not None and graph.sliding_tables is not None:
+            assert rows.sliding is not None and self.sliding_scratch_block is not None
+            self._fill_group(graph, graph.sliding_slots, graph.sliding_tables, rows.sliding.slots,
+                             rows.sliding.block_tables, self.sliding_scratch_block)
+
+    def _fill_group(self, graph: _Graph, slots_buffer: torch.Tensor, tables_buffer: torch.Tensor,
+                    slots: list[int], tables: list[list[int]], scratch: int) -> None:
+        pad = graph.batch - len(slots)
+        width = graph.context // self.block_size
+        padded = [table[:width] + [scratch] * (width - len(table[:width])) for table in tables]
+        padded += [[scratch] * width] * pad
+        slots_buffer.copy_(torch.tensor(slots + [scratch * self.block_size] * pad, dtype=torch.long),
+                           non_blocking=True)
+        tables_buffer.copy_(torch.tensor(padded, dtype=torch.long).reshape(graph.batch, width), non_blocking=True)

@@ -11,7 +11,7 @@
  *   normed = rms_norm(hidden, input_norm)
  *   q, k, v = codes(normed)                     [rows, heads | kv_heads, head_dim]
  *   q, k = rms_norm(q, q_norm), rms_norm(k, k_norm), then RoPE (cos, sin of the layer's type)
- *   k_cache[slots], v_cache[slots] = k, v
+ *   k_cache[slots], v_cache[slots] = k, v      (the slots and tables of the layer's cache group)
  *   attention through the block tables (window 0: none) -> o_proj -> post_attention_norm
  *   hidden = hidden + that
  *   mlp = down(act(gate(normed)) * up(normed)) with normed = rms_norm(hidden, pre_mlp_norm)
@@ -55,6 +55,9 @@ typedef struct {
     const float *input_norm, *q_norm, *k_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm;
     float *k_cache, *v_cache;        /* [slots, kv_heads, head_dim] */
     const float *cos, *sin;          /* [rows, head_dim], of the layer's type */
+    const int64_t *slots;            /* [rows] cache slot of each row's new K/V, in this cache's blocks */
+    const int64_t *block_tables;     /* [rows, table_width], in this cache's blocks */
+    int64_t table_width;
     int64_t window;                  /* 0: full attention */
     int64_t splits;                  /* context splits the attention kernel takes */
     float scaling;
@@ -63,10 +66,8 @@ typedef struct {
 typedef struct {
     int64_t rows, hidden, heads, kv_heads, head_dim, intermediate;
     float eps;
-    const int64_t *slots;            /* [rows] cache slot of each row's new K/V */
-    const int64_t *block_tables;     /* [rows, table_width] */
     const int64_t *ctx_lens;         /* [rows] */
-    int64_t table_width, block_size, activation, num_threads;
+    int64_t block_size, activation, num_threads;
     /* scratch, each [rows, width]: normed and attn_out [.., max(hidden, heads * head_dim)],
      * q [.., heads * head_dim], k and v [.., kv_heads * head_dim], gate, up, act [.., intermediate],
      * projected [.., hidden] */
@@ -96,11 +97,11 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
     kn->rms_norm(s->k, l->k_norm, s->k, rows * s->kv_heads, hd, s->eps, threads);
     kn->rope(s->q, s->heads, s->k, s->kv_heads, l->cos, l->sin, rows, hd, threads);
     for (int64_t r = 0; r < rows; r++) {
-        memcpy(l->k_cache + s->slots[r] * kv_width, s->k + r * kv_width, sizeof(float) * kv_width);
-        memcpy(l->v_cache + s->slots[r] * kv_width, s->v + r * kv_width, sizeof(float) * kv_width);
+        memcpy(l->k_cache + l->slots[r] * kv_width, s->k + r * kv_width, sizeof(float) * kv_width);
+        memcpy(l->v_cache + l->slots[r] * kv_width, s->v + r * kv_width, sizeof(float) * kv_width);
     }
-    failed |= kn->attention(s->q, l->k_cache, l->v_cache, s->block_tables, s->ctx_lens, s->attn_out, rows, s->heads,
-                            s->kv_heads, hd, hd, s->table_width, s->block_size, l->window, l->scaling, l->splits,
+    failed |= kn->attention(s->q, l->k_cache, l->v_cache, l->block_tables, s->ctx_lens, s->attn_out, rows, s->heads,
+                            s->kv_heads, hd, hd, l->table_width, s->block_size, l->window, l->scaling, l->splits,
                             threads);
     failed |= linear(kn, &l->o, s->attn_out, s->projected, rows, q_width, h, threads);
     kn->rms_norm(s->projected, l->post_attention_norm, s->projected, rows, h, s->eps, threads);
