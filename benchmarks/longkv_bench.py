@@ -10,7 +10,9 @@ StreamingLLM paper (Xiao et al., 2023) finds that window-only attention's perple
 once the first tokens leave the cache, while keeping a few sink tokens stays close to full.
 
 Speed and memory: a sequence of --context tokens, then --new-tokens greedy decodes, full
-against sink (budget 1024): KV bytes the sequence holds at the end and decode tokens/s.
+against sink (budget 1024), under the hybrid layout (the sliding layers' K/V for about one
+window, sliding_blocks.py) and with one cache for every layer (KV_CACHE_HYBRID=false): KV
+bytes the sequence holds at the end and decode tokens/s.
 
     python -m benchmarks.longkv_bench            # default model: long (a forward per token per policy)
     python -m benchmarks.longkv_bench --quick    # tiny random model: checks the script
@@ -36,7 +38,7 @@ from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from common.step import KvPolicy
 from common.types import SamplingParams
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
 
 MODULES = ("collections", "itertools", "functools", "textwrap", "string", "json", "csv", "argparse",
            "logging", "pathlib", "shutil", "tempfile", "datetime", "calendar", "decimal", "fractions",
@@ -94,7 +96,7 @@ def score(engine: Engine, ids: list[int], policy: KvPolicy, chunk: int, tag: str
 
 
 def decode(engine: Engine, ids: list[int], policy: KvPolicy, new_tokens: int, tag: str) -> tuple[float, int]:
-    """(decode tokens/s, blocks held at the end) for one sequence of `ids` then `new_tokens` decodes."""
+    """(decode tokens/s, KV bytes held at the end) for one sequence of `ids` then `new_tokens` decodes."""
     new = [NewSequence(tag, tuple(ids), (), SamplingParams(), kv_policy=policy)]
     while True:
         (result,) = engine.step(StepBatch(new_sequences=new, work=[WorkItem(tag, 512)])).results
@@ -106,9 +108,21 @@ def decode(engine: Engine, ids: list[int], policy: KvPolicy, new_tokens: int, ta
         (result,) = engine.step(StepBatch(work=[WorkItem(tag, 1)])).results
         assert result.sampled and not result.error, result
     rate = (new_tokens - 1) / (time.perf_counter() - started)
-    blocks = len(engine.pool.table(tag))
+    held = sequence_kv_bytes(engine, tag)
     engine.step(StepBatch(free_seq_ids=[tag]))
-    return rate, blocks
+    return rate, held
+
+
+def sequence_kv_bytes(engine: Engine, tag: str) -> int:
+    """K/V bytes sequence `tag` holds: its pool blocks in the full group's layers, and the
+    sliding blocks its window pins in the sliding group's (every layer's without one)."""
+    specs, size = _specs(engine), engine.block_size
+    full = [group != SLIDING_GROUP for group in engine.kv.group]
+    held = len(engine.pool.table(tag)) * PagedKVCache.bytes_per_block(specs, size, engine.dtype, full)
+    if engine.sliding is not None:
+        held += len(engine.sliding.pinned(tag)) * PagedKVCache.bytes_per_block(
+            specs, size, engine.dtype, [not f for f in full])
+    return held
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,12 +146,13 @@ def main(argv: list[str] | None = None) -> None:
         for kind in POLICIES:
             rows.append(_progress(score(engine, ids, KvPolicy(kind, budget, SINK_TOKENS), args.chunk,
                                         f"{kind}{budget}")))
-    per_block = PagedKVCache.bytes_per_block([s for s in _specs(engine)], block_size, engine.dtype)
     speed = {}
     for kind in ("full", "sink"):
         policy = KvPolicy(kind, max(budgets), SINK_TOKENS)
-        rate, blocks = decode(engine, ids[:args.context], policy, args.new_tokens, f"d{kind}")
-        speed[kind] = (rate, blocks * per_block)
+        speed[kind] = decode(engine, ids[:args.context], policy, args.new_tokens, f"d{kind}")
+    del engine
+    flat, _, _ = _engine(args, block_size, hybrid=False)
+    speed["full, one cache"] = decode(flat, ids[:args.context], KvPolicy(), args.new_tokens, "dflat")
     _report(args, model_name, len(ids), rows, speed, budgets)
 
 
@@ -151,10 +166,10 @@ def _specs(engine: Engine):
             for keys in engine.kv.keys]
 
 
-def _engine(args, block_size: int):
+def _engine(args, block_size: int, hybrid: bool = True):
     blocks = -(-max(args.tokens, args.context) // block_size) + 64
     config = dict(num_blocks=blocks, block_size=block_size, enable_prefix_caching=False,
-                  max_model_len=max(args.tokens, args.context) + 128)
+                  max_model_len=max(args.tokens, args.context) + 128, kv_hybrid=hybrid)
     if args.quick:
         from tests.fixtures.tiny_model import build_model, gemma3_config
 
@@ -186,7 +201,7 @@ def _report(args, model_name: str, length: int, rows: list[Scored], speed: dict,
     print(f"| {args.context}-token context, then {args.new_tokens} decodes | KV MiB per sequence | decode tok/s |")
     print("|---|---:|---:|")
     for kind, (rate, kv_bytes) in speed.items():
-        label = "full" if kind == "full" else f"sink, budget {max(budgets)}"
+        label = f"sink, budget {max(budgets)}" if kind == "sink" else kind
         print(f"| {label} | {kv_bytes / 2**20:.1f} | {rate:.1f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -21,4 +21,7 @@ def test_quick_mode_scores_every_policy(tmp_path: Path, capsys) -> None:
         assert row["most_blocks"] <= row["budget"] // 4
     assert rows[0]["most_blocks"] == -(-report["tokens"] // 4)
     assert report["decode"]["sink"]["kv_bytes"] < report["decode"]["full"]["kv_bytes"]
+    # The tiny model's 3 sliding layers (window 8) hold about a window; its 1 full layer, everything.
+    one_cache = report["decode"]["full, one cache"]["kv_bytes"]
+    assert report["decode"]["full"]["kv_bytes"] < one_cache / 3
     assert "| sink | 64 |" in capsys.readouterr().out
