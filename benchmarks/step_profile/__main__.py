@@ -12,8 +12,9 @@ to its wall time).
 
 Two passes over fresh prompts: the first as served (decode-only steps' layers in one
 C call), the second with decode-only steps on the Python path, where every piece is
-timed (the C call runs the same kernels in the same order). Then the float32 GEMM
-peak on one layer's shapes at the steps' row counts (gemm_peak.py), in this process.
+timed (the C call runs the same kernels in the same order). After each step, outside
+its timers, one layer's GEMMs alone through oneDNN in float32 at the step's rows
+(gemm_peak.py): the kernel's rate at the same moments, the steps' GEMMs' reference.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch
 from benchmarks.engine_bench import EngineRunner, make_prompts
 from benchmarks.machine import cpu_name
 from benchmarks.step_profile.clock import StepClock
-from benchmarks.step_profile.gemm_peak import gemm_gflops
+from benchmarks.step_profile.gemm_peak import ReferenceGemms
 from benchmarks.step_profile.instrument import instrument, use_c_layers
 from benchmarks.step_profile.report import Peak, kind_table, run_table
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
@@ -47,6 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--token-budget", type=int, default=2048, help="tokens per step (MAX_BATCH_TOKENS)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--served", action="store_true",
                         help="also serve W1 at this concurrency through the whole stack and read the worker's "
                              "step time from its metrics: the rest of the wall time is between steps")
@@ -83,41 +85,32 @@ class Pass:
     prompts: int
     prompt_tokens: int
     output_tokens: int
+    peaks: dict[str, Peak]      # per kind of step: oneDNN's rate on one layer's GEMMs at the same moments
 
 
-def profile_pass(runner: EngineRunner, clock: StepClock, prompts: list[list[int]], new_tokens: int,
-                 title: str) -> Pass:
-    """One W1 run under the timers, from a reset clock."""
+def profile_pass(runner: EngineRunner, clock: StepClock, reference: ReferenceGemms, prompts: list[list[int]],
+                 new_tokens: int, title: str) -> Pass:
+    """One W1 run under the timers, from a reset clock and reference."""
     clock.reset()
+    reference.reset()
     started = clock.now()
     runner.end_to_end_tokens_per_s(prompts, new_tokens)
-    wall = clock.now() - started
-    return Pass(title, copy.deepcopy(clock), wall, len(prompts), sum(map(len, prompts)), len(prompts) * new_tokens)
+    wall = clock.now() - started - clock.excluded_s
+    peaks = {kind: Peak("oneDNN", round(reference.rows[kind] / reference.samples[kind]),
+                        reference.rate(kind)) for kind in clock.kinds() if reference.samples.get(kind)}
+    return Pass(title, copy.deepcopy(clock), wall, len(prompts), sum(map(len, prompts)), len(prompts) * new_tokens,
+                peaks)
 
 
-def render_pass(run: Pass, peaks: dict[str, Peak]) -> str:
+def render_pass(run: Pass) -> str:
     lines = [f"### {run.title}", "",
              f"{run.prompts} prompts ({run.prompt_tokens / run.prompts:.0f} tokens on average), "
              f"{run.output_tokens // run.prompts} new tokens each: {run.wall_s:.2f} s, "
              f"{run.output_tokens / run.wall_s:.1f} output tokens/s with the timers on.", ""]
     for kind in run.clock.kinds():
-        lines += [kind_table(run.clock, kind, peaks.get(kind)), ""]
+        lines += [kind_table(run.clock, kind, run.peaks.get(kind)), ""]
     lines += ["The whole run:", "", run_table(run.clock, run.wall_s)]
     return "\n".join(lines)
-
-
-def measure_peaks(engine: Engine, shapes: list[tuple[int, int]], run: Pass) -> dict[str, Peak]:
-    """oneDNN's float32 rate on one layer's shapes at each kind's mean rows per step (MKL's
-    too where the engine's prefill packs are MKL's)."""
-    clock = run.clock
-    peaks = {}
-    kernel = engine.prefill_linear_kernel or (engine.linear_kernel.kernel if engine.linear_kernel else "onednn")
-    for kind in clock.kinds():
-        rows = max(1, round(clock.step_rows[kind] / clock.steps[kind]))
-        peaks[kind] = Peak("oneDNN", rows, gemm_gflops(shapes, rows, "onednn", now=clock.now))
-        if kernel == "mkl":
-            print(f"MKL at {rows} rows: {gemm_gflops(shapes, rows, 'mkl', now=clock.now) or 0:,.0f} GFLOP/s")
-    return peaks
 
 
 def header(engine: Engine, model_dir: str, args: argparse.Namespace) -> str:
@@ -132,6 +125,8 @@ def header(engine: Engine, model_dir: str, args: argparse.Namespace) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="step-profile-") as scratch:
         model_dir = _model_dir(args, scratch)
         engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
@@ -140,16 +135,18 @@ def main(argv: list[str] | None = None) -> None:
         vocab = engine.info.vocab_size
         runner.end_to_end_tokens_per_s(make_prompts(min(4, args.concurrency), 64, vocab, seed=-1), 4)  # warm-up
         clock = StepClock()
-        shapes = instrument(engine, clock)
+        reference = ReferenceGemms(instrument(engine, clock))
+        clock.after_step = reference.sample
         fresh = [w1_prompts(model_dir, args.concurrency, seed, args.quick, vocab) for seed in (1, 2)]
-        as_served = profile_pass(runner, clock, fresh[0], args.new_tokens, "As served (decode layers in one C call)")
+        as_served = profile_pass(runner, clock, reference, fresh[0], args.new_tokens,
+                                 "As served (decode layers in one C call)")
         c_layers = use_c_layers(engine, None)
-        split = profile_pass(runner, clock, fresh[1], args.new_tokens, "Decode-only steps on the Python path")
+        split = profile_pass(runner, clock, reference, fresh[1], args.new_tokens,
+                             "Decode-only steps on the Python path")
         use_c_layers(engine, c_layers)
-        peaks = measure_peaks(engine, shapes, as_served)
         print(header(engine, model_dir, args), "\n")
-        print(render_pass(as_served, peaks), "\n")
-        print(render_pass(split, peaks))
+        print(render_pass(as_served), "\n")
+        print(render_pass(split))
         if args.served:
             del engine, runner
             gc.collect()
@@ -164,6 +161,7 @@ def outside_forward_ms(clock: StepClock) -> float:
     seconds = sum(clock.seconds.get((kind, category), 0.0) for kind in clock.kinds()
                   for category in ("planning", "commit", "engine Python"))
     return seconds / max(sum(clock.steps.values()), 1) * 1000
+
 
 if __name__ == "__main__":
     main()

@@ -31,6 +31,8 @@ class StepClock:
         self.step_seconds: dict[str, float] = defaultdict(float)
         self.step_rows: dict[str, int] = defaultdict(int)
         self._open: list[float] = []      # per open timed call: the time of the calls nested in it
+        self.after_step: Callable[[str, int], None] | None = None   # run after each step, untimed
+        self.excluded_s = 0.0             # what `after_step` took: not the run's time
 
     def timed(self, category: str, fn: Callable[..., Any], flops: Flops | None = None) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -67,6 +69,10 @@ class StepClock:
                 self.steps[kind] += 1
                 self.step_seconds[kind] += self.now() - started
                 self.step_rows[kind] += rows
+                if self.after_step is not None:
+                    began = self.now()
+                    self.after_step(kind, rows)
+                    self.excluded_s += self.now() - began
 
         return wrapper
 
@@ -74,6 +80,7 @@ class StepClock:
         """Forgets every figure (between passes); the wrappers keep reporting here."""
         for table in (self.seconds, self.flops, self.calls, self.steps, self.step_seconds, self.step_rows):
             table.clear()
+        self.excluded_s = 0.0
 
     def kinds(self) -> list[str]:
         return [kind for kind in ("prefill", "decode") if self.steps[kind]]

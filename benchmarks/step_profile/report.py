@@ -17,6 +17,7 @@ KIND_NAMES = {"prefill": "steps with prefill chunks", "decode": "decode-only ste
 
 @dataclass(frozen=True)
 class Peak:
+    """The GEMM kernel's own rate on one layer's shapes at `rows` rows (gemm_peak.py)."""
     kernel: str
     rows: int
     gflops: float | None
@@ -32,7 +33,8 @@ def _rate_cells(flops: float, seconds: float, peak: Peak | None) -> tuple[str, s
         return "", ""
     if peak is None or not peak.gflops:
         return f"{achieved:,.0f}", ""
-    return f"{achieved:,.0f}", f"{achieved / peak.gflops:.0%} of {peak.gflops:,.0f} ({peak.kernel}, {peak.rows} rows)"
+    return f"{achieved:,.0f}", (f"{achieved / peak.gflops:.0%} of {peak.gflops:,.0f} ({peak.kernel} alone, "
+                                f"{peak.rows} rows)")
 
 
 def kind_table(clock: StepClock, kind: str, peak: Peak | None) -> str:

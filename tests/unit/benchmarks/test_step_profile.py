@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.step_profile.clock import StepClock
+from benchmarks.step_profile.gemm_peak import ReferenceGemms
 from benchmarks.step_profile.instrument import GEMMS, classify
 from benchmarks.step_profile.report import Peak, kind_table, run_table
 from benchmarks.step_profile.served import ServedSteps, read_histogram
@@ -58,6 +59,34 @@ def test_nested_timers_count_each_instant_once_in_the_innermost_call() -> None:
     assert clock.kinds() == [] and not clock.seconds
 
 
+def test_work_after_each_step_is_kept_out_of_the_steps_and_counted_apart() -> None:
+    time = FakeTime()
+    clock = StepClock(now=time)
+    seen = []
+
+    def after(kind: str, rows: int) -> None:
+        seen.append((kind, rows))
+        time.now += 5.0
+
+    clock.after_step = after
+    profiled_step(clock, time, rows=3)(StepBatch(work=[WorkItem("a", 3)]))
+    assert seen == [("prefill", 3)]
+    assert clock.step_seconds["prefill"] == 10.0 and clock.excluded_s == 5.0
+    clock.reset()
+    assert clock.excluded_s == 0.0
+
+
+def test_reference_gemms_count_each_samples_flops_and_rows() -> None:
+    reference = ReferenceGemms([(8, 16), (16, 8)], kernel="plain")
+    reference.sample("decode", 4)
+    reference.sample("decode", 6)
+    assert reference.samples["decode"] == 2 and reference.rows["decode"] == 10
+    assert reference.flops["decode"] == 2.0 * 10 * (8 * 16 + 16 * 8)
+    assert reference.rate("decode") > 0 and reference.rate("prefill") is None
+    reference.reset()
+    assert reference.rate("decode") is None and reference.spent_s == 0.0
+
+
 def test_a_raising_call_still_counts_and_leaves_the_stack_balanced() -> None:
     time = FakeTime()
     clock = StepClock(now=time)
@@ -88,7 +117,7 @@ def test_tables_show_time_per_step_shares_and_the_gemm_rate_against_the_peak() -
     text = kind_table(clock, "prefill", Peak("oneDNN", 500, 0.016))
     assert "2 steps, 500 rows (tokens) per step, 10,000.0 ms per step" in text
     # 256 MFLOP per GEMM call in 4 s: 0.064 GFLOP/s, 400 % of a 0.016 "peak".
-    assert "| layer GEMMs | 4,000.00 | 40.0% | 0 | 400% of 0 (oneDNN, 500 rows) |" in text
+    assert "| layer GEMMs | 4,000.00 | 40.0% | 0 | 400% of 0 (oneDNN alone, 500 rows) |" in text
     assert "| forward glue | 2,000.00 | 20.0% |  |  |" in text
     whole = run_table(clock, wall_s=25.0)
     assert "| engine Python | 8.00 | 32.0% |" in whole
