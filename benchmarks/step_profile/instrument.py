@@ -17,7 +17,9 @@ Categories (each call's exclusive time):
 * forward glue: the rest of the forward (residual adds, views, Python between
   the calls above, the sampled rows' gather);
 * LM head + screen: the logits of the sampled rows (the int8 screen's rows and any
-  full rows); sampler: the token choice from them; sampling glue: the rest;
+  full rows), with the screen's int8 pass over the whole vocabulary, its top-k of
+  the approximate logits and its exact logits of the candidates apart; sampler:
+  the token choice from them; sampling glue: the rest;
 * step inputs: the packed ids, positions, slots and attention metadata;
 * planning, commit, and engine Python: the step's planning, the sampled tokens'
   commit, and the rest of `Engine.step` (isolation, result building, pool stats).
@@ -102,6 +104,17 @@ def _instrument_direct(clock: StepClock, direct, base: torch.nn.Module) -> None:
         direct.native_layers = _TimedLayers(clock, direct.native_layers)
 
 
+def _instrument_screen(clock: StepClock, engine: Engine) -> None:
+    """The LM head screen's parts (cpu/lm_head_screen.py), when it is built."""
+    screen = engine.prepared.screen.screen
+    if screen is None:
+        return
+    screen._approximate = clock.timed("screen: int8 pass", screen._approximate)
+    screen._exact = clock.timed("screen: exact logits", screen._exact)
+    if screen._native is not None:
+        screen._native.top_k = clock.timed("screen: top-k", screen._native.top_k)
+
+
 def use_c_layers(engine: Engine, layers):
     """Sets the direct forward's C decode layers (None: decode-only steps take the Python
     path, every piece timed); returns the ones it had."""
@@ -125,6 +138,7 @@ def instrument(engine: Engine, clock: StepClock) -> list[tuple[int, int]]:
     engine.forward.hidden_states = clock.timed("forward glue", engine.forward.hidden_states)
     engine.forward.sampling_hidden_states = clock.timed("forward glue", engine.forward.sampling_hidden_states)
     engine.sampling.logits = clock.timed("LM head + screen", engine.sampling.logits)
+    _instrument_screen(clock, engine)
     engine.sampling.sample = clock.timed("sampling glue", engine.sampling.sample)
     engine.sampling.sampler.sample = clock.timed("sampler", engine.sampling.sampler.sample)
     engine.planner.plan = clock.timed("planning", engine.planner.plan)
