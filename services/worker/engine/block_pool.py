@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import make_eviction_policy
+from services.worker.engine.pool_aliases import PartialAliases
 from services.worker.engine.pool_invariants import PoolInvariants, TailKey
 from services.worker.engine.pool_snapshot import hash_chains
 from services.worker.engine.types import BlockEvent, PoolListener, PoolStats
@@ -46,7 +47,7 @@ class PartialBlock:
     cache_salt: str = ""        # its sequence's: only sequences with the same salt copy from it
 
 
-class BlockPool(PoolInvariants):
+class BlockPool(PoolInvariants, PartialAliases):
     """Block ownership, reference counts and the prefix cache. Pure bookkeeping:
     it never touches tensors, so it is cheap to test exhaustively."""
 
@@ -338,36 +339,6 @@ class BlockPool(PoolInvariants):
         self._add_tail(block, partial.parent_hash, partial.tokens, partial.cache_salt)
         if partial.alias_hash and (partial.parent_hash == ROOT_HASH or partial.parent_hash in self._by_hash):
             self._add_alias(block, partial.alias_hash)
-
-    def _add_alias(self, block: int, alias: int) -> None:
-        """Publishes `alias` for the partial entry `block` unless another entry already did."""
-        blocks = self._alias_blocks.get(alias)
-        if blocks is None:
-            blocks = self._alias_blocks[alias] = {}
-            parent = self._parent_hash[block]
-            if parent != ROOT_HASH:
-                self._aliases_under.setdefault(parent, set()).add(alias)
-            self._events.append(BlockEvent.stored([], parent, partial_hash=alias))
-        blocks[block] = None
-        self._alias_of[block] = alias
-
-    def _drop_alias(self, block: int) -> int | None:
-        """Takes `block`'s alias away; returns the alias when no other entry carries it."""
-        alias = self._alias_of.pop(block, None)
-        if alias is None:
-            return None
-        blocks = self._alias_blocks[alias]
-        del blocks[block]
-        if blocks:
-            return None
-        del self._alias_blocks[alias]
-        parent = self._parent_hash[block]
-        aliases = self._aliases_under.get(parent)
-        if aliases is not None:
-            aliases.discard(alias)
-            if not aliases:
-                del self._aliases_under[parent]
-        return alias
 
     def _add_tail(self, block: int, parent_hash: int, tokens: Sequence[int], cache_salt: str) -> None:
         self._block_tokens[block] = tuple(tokens)
