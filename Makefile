@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ bench-profile: install prepare-model
 # (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.
 bench-longkv: install prepare-model
 	$(PY) -m benchmarks.longkv_bench $(ARGS)
+
+# CPU_COMPUTE=bfloat16 against float32 in one run: prefill and batched-decode tok/s, greedy
+# agreement over 20 prompts x 64 tokens and perplexity of 4,096 tokens of text (docs/benchmarks.md);
+# needs a CPU with BF16 instructions; ARGS="--quick" checks it on the tiny model.
+bench-bf16: install prepare-model
+	$(PY) -m benchmarks.bf16_bench $(ARGS)
 
 # TPOT at 8 concurrent streams with a JSON schema against without one, alternating rounds
 # (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.

@@ -24,6 +24,7 @@ DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
 CPU_WEIGHT_CODES_MODES = ("auto", "off")                # services/worker/engine/cpu/weight_codes.py
+CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -74,6 +75,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
         cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
         cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
+        cpu_compute=read.choice("CPU_COMPUTE", "float32", CPU_COMPUTE_MODES),
         lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
         lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
         ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),

@@ -25,6 +25,8 @@ pack, which costs one more copy of the weights in memory, until the weight codes
 every row count drops its float32 weight (the pack serves prefill alone), and the
 LM head drops its pack (its few rows run from the codes; more rows, which only
 prompt logprobs and very wide steps ask for, from the plain float32 weight).
+Under CPU_COMPUTE=bfloat16 (bf16_compute.py) a layer's linear also holds a bfloat16 pack
+for its wide steps (`use_bfloat16`).
 """
 
 from __future__ import annotations
@@ -234,6 +236,9 @@ class PackedLinear(torch.nn.Module):
         self.coded: CodedWeight | None = None        # the weight as exact 8-bit codes, if it is one
         self.coded_kernel: NativeCodedLinear | None = None
         self.coded_max_rows = 0
+        self.bf16_packed: torch.Tensor | None = None     # CPU_COMPUTE=bfloat16: a bfloat16 oneDNN pack
+        self.bf16_bias: torch.Tensor | None = None
+        self.bf16_min_rows = ALL_ROWS
         self.register_buffer("packed", self._pack(kernel, pack_rows_hint), persistent=False)
 
     def _pack(self, kernel: str, rows_hint: int) -> torch.Tensor:
@@ -252,9 +257,13 @@ class PackedLinear(torch.nn.Module):
 
     def drop_float32_weight(self) -> bool:
         """Drops the float32 weight where nothing reads it any more: codes serve the
-        few-row steps and oneDNN's pack (which never reads the weight) all the others."""
-        if (self.coded is None or self.kernel != "onednn" or self.max_packed_rows != ALL_ROWS
-                or self.weight is None or self.weight.dtype != torch.float32):
+        few-row steps and oneDNN's pack (which never reads the weight) all the others.
+        With a bfloat16 pack serving every step the codes do not, the float32 pack goes too."""
+        if self.coded is None or self.weight is None or self.weight.dtype != torch.float32:
+            return False
+        if self.bf16_packed is not None and self.coded_max_rows >= self.bf16_min_rows - 1:
+            self.packed, self.max_packed_rows = None, 0
+        elif self.kernel != "onednn" or self.max_packed_rows != ALL_ROWS:
             return False
         self.weight, self.native, self.native_max_rows = None, None, 0
         return True
@@ -285,6 +294,14 @@ class PackedLinear(torch.nn.Module):
             out[:, start:start + ids.numel()] = torch.nn.functional.linear(rows, tile, bias)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def use_bfloat16(self, packed: torch.Tensor, min_rows: int) -> None:
+        """Steps of at least `min_rows` rows run through `packed`, a bfloat16 oneDNN pack of
+        this weight; fewer keep their float32 path (codes, C kernel or float32 pack)."""
+        self.bf16_packed, self.bf16_min_rows = packed, min_rows
+        self.bf16_bias = self.bias.detach().to(torch.bfloat16) if self.bias is not None else None
+        self.native_max_rows = min(self.native_max_rows, min_rows - 1)
+        self.coded_max_rows = min(self.coded_max_rows, min_rows - 1)
+
     def use_native(self, kernel: NativeSkinnyLinear, max_rows: int) -> bool:
         """Routes steps of at most `max_rows` rows to the C kernel (float32, contiguous weight)."""
         weight = self.weight
@@ -313,6 +330,9 @@ class PackedLinear(torch.nn.Module):
         if self.native is not None and rows.shape[0] <= self.native_max_rows and x.dtype == torch.float32:
             out = self.native(rows.contiguous(), self.weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
+        if self.bf16_packed is not None and rows.shape[0] >= self.bf16_min_rows and x.dtype == torch.float32:
+            out = bfloat16_linear(rows, self.bf16_packed, self.bf16_bias)
+            return out.view(*x.shape[:-1], self.out_features)
         if rows.shape[0] > self.max_packed_rows:
             if self.weight is None and self.packed is None:
                 return self._from_code_tiles(x)
@@ -324,6 +344,12 @@ class PackedLinear(torch.nn.Module):
         else:
             out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
         return out.view(*x.shape[:-1], self.out_features)
+
+
+def bfloat16_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 rows [N, in] through a bfloat16 oneDNN pack: float32 [N, out]. oneDNN accumulates
+    in float32; torch's op writes its output in bfloat16, widened here."""
+    return torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), packed, bias, "none", [], "").float()
 
 
 def pack_linears(module: torch.nn.Module, plans: dict[torch.dtype, KernelPlan] | None = None) -> int:

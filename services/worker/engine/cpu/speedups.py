@@ -5,7 +5,8 @@ linear weights pre-packed (cpu_linear.py), few-row steps routed to the C linear
 and, where weights are exact 8-bit codes, to the coded linear (weight_codes.py),
 then the direct forward (direct_forward.py) with its one-call C decode layers
 (native_layers.py). Each is optional and switched by its setting; what is not
-applied leaves transformers' modules as they were.
+applied leaves transformers' modules as they were. CPU_COMPUTE=bfloat16 (opt-in, lossy)
+gives the layers' linears bfloat16 packs for their wide steps (bf16_compute.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import torch
 
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu import weight_codes
+from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
+                                                     require_bfloat16_cpu)
 from services.worker.engine.cpu.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, pack_linears,
                                                    resolve_kernel_plan)
 from services.worker.engine.cpu.direct_forward import DirectForward
@@ -48,6 +51,7 @@ class Speedups:
     native_linears: int = 0                # packed linears whose few-row steps run the C kernel
     coded_linears: int = 0                 # packed linears whose few-row steps run from 8-bit codes
     prefill_linear_kernel: str | None = None   # the coded linears' packs, when they differ from the plan's
+    bfloat16: Bfloat16Compute | None = None    # CPU_COMPUTE=bfloat16: the layers' wide GEMMs
     direct: DirectForward | None = None
     dropped_bytes: int = 0                 # weight copies the coded linears made unneeded, let go
 
@@ -65,6 +69,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     """Applies the speed-ups that `config` allows on `device` to `base` (modules swapped in
     place) and returns what was applied, with the LM head the engine calls."""
     target = _Target(config, device, dtype, kernel_cache_dir)
+    _check_compute(target)
     done = Speedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
     native_ops = load_elementwise(kernel_cache_dir) if done.native_kernels else None
     done.fused_norms = fuse_rms_norms(base, native_ops)
@@ -76,6 +81,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
             done.lm_head = PackedLinear(lm_head, done.linear_kernel.lm_head_max_rows, done.linear_kernel.kernel)
     done.native_linears = _route_few_rows_to_native(target, base, done.lm_head) if done.native_kernels else 0
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
+    done.bfloat16 = apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
     done.dropped_bytes = _drop_unserved_copies(base, done.lm_head)
     return done
@@ -93,9 +99,22 @@ def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module) -> in
                 dropped += packed.numel() * packed.element_size()
         elif linear.drop_float32_weight():
             dropped += weight.numel() * weight.element_size()
+            if packed is not None and linear.packed is None:    # CPU_COMPUTE=bfloat16 serves wide steps
+                dropped += packed.numel() * packed.element_size()
     if dropped:
         log.info("coded linears: %.0f MB of weight copies no path reads dropped", dropped / 1e6)
     return dropped
+
+
+def _check_compute(target: _Target) -> None:
+    """CPU_COMPUTE: bfloat16 only for a float32 model on a CPU with BF16 instructions."""
+    require_choice("CPU_COMPUTE", target.config.cpu_compute, CPU_COMPUTE_MODES)
+    if target.config.cpu_compute == "float32":
+        return
+    if target.device.type != "cpu" or target.dtype != torch.float32:
+        raise ValueError(f"CPU_COMPUTE=bfloat16 applies to a float32 model on CPU, not {target.dtype} on "
+                         f"{target.device.type}: unset CPU_COMPUTE (DTYPE sets the whole model's dtype)")
+    require_bfloat16_cpu()
 
 
 def _native_kernels_enabled(target: _Target) -> bool:
@@ -147,7 +166,9 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
                  time.perf_counter() - started)
         # The layers' packs now serve prefill chunks only: the kernel faster there may be
         # another. (The LM head's keeps its kernel: past 32 rows it only serves prompt logprobs.)
-        prefill_kernel = choose_prefill_kernel() if target.config.cpu_linear_kernel == "auto" else None
+        # (Under CPU_COMPUTE=bfloat16 bfloat16 packs serve those chunks, and these are dropped.)
+        prefill_kernel = (choose_prefill_kernel() if target.config.cpu_linear_kernel == "auto"
+                          and target.config.cpu_compute == "float32" else None)
         if prefill_kernel is not None:
             for linear in coded:
                 if linear is not done.lm_head and linear.kernel != prefill_kernel:
