@@ -6,7 +6,9 @@
 Times, best of several calls each, alternating the two sides of every row:
   * the 126 linear layers of Gemma 3 270M (18 layers x q, k, v, o, gate, up, down) at a few
     rows: the C few-row kernel against oneDNN's packed weights, and the same layers as exact
-    8-bit weight codes (weight_codes.py) through the coded kernel against oneDNN;
+    8-bit weight codes (weight_codes.py) through the coded kernel against oneDNN, and the
+    coded kernel on the same codes kept narrow (at the default model's widths: 5 bits for
+    q, k, gate, up, 4 for o, 4 / 6 for down and 5 / 8 for v in alternate layers) against 8-bit;
   * the LM head screen's int8 kernel over a 262k x 640 head;
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
   * the sampler's greedy argmax against torch's.
@@ -85,11 +87,12 @@ def linear_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
     return results
 
 
-def _coded_weight(out_features: int, in_features: int, group: int = 32) -> torch.Tensor:
-    """A weight that is exact codes, as a dequantized 5-bit GGUF block: scale * (code - 16)."""
+def _coded_weight(out_features: int, in_features: int, group: int = 32, levels: int = 32) -> torch.Tensor:
+    """A weight that is exact codes, as a dequantized GGUF block (by default a 5-bit one):
+    scale * (code - levels / 2)."""
     scale = torch.randint(1024, 2048, (out_features, in_features // group, 1)).float() * 2.0 ** -20
-    codes = torch.randint(0, 32, (out_features, in_features // group, group)).float()
-    return (scale * (codes - 16)).reshape(out_features, in_features)
+    codes = torch.randint(0, levels, (out_features, in_features // group, group)).float()
+    return (scale * (codes - levels // 2)).reshape(out_features, in_features)
 
 
 def coded_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
@@ -110,6 +113,34 @@ def coded_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, f
         mine, theirs = best_of(shapes.repeats, ours, onednn)
         results.append((f"{len(weights)} linears as weight codes, {rows} rows: coded kernel vs oneDNN packed",
                         mine, theirs))
+    return results
+
+
+# The default model's code widths (Q5_0, Q4_K, Q6_K, Q8_0 blocks) for q, k, v, o, gate, up, down,
+# in even and odd layers.
+MODEL_LEVELS = ((32, 32, 32, 16, 32, 32, 16), (32, 32, 256, 16, 32, 32, 64))
+
+
+def narrow_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
+    kernel = load_coded_linear(default_cache_dir())
+    if kernel is None:
+        return []
+    levels = [level for layer in range(shapes.layers) for level in MODEL_LEVELS[layer % 2]]
+    weights = [_coded_weight(out, inp, 16 if level == 64 else 32, level)
+               for (out, inp), level in zip(_layer_shapes(shapes), levels)]
+    wide = [kernel.find(w) for w in weights]
+    if any(c is None for c in wide):
+        raise RuntimeError("a benchmark weight did not fit its codes")
+    narrow = [kernel.narrow(c) for c in wide]
+    megabytes = sum(c.nbytes for c in narrow) / 1e6, sum(c.nbytes for c in wide) / 1e6
+    results = []
+    for rows in row_counts:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        ours = lambda: [kernel(inputs[w.shape[1]], c, None) for w, c in zip(weights, narrow)]  # noqa: E731
+        bytes_ = lambda: [kernel(inputs[w.shape[1]], c, None) for w, c in zip(weights, wide)]  # noqa: E731
+        mine, theirs = best_of(shapes.repeats, ours, bytes_)
+        results.append((f"{len(weights)} linears as narrow codes ({megabytes[0]:.0f} MB) vs 8-bit codes "
+                         f"({megabytes[1]:.0f} MB), {rows} rows", mine, theirs))
     return results
 
 
@@ -187,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes: checks the script, not the speed")
     args = parser.parse_args(argv)
     shapes = QUICK if args.quick else FULL
-    rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + screen_rows(shapes, (1, 8, 32))
+    rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + narrow_rows(shapes, (1, 8, 32))
+            + screen_rows(shapes, (1, 8, 32))
             + attention_rows(shapes, (1, 8)) + argmax_rows(shapes, (1, 8)))
     header = (f"Kernel benchmark ({'quick' if args.quick else 'full'}): {cpu_name()}, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, random weights.")

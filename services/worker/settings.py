@@ -23,7 +23,7 @@ LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/native_decode.py
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
-CPU_WEIGHT_CODES_MODES = ("auto", "off")                # services/worker/engine/cpu/weight_codes.py
+CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/weight_codes.py
 CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
 
 

@@ -28,7 +28,7 @@ class EngineConfig:
     attention_backend: str = "auto"    # prefill chunks: auto (flash-attn on CUDA when installed) | sdpa | flash_attn
     decode_attention: str = "auto"     # CPU float32 decodes: auto (native when it builds and checks) | native | sdpa
     cpu_native_kernels: str = "auto"   # CPU float32: C kernels for norms, gated activations, few-row linears (auto) | off
-    cpu_weight_codes: str = "auto"     # CPU float32: weights that are exact 8-bit codes (dequantized GGUF) decode from the codes (auto) | off
+    cpu_weight_codes: str = "auto"     # CPU float32: weights that are exact codes (dequantized GGUF) decode from them: auto (4-6 bits where they fit, if faster here) | narrow | 8bit | off
     direct_forward: str = "auto"       # CPU: the base model's forward without transformers' module dispatch (auto) | off
     kernel_cache_dir: str = ""         # where the native kernel is compiled to; "" = ~/.cache/fairserve/kernels
     cpu_kv_bytes: int = 1 << 30        # KV pool size on CPU/MPS when num_blocks == 0

@@ -37,7 +37,7 @@ SCRATCH = ("normed", "q", "k", "v", "attn_out", "gate", "up", "act", "projected"
 
 class _Coded(ctypes.Structure):
     _fields_ = [("codes", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("offsets", ctypes.c_void_p),
-                ("group", ctypes.c_int64)]
+                ("group", ctypes.c_int64), ("bits", ctypes.c_int64)]
 
 
 class _Layer(ctypes.Structure):
@@ -103,7 +103,8 @@ def _build_layer(layer: torch.nn.Module, eps: float) -> _BuiltLayer | None:
         if not ok:
             return None
         scales[name] = address
-    structure = _Layer(**{name: _Coded(w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.group)
+    structure = _Layer(**{name: _Coded(w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.group,
+                                            w.bits)
                           for name, w in coded.items()}, **scales)
     structure.scaling = float(attn.scaling)
     return _BuiltLayer(structure, [t for w in coded.values() for t in (w.codes, w.scales, w.offsets)],

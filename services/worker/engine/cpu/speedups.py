@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,11 +30,11 @@ from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
 from services.worker.engine.cpu.fused_norms import fuse_rms_norms
 from services.worker.engine.cpu.native_layers import NativeDecodeLayers
 from services.worker.engine.cpu.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
-from services.worker.engine.cpu.weight_codes import load_coded_linear
+from services.worker.engine.cpu.weight_codes import NativeCodedLinear, load_coded_linear
 
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")
 DIRECT_FORWARD_MODES = ("auto", "off")
-CPU_WEIGHT_CODES_MODES = ("auto", "off")
+CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")   # auto: narrow where it measures faster
 # Rows per step up to which linear layers use the C kernel: past 8 the packed BLAS kernels
 # were faster on the AMD EPYC (the C kernel holds up to 8 rows in registers per weight pass).
 SKINNY_MAX_ROWS = 8
@@ -149,7 +150,9 @@ def _route_few_rows_to_native(target: _Target, base: torch.nn.Module, lm_head: t
 
 def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speedups) -> int:
     """Packed linears whose float32 weights are exact 8-bit codes (weight_codes.py) run
-    steps of at most weight_codes.MAX_ROWS rows through the coded kernel; returns how many.
+    steps of at most weight_codes.MAX_ROWS rows through the coded kernel, with `auto` from
+    their codes in the fewest bits (4-6) that hold them where that is faster (`_narrow_codes`);
+    returns how many.
     Sets `done.prefill_linear_kernel` when the coded layers' packs change kernel."""
     require_choice("CPU weight codes mode", target.config.cpu_weight_codes, CPU_WEIGHT_CODES_MODES)
     if target.config.cpu_weight_codes == "off" or not done.native_kernels:
@@ -160,10 +163,14 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
     started = time.perf_counter()
     linears = _packed_linears(base, done.lm_head)
     coded = [linear for linear in linears if linear.use_codes(kernel, weight_codes.MAX_ROWS)]
+    if coded and _narrow_codes(target.config.cpu_weight_codes, kernel):
+        for linear in coded:
+            linear.coded = kernel.narrow(linear.coded)
     if coded:
-        log.info("%d of %d linears kept as exact 8-bit weight codes (%.0f MB) in %.1f s", len(coded),
-                 len(linears), sum(linear.coded.nbytes for linear in coded) / 1e6,
-                 time.perf_counter() - started)
+        widths = Counter(linear.coded.bits for linear in coded)
+        log.info("%d of %d linears kept as exact weight codes (%s; %.0f MB) in %.1f s", len(coded), len(linears),
+                 ", ".join(f"{count} of {bits} bits" for bits, count in sorted(widths.items())),
+                 sum(linear.coded.nbytes for linear in coded) / 1e6, time.perf_counter() - started)
         # The layers' packs now serve prefill chunks only: the kernel faster there may be
         # another. (The LM head's keeps its kernel: past 32 rows it only serves prompt logprobs.)
         # (Under CPU_COMPUTE=bfloat16 bfloat16 packs serve those chunks, and these are dropped.)
@@ -175,6 +182,20 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
                     linear.repack_for_prefill(prefill_kernel)
             done.prefill_linear_kernel = prefill_kernel
     return len(coded)
+
+
+def _narrow_codes(mode: str, kernel: NativeCodedLinear) -> bool:
+    """Whether codes that fit in 4-6 bits are kept at that width: `narrow` always, `auto` where
+    a short calibration finds them faster on this CPU, `8bit` never. (Either way the outputs
+    are the same bit for bit; narrow codes take 0.5-0.75 bytes a weight instead of 1.)"""
+    if mode == "narrow":
+        return True
+    if mode != "auto":
+        return False
+    faster = weight_codes.narrow_is_faster(kernel)
+    log.info("weight codes: narrow codes %s than 8-bit ones at one row on this CPU; keeping %s",
+             "faster" if faster else "slower", "narrow codes" if faster else "a byte a code")
+    return faster
 
 
 def _direct_forward(target: _Target, base: torch.nn.Module, native_ops: NativeElementwise | None,

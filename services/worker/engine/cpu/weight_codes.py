@@ -10,6 +10,12 @@ back into the same float32 weights in registers, so its products are the float32
 and only the memory traffic, which bounds few-row linears, shrinks. A matrix with any
 block off the grid (random or trained float32 weights) is left as it is.
 
+Codes that fit in fewer bits (the default model's Q4_K blocks need 4, its Q5_0 ones 5 and its
+Q6_K ones 6) are kept narrow (`narrow`): 16 bytes of nibbles per input entry of a panel and one
+32-bit word per further bit, 0.5 / 0.625 / 0.75 bytes a weight instead of 1. Unpacked, they are
+the same integers, so the kernel expands the same float32 weights and its outputs are the
+8-bit path's bit for bit.
+
 Prefill chunks keep the float32 weight and the packed BLAS kernels: with hundreds of rows a
 linear is bound by multiply-adds, not by reading the weight.
 """
@@ -17,6 +23,7 @@ linear is bound by multiply-adds, not by reading the weight.
 from __future__ import annotations
 
 import ctypes
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,19 +38,22 @@ PANEL = 32               # output rows per panel of the kernel's layout
 # 43.2), and against oneDNN's packed sgemm 21.8 / 39.5 ms at 16 rows, 43.5 / 52.8 at 32,
 # 62.3 / 65.9 at 48 and 84.7 / 72.0 at 64.
 MAX_ROWS = 32
+NARROW_BITS = (4, 5, 6)  # narrow code widths the kernel reads (else a byte a code)
 
 
 @dataclass(frozen=True)
 class CodedWeight:
     """A [out, in] float32 weight as codes, in the kernel's panels of PANEL output rows (the
-    last one padded with zero rows): codes [ceil(out / PANEL), in, PANEL] uint8, scales and
-    offsets [ceil(out / PANEL), in / group, PANEL] float32."""
+    last one padded with zero rows): codes [ceil(out / PANEL), in, PANEL] uint8 (bits 8) or
+    [ceil(out / PANEL), in, narrow_stride(bits)] (narrow codes, bits 4-6), scales and offsets
+    [ceil(out / PANEL), in / group, PANEL] float32."""
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     group: int
     out_features: int
     in_features: int
+    bits: int = 8
 
     @property
     def nbytes(self) -> int:
@@ -54,10 +64,28 @@ class CodedWeight:
         scale * code, rounded, plus offset, rounded, gives every value back."""
         ids = ids.reshape(-1).to(torch.long)
         panel, lane = ids // PANEL, ids % PANEL
-        codes = self.codes[panel, :, lane].view(ids.numel(), -1, self.group)
+        codes = (self.codes[panel, :, lane] if self.bits == 8 else _narrow_lanes(self.codes, self.bits, panel, lane))
+        codes = codes.view(ids.numel(), -1, self.group)
         scales, offsets = self.scales[panel, :, lane], self.offsets[panel, :, lane]
         values = codes.float().mul_(scales[..., None]).add_(offsets[..., None])
         return values.view(ids.numel(), self.in_features)
+
+
+def narrow_stride(bits: int) -> int:
+    """Bytes per input entry of a panel of narrow codes of `bits` (native/coded_linear.c)."""
+    return 16 + 4 * (bits - 4)
+
+
+def _narrow_lanes(codes: torch.Tensor, bits: int, panel: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """The codes of rows `lane` of panels `panel` ([N] each) from narrow codes: [N, in] uint8."""
+    nibbles = codes[panel, :, lane % 16].to(torch.int32)
+    values = (nibbles >> (4 * (lane >= 16).to(torch.int32))[:, None]) & 15
+    if bits == 4:
+        return values.to(torch.uint8)
+    words = codes[panel, :, 16:].contiguous().view(torch.int32).view(panel.numel(), codes.shape[1], bits - 4)
+    for high in range(bits - 4):
+        values |= ((words[..., high] >> lane[:, None].to(torch.int32)) & 1) << (4 + high)
+    return values.to(torch.uint8)
 
 
 def _panels(rows_major: torch.Tensor) -> torch.Tensor:
@@ -86,8 +114,14 @@ class NativeCodedLinear:
         self._expand.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
         self._linear = library.fairserve_coded_linear
         self._linear.restype = ctypes.c_int
-        self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2
+        self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
                                  + [ctypes.c_int64] * 4)
+        self._narrow = library.fairserve_codes_narrow
+        self._narrow.restype = ctypes.c_int
+        self._narrow.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._widen = library.fairserve_codes_widen
+        self._widen.restype = None
+        self._widen.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
 
     @property
     def linear_function(self) -> ctypes._CFuncPtr:
@@ -114,10 +148,35 @@ class NativeCodedLinear:
                                    in_features)
         return None
 
+    def narrow(self, coded: CodedWeight) -> CodedWeight:
+        """`coded` (8-bit) with its codes in the fewest of NARROW_BITS that hold them all, or as
+        it is when none does. The narrow codes are unpacked again and must give every code
+        back (so, through `find`'s check, every float32 weight bit for bit)."""
+        if coded.bits != 8:
+            return coded
+        bits = max(NARROW_BITS[0], int(coded.codes.max()).bit_length())
+        if bits not in NARROW_BITS:
+            return coded
+        entries = coded.codes.shape[0] * coded.codes.shape[1]
+        narrow = torch.empty(*coded.codes.shape[:2], narrow_stride(bits), dtype=torch.uint8)
+        if self._narrow(coded.codes.data_ptr(), entries, bits, narrow.data_ptr()):
+            return coded
+        if not torch.equal(self.widen(narrow, bits), coded.codes):
+            return coded
+        return CodedWeight(narrow, coded.scales, coded.offsets, coded.group, coded.out_features, coded.in_features,
+                           bits)
+
+    def widen(self, narrow: torch.Tensor, bits: int) -> torch.Tensor:
+        """Narrow codes [panels, in, narrow_stride(bits)] back to [panels, in, PANEL] bytes."""
+        codes = torch.empty(*narrow.shape[:2], PANEL, dtype=torch.uint8)
+        self._widen(narrow.contiguous().data_ptr(), narrow.shape[0] * narrow.shape[1], bits, codes.data_ptr())
+        return codes
+
     def expand(self, coded: CodedWeight) -> torch.Tensor:
         """The float32 weight the codes stand for ([out, in]; tests)."""
         out = coded.out_features
-        codes = _rows_major(coded.codes, out).contiguous()
+        panels = coded.codes if coded.bits == 8 else self.widen(coded.codes, coded.bits)
+        codes = _rows_major(panels, out).contiguous()
         scales, offsets = _rows_major(coded.scales, out).contiguous(), _rows_major(coded.offsets, out).contiguous()
         weight = torch.empty(coded.out_features, coded.in_features)
         self._expand(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), coded.group, weight.data_ptr(),
@@ -130,13 +189,41 @@ class NativeCodedLinear:
             raise ValueError(f"rows of {rows.shape[-1]} entries for a weight of {coded.in_features} inputs")
         out = torch.empty(rows.shape[0], coded.out_features)
         status = self._linear(rows.data_ptr(), coded.codes.data_ptr(), coded.scales.data_ptr(),
-                              coded.offsets.data_ptr(), coded.group, bias.data_ptr() if bias is not None else None,
-                              out.data_ptr(), rows.shape[0], coded.in_features, coded.out_features,
-                              torch.get_num_threads())
+                              coded.offsets.data_ptr(), coded.group, coded.bits,
+                              bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0],
+                              coded.in_features, coded.out_features, torch.get_num_threads())
         if status:
             raise ValueError(f"coded linear: shapes it does not take ({coded.out_features} x {coded.in_features}, "
-                             f"group {coded.group})")
+                             f"group {coded.group}, {coded.bits} bits)")
         return out
+
+
+# Calibration shapes: (out, in, group, largest code) of the default model's gate_proj (Q5_0),
+# o_proj (Q4_K) and a Q6_K down_proj.
+CALIBRATION = ((2048, 640, 32, 31), (640, 1024, 32, 15), (640, 2048, 16, 63))
+
+
+def narrow_is_faster(kernel: NativeCodedLinear, repeats: int = 9) -> bool:
+    """Whether, on this CPU, one-row linears (batch-1 decode) run faster from narrow codes than
+    from 8-bit ones: best of `repeats` alternating passes over CALIBRATION's shapes (random codes;
+    the speed does not depend on them). Expanding narrow codes costs more instructions than
+    bytes saved on some CPUs (on the 2-core AMD EPYC Zen 5 ~20 % slower at one row)."""
+    generator = torch.Generator().manual_seed(0)
+    pairs = []
+    for out_features, in_features, group, largest in CALIBRATION:
+        panels = -(-out_features // PANEL)
+        codes = torch.randint(0, largest + 1, (panels, in_features, PANEL), generator=generator, dtype=torch.uint8)
+        scales = torch.rand(panels, in_features // group, PANEL, generator=generator)
+        wide = CodedWeight(codes, scales, -scales, group, out_features, in_features)
+        pairs.append((torch.randn(1, in_features, generator=generator), wide, kernel.narrow(wide)))
+    best = {8: float("inf"), 0: float("inf")}
+    for _ in range(repeats):
+        for side in best:
+            started = time.perf_counter()
+            for rows, wide, narrow in pairs:
+                kernel(rows, wide if side == 8 else narrow, None)
+            best[side] = min(best[side], time.perf_counter() - started)
+    return best[0] < best[8]
 
 
 def load_coded_linear(cache_dir: Path) -> NativeCodedLinear | None:

@@ -1,4 +1,5 @@
-/* Linear layers over weights that are exact 8-bit codes, for few rows (decode steps), CPU.
+/* Linear layers over weights that are exact 8-bit codes, for few rows (decode steps), CPU;
+ * codes that fit in 4-6 bits may be kept narrow (below), with the same outputs bit for bit.
  *
  * Weights dequantized from a quantized checkpoint (GGUF's Q4_K, Q5_0, Q6_K, Q8_0 ...) hold,
  * in float32, only a few distinct values per block of the input dimension: within each
@@ -18,6 +19,9 @@
  * weight for it. fairserve_coded_linear is the linear:
  *
  *   out[m, n] = sum_k x[m, k] * weight[n, k] (+ bias[n])
+ *
+ * from codes of `bits` 8, or 4, 5 or 6 (narrow codes: fairserve_codes_narrow packs a panel's
+ * bytes, fairserve_codes_widen unpacks them).
  *
  * Layouts (all contiguous): weight [out, in] float; for fairserve_codes_find codes [out, in]
  * uint8, scales and offsets [out, in / G] float; for the linear the same in panels (below);
@@ -178,12 +182,108 @@ static inline vf expand(const uint8_t *codes, vf scale, vf offset) {
     return code_floats(codes) * scale + offset;
 }
 
+/* ---- narrow codes ----------------------------------------------------------------------
+ * Codes of at most 4 + H bits (H = 0, 1, 2) are kept in 16 + 4 H bytes per input entry of a
+ * panel instead of PANEL: 16 bytes of nibbles (byte j: row j's low 4 bits in its low nibble,
+ * row j + 16's in its high one), then H little-endian 32-bit words, word h holding bit 4 + h
+ * of row i's code at bit i. Unpacked, a code is the same integer as its byte in the 8-bit
+ * layout, so its float and the weight expanded from it are the same bit for bit. */
+
+static inline int64_t narrow_stride(int64_t bits) { return 16 + 4 * (bits - 4); }
+
+#if LANES == 16
+/* Vector v's (rows 16 v .. 16 v + 15) codes as floats. */
+static inline vf narrow_code_floats(const uint8_t *p, int high_bits, int v) {
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    __m512i code = _mm512_and_si512(v == 0 ? bytes : _mm512_srli_epi32(bytes, 4), _mm512_set1_epi32(15));
+    for (int h = 0; h < high_bits; h++) {
+        uint32_t word;
+        __builtin_memcpy(&word, p + 16 + 4 * h, sizeof word);
+        code = _mm512_mask_add_epi32(code, (__mmask16)(word >> (16 * v)), code, _mm512_set1_epi32(16 << h));
+    }
+    return (vf)_mm512_cvtepi32_ps(code);
+}
+#elif defined(__AVX2__)
+static inline vf narrow_code_floats(const uint8_t *p, int high_bits, int v) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * (v & 1))));
+    __m256i code = _mm256_and_si256(v < 2 ? bytes : _mm256_srli_epi32(bytes, 4), _mm256_set1_epi32(15));
+    const __m256i lane_bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    for (int h = 0; h < high_bits; h++) {
+        uint32_t word;
+        __builtin_memcpy(&word, p + 16 + 4 * h, sizeof word);
+        const __m256i mine = _mm256_and_si256(_mm256_set1_epi32((int)((word >> (8 * v)) & 255)), lane_bits);
+        const __m256i set = _mm256_cmpeq_epi32(mine, lane_bits);
+        code = _mm256_add_epi32(code, _mm256_and_si256(set, _mm256_set1_epi32(16 << h)));
+    }
+    return (vf)_mm256_cvtepi32_ps(code);
+}
+#else
+static inline vf narrow_code_floats(const uint8_t *p, int high_bits, int v) {
+    vf out;
+    for (int i = 0; i < LANES; i++) {
+        const int row = v * LANES + i;
+        int code = (p[row & 15] >> (row & 16 ? 4 : 0)) & 15;
+        for (int h = 0; h < high_bits; h++) {
+            uint32_t word;
+            __builtin_memcpy(&word, p + 16 + 4 * h, sizeof word);
+            code += (int)((word >> row) & 1) << (4 + h);
+        }
+        out[i] = (float)code;
+    }
+    return out;
+}
+#endif
+
+/* The PANEL weights of one input entry: bits 8 reads a byte a code, else narrow codes. */
+static inline __attribute__((always_inline)) void expand_entry(const uint8_t *codes, const int bits,
+                                                              const vf *scale, const vf *offset, vf *w) {
+    for (int v = 0; v < VECTORS; v++)
+        w[v] = bits == 8 ? expand(codes + v * LANES, scale[v], offset[v])
+                         : narrow_code_floats(codes, bits - 4, v) * scale[v] + offset[v];
+}
+
+/* codes [rows][PANEL] bytes as narrow codes of `bits` (4, 5 or 6: 4 + H), [rows][16 + 4 H];
+ * returns 1 if a code needs more bits. */
+int fairserve_codes_narrow(const uint8_t *codes, int64_t rows, int64_t bits, uint8_t *narrow) {
+    if (bits < 4 || bits > 6) return 1;
+    const int64_t stride = narrow_stride(bits);
+    for (int64_t k = 0; k < rows; k++) {
+        const uint8_t *c = codes + k * PANEL;
+        uint8_t *n = narrow + k * stride;
+        uint32_t words[2] = {0, 0};
+        for (int i = 0; i < PANEL; i++) {
+            if (c[i] >> bits) return 1;
+            if (i < 16) n[i] = (uint8_t)((c[i] & 15) | ((c[i + 16] & 15) << 4));
+            for (int h = 0; h < bits - 4; h++) words[h] |= (uint32_t)((c[i] >> (4 + h)) & 1) << i;
+        }
+        __builtin_memcpy(n + 16, words, 4 * (size_t)(bits - 4));
+    }
+    return 0;
+}
+
+/* The inverse: narrow codes [rows][16 + 4 H] back to [rows][PANEL] bytes (the start-up check,
+ * and rows looked up from the codes). */
+void fairserve_codes_widen(const uint8_t *narrow, int64_t rows, int64_t bits, uint8_t *codes) {
+    const int64_t stride = narrow_stride(bits);
+    for (int64_t k = 0; k < rows; k++) {
+        const uint8_t *n = narrow + k * stride;
+        uint32_t words[2] = {0, 0};
+        __builtin_memcpy(words, n + 16, 4 * (size_t)(bits - 4));
+        for (int i = 0; i < PANEL; i++) {
+            int code = (n[i & 15] >> (i & 16 ? 4 : 0)) & 15;
+            for (int h = 0; h < bits - 4; h++) code |= (int)((words[h] >> i) & 1) << (4 + h);
+            codes[k * PANEL + i] = (uint8_t)code;
+        }
+    }
+}
+
 /* out[r, 0 .. PANEL) = activation row r (r < nx) times one panel; nx is a constant at every
  * call site, so the nx * VECTORS accumulators stay in registers. */
 static inline __attribute__((always_inline)) void tile(const uint8_t *c, const float *scales, const float *offsets,
-                                                       int64_t group, const float *x, int64_t in, const int nx,
-                                                       const float *bias, float *out, int64_t out_stride,
-                                                       int valid) {
+                                                       int64_t group, const int bits, const float *x, int64_t in,
+                                                       const int nx, const float *bias, float *out,
+                                                       int64_t out_stride, int valid) {
+    const int64_t stride = bits == 8 ? PANEL : narrow_stride(bits);
     vf acc[X_TILE][VECTORS];
     for (int r = 0; r < nx; r++)
         for (int v = 0; v < VECTORS; v++) acc[r][v] = (vf){0};
@@ -194,10 +294,10 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *c, const f
             offset[v] = loadv(offsets + g * PANEL + v * LANES);
         }
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
-            const uint8_t *codes = c + k * PANEL;
+            const uint8_t *codes = c + k * stride;
             if ((k & 1) == 0) __builtin_prefetch(codes + PREFETCH_AHEAD, 0, 3);
             vf w[VECTORS];
-            for (int v = 0; v < VECTORS; v++) w[v] = expand(codes + v * LANES, scale[v], offset[v]);
+            expand_entry(codes, bits, scale, offset, w);
             for (int r = 0; r < nx; r++) {
                 const vf xr = splat(x + r * in + k);
                 for (int v = 0; v < VECTORS; v++) acc[r][v] += w[v] * xr;
@@ -212,35 +312,46 @@ static inline __attribute__((always_inline)) void tile(const uint8_t *c, const f
     }
 }
 
-#define TILE_CASE(NX) \
-    case NX: if ((NX) <= X_TILE) tile(c, scales, offsets, group, x, in, NX, bias, out, out_stride, valid); break;
+#define TILE_CASE(NX, BITS) \
+    case NX: if ((NX) <= X_TILE) tile(c, scales, offsets, group, BITS, x, in, NX, bias, out, out_stride, valid); break;
+#define TILE_CASES(BITS) \
+    switch (nx) { \
+        TILE_CASE(1, BITS) TILE_CASE(2, BITS) TILE_CASE(3, BITS) TILE_CASE(4, BITS) \
+        TILE_CASE(5, BITS) TILE_CASE(6, BITS) TILE_CASE(7, BITS) TILE_CASE(8, BITS) \
+        default: break; \
+    }
 
-static void dispatch(const uint8_t *c, const float *scales, const float *offsets, int64_t group, const float *x,
-                     int64_t in, int nx, const float *bias, float *out, int64_t out_stride, int valid) {
-    switch (nx) {
-        TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4) TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8)
-        default: break;
+static void dispatch(const uint8_t *c, const float *scales, const float *offsets, int64_t group, int64_t bits,
+                     const float *x, int64_t in, int nx, const float *bias, float *out, int64_t out_stride,
+                     int valid) {
+    switch (bits) {
+        case 4: TILE_CASES(4) break;
+        case 5: TILE_CASES(5) break;
+        case 6: TILE_CASES(6) break;
+        default: TILE_CASES(8) break;
     }
 }
 
 /* out = x @ weight.T (+ bias) from the panelled codes (the last panel padded with zero rows
- * when out_features is not a multiple of PANEL); returns nonzero on shapes it does not take
- * (in not a multiple of group, group not of LANES). */
+ * when out_features is not a multiple of PANEL), of `bits` 8 (a byte a code) or 4, 5, 6
+ * (narrow codes); returns nonzero on shapes it does not take (in not a multiple of group,
+ * group not of LANES, other bits). The narrow codes give the same outputs bit for bit. */
 int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *scales, const float *offsets,
-                           int64_t group, const float *bias, float *out, int64_t rows, int64_t in,
+                           int64_t group, int64_t bits, const float *bias, float *out, int64_t rows, int64_t in,
                            int64_t out_features, int64_t num_threads) {
-    if (group <= 0 || group % LANES || in % group) return 1;
+    if (group <= 0 || group % LANES || in % group || (bits != 8 && (bits < 4 || bits > 6))) return 1;
     const int64_t panels = (out_features + PANEL - 1) / PANEL, groups_per_row = in / group;
+    const int64_t panel_bytes = in * (bits == 8 ? PANEL : narrow_stride(bits));
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
-        const uint8_t *c = codes + p * in * PANEL;
+        const uint8_t *c = codes + p * panel_bytes;
         const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
         const float *b = bias != NULL ? bias + p * PANEL : NULL;
         const int valid = out_features - p * PANEL < PANEL ? (int)(out_features - p * PANEL) : PANEL;
         for (int64_t m0 = 0; m0 < rows; m0 += X_TILE) {
             const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
-            dispatch(c, s, o, group, x + m0 * in, in, nx, b, out + m0 * out_features + p * PANEL, out_features,
-                     valid);
+            dispatch(c, s, o, group, bits, x + m0 * in, in, nx, b, out + m0 * out_features + p * PANEL,
+                     out_features, valid);
         }
     }
     return 0;

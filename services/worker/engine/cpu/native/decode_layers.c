@@ -22,8 +22,8 @@
 #include <string.h>
 
 typedef int (*coded_linear_fn)(const float *x, const uint8_t *codes, const float *scales, const float *offsets,
-                               int64_t group, const float *bias, float *out, int64_t rows, int64_t in,
-                               int64_t out_features, int64_t num_threads);
+                               int64_t group, int64_t bits, const float *bias, float *out, int64_t rows,
+                               int64_t in, int64_t out_features, int64_t num_threads);
 typedef void (*rms_norm_fn)(const float *x, const float *scale, float *out, int64_t rows, int64_t dim, float eps,
                             int64_t num_threads);
 typedef void (*act_mul_fn)(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, float *out,
@@ -48,6 +48,7 @@ typedef struct {
     const float *scales;
     const float *offsets;
     int64_t group;
+    int64_t bits;                    /* 8: a byte a code; 4, 5, 6: narrow codes (coded_linear.c) */
 } coded_t;
 
 typedef struct {
@@ -76,8 +77,8 @@ typedef struct {
 
 static int linear(const kernels_t *kernels, const coded_t *weight, const float *x, float *out, int64_t rows,
                   int64_t in, int64_t out_features, int64_t threads) {
-    return kernels->coded_linear(x, weight->codes, weight->scales, weight->offsets, weight->group, NULL, out, rows,
-                                 in, out_features, threads);
+    return kernels->coded_linear(x, weight->codes, weight->scales, weight->offsets, weight->group, weight->bits,
+                                 NULL, out, rows, in, out_features, threads);
 }
 
 static void add_into(float *hidden, const float *other, int64_t count) {
