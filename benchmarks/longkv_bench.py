@@ -134,17 +134,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--budgets", default=",".join(map(str, BUDGETS)), help="lossy policies' budgets, tokens")
     parser.add_argument("--out", default=".cache/bench-longkv", help="where results.json goes")
+    parser.add_argument("--decode-only", action="store_true", help="skip the perplexity runs")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     budgets, block_size = tuple(int(b) for b in args.budgets.split(",")), 16
     if args.quick:
         args.tokens, args.context, args.new_tokens, budgets, block_size = 600, 300, 8, (64, 128), 4
     engine, tokenizer, model_name = _engine(args, block_size)
-    ids = long_text(tokenizer, args.tokens)
-    rows = [_progress(score(engine, ids, KvPolicy(), 512, "full"))]
-    for budget in sorted(budgets, reverse=True):
+    ids = long_text(tokenizer, max(args.tokens, args.context))
+    rows = [] if args.decode_only else [_progress(score(engine, ids[:args.tokens], KvPolicy(), 512, "full"))]
+    for budget in sorted(budgets, reverse=True) if rows else ():
         for kind in POLICIES:
-            rows.append(_progress(score(engine, ids, KvPolicy(kind, budget, SINK_TOKENS), args.chunk,
+            rows.append(_progress(score(engine, ids[:args.tokens], KvPolicy(kind, budget, SINK_TOKENS), args.chunk,
                                         f"{kind}{budget}")))
     speed = {}
     for kind in ("full", "sink"):
@@ -153,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     del engine
     flat, _, _ = _engine(args, block_size, hybrid=False)
     speed["full, one cache"] = decode(flat, ids[:args.context], KvPolicy(), args.new_tokens, "dflat")
-    _report(args, model_name, len(ids), rows, speed, budgets)
+    _report(args, model_name, args.tokens, rows, speed, budgets)
 
 
 def _progress(row: Scored) -> Scored:
@@ -186,13 +190,15 @@ def _engine(args, block_size: int, hybrid: bool = True):
 
 
 def _report(args, model_name: str, length: int, rows: list[Scored], speed: dict, budgets) -> None:
-    full = rows[0].perplexity
+    full = rows[0].perplexity if rows else 0.0
     print(f"Long-context KV policies: {model_name}, {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"Python {platform.python_version()} documentation ({length} tokens), scored in chunks of {args.chunk} "
           f"(full: 512), sink = first {SINK_TOKENS} tokens rounded up to a block.")
     print()
-    print("| policy | budget (tokens) | perplexity | vs full | most KV blocks held | seconds |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(f"{torch.get_num_threads()} torch threads.")
+    if rows:
+        print("| policy | budget (tokens) | perplexity | vs full | most KV blocks held | seconds |")
+        print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
         budget = "-" if row.policy == "full" else str(row.budget)
         print(f"| {row.policy} | {budget} | {row.perplexity:.3f} | {row.perplexity / full - 1:+.1%} | "
