@@ -41,6 +41,7 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,
                                     "sliding_blocks": engine.kv_layout.sliding_blocks,
                                     "sliding_window": engine.kv_layout.window, "kv_mb": engine.kv.nbytes() >> 20,
+                                    "cpu_compute": engine.config.cpu_compute,
                                     "decode_graphs": engine.graphs is not None, "native_linears": engine.native_linears,
                                     "coded_linears": engine.coded_linears,
                                     "prefill_linear_kernel": engine.prefill_linear_kernel,

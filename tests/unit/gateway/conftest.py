@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -8,7 +8,7 @@ import pytest
 
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from tests.unit.gateway.fakes import EOS_ID, FakeScheduler
+from tests.unit.gateway.fakes import EOS_ID, FakeScheduler, ServerThread
 
 REPLY_TEXT = "Paris is 東京 🙂 nice."
 
@@ -42,3 +42,10 @@ async def client(make_app: Callable[..., Any], fake: FakeScheduler) -> AsyncIter
     transport = httpx.ASGITransport(app=make_app(fake))
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
         yield http
+
+
+@pytest.fixture
+def server(make_app: Callable[..., Any], fake: FakeScheduler) -> Iterator[ServerThread]:
+    """The app served on a free port, for clients that need a real server (openai, streams)."""
+    with ServerThread(make_app(fake)) as running:
+        yield running

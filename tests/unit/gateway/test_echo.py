@@ -5,7 +5,6 @@ the prompt's scores); max_tokens 0 scores a text without generating."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import openai
@@ -16,12 +15,6 @@ from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
 MODEL = "google/gemma-3-270m"
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture
-def server(make_app: Callable[..., Any], fake: FakeScheduler):
-    with ServerThread(make_app(fake)) as running:
-        yield running
 
 
 @pytest.fixture

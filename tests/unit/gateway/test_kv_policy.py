@@ -3,19 +3,11 @@ when unknown, and a lossy one is not held to the model's context."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
 
 import httpx
 import pytest
 
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
-
-
-@pytest.fixture
-def server(make_app: Callable[..., Any], fake: FakeScheduler):
-    with ServerThread(make_app(fake)) as running:
-        yield running
 
 
 def post(server: ServerThread, path: str, body: dict) -> httpx.Response:

@@ -5,7 +5,6 @@ prompt's own token and the top k); bad values are 400s naming the field."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -16,12 +15,6 @@ from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
 MODEL = "google/gemma-3-270m"
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture
-def server(make_app: Callable[..., Any], fake: FakeScheduler):
-    with ServerThread(make_app(fake)) as running:
-        yield running
 
 
 def post(server: ServerThread, path: str, **body: Any) -> httpx.Response:
