@@ -254,14 +254,9 @@ class StepPlanner:
         first `copied` slots into the block after the cached ones."""
         sources = () if tail_source is None else (tail_source,)
         window_start = self.sliding.first_in_window(first_query) if self.sliding is not None else 0
-        if self.sliding is not None:
-            table = self.pool.table(seq.seq_id) or cached_blocks
-            computed = table[window_start:self.pool.blocks_for(first_query)]
-            if not all(self.sliding.attached(block) for block in computed):
-                raise RuntimeError(f"{seq.seq_id}: the sliding layers' K/V of its window are gone")
-            new = max(0, self.pool.blocks_for(num_tokens) - len(table))
-            if not self.sliding.can_cover(table[window_start:], new, sources, seq.seq_id):
-                return False
+        if self.sliding is not None and not self._sliding_fits(seq, num_tokens, cached_blocks, sources,
+                                                               window_start, first_query):
+            return False
         for source in sources:
             self.pool.hold(source)     # the allocation must not evict the block copied from
         try:
@@ -276,6 +271,20 @@ class StepPlanner:
             for source in sources:
                 self.pool.release(source)
         return True
+
+    def _sliding_fits(self, seq: SequenceState, num_tokens: int, cached_blocks: list[int],
+                      sources: tuple[int, ...], window_start: int, first_query: int) -> bool:
+        """Whether the sliding group can cover `seq`'s window from entry `window_start` once
+        its table covers `num_tokens` tokens; raises when a computed window block lost its copy."""
+        assert self.sliding is not None
+        table = self.pool.table(seq.seq_id) or cached_blocks
+        new = max(0, self.pool.blocks_for(num_tokens) - len(table))
+        if not new and not sources and self.sliding.covers(seq.seq_id, table[window_start:]):
+            return True     # most decodes: the window pinned last step, nothing to attach
+        computed = table[window_start:self.pool.blocks_for(first_query)]
+        if not all(self.sliding.attached(block) for block in computed):
+            raise RuntimeError(f"{seq.seq_id}: the sliding layers' K/V of its window are gone")
+        return self.sliding.can_cover(table[window_start:], new, sources, seq.seq_id)
 
     def _copy_tail(self, source: int, target: int, copied: int) -> None:
         self.kv.copy_slots(source, target, copied)

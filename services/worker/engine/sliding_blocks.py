@@ -76,6 +76,10 @@ class SlidingBlocks:
     def sliding_of(self, block: int) -> int:
         return self._sliding_of[block]
 
+    def covers(self, seq_id: str, window_blocks: Sequence[int]) -> bool:
+        """Whether `seq_id` pins exactly `window_blocks` already (all of them attached)."""
+        return self._pinned_by.get(seq_id) == list(window_blocks)
+
     def pinned(self, seq_id: str) -> list[int]:
         """The pool blocks `seq_id`'s window covers (in table order)."""
         return list(self._pinned_by.get(seq_id, ()))
@@ -111,9 +115,9 @@ class SlidingBlocks:
         """Makes `seq_id` pin exactly `window_blocks` (its window's pool blocks, in table
         order), attaching sliding blocks to those without one, never reclaiming `protect`'s.
         False, and nothing changed, when there are not enough sliding blocks."""
-        pinned = self._pinned_by.get(seq_id)
-        if pinned is not None and pinned == list(window_blocks):
+        if self.covers(seq_id, window_blocks):
             return True
+        pinned = self._pinned_by.get(seq_id)
         if not self.can_cover(window_blocks, 0, protect, seq_id):
             return False
         for block in window_blocks:      # pin first: attaching below must not reclaim these

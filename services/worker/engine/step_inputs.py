@@ -152,15 +152,19 @@ def _pack_rows(order: list[Planned], rows: _Rows, groups: list[_GroupRows], pool
 def _pack_group(group: _GroupRows, plan: Planned, table: list[int], row: int, start: int, end: int,
                 decode: bool, last_row: int, device: torch.device) -> None:
     size = group.block_size
+    context_slots = None
     if decode:
         group.slots.append(slot(table, start, size))
         group.decode_tables.append(table)
     else:
-        context_slots = _context_slots(table, end, size)
-        group.slots.extend(context_slots[start:].tolist())
-        group.prefills.append(PrefillChunk(row, plan.rows, start, context_slots.to(device)))
+        host_slots = _context_slots(table, end, size)
+        group.slots.extend(host_slots[start:].tolist())
+        context_slots = host_slots.to(device)
+        group.prefills.append(PrefillChunk(row, plan.rows, start, context_slots))
     if plan.seq.budget is not None and plan.seq.budget.kind == "h2o":
-        group.scores.track(plan.seq, last_row, _context_slots(table, end, size).to(device))
+        if context_slots is None:
+            context_slots = _context_slots(table, end, size).to(device)
+        group.scores.track(plan.seq, last_row, context_slots)
 
 
 def _context_slots(table: list[int], end: int, block_size: int) -> torch.Tensor:

@@ -24,7 +24,6 @@ faster lossy mode should not silently run a slower emulated one).
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.cpu.cpu_linear import PackedLinear, bfloat16_linear, onednn_bf16_packing_available
+from services.worker.engine.cpu.timing import best_alternating
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +89,6 @@ def first_win(seconds: dict[int, tuple[float, float]]) -> int:
     return chosen
 
 
-def _alternating(calls: tuple[Callable[[], object], Callable[[], object]], repeats: int = 7) -> tuple[float, float]:
-    """The best of `repeats` seconds of each call, the two taking turns (a busy CPU slows both alike)."""
-    best = [float("inf"), float("inf")]
-    for call in calls:
-        call()   # warm-up
-    for _ in range(repeats):
-        for side, call in enumerate(calls):
-            started = time.perf_counter()
-            call()
-            best[side] = min(best[side], time.perf_counter() - started)
-    return best[0], best[1]
-
-
 def measure(linears: list[PackedLinear], packs: list[torch.Tensor]) -> dict[int, tuple[float, float]]:
     """Seconds of `linears` (one layer's) per calibrated row count: (their float32 path, bfloat16)."""
     generator = torch.Generator().manual_seed(3)
@@ -110,9 +97,10 @@ def measure(linears: list[PackedLinear], packs: list[torch.Tensor]) -> dict[int,
     with torch.inference_mode():
         for rows in CALIBRATION_ROWS:
             inputs = [torch.rand(rows, linear.in_features, generator=generator) for linear in linears]
-            seconds[rows] = _alternating((
+            float32, bfloat16 = best_alternating((
                 lambda: [linear(x) for linear, x in zip(linears, inputs)],
-                lambda: [bfloat16_linear(x, pack, bias) for x, pack, bias in zip(inputs, packs, biases)]))
+                lambda: [bfloat16_linear(x, pack, bias) for x, pack, bias in zip(inputs, packs, biases)]), repeats=7)
+            seconds[rows] = (float32, bfloat16)
     return seconds
 
 

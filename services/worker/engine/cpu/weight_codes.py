@@ -23,13 +23,13 @@ linear is bound by multiply-adds, not by reading the weight.
 from __future__ import annotations
 
 import ctypes
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from services.worker.engine.cpu.native_build import load_binding
+from services.worker.engine.cpu.timing import best_alternating
 
 GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
 PANEL = 32               # output rows per panel of the kernel's layout
@@ -216,14 +216,10 @@ def narrow_is_faster(kernel: NativeCodedLinear, repeats: int = 9) -> bool:
         scales = torch.rand(panels, in_features // group, PANEL, generator=generator)
         wide = CodedWeight(codes, scales, -scales, group, out_features, in_features)
         pairs.append((torch.randn(1, in_features, generator=generator), wide, kernel.narrow(wide)))
-    best = {8: float("inf"), 0: float("inf")}
-    for _ in range(repeats):
-        for side in best:
-            started = time.perf_counter()
-            for rows, wide, narrow in pairs:
-                kernel(rows, wide if side == 8 else narrow, None)
-            best[side] = min(best[side], time.perf_counter() - started)
-    return best[0] < best[8]
+    wide_seconds, narrow_seconds = best_alternating((
+        lambda: [kernel(rows, wide, None) for rows, wide, _ in pairs],
+        lambda: [kernel(rows, narrow, None) for rows, _, narrow in pairs]), repeats, warm_up=False)
+    return narrow_seconds < wide_seconds
 
 
 def load_coded_linear(cache_dir: Path) -> NativeCodedLinear | None:
