@@ -39,7 +39,7 @@ class RequestFields:
     max_tokens_param: str = "max_tokens"
     prompt_param: str = "prompt"
     stop: str | Sequence[str] | None = None
-    stop_token_ids: tuple[int, ...] = ()  # the door's: the chat template's end of turn
+    stop_token_ids: tuple[int, ...] = ()  # the door's: the chat template's end of turn (EOS-like)
     requested_stop_token_ids: Sequence[int] | None = None  # the client's, checked here
     logit_bias: Mapping[str, float] | None = None
     kv_policy: str | None = None
@@ -80,7 +80,10 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
         build_sampling(fields.sampling, fields.default_temperature),
         logit_bias=check_logit_bias(fields.logit_bias, limits.vocab_size),
         constraint=check_constraint(fields))
-    stop_token_ids = tuple(dict.fromkeys((*fields.stop_token_ids, *check_stop_token_ids(
+    # The door's end-of-turn ids act as EOS, so ignore_eos waives them (as vLLM does the
+    # generation config's extra EOS ids); the client's own stop_token_ids still apply.
+    implicit = () if fields.ignore_eos else fields.stop_token_ids
+    stop_token_ids = tuple(dict.fromkeys((*implicit, *check_stop_token_ids(
         fields.requested_stop_token_ids, limits.vocab_size))))
     stop = normalize_stop(fields.stop)
     priority = cap_priority(check_priority(fields.priority), caller)

@@ -100,12 +100,21 @@ def test_grpc_text_request_builds_the_same_spec() -> None:
 def test_openai_bodies_build_the_same_spec() -> None:
     assert build_spec(completion_fields(CompletionBody(prompt="Hi", **ASKED)), PROMPT, LIMITS) == CHECKED
     chat = ChatCompletionBody(messages=[{"role": "user", "content": "Hi"}], **ASKED)
-    assert build_spec(chat_fields(chat, (106,)), PROMPT, LIMITS) == replace(CHECKED, stop_token_ids=(106,))
+    assert build_spec(chat_fields(chat, (106,)), PROMPT, LIMITS) == CHECKED  # ignore_eos: no end of turn
     default = build_spec(completion_fields(CompletionBody(prompt="Hi")), PROMPT, LIMITS)
     assert default.sampling.temperature == 1.0 and default.max_tokens == 128
     completion_budget = chat.model_copy(update={"max_completion_tokens": 600})
     error = api_error(lambda: build_spec(chat_fields(completion_budget, ()), PROMPT, LIMITS))
     assert error.param == "max_completion_tokens"
+
+
+def test_ignore_eos_waives_the_end_of_turn_but_not_the_clients_stop_ids() -> None:
+    chat = ChatCompletionBody(messages=[{"role": "user", "content": "Hi"}], ignore_eos=True)
+    assert build_spec(chat_fields(chat, (106,)), PROMPT, LIMITS).stop_token_ids == ()
+    asked = chat.model_copy(update={"stop_token_ids": [7]})
+    assert build_spec(chat_fields(asked, (106,)), PROMPT, LIMITS).stop_token_ids == (7,)
+    kept = chat.model_copy(update={"ignore_eos": False})
+    assert build_spec(chat_fields(kept, (106,)), PROMPT, LIMITS).stop_token_ids == (106,)
 
 
 def test_the_spec_goes_to_the_scheduler_without_its_stop_strings() -> None:
