@@ -23,6 +23,7 @@ from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.cpu_linear import KernelPlan
+from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.native_decode import load_decode_kernel
 from services.worker.engine.cuda import decode_graphs
 from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
@@ -93,9 +94,12 @@ class Engine:
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
         vocab_size = int(self.model_config.vocab_size)
         # Structured output: the grammar tokenizer builds in the background (seconds on 262k tokens).
+        # Its build's temporaries (~0.3 GB on 262k tokens) are handed back once it is built.
         self.grammars = Grammars(GrammarTokenizer(
             tokenizer_from_model_dir(config.model_dir, vocab_size, prepared.eos_token_ids),
-            background=(Path(config.model_dir) / "tokenizer.json").is_file()), vocab_size, prepared.eos_token_ids)
+            background=(Path(config.model_dir) / "tokenizer.json").is_file(),
+            on_built=release_freed_host_memory if self.device.type == "cpu" else None),
+            vocab_size, prepared.eos_token_ids)
         self.grammar_masks = GrammarMasker()
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
         self.isolation = StepIsolation(self.sequences, self.pool)

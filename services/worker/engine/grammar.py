@@ -48,8 +48,10 @@ class GrammarTokenizer:
     """The tokenizer, built once: in a background thread from start, or on first use; get()
     waits for it."""
 
-    def __init__(self, build: TokenizerFactory, background: bool = True) -> None:
+    def __init__(self, build: TokenizerFactory, background: bool = True,
+                 on_built: Callable[[], object] | None = None) -> None:
         self._build = build
+        self._on_built = on_built       # e.g. hand the build's freed temporaries back (host_memory.py)
         self._value: Any = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()
@@ -67,6 +69,8 @@ class GrammarTokenizer:
                 log.warning("grammar tokenizer unavailable: %s", error)
                 self._error = error
             self._built = True
+            if self._on_built is not None:
+                self._on_built()
 
     def wait(self) -> bool:
         """Waits for the build; whether the tokenizer is there."""
