@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-grammar bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ bench-longkv: install prepare-model
 # needs a CPU with BF16 instructions; ARGS="--quick" checks it on the tiny model.
 bench-bf16: install prepare-model
 	$(PY) -m benchmarks.bf16_bench $(ARGS)
+
+# The grammar engines (xgrammar, llguidance) on the default model's vocabulary (docs/engine.md);
+# installs xgrammar first (requirements-bench.txt, not part of `make install`).
+bench-grammar: install prepare-model
+	$(PIP) install -q -r requirements-bench.txt
+	$(PY) -m benchmarks.grammar_engine_bench $(ARGS)
 
 # TPOT at 8 concurrent streams with a JSON schema against without one, alternating rounds
 # (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.

@@ -1,7 +1,11 @@
 """Grammar engines compared on the default model's vocabulary: xgrammar against llguidance.
 
+    make bench-grammar                                   # installs xgrammar, then the full run
     python -m benchmarks.grammar_engine_bench            # full run (about a minute)
     python -m benchmarks.grammar_engine_bench --quick    # fewer tokens and repeats
+
+xgrammar is not part of `make install` (requirements-bench.txt: it pulls in triton, which torch
+would then import into every service).
 
 For each engine: the tokenizer set-up, the compile time of each case (a JSON schema, a regex,
 a choice, a Lark grammar), whether it compiles at all (coverage), and the time to compute the
@@ -115,7 +119,11 @@ class XGrammarEngine:
     name = "xgrammar"
 
     def __init__(self, model_dir: Path, vocab: int) -> None:
-        import xgrammar
+        try:
+            import xgrammar
+        except ImportError as error:
+            raise SystemExit("xgrammar is not installed: `make bench-grammar` installs it "
+                             "(requirements-bench.txt)") from error
         from transformers import AutoTokenizer
         self.xgr = xgrammar
         info = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir), vocab_size=vocab)
