@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-grammar bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,12 @@ bench-longkv: install prepare-model
 # needs a CPU with BF16 instructions; ARGS="--quick" checks it on the tiny model.
 bench-bf16: install prepare-model
 	$(PY) -m benchmarks.bf16_bench $(ARGS)
+
+# The engine's memory-saving settings (CPU_PREFILL_WEIGHTS=codes; lean: + narrow codes, no
+# screen) against its defaults: prefill and decode tok/s alternating, and each one's resident
+# memory at 64 blocks in a fresh process (docs/benchmarks.md).
+bench-memory: install prepare-model
+	$(PY) -m benchmarks.memory_modes_bench $(ARGS)
 
 # The grammar engines (xgrammar, llguidance) on the default model's vocabulary (docs/engine.md);
 # installs xgrammar first (requirements-bench.txt, not part of `make install`).

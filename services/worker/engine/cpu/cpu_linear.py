@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.cpu.coded_wide import WideFromCodes
 from services.worker.engine.cpu.native_ops import NativeSkinnyLinear
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
 
@@ -239,6 +240,7 @@ class PackedLinear(torch.nn.Module):
         self.bf16_packed: torch.Tensor | None = None     # CPU_COMPUTE=bfloat16: a bfloat16 oneDNN pack
         self.bf16_bias: torch.Tensor | None = None
         self.bf16_min_rows = ALL_ROWS
+        self.wide: WideFromCodes | None = None          # CPU_PREFILL_WEIGHTS=codes: wide steps from the codes
         self.register_buffer("packed", self._pack(kernel, pack_rows_hint), persistent=False)
 
     def _pack(self, kernel: str, rows_hint: int) -> torch.Tensor:
@@ -282,6 +284,16 @@ class PackedLinear(torch.nn.Module):
         if self.coded is None or self.packed is not None or self.weight is None:
             return False
         self.weight, self.native, self.native_max_rows = None, None, 0
+        return True
+
+    def serve_wide_rows_from_codes(self, wide: WideFromCodes) -> bool:
+        """Drops the float32 weight and pack of a coded linear: steps wider than the codes'
+        kernel takes (and not served by a bfloat16 pack) multiply the weight expanded from
+        the codes by `wide` (coded_wide.py), the same values bit for bit."""
+        if self.coded is None:
+            return False
+        self.weight, self.packed, self.max_packed_rows = None, None, 0
+        self.native, self.native_max_rows, self.wide = None, 0, wide
         return True
 
     def _from_code_tiles(self, x: torch.Tensor) -> torch.Tensor:
@@ -333,6 +345,8 @@ class PackedLinear(torch.nn.Module):
         if self.bf16_packed is not None and rows.shape[0] >= self.bf16_min_rows and x.dtype == torch.float32:
             out = bfloat16_linear(rows, self.bf16_packed, self.bf16_bias)
             return out.view(*x.shape[:-1], self.out_features)
+        if self.wide is not None:
+            return self.wide(rows.contiguous(), self.coded, self.bias).view(*x.shape[:-1], self.out_features)
         if rows.shape[0] > self.max_packed_rows:
             if self.weight is None and self.packed is None:
                 return self._from_code_tiles(x)

@@ -23,8 +23,9 @@ from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
                                                      require_bfloat16_cpu)
-from services.worker.engine.cpu.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, pack_linears,
-                                                   resolve_kernel_plan)
+from services.worker.engine.cpu.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
+from services.worker.engine.cpu.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, kernel_available,
+                                                   pack_linears, resolve_kernel_plan)
 from services.worker.engine.cpu.direct_forward import DirectForward
 from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
 from services.worker.engine.cpu.fused_norms import fuse_rms_norms
@@ -71,6 +72,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     place) and returns what was applied, with the LM head the engine calls."""
     target = _Target(config, device, dtype, kernel_cache_dir)
     _check_compute(target)
+    require_choice("CPU_PREFILL_WEIGHTS", config.cpu_prefill_weights, PREFILL_WEIGHTS_MODES)
     done = Speedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
     native_ops = load_elementwise(kernel_cache_dir) if done.native_kernels else None
     done.fused_norms = fuse_rms_norms(base, native_ops)
@@ -84,20 +86,25 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
     done.bfloat16 = apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
-    done.dropped_bytes = _drop_unserved_copies(base, done.lm_head)
+    done.dropped_bytes = _drop_unserved_copies(base, done.lm_head, config.cpu_prefill_weights == "codes")
     return done
 
 
-def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module) -> int:
+def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide_from_codes: bool) -> int:
     """Coded linears keep one copy of their weight beside the codes: the layers their
     prefill pack, the LM head its float32 weight (shared with the tied embedding and
-    the screen). Returns the bytes let go."""
-    dropped = 0
+    the screen); with `wide_from_codes` (CPU_PREFILL_WEIGHTS=codes) the layers keep none,
+    their wide steps expanding the codes (coded_wide.py). Returns the bytes let go."""
+    dropped, wide = 0, None
     for linear in _packed_linears(base, lm_head):
         weight, packed = linear.weight, linear.packed
         if linear is lm_head:
             if linear.drop_pack():
                 dropped += packed.numel() * packed.element_size()
+        elif wide_from_codes and linear.coded is not None:
+            wide = wide or WideFromCodes(linear.coded_kernel, kernel_available("onednn", torch.float32))
+            linear.serve_wide_rows_from_codes(wide)
+            dropped += sum(_nbytes(t) for t in (weight, packed) if t is not None)
         elif linear.drop_float32_weight():
             dropped += weight.numel() * weight.element_size()
             if packed is not None and linear.packed is None:    # CPU_COMPUTE=bfloat16 serves wide steps
@@ -105,6 +112,13 @@ def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module) -> in
     if dropped:
         log.info("coded linears: %.0f MB of weight copies no path reads dropped", dropped / 1e6)
     return dropped
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """A tensor's bytes, an opaque oneDNN pack's included."""
+    if tensor.is_mkldnn:
+        return int(torch.ops.mkldnn._nbytes(tensor))
+    return tensor.numel() * tensor.element_size()
 
 
 def _check_compute(target: _Target) -> None:
@@ -175,7 +189,8 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
         # another. (The LM head's keeps its kernel: past 32 rows it only serves prompt logprobs.)
         # (Under CPU_COMPUTE=bfloat16 bfloat16 packs serve those chunks, and these are dropped.)
         prefill_kernel = (choose_prefill_kernel() if target.config.cpu_linear_kernel == "auto"
-                          and target.config.cpu_compute == "float32" else None)
+                          and target.config.cpu_compute == "float32"
+                          and target.config.cpu_prefill_weights == "packs" else None)
         if prefill_kernel is not None:
             for linear in coded:
                 if linear is not done.lm_head and linear.kernel != prefill_kernel:

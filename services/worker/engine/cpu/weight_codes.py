@@ -97,11 +97,6 @@ def _panels(rows_major: torch.Tensor) -> torch.Tensor:
     return padded.view(count, PANEL, n).transpose(1, 2).contiguous()
 
 
-def _rows_major(panels: torch.Tensor, out: int) -> torch.Tensor:
-    count, n, _ = panels.shape
-    return panels.transpose(1, 2).reshape(count * PANEL, n)[:out]
-
-
 class NativeCodedLinear:
     """ctypes bindings of native/coded_linear.c."""
 
@@ -109,9 +104,6 @@ class NativeCodedLinear:
         self._find = library.fairserve_codes_find
         self._find.restype = ctypes.c_int
         self._find.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
-        self._expand = library.fairserve_codes_expand
-        self._expand.restype = None
-        self._expand.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int64] * 2
         self._linear = library.fairserve_coded_linear
         self._linear.restype = ctypes.c_int
         self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
@@ -122,6 +114,9 @@ class NativeCodedLinear:
         self._widen = library.fairserve_codes_widen
         self._widen.restype = None
         self._widen.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._expand_rows = library.fairserve_codes_expand_rows
+        self._expand_rows.restype = ctypes.c_int
+        self._expand_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
 
     @property
     def linear_function(self) -> ctypes._CFuncPtr:
@@ -173,14 +168,20 @@ class NativeCodedLinear:
         return codes
 
     def expand(self, coded: CodedWeight) -> torch.Tensor:
-        """The float32 weight the codes stand for ([out, in]; tests)."""
-        out = coded.out_features
-        panels = coded.codes if coded.bits == 8 else self.widen(coded.codes, coded.bits)
-        codes = _rows_major(panels, out).contiguous()
-        scales, offsets = _rows_major(coded.scales, out).contiguous(), _rows_major(coded.offsets, out).contiguous()
-        weight = torch.empty(coded.out_features, coded.in_features)
-        self._expand(codes.data_ptr(), scales.data_ptr(), offsets.data_ptr(), coded.group, weight.data_ptr(),
-                     coded.out_features, coded.in_features)
+        """The float32 weight the codes stand for ([out, in], a tensor of its own)."""
+        return self.expand_into(coded, torch.empty(coded.out_features * coded.in_features))
+
+    def expand_into(self, coded: CodedWeight, out: torch.Tensor) -> torch.Tensor:
+        """The float32 weight ([out, in]) written into `out` (contiguous float32 of at least
+        out * in entries, e.g. a scratch many linears share); returns that view."""
+        weight = out.reshape(-1)[:coded.out_features * coded.in_features].view(coded.out_features,
+                                                                                coded.in_features)
+        status = self._expand_rows(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                   coded.group, coded.bits, weight.data_ptr(), coded.in_features,
+                                   coded.out_features, torch.get_num_threads())
+        if status:
+            raise ValueError(f"coded expansion: shapes it does not take ({coded.out_features} x "
+                             f"{coded.in_features}, group {coded.group}, {coded.bits} bits)")
         return weight
 
     def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -128,15 +128,6 @@ int fairserve_codes_find(const float *weight, int64_t rows, int64_t in, int64_t 
     return failed;
 }
 
-/* weight [rows, in] back from its codes (tests; the linear expands them in registers). */
-void fairserve_codes_expand(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                            float *weight, int64_t rows, int64_t in) {
-    for (int64_t i = 0; i < rows * in; i++) {
-        const int64_t g = i / group;
-        weight[i] = fmaf(scales[g], (float)codes[i], offsets[g]);
-    }
-}
-
 /* ---- the linear ------------------------------------------------------------------------ */
 
 /* The codes are kept in panels of PANEL output rows: codes [out / PANEL][in][PANEL], scales
@@ -352,6 +343,49 @@ int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *sc
             const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
             dispatch(c, s, o, group, bits, x + m0 * in, in, nx, b, out + m0 * out_features + p * PANEL,
                      out_features, valid);
+        }
+    }
+    return 0;
+}
+
+/* The weight back from its panelled codes: weight [out_features][in], row-major, for steps
+ * wider than the linear above serves, which multiply it as a plain float32 matrix. A panel's
+ * LANES input entries at a time are expanded as the linear expands them (so every value is
+ * the one it uses, the float32 weight bit for bit: `find` checked it), into a small block
+ * that is then written out row by row. */
+int fairserve_codes_expand_rows(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                                int64_t bits, float *weight, int64_t in, int64_t out_features,
+                                int64_t num_threads) {
+    if (group <= 0 || group % LANES || in % group || (bits != 8 && (bits < 4 || bits > 6))) return 1;
+    const int64_t panels = (out_features + PANEL - 1) / PANEL, groups_per_row = in / group;
+    const int64_t stride = bits == 8 ? PANEL : narrow_stride(bits), panel_bytes = in * stride;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *c = codes + p * panel_bytes;
+        const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
+        const int valid = out_features - p * PANEL < PANEL ? (int)(out_features - p * PANEL) : PANEL;
+        for (int64_t k0 = 0; k0 < in; k0 += LANES) {
+            const int64_t g = k0 / group;     /* LANES divides group: one group a block */
+            vf scale[VECTORS], offset[VECTORS];
+            for (int v = 0; v < VECTORS; v++) {
+                scale[v] = loadv(s + g * PANEL + v * LANES);
+                offset[v] = loadv(o + g * PANEL + v * LANES);
+            }
+            float block[LANES][PANEL];
+            for (int j = 0; j < LANES; j++) {
+                vf w[VECTORS];
+                switch (bits) {
+                    case 4: expand_entry(c + (k0 + j) * stride, 4, scale, offset, w); break;
+                    case 5: expand_entry(c + (k0 + j) * stride, 5, scale, offset, w); break;
+                    case 6: expand_entry(c + (k0 + j) * stride, 6, scale, offset, w); break;
+                    default: expand_entry(c + (k0 + j) * stride, 8, scale, offset, w); break;
+                }
+                for (int v = 0; v < VECTORS; v++) storev(block[j] + v * LANES, w[v]);
+            }
+            for (int n = 0; n < valid; n++) {
+                float *to = weight + (p * PANEL + n) * in + k0;
+                for (int j = 0; j < LANES; j++) to[j] = block[j][n];
+            }
         }
     }
     return 0;
