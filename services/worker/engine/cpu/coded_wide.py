@@ -3,10 +3,11 @@
 A coded linear's few-row steps run from its codes (weight_codes.py); its wide steps (prefill
 chunks of more than weight_codes.MAX_ROWS rows) otherwise multiply a float32 pack of the
 weight, kept resident beside the codes (~380 MB on the default model). Here each wide step
-expands the linear's weight from its codes instead, transposed, into one scratch that all
-the model's linears share (the largest weight's size, a few MB, so it stays in cache), and
-multiplies it as a plain float32 GEMM. The weights are the float32 ones bit for bit; the
-cost is one expansion per linear per wide step, and a GEMM without the pack's layout.
+expands the linear's weight from its codes instead ([out, in], row-major) into one scratch
+that all the model's linears share (the largest weight's size, a few MB, so it stays in
+cache), and multiplies it as a plain float32 GEMM. The weights are the float32 ones bit for
+bit; the cost is one expansion per linear per wide step (~0.14 ms for 2048 x 640), and a
+GEMM that lays the weight out for itself on each call.
 """
 
 from __future__ import annotations

@@ -111,6 +111,9 @@ def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide_
                 dropped += packed.numel() * packed.element_size()
     if dropped:
         log.info("coded linears: %.0f MB of weight copies no path reads dropped", dropped / 1e6)
+    if wide_from_codes and wide is None:
+        log.warning("CPU_PREFILL_WEIGHTS=codes: no layer runs from weight codes here (CPU_WEIGHT_CODES, "
+                    "a checkpoint whose weights are not exact codes, or not float32 on CPU): nothing changes")
     return dropped
 
 
