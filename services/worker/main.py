@@ -32,7 +32,10 @@ log = logging.getLogger("worker")
 
 async def serve(settings: WorkerSettings) -> None:
     model_dir = resolve_model_dir(settings.model_name, Path(settings.model_cache_dir))
-    engine = Engine(dataclasses.replace(settings.engine, model_dir=str(model_dir)))
+    # Built on the thread its steps run on (EngineThread: one OpenMP team, not two).
+    engine_thread = await EngineThread.build(partial(Engine, dataclasses.replace(settings.engine,
+                                                                                model_dir=str(model_dir))))
+    engine = engine_thread.engine
     # Building the grammar tokenizer holds the GIL for seconds on a 262k vocabulary (llguidance
     # does not let go of it): it finishes before the worker registers, so it never stalls heartbeats.
     if not await asyncio.to_thread(engine.grammars.tokenizer.wait):
@@ -50,7 +53,6 @@ async def serve(settings: WorkerSettings) -> None:
     metrics = WorkerMetrics(CollectorRegistry(), settings.worker_id, engine.pool_stats(), labels)
     metrics_port = serve_metrics(settings.metrics_port, metrics.registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr, auth=settings.internal)
-    engine_thread = EngineThread(engine)
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish, snapshot_source(engine_thread.snapshot))
     service = WorkerService(engine_thread, settings.worker_id, metrics,
                             on_block_events=partial(add_events, publisher),
