@@ -19,7 +19,6 @@ does not depend on them.
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from services.worker.engine.cpu.lm_head_screen import load_native_matmul
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_decode import load_decode_kernel
 from services.worker.engine.cpu.native_ops import load_skinny_linear
+from services.worker.engine.cpu.timing import best_alternating
 from services.worker.engine.sampler import row_argmax
 from services.worker.engine.cpu.weight_codes import load_coded_linear
 
@@ -54,15 +54,7 @@ BLOCK_SIZE = 16
 
 def best_of(repeats: int, *functions: Callable[[], object]) -> list[float]:
     """Best seconds of each function over `repeats` rounds, the functions alternating."""
-    best = [float("inf")] * len(functions)
-    for function in functions:
-        function()          # warm-up
-    for _ in range(repeats):
-        for index, function in enumerate(functions):
-            started = time.perf_counter()
-            function()
-            best[index] = min(best[index], time.perf_counter() - started)
-    return best
+    return best_alternating(functions, repeats)
 
 
 def _layer_shapes(shapes: Shapes) -> list[tuple[int, int]]:

@@ -40,7 +40,7 @@ import torch
 
 from services.worker.engine.cpu.coded_wide import WideFromCodes
 from services.worker.engine.cpu.native_ops import NativeSkinnyLinear
-from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
+from services.worker.engine.cpu.weight_codes import PANEL, CodedWeight, NativeCodedLinear
 
 log = logging.getLogger(__name__)
 
@@ -299,11 +299,13 @@ class PackedLinear(torch.nn.Module):
     def _from_code_tiles(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype)
-        for start in range(0, self.out_features, CODED_TILE_ROWS):
-            ids = torch.arange(start, min(start + CODED_TILE_ROWS, self.out_features))
-            tile = self.coded.rows(ids).to(x.dtype)
-            bias = self.bias[start:start + ids.numel()] if self.bias is not None else None
-            out[:, start:start + ids.numel()] = torch.nn.functional.linear(rows, tile, bias)
+        step = max(PANEL, CODED_TILE_ROWS // PANEL * PANEL)        # whole panels a tile
+        scratch = torch.empty(min(step, self.out_features) * self.in_features)
+        for start in range(0, self.out_features, step):
+            end = min(start + step, self.out_features)
+            tile = self.coded_kernel.expand_into(self.coded.panel_rows(start, end), scratch).to(x.dtype)
+            bias = self.bias[start:end] if self.bias is not None else None
+            out[:, start:end] = torch.nn.functional.linear(rows, tile, bias)
         return out.view(*x.shape[:-1], self.out_features)
 
     def use_bfloat16(self, packed: torch.Tensor, min_rows: int) -> None:

@@ -100,15 +100,15 @@ def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide_
         weight, packed = linear.weight, linear.packed
         if linear is lm_head:
             if linear.drop_pack():
-                dropped += packed.numel() * packed.element_size()
+                dropped += _nbytes(packed)
         elif wide_from_codes and linear.coded is not None:
             wide = wide or WideFromCodes(linear.coded_kernel, kernel_available("onednn", torch.float32))
             linear.serve_wide_rows_from_codes(wide)
             dropped += sum(_nbytes(t) for t in (weight, packed) if t is not None)
         elif linear.drop_float32_weight():
-            dropped += weight.numel() * weight.element_size()
+            dropped += _nbytes(weight)
             if packed is not None and linear.packed is None:    # CPU_COMPUTE=bfloat16 serves wide steps
-                dropped += packed.numel() * packed.element_size()
+                dropped += _nbytes(packed)
     if dropped:
         log.info("coded linears: %.0f MB of weight copies no path reads dropped", dropped / 1e6)
     if wide_from_codes and wide is None:

@@ -16,8 +16,9 @@ Q6_K ones 6) are kept narrow (`narrow`): 16 bytes of nibbles per input entry of 
 the same integers, so the kernel expands the same float32 weights and its outputs are the
 8-bit path's bit for bit.
 
-Prefill chunks keep the float32 weight and the packed BLAS kernels: with hundreds of rows a
-linear is bound by multiply-adds, not by reading the weight.
+Prefill chunks keep the float32 weight's packed BLAS kernels by default: with hundreds of rows
+a linear is bound by multiply-adds, not by reading the weight (CPU_PREFILL_WEIGHTS=codes expands
+the codes for them instead, coded_wide.py).
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class CodedWeight:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def panel_rows(self, start: int, end: int) -> "CodedWeight":
+        """Output rows [start, end) as a weight of their own (views; `start` on a panel's
+        first row)."""
+        first, last = start // PANEL, -(-end // PANEL)
+        return CodedWeight(self.codes[first:last], self.scales[first:last], self.offsets[first:last],
+                           self.group, end - start, self.in_features, self.bits)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 weight rows `ids` ([N] -> [N, in]), bit for bit: `find` checked that
