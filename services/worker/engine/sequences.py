@@ -145,18 +145,21 @@ class Sequences:
                 seq.num_computed += len(emitted) - 1
                 self.pool.shrink(seq.seq_id, seq.num_computed)
                 results[plan.result_index].num_computed_tokens = seq.num_computed
-            self._register_full_blocks(seq)
             if plan.prompt_logprobs:
                 results[plan.result_index].prompt_logprobs = plan.prompt_logprobs
                 results[plan.result_index].prompt_logprobs_start = plan.prompt_logprobs_start
             if emitted:
                 _append_sampled(seq, results[plan.result_index], emitted)
+            # After the append: kept drafts are computed tokens that only now are in seq.tokens.
+            self._register_full_blocks(seq)
         return accepted
 
     def _register_full_blocks(self, seq: SequenceState) -> None:
         if not self.pool.enable_prefix_caching or seq.lossy:
             return
-        full = seq.num_computed // self.block_size
+        # Only blocks whose tokens are all known hash (a block is never marked registered
+        # without its hash reaching the pool).
+        full = min(seq.num_computed, len(seq.tokens)) // self.block_size
         first = seq.num_registered_blocks
         if full <= first:
             return

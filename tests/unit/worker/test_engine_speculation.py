@@ -123,3 +123,13 @@ def test_rejected_drafts_give_their_blocks_back() -> None:
         (result,) = engine.step(StepBatch(work=[WorkItem("a", 1, 6)])).results
         engine.check_invariants()
         assert engine.pool.blocks_for(result.num_computed_tokens) == len(engine.pool.table("a"))
+
+
+def test_blocks_filled_by_kept_drafts_are_cached_for_the_next_turn() -> None:
+    driver = Driver(make_engine("gemma3"))
+    prompt = repetitive_prompt(6, 4)
+    first = driver.run({"a": prompt}, 24, draft_tokens=4, free_at_end=False)["a"]
+    assert sum(step.accepted_tokens for step in driver.steps) > 0
+    computed = len(prompt) + len(first) - 1          # all but the last sampled token
+    driver.run({"b": prompt + first + [7, 8, 9]}, 1)
+    assert driver.cached["b"] >= computed // 4 * 4     # every full block turn one computed
