@@ -35,8 +35,11 @@ class SchedulerSettings:
     vtc_output_weight: float = _CORE.vtc_output_weight
     prefix_wait_min_tokens: int = _CORE.prefix_wait_min_tokens
     async_scheduling: bool = True
-    speculative_tokens: int = 0
-    speculative_max_batch: int = 8
+    # A lone greedy stream verifies n-gram drafts by default: the same tokens, fewer forwards
+    # where the text repeats itself (docs/benchmarks.md, "Speculative decoding").
+    speculative_tokens: int = 4
+    speculative_max_batch: int = 1
+    speculative_sampled: bool = False
     max_migrations: int = _CORE.max_migrations
     step_timeout_s: float = 60.0    # a Step RPC's deadline; 0: none
     kv_policy: str = "full"
@@ -70,6 +73,7 @@ class SchedulerSettings:
             async_scheduling=read.bool("ASYNC_SCHEDULING", cls.async_scheduling),
             speculative_tokens=read.int("SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0, maximum=64),
             speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
+            speculative_sampled=read.bool("SPECULATIVE_SAMPLED", cls.speculative_sampled),
             max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
             step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
             kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),
@@ -90,6 +94,7 @@ class SchedulerSettings:
             prefix_wait_min_tokens=self.prefix_wait_min_tokens,
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
+            speculative_sampled=self.speculative_sampled,
             max_migrations=self.max_migrations,
             kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),
         )

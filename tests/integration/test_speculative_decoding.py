@@ -56,7 +56,8 @@ def test_speculation_changes_no_token(tiny_model_dir: Path, tmp_path: Path) -> N
     counts = {}
     for tokens in ("0", "4"):
         stack = start_stack(tmp_path / f"spec{tokens}", tiny_model_dir,
-                            extra_env={"SPECULATIVE_TOKENS": tokens, "SPECULATIVE_MAX_BATCH": "4"})
+                            extra_env={"SPECULATIVE_TOKENS": tokens, "SPECULATIVE_MAX_BATCH": "4",
+                                       "SPECULATIVE_SAMPLED": "true"})
         try:
             outputs[tokens] = asyncio.run(run_all(stack.url))
             metrics = httpx.get(f"http://127.0.0.1:{stack.ports.workers[0][1]}/metrics", timeout=10).text

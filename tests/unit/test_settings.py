@@ -81,8 +81,12 @@ def test_worker_lm_head_screen_settings() -> None:
 
 
 def test_speculative_decoding_settings() -> None:
-    scheduler = SchedulerSettings.from_env({})
-    assert scheduler.speculative_tokens == 0 and scheduler.core_config().speculative_tokens == 0
+    core = SchedulerSettings.from_env({}).core_config()     # a lone greedy stream drafts by default
+    assert (core.speculative_tokens, core.speculative_max_batch, core.speculative_sampled) == (4, 1, False)
+    assert SchedulerSettings.from_env({"SPECULATIVE_TOKENS": "0"}).core_config().speculative_tokens == 0
+    assert SchedulerSettings.from_env({"SPECULATIVE_SAMPLED": "true"}).core_config().speculative_sampled
+    with pytest.raises(SettingsError, match="SPECULATIVE_SAMPLED"):
+        SchedulerSettings.from_env({"SPECULATIVE_SAMPLED": "sometimes"})
     scheduler = SchedulerSettings.from_env({"SPECULATIVE_TOKENS": "4", "SPECULATIVE_MAX_BATCH": "2"})
     assert (scheduler.core_config().speculative_tokens, scheduler.core_config().speculative_max_batch) == (4, 2)
     with pytest.raises(SettingsError, match="SPECULATIVE_TOKENS"):

@@ -40,7 +40,7 @@ from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.routing import SessionMap, route
 from services.scheduler.core.slot_fairness import preemption_victim, slot_victim
-from services.scheduler.core.speculation import draft_allowance, speculating
+from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.stopping import take_tokens
@@ -270,8 +270,9 @@ class SchedulerCore:
             needed = blocks_to_grow(request.num_computed, 1, worker.spec.block_size, request.kv_cap_tokens)
             if self._make_room(worker, plan, request, needed):
                 assert request.seq_id is not None
-                drafts, extra = (self._draft_allowance(worker, plan, request, needed)
-                                 if drafting and not request.kv_cap_tokens else (0, 0))
+                allowed = drafting and drafts_allowed(request.kv_cap_tokens, request.sampling.is_greedy,
+                                                      config.speculative_sampled)
+                drafts, extra = self._draft_allowance(worker, plan, request, needed) if allowed else (0, 0)
                 plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
 
     def _draft_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,

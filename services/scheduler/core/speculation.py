@@ -20,6 +20,14 @@ def speculating(speculative_tokens: int, speculative_max_batch: int, num_decodin
     return speculative_tokens > 0 and (speculative_max_batch <= 0 or num_decoding <= speculative_max_batch)
 
 
+def drafts_allowed(kv_cap_tokens: int, is_greedy: bool, speculative_sampled: bool) -> bool:
+    """Whether a request's decodes may verify drafts while its worker speculates: not under a
+    KV budget (lossy policies drop what drafts would be checked against), and a sampled request
+    (temperature > 0) only with speculative_sampled: a draw at a temperature keeps far fewer
+    copied tokens, and every rejected draft is a row of the forward paid for nothing."""
+    return not kv_cap_tokens and (speculative_sampled or is_greedy)
+
+
 def draft_allowance(*, speculative_tokens: int, outputs_left: int, token_budget: int, num_computed: int,
                     held_blocks: int, spare_blocks: int, block_size: int) -> tuple[int, int]:
     """(draft tokens, extra blocks for their slots) for one decode.

@@ -62,9 +62,11 @@ class CoreConfig:
     max_steps_in_flight: int = 1
     # Speculative decoding: each decode may verify up to this many n-gram draft
     # tokens the worker proposes (0 turns it off) while at most
-    # speculative_max_batch requests decode on the worker (0: any number).
+    # speculative_max_batch requests decode on the worker (0: any number);
+    # sampled requests (temperature > 0) get drafts only with speculative_sampled.
     speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    speculative_sampled: bool = True
     # A request running on a worker that fails moves to another at most this
     # many times, then ends with an error (a request that crashes workers).
     max_migrations: int = 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from common.types import SamplingParams
 from services.scheduler.core import CoreConfig, FinishReason
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, hashed_next_token, reference_output
@@ -52,6 +53,20 @@ def test_fewer_steps_than_tokens_when_drafts_are_accepted() -> None:
     assert speculative.streams and [s.token_ids for s in speculative.streams.values()] == \
         [s.token_ids for s in plain.streams.values()]
     assert speculative.steps * 2 < plain.steps
+
+
+@pytest.mark.parametrize("sampled_drafts", [False, True])
+def test_sampled_requests_get_drafts_only_with_speculative_sampled(sampled_drafts: bool) -> None:
+    h = Harness(_config(1, speculative_sampled=sampled_drafts), FakeEngine(accepted_drafts=2))
+    greedy = h.submit(range(10, 18), max_tokens=12).request_id
+    sampled = h.submit(range(30, 38), max_tokens=12, sampling=SamplingParams(temperature=0.7, seed=3)).request_id
+    h.run()
+    seq_of = {rid: {item.seq_id for plan in h.plans["w0"] for item in plan.work
+                    if item.seq_id.startswith(rid)} for rid in (greedy, sampled)}
+    drafted = {rid: any(item.draft_tokens for plan in h.plans["w0"] for item in plan.work if item.seq_id in seqs)
+               for rid, seqs in seq_of.items()}
+    assert drafted == {greedy: True, sampled: sampled_drafts}
+    assert all(len(h.streams[rid].token_ids) == 12 for rid in (greedy, sampled))
 
 
 def test_the_allowance_stays_within_max_tokens_even_if_every_draft_in_flight_is_kept() -> None:

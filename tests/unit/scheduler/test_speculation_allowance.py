@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.speculation import draft_allowance, speculating
+from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
 
 # A decode of a sequence holding 5 tokens (blocks of 4): its own token fits in
 # the 2 blocks it holds, which have 2 more free slots.
@@ -15,6 +15,13 @@ def test_speculation_is_on_only_up_to_the_batch_limit() -> None:
     assert speculating(speculative_tokens=3, speculative_max_batch=0, num_decoding=500)
     assert speculating(speculative_tokens=3, speculative_max_batch=2, num_decoding=2)
     assert not speculating(speculative_tokens=3, speculative_max_batch=2, num_decoding=3)
+
+
+def test_sampled_requests_draft_only_when_allowed_and_budgeted_ones_never() -> None:
+    assert drafts_allowed(kv_cap_tokens=0, is_greedy=True, speculative_sampled=False)
+    assert not drafts_allowed(kv_cap_tokens=0, is_greedy=False, speculative_sampled=False)
+    assert drafts_allowed(kv_cap_tokens=0, is_greedy=False, speculative_sampled=True)
+    assert not drafts_allowed(kv_cap_tokens=256, is_greedy=True, speculative_sampled=True)
 
 
 def test_a_roomy_decode_gets_every_draft_and_the_block_their_slots_spill_into() -> None:
