@@ -35,10 +35,10 @@ class SchedulerSettings:
     vtc_output_weight: float = _CORE.vtc_output_weight
     prefix_wait_min_tokens: int = _CORE.prefix_wait_min_tokens
     async_scheduling: bool = True
-    # A lone greedy stream verifies n-gram drafts by default: the same tokens, fewer forwards
+    # One or two greedy streams verify n-gram drafts by default: the same tokens, fewer forwards
     # where the text repeats itself (docs/benchmarks.md, "Speculative decoding").
     speculative_tokens: int = 4
-    speculative_max_batch: int = 1
+    speculative_max_batch: int = 2
     speculative_sampled: bool = False
     max_migrations: int = _CORE.max_migrations
     step_timeout_s: float = 60.0    # a Step RPC's deadline; 0: none

@@ -81,8 +81,8 @@ def test_worker_lm_head_screen_settings() -> None:
 
 
 def test_speculative_decoding_settings() -> None:
-    core = SchedulerSettings.from_env({}).core_config()     # a lone greedy stream drafts by default
-    assert (core.speculative_tokens, core.speculative_max_batch, core.speculative_sampled) == (4, 1, False)
+    core = SchedulerSettings.from_env({}).core_config()     # up to 2 greedy streams draft by default
+    assert (core.speculative_tokens, core.speculative_max_batch, core.speculative_sampled) == (4, 2, False)
     assert SchedulerSettings.from_env({"SPECULATIVE_TOKENS": "0"}).core_config().speculative_tokens == 0
     assert SchedulerSettings.from_env({"SPECULATIVE_SAMPLED": "true"}).core_config().speculative_sampled
     with pytest.raises(SettingsError, match="SPECULATIVE_SAMPLED"):

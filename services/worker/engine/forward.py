@@ -18,7 +18,7 @@ from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
 from services.worker.engine.sliding_blocks import SlidingBlocks
-from services.worker.engine.step_inputs import ScoreRun, build_step_inputs, sliding_table, slot
+from services.worker.engine.step_inputs import ScoreRun, build_step_inputs, decode_order, sliding_table, slot
 
 ScoreRows = Callable[[ScoreRun, torch.Tensor], None]
 
@@ -48,8 +48,8 @@ class Forward:
         """One packed forward over `planned`; the final hidden states of the rows that sample,
         with the plan of each row. The hidden states of the rows that predict a prompt token
         of a prompt-logprobs plan go to `score`, run by run."""
-        # Decodes first (one row each), then prefill chunks and verified drafts as contiguous runs.
-        order = sorted(planned, key=lambda p: p.rows != 1)
+        # Decodes first (one row each), then decodes with drafts, then prefill chunks (step_inputs.py).
+        order = sorted(planned, key=decode_order)
         rows = self._decode_with_graphs(order)
         if rows is not None:
             return order, rows

@@ -5,6 +5,10 @@ chunk's context slots, and which rows are sampled.
 Rows come in plan order: a plan's chunk tokens, then its drafts. Single-row plans
 before the first multi-row one are decodes (attended through padded block tables);
 every later plan is a prefill chunk (a contiguous run of rows over its context).
+Where the native decode attention serves the step, a decode that verifies drafts
+(`verifies_as_decodes`) is decode rows too, one per row, each attending through the
+sequence's table up to its own position, so such steps keep the decode kernels (and
+the C decode layers) instead of a gathered attention call per sequence.
 A chunk of a sequence that asked for prompt logprobs also names its rows that
 predict a prompt token (score runs).
 Under the hybrid layout (sliding_blocks.py) the slots, tables and context slots are
@@ -95,7 +99,8 @@ def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, c
     if sliding is not None:
         groups.append(_GroupRows(partial(sliding_table, sliding), size, AttentionScores(size)))
     rows = _Rows()
-    _pack_rows(order, rows, groups, pool, device)
+    verify_rows = decode_kernel is not None and not any(_reports_attention(plan) for plan in order)
+    _pack_rows(order, rows, groups, pool, device, verify_rows)
     if any(group.scores for group in groups):
         decode_kernel = None    # the C decode layers take no step that must report its attention
     metas = [_metadata(group, rows, kv, cache_layer, device, varlen, decode_kernel) for group in groups]
@@ -123,8 +128,22 @@ def _metadata(group: _GroupRows, rows: _Rows, kv: PagedKVCache, cache_layer: lis
         scores=group.scores if group.scores else None)
 
 
+def verifies_as_decodes(plan: Planned) -> bool:
+    """A decode that verifies drafts: its rows are the last sampled token and the drafts."""
+    return plan.num_tokens == 1 and bool(plan.drafts)
+
+
+def decode_order(plan: Planned) -> int:
+    """The sort key that puts a step's decodes first, then decodes with drafts, then chunks."""
+    return 0 if plan.rows == 1 else 1 if verifies_as_decodes(plan) else 2
+
+
+def _reports_attention(plan: Planned) -> bool:
+    return plan.seq.budget is not None and plan.seq.budget.kind == "h2o"
+
+
 def _pack_rows(order: list[Planned], rows: _Rows, groups: list[_GroupRows], pool: BlockPool,
-               device: torch.device) -> None:
+               device: torch.device, verify_rows: bool) -> None:
     for plan in order:
         table = pool.table(plan.seq.seq_id)
         row = len(rows.ids)
@@ -134,9 +153,9 @@ def _pack_rows(order: list[Planned], rows: _Rows, groups: list[_GroupRows], pool
         start = plan.start - plan.seq.evicted
         end = start + plan.rows
         rows.positions.extend(range(start, end))
-        decode = plan.rows == 1 and not groups[0].prefills
+        decode = (plan.rows == 1 or (verify_rows and verifies_as_decodes(plan))) and not groups[0].prefills
         if decode:
-            rows.decode_ctx.append(end)
+            rows.decode_ctx.extend(range(start + 1, end + 1))
         last_row = len(rows.ids) - 1 - len(plan.drafts)
         for group in groups:
             _pack_group(group, plan, group.table_of(plan, table), row, start, end, decode, last_row, device)
@@ -154,14 +173,15 @@ def _pack_group(group: _GroupRows, plan: Planned, table: list[int], row: int, st
     size = group.block_size
     context_slots = None
     if decode:
-        group.slots.append(slot(table, start, size))
-        group.decode_tables.append(table)
+        for position in range(start, end):
+            group.slots.append(slot(table, position, size))
+            group.decode_tables.append(table)
     else:
         host_slots = _context_slots(table, end, size)
         group.slots.extend(host_slots[start:].tolist())
         context_slots = host_slots.to(device)
         group.prefills.append(PrefillChunk(row, plan.rows, start, context_slots))
-    if plan.seq.budget is not None and plan.seq.budget.kind == "h2o":
+    if _reports_attention(plan):
         if context_slots is None:
             context_slots = _context_slots(table, end, size).to(device)
         group.scores.track(plan.seq, last_row, context_slots)

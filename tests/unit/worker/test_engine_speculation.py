@@ -133,3 +133,27 @@ def test_blocks_filled_by_kept_drafts_are_cached_for_the_next_turn() -> None:
     computed = len(prompt) + len(first) - 1          # all but the last sampled token
     driver.run({"b": prompt + first + [7, 8, 9]}, 1)
     assert driver.cached["b"] >= computed // 4 * 4     # every full block turn one computed
+
+
+def test_decodes_with_drafts_attend_as_decode_rows_through_the_decode_kernel() -> None:
+    """Where the native decode attention serves, a decode's draft rows are decode rows (one
+    per row, each up to its own position), not a prefill chunk per sequence."""
+    engine = make_engine("gemma3")
+    assert engine.forward.decode_kernel is not None, "the C decode attention did not build here"
+    seen = []
+    hidden_states = engine.forward.hidden_states
+
+    def spy(input_ids, positions, meta):
+        seen.append((meta.num_tokens, meta.num_decodes, len(meta.prefills), meta.decode_ctx_lens.tolist()))
+        return hidden_states(input_ids, positions, meta)
+
+    engine.forward.hidden_states = spy
+    prompts = {"a": repetitive_prompt(6, 4), "b": repetitive_prompt(5, 5, salt=1)}
+    driver = Driver(engine)
+    got = driver.run(prompts, 16, draft_tokens=4)
+    assert_greedy_matches(reference_model("gemma3"), prompts, got, 16)
+    # Two sequences decoding: a step of more rows with no prefill chunk verified drafts.
+    verified = [entry for entry in seen if entry[0] > 2 and entry[2] == 0]
+    assert verified, "no step verified drafts"
+    for rows, decodes, _, ctx_lens in verified:
+        assert decodes == rows and len(ctx_lens) == rows
