@@ -18,7 +18,8 @@ from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
 from services.worker.engine.sliding_blocks import SlidingBlocks
-from services.worker.engine.step_inputs import ScoreRun, build_step_inputs, decode_order, sliding_table, slot
+from services.worker.engine.step_inputs import (ScoreRun, build_step_inputs, decode_order, reports_attention,
+                                               sliding_table, slot)
 
 ScoreRows = Callable[[ScoreRun, torch.Tensor], None]
 
@@ -79,7 +80,7 @@ class Forward:
         not decode-only, no bucket fits, or graphs turned off)."""
         if self.graphs is None or not all(p.rows == 1 and p.samples for p in order):
             return None
-        if any(p.seq.budget is not None and p.seq.budget.kind == "h2o" for p in order):
+        if any(reports_attention(p) for p in order):
             return None     # h2o reports its attention (h2o_scores.py): no graph replay
         tables = [self.pool.table(p.seq.seq_id) for p in order]
         block_size = self.pool.block_size

@@ -98,11 +98,10 @@ def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, c
     groups = [_GroupRows(lambda plan, table: table, size, AttentionScores(size))]
     if sliding is not None:
         groups.append(_GroupRows(partial(sliding_table, sliding), size, AttentionScores(size)))
-    rows = _Rows()
-    verify_rows = decode_kernel is not None and not any(_reports_attention(plan) for plan in order)
-    _pack_rows(order, rows, groups, pool, device, verify_rows)
-    if any(group.scores for group in groups):
+    if any(reports_attention(plan) for plan in order):
         decode_kernel = None    # the C decode layers take no step that must report its attention
+    rows = _Rows()
+    _pack_rows(order, rows, groups, pool, device, verify_rows=decode_kernel is not None)
     metas = [_metadata(group, rows, kv, cache_layer, device, varlen, decode_kernel) for group in groups]
     if sliding is not None:
         metas[0].sliding = metas[1]
@@ -138,7 +137,8 @@ def decode_order(plan: Planned) -> int:
     return 0 if plan.rows == 1 else 1 if verifies_as_decodes(plan) else 2
 
 
-def _reports_attention(plan: Planned) -> bool:
+def reports_attention(plan: Planned) -> bool:
+    """Whether the plan's sequence keeps h2o scores, which its step's attention must report."""
     return plan.seq.budget is not None and plan.seq.budget.kind == "h2o"
 
 
@@ -181,7 +181,7 @@ def _pack_group(group: _GroupRows, plan: Planned, table: list[int], row: int, st
         group.slots.extend(host_slots[start:].tolist())
         context_slots = host_slots.to(device)
         group.prefills.append(PrefillChunk(row, plan.rows, start, context_slots))
-    if _reports_attention(plan):
+    if reports_attention(plan):
         if context_slots is None:
             context_slots = _context_slots(table, end, size).to(device)
         group.scores.track(plan.seq, last_row, context_slots)

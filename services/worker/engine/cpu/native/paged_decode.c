@@ -41,6 +41,11 @@ static span_t context_span(int64_t ctx, int64_t window) {
     return span;
 }
 
+/* A value row's dv floats into L2, a prefetch a cache line. */
+static inline void prefetch_row_l2(const float *row, int64_t dv) {
+    for (int64_t e = 0; e < dv; e += 16) __builtin_prefetch(row + e, 0, 1);
+}
+
 /* scores[h * n + i] = scale * q_h . key_i for 4 heads at once (each key row loaded once). The
  * value rows are prefetched into L2 alongside, for the weighting after: one stream at a time left
  * memory half idle (the key pass alone read ~13 GB/s, where key and value rows read together
@@ -51,8 +56,7 @@ static void scores4(const float *q, int64_t d, const float *const *keys, const f
     for (int64_t i = 0; i < n; i++) {
         const float *key = keys[i];
         const float *ahead = i + KEYS_AHEAD < n ? keys[i + KEYS_AHEAD] : NULL;
-        if (ahead != NULL)
-            for (int64_t e = 0; e < dv; e += 16) __builtin_prefetch(values[i + KEYS_AHEAD] + e, 0, 1);
+        if (ahead != NULL) prefetch_row_l2(values[i + KEYS_AHEAD], dv);
         v8 a0 = splat8(0.0f), a1 = a0, a2 = a0, a3 = a0;
         for (int64_t e = 0; e < d; e += 8) {
             if (ahead != NULL && (e & 15) == 0) __builtin_prefetch(ahead + e, 0, 3);
@@ -73,8 +77,7 @@ static void scores1(const float *q, int64_t d, const float *const *keys, const f
                     int64_t n, float scale, float *scores) {
     for (int64_t i = 0; i < n; i++) {
         const float *key = keys[i];
-        if (i + KEYS_AHEAD < n)     /* the value rows into L2 alongside, as in scores4 */
-            for (int64_t e = 0; e < dv; e += 16) __builtin_prefetch(values[i + KEYS_AHEAD] + e, 0, 1);
+        if (i + KEYS_AHEAD < n) prefetch_row_l2(values[i + KEYS_AHEAD], dv);   /* as in scores4 */
         v8 a0 = splat8(0.0f), a1 = a0;
         int64_t e = 0;
         for (; e + 16 <= d; e += 16) {
