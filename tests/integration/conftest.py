@@ -19,6 +19,10 @@ TINY_ENV = {
     "TORCH_THREADS": "1",
     "WORKER_HEARTBEAT_INTERVAL_S": "0.5",
     "LOG_LEVEL": "info",
+    # Many checks here run while a greedy stream is still going, counted in steps; speculative
+    # drafts (on by default for one or two greedy streams) let the tiny model's repetitive text
+    # end a stream in a few. test_speculative_decoding.py turns them on.
+    "SPECULATIVE_TOKENS": "0",
 }
 
 

@@ -203,12 +203,7 @@ async def client_of() -> AsyncIterator[Callable[[Stack], httpx.AsyncClient]]:
 
 def class_stack(tmp_path_factory: pytest.TempPathFactory, model_dir: Path, name: str,
                 num_workers: int, extra_env: dict[str, str]) -> Iterator[Stack]:
-    # These tests time their checks by how many steps a stream runs; speculative drafts (on
-    # by default for one or two greedy streams) let the tiny model's repetitive greedy text
-    # finish a stream in a few steps, so they run without them (test_speculative_decoding.py
-    # covers drafts through the stack).
-    env = {"SPECULATIVE_TOKENS": "0", **extra_env}
-    stack = start_stack(tmp_path_factory.mktemp(name), model_dir, num_workers, env)
+    stack = start_stack(tmp_path_factory.mktemp(name), model_dir, num_workers, extra_env)
     try:
         if num_workers > 1:
             stack.wait_workers(num_workers, timeout_s=WAIT_S)
