@@ -118,10 +118,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if update.rejection is not None:
                     ended = True
                     await self._refuse(context, update.rejection)
-                yield convert.generate_event_to_proto(update)
-                if update.finish is not None:
+                finished = update.finish is not None
+                if finished:
+                    # Before the yield: a client that closes the call once it has the last event
+                    # (the generator then never resumes) did not cancel a finished request.
                     ended = True
                     self._log_finish(request_id, update)
+                yield convert.generate_event_to_proto(update)
+                if finished:
                     return
         finally:
             self._streams.pop(request_id, None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -243,3 +245,25 @@ async def test_sync_scheduling_waits_for_each_step(make_stack) -> None:
     worker = await stack.add_worker(step_delay_s=0.005)
     await _generate_three(stack)
     assert worker.servicer.executed and all(after == 0 for _, after in worker.servicer.executed)
+
+
+class _Context:
+    """The little of a servicer context Generate reads before its first event."""
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+
+async def test_a_client_closing_after_the_last_event_did_not_cancel(make_stack, caplog) -> None:
+    # grpc stops iterating the handler once the client closes the call, so the generator may
+    # never resume after yielding the finish: the finish is logged before it is yielded.
+    stack = await make_stack()
+    await stack.add_worker()
+    events = stack.server.service.Generate(_request("done", max_tokens=3), _Context())
+    with caplog.at_level(logging.INFO, logger="services.scheduler.server"):
+        async for event in events:
+            if event.HasField("finish"):
+                break
+        await events.aclose()
+    messages = [record.getMessage() for record in caplog.records]
+    assert "request finished" in messages and "request cancelled by the client" not in messages
