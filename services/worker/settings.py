@@ -25,7 +25,7 @@ CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
 CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/weight_codes.py
 CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
-CPU_PREFILL_WEIGHTS_MODES = ("packs", "codes")          # services/worker/engine/cpu/coded_wide.py
+CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/coded_wide.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -77,7 +77,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
         cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
         cpu_compute=read.choice("CPU_COMPUTE", "float32", CPU_COMPUTE_MODES),
-        cpu_prefill_weights=read.choice("CPU_PREFILL_WEIGHTS", "packs", CPU_PREFILL_WEIGHTS_MODES),
+        cpu_prefill_weights=read.choice("CPU_PREFILL_WEIGHTS", "auto", CPU_PREFILL_WEIGHTS_MODES),
         lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
         lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
         ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),

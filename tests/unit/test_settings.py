@@ -60,7 +60,7 @@ def test_worker_cuda_graph_settings() -> None:
     ("CPU_WEIGHT_CODES", "cpu_weight_codes", "auto", "off", "on"),
     ("DECODE_ATTENTION", "decode_attention", "auto", "sdpa", "paged"),
     ("CPU_COMPUTE", "cpu_compute", "float32", "bfloat16", "float16"),
-    ("CPU_PREFILL_WEIGHTS", "cpu_prefill_weights", "packs", "codes", "pack"),
+    ("CPU_PREFILL_WEIGHTS", "cpu_prefill_weights", "auto", "packs", "pack"),
 ])
 def test_worker_kernel_choice_settings(variable: str, field: str, default: str, other: str, bad: str) -> None:
     assert getattr(WorkerSettings.from_env({}).engine, field) == default

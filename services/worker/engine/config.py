@@ -35,7 +35,7 @@ class EngineConfig:
     cpu_packed_weights: bool = True    # pre-packed linear weights on CPU float32/bfloat16 (faster decode batches)
     cpu_linear_kernel: str = "auto"    # packed kernel: auto (float32: the faster on this CPU) | mkl | onednn
     cpu_compute: str = "float32"       # CPU float32 models: float32 | bfloat16 (the layers' wide GEMMs in bfloat16; lossy)
-    cpu_prefill_weights: str = "packs" # CPU float32 coded linears' wide steps: packs (a float32 pack each, fastest) | codes (expanded per step: no float32 copy resident)
+    cpu_prefill_weights: str = "auto"  # CPU float32 coded linears' wide steps: auto (codes where a pack written from them stands in for oneDNN's) | packs (a float32 pack each) | codes (expanded per step: no float32 copy resident)
     cpu_max_model_len: int = 8192
     lm_head_screen: str = "auto"       # CPU float32 greedy/top-k rows: auto (built in the background, large vocabularies) | on | off
     lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head

@@ -1,16 +1,18 @@
-"""CPU_PREFILL_WEIGHTS=codes: coded linears keep no float32 copy, and their wide steps expand
-the codes into a shared scratch (coded_wide.py) with the packs' results."""
+"""CPU_PREFILL_WEIGHTS: coded linears keep no float32 copy, and their wide steps expand the codes
+into a shared scratch (coded_wide.py), in oneDNN's own pack layout where it is known
+(onednn_layout.py), with the packs' results bit for bit."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from services.worker.engine.cpu import onednn_layout
 from services.worker.engine.cpu.coded_wide import WideFromCodes
 from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.weight_codes import MAX_ROWS, NativeCodedLinear, load_coded_linear
-from tests.fixtures.tiny_model import build_model
+from tests.fixtures.tiny_model import build_model, gemma3_config
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
 from tests.unit.worker.test_weight_codes import _engine, coded_weight, snap_to_codes
 
@@ -78,7 +80,7 @@ def test_a_linear_without_codes_keeps_its_copies(kernel: NativeCodedLinear) -> N
 def test_an_engine_keeps_only_codes_and_generates_the_same_tokens(kind: str) -> None:
     reference = build_model(CONFIGS[kind]())
     assert snap_to_codes(reference) > 0
-    lean, packs = _engine(reference, cpu_prefill_weights="codes"), _engine(reference)
+    lean, packs = _engine(reference, cpu_prefill_weights="codes"), _engine(reference, cpu_prefill_weights="packs")
     layers = [m for m in lean.model.modules() if isinstance(m, PackedLinear) and m is not lean.prepared.lm_head]
     assert layers and all(m.coded is not None and m.weight is None and m.packed is None for m in layers)
     assert lean.prepared.speedups.dropped_bytes > packs.prepared.speedups.dropped_bytes
@@ -96,3 +98,63 @@ def test_an_engine_keeps_only_codes_and_generates_the_same_tokens(kind: str) -> 
 def test_an_unknown_mode_is_refused() -> None:
     with pytest.raises(ValueError, match="CPU_PREFILL_WEIGHTS"):
         _engine(build_model(CONFIGS["gemma3"]()), cpu_prefill_weights="sometimes")
+
+
+def test_the_learned_pack_layout_is_onednns_own() -> None:
+    if not (ONEDNN and onednn_layout.pack_bytes_readable()):
+        pytest.skip("oneDNN's packs are not readable here")
+    pack = onednn_layout.learn(128, 96, 512)
+    if pack is None:
+        pytest.skip("oneDNN's float32 pack is not a plain blocked permutation on this CPU")
+    weight = torch.randn(128, 96, generator=torch.Generator().manual_seed(3))
+    blocked = weight.view(128 // pack.block, pack.block, 96).transpose(1, 2).contiguous()
+    assert onednn_layout.pack_of(weight, 512) == blocked.numpy().tobytes()
+    assert onednn_layout.learn(100, 64, 512) is None or 100 % onednn_layout.learn(100, 64, 512).block == 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_wide_steps_multiply_a_pack_written_from_the_codes(kernel: NativeCodedLinear, bias: bool) -> None:
+    if not ONEDNN:
+        pytest.skip("no oneDNN")
+    pairs = [_coded_linear(kernel, out_features, seed, bias) for seed, out_features in enumerate((128, 192, 100))]
+    xs = [torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) for rows in (MAX_ROWS + 1, 300)]
+    for _, packed in pairs:
+        packed.repack_for_prefill("onednn")
+    before = [[packed(x) for x in xs] for _, packed in pairs]
+    wide = WideFromCodes(kernel, onednn=True)
+    learned = [wide.prepare(packed.coded) for _, packed in pairs]
+    assert learned[2] is (onednn_layout.learn(100, 128, 512) is not None)    # 100 rows: no 64-row blocks
+    if onednn_layout.pack_bytes_readable() and onednn_layout.learn(128, 128, 512) is not None:
+        assert learned[:2] == [True, True] and wide.blocked_shapes() == sum(learned)
+    for _, packed in pairs:
+        assert packed.serve_wide_rows_from_codes(wide)
+    for _ in range(2):                       # linears of one shape share their pack
+        for (_, packed), expected in zip(pairs, before):
+            for x, was in zip(xs, expected):
+                assert torch.equal(packed(x), was)
+
+
+def test_auto_takes_the_codes_where_a_written_pack_stands_in_for_every_layer() -> None:
+    # 64-wide K/V projections: every layer's shape is a whole number of oneDNN's 64-row blocks.
+    reference = build_model(gemma3_config(num_key_value_heads=4))
+    assert snap_to_codes(reference) > 0
+    auto, packs = _engine(reference), _engine(reference, cpu_prefill_weights="packs")
+    layers = [m for m in auto.model.modules() if isinstance(m, PackedLinear) and m is not auto.prepared.lm_head]
+    wide = layers[0].wide
+    if auto.prepared.speedups.prefill_weights == "codes":
+        assert wide is not None and wide.blocked_shapes() > 0
+        assert all(m.wide is wide and m.packed is None and m.weight is None for m in layers)
+    else:      # oneDNN's pack layout is another one on this CPU, or MKL packs prefill here
+        assert all(m.wide is None and m.packed is not None for m in layers)
+    assert packs.prepared.speedups.prefill_weights == "packs"
+    prompts = {"a": prompt_of(40, 1), "b": prompt_of(70, 2)}
+    assert Driver(auto).run(prompts, 8) == Driver(packs).run(prompts, 8)
+
+
+def test_auto_keeps_the_packs_when_a_layer_shape_has_no_written_pack() -> None:
+    reference = build_model(CONFIGS["gemma3"]())          # 16-wide K/V projections
+    assert snap_to_codes(reference) > 0
+    engine = _engine(reference)
+    assert engine.prepared.speedups.prefill_weights == "packs"
+    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not engine.prepared.lm_head]
+    assert layers and all(m.wide is None for m in layers)

@@ -1,39 +1,79 @@
-"""Wide steps of coded linears without a float32 copy of their weights (CPU_PREFILL_WEIGHTS=codes).
+"""Wide steps of coded linears without a float32 copy of their weights (CPU_PREFILL_WEIGHTS).
 
 A coded linear's few-row steps run from its codes (weight_codes.py); its wide steps (prefill
-chunks of more than weight_codes.MAX_ROWS rows) otherwise multiply a float32 pack of the
-weight, kept resident beside the codes (~380 MB on the default model). Here each wide step
-expands the linear's weight from its codes instead ([out, in], row-major) into one scratch
-that all the model's linears share (the largest weight's size, a few MB, so it stays in
-cache), and multiplies it as a plain float32 GEMM. The weights are the float32 ones bit for
-bit; the cost is one expansion per linear per wide step (~0.14 ms for 2048 x 640), and a
-GEMM that lays the weight out for itself on each call.
+chunks of more than weight_codes.MAX_ROWS rows) can multiply a float32 pack of the weight,
+kept resident beside the codes (`packs`: ~380 MB on the default model). Here each wide step
+expands the linear's weight from its codes instead, into a scratch that all the model's
+linears of its shape share (a few MB, so it stays in cache), and multiplies that.
+
+Where oneDNN serves float32 GEMMs and its pack's layout is known on this CPU
+(onednn_layout.py), the codes are expanded straight into a pack in that layout and oneDNN's
+linear multiplies it as it multiplies its own pack: the same bytes, so the same kernel and
+the same outputs bit for bit (checked once per shape against oneDNN's own reorder), at the
+cost of one expansion per linear per wide step (~0.1 ms for 2048 x 640). Otherwise the
+scratch holds the plain weight, which oneDNN reorders on each call (~0.3-1 ms), or torch's
+linear multiplies it.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from services.worker.engine.cpu import onednn_layout
+from services.worker.engine.cpu.onednn_layout import BlockedPack
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
 
-PREFILL_WEIGHTS_MODES = ("packs", "codes")
+PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")
+
+log = logging.getLogger(__name__)
 
 
 class WideFromCodes:
     """rows [M, in] @ weight.T (+ bias) for a coded weight, expanded into a shared scratch.
-    Steps run one at a time (the engine's thread), so one scratch serves every linear.
+    Steps run one at a time (the engine's thread), so one scratch serves every linear of a
+    shape.
 
-    With `onednn` the product is oneDNN's linear on the plain (unpacked) weight: the same
-    float32 outputs bit for bit as oneDNN's pack of it (which it reorders to on each call),
-    at 92-95 % of the pack's speed on 512 rows, expansion included (AMD EPYC Zen 5); else
-    torch's linear."""
+    With `onednn` the product is oneDNN's linear, on a pack written from the codes where
+    `prepare` learned the pack's layout for the shape (the pack's speed), else on the plain
+    weight (92-95 % of it at 512 rows, AMD EPYC Zen 5); without, torch's linear."""
 
-    def __init__(self, kernel: NativeCodedLinear, onednn: bool) -> None:
+    def __init__(self, kernel: NativeCodedLinear, onednn: bool, rows_hint: int = 512) -> None:
         self.kernel = kernel
         self.onednn = onednn
+        self.rows_hint = rows_hint          # the row count oneDNN's packs are laid out for
         self._scratch = torch.empty(0)
+        self._packs: dict[tuple[int, int], BlockedPack | None] = {}
+
+    def prepare(self, coded: CodedWeight) -> bool:
+        """Learns (once per shape) whether `coded`'s wide steps can multiply a pack written
+        from its codes; whether they can."""
+        shape = (coded.out_features, coded.in_features)
+        if shape not in self._packs:
+            self._packs[shape] = self._learn(coded) if self.onednn else None
+        return self._packs[shape] is not None
+
+    def _learn(self, coded: CodedWeight) -> BlockedPack | None:
+        """A pack of the shape whose layout the codes can be written in, checked on `coded`:
+        the bytes written equal oneDNN's own pack of the expanded weight."""
+        pack = onednn_layout.learn(coded.out_features, coded.in_features, self.rows_hint)
+        if pack is None:
+            return None
+        self.kernel.expand_blocked(coded, pack.address, pack.block)
+        if onednn_layout.bytes_of(pack.tensor) != onednn_layout.pack_of(self.kernel.expand(coded), self.rows_hint):
+            return None
+        return pack
+
+    def blocked_shapes(self) -> int:
+        """Shapes whose wide steps multiply packs written from the codes."""
+        return sum(pack is not None for pack in self._packs.values())
 
     def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        pack = self._packs.get((coded.out_features, coded.in_features)) if self.onednn else None
+        if pack is not None:
+            self.kernel.expand_blocked(coded, pack.address, pack.block)
+            return torch.ops.mkldnn._linear_pointwise(rows, pack.tensor, bias, "none", [], "")
         entries = coded.in_features * coded.out_features
         if self._scratch.numel() < entries:
             self._scratch = torch.empty(entries)

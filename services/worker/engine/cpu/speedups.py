@@ -24,8 +24,9 @@ from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
                                                      require_bfloat16_cpu)
 from services.worker.engine.cpu.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
-from services.worker.engine.cpu.cpu_linear import (KernelPlan, PackedLinear, choose_prefill_kernel, kernel_available,
-                                                   pack_linears, resolve_kernel_plan)
+from services.worker.engine.cpu.cpu_linear import (ALL_ROWS, PREFILL_PACK_ROWS_HINT, KernelPlan, PackedLinear,
+                                                   choose_prefill_kernel, kernel_available, pack_linears,
+                                                   resolve_kernel_plan)
 from services.worker.engine.cpu.direct_forward import DirectForward
 from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
 from services.worker.engine.cpu.fused_norms import fuse_rms_norms
@@ -56,6 +57,7 @@ class Speedups:
     bfloat16: Bfloat16Compute | None = None    # CPU_COMPUTE=bfloat16: the layers' wide GEMMs
     direct: DirectForward | None = None
     dropped_bytes: int = 0                 # weight copies the coded linears made unneeded, let go
+    prefill_weights: str = "packs"         # what the coded layers' wide steps multiply: packs or codes
 
 
 @dataclass(frozen=True)
@@ -86,23 +88,50 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
     done.bfloat16 = apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
-    done.dropped_bytes = _drop_unserved_copies(base, done.lm_head, config.cpu_prefill_weights == "codes")
+    wide = _wide_from_codes(config, base, done.lm_head)
+    done.prefill_weights = "codes" if wide is not None else "packs"
+    done.dropped_bytes = _drop_unserved_copies(base, done.lm_head, wide)
     return done
 
 
-def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide_from_codes: bool) -> int:
+def _wide_from_codes(config: EngineConfig, base: torch.nn.Module, lm_head: torch.nn.Module) -> WideFromCodes | None:
+    """What the coded layers' wide steps multiply (CPU_PREFILL_WEIGHTS): their float32 packs
+    (None), or the weight expanded from their codes. `auto` takes the codes where every
+    coded layer's pack is oneDNN's and a pack written from its codes stands in for it
+    (coded_wide.py): the same kernel on the same bytes, without the pack's ~380 MB."""
+    layers = [linear for linear in _packed_linears(base, lm_head) if linear is not lm_head and linear.coded is not None]
+    mode = config.cpu_prefill_weights
+    if mode == "packs" or not layers or (mode == "auto" and config.cpu_compute != "float32"):
+        if mode == "codes":
+            log.warning("CPU_PREFILL_WEIGHTS=codes: no layer runs from weight codes here (CPU_WEIGHT_CODES, "
+                        "a checkpoint whose weights are not exact codes, or not float32 on CPU): nothing changes")
+        return None
+    onednn = kernel_available("onednn", torch.float32)
+    wide = WideFromCodes(layers[0].coded_kernel, onednn, PREFILL_PACK_ROWS_HINT)
+    same_kernel = all(linear.kernel == "onednn" and linear.max_packed_rows == ALL_ROWS for linear in layers)
+    blocked = all([wide.prepare(linear.coded) for linear in layers]) if onednn else False
+    if mode == "auto" and not (same_kernel and blocked):
+        log.info("prefill: the layers' float32 packs serve wide steps (%s)",
+                 "no pack written from codes stands in for oneDNN's here" if same_kernel
+                 else "oneDNN does not pack these layers' prefill here")
+        return None
+    log.info("prefill: the layers' wide steps multiply their weights expanded from the codes (%s)",
+             f"into oneDNN's pack layout, {wide.blocked_shapes()} shapes" if blocked else "plain weights")
+    return wide
+
+
+def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide: WideFromCodes | None) -> int:
     """Coded linears keep one copy of their weight beside the codes: the layers their
     prefill pack, the LM head its float32 weight (shared with the tied embedding and
-    the screen); with `wide_from_codes` (CPU_PREFILL_WEIGHTS=codes) the layers keep none,
-    their wide steps expanding the codes (coded_wide.py). Returns the bytes let go."""
-    dropped, wide = 0, None
+    the screen); with `wide` (CPU_PREFILL_WEIGHTS, coded_wide.py) the layers keep none,
+    their wide steps expanding the codes. Returns the bytes let go."""
+    dropped = 0
     for linear in _packed_linears(base, lm_head):
         weight, packed = linear.weight, linear.packed
         if linear is lm_head:
             if linear.drop_pack():
                 dropped += _nbytes(packed)
-        elif wide_from_codes and linear.coded is not None:
-            wide = wide or WideFromCodes(linear.coded_kernel, kernel_available("onednn", torch.float32))
+        elif wide is not None and linear.coded is not None:
             linear.serve_wide_rows_from_codes(wide)
             dropped += sum(_nbytes(t) for t in (weight, packed) if t is not None)
         elif linear.drop_float32_weight():
@@ -111,9 +140,6 @@ def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide_
                 dropped += _nbytes(packed)
     if dropped:
         log.info("coded linears: %.0f MB of weight copies no path reads dropped", dropped / 1e6)
-    if wide_from_codes and wide is None:
-        log.warning("CPU_PREFILL_WEIGHTS=codes: no layer runs from weight codes here (CPU_WEIGHT_CODES, "
-                    "a checkpoint whose weights are not exact codes, or not float32 on CPU): nothing changes")
     return dropped
 
 
@@ -193,7 +219,7 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
         # (Under CPU_COMPUTE=bfloat16 bfloat16 packs serve those chunks, and these are dropped.)
         prefill_kernel = (choose_prefill_kernel() if target.config.cpu_linear_kernel == "auto"
                           and target.config.cpu_compute == "float32"
-                          and target.config.cpu_prefill_weights == "packs" else None)
+                          and target.config.cpu_prefill_weights != "codes" else None)
         if prefill_kernel is not None:
             for linear in coded:
                 if linear is not done.lm_head and linear.kernel != prefill_kernel:

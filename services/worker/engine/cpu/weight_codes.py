@@ -125,6 +125,10 @@ class NativeCodedLinear:
         self._expand_rows = library.fairserve_codes_expand_rows
         self._expand_rows.restype = ctypes.c_int
         self._expand_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+        self._expand_blocked = library.fairserve_codes_expand_blocked
+        self._expand_blocked.restype = ctypes.c_int
+        self._expand_blocked.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+                                         + [ctypes.c_int64] * 4)
 
     @property
     def linear_function(self) -> ctypes._CFuncPtr:
@@ -191,6 +195,16 @@ class NativeCodedLinear:
             raise ValueError(f"coded expansion: shapes it does not take ({coded.out_features} x "
                              f"{coded.in_features}, group {coded.group}, {coded.bits} bits)")
         return weight
+
+    def expand_blocked(self, coded: CodedWeight, address: int, block: int) -> None:
+        """The float32 weight written at `address` (out * in floats) in the blocked layout
+        [out / block][in][block] (coded_wide.py: the layout of oneDNN's pack)."""
+        status = self._expand_blocked(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                      coded.group, coded.bits, address, coded.in_features, coded.out_features,
+                                      block, torch.get_num_threads())
+        if status:
+            raise ValueError(f"coded expansion: a blocked layout it does not take ({coded.out_features} x "
+                             f"{coded.in_features}, block {block}, group {coded.group}, {coded.bits} bits)")
 
     def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """rows [M, in] (float32, contiguous) @ weight.T (+ bias) -> [M, out]."""

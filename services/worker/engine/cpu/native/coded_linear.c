@@ -390,3 +390,43 @@ int fairserve_codes_expand_rows(const uint8_t *codes, const float *scales, const
     }
     return 0;
 }
+
+/* The weight back from its panelled codes into a blocked layout [out_features / block][in]
+ * [block]: entry (n, k) at ((n / block) * in + k) * block + n % block. That is how oneDNN
+ * packs a float32 linear weight for its GEMM on the CPUs measured (block 64 with AVX-512),
+ * so wide steps can multiply a pack written straight from the codes, without oneDNN
+ * reordering a plain weight on every call. The values are the ones fairserve_codes_expand_rows
+ * writes (the float32 weight bit for bit); only their places differ. `block` a multiple of
+ * LANES, `out_features` a multiple of `block`. */
+int fairserve_codes_expand_blocked(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                                   int64_t bits, float *weight, int64_t in, int64_t out_features, int64_t block,
+                                   int64_t num_threads) {
+    if (group <= 0 || group % LANES || in % group || (bits != 8 && (bits < 4 || bits > 6))) return 1;
+    if (block <= 0 || block % LANES || out_features % block) return 1;
+    const int64_t panels = (out_features + PANEL - 1) / PANEL, groups_per_row = in / group;
+    const int64_t stride = bits == 8 ? PANEL : narrow_stride(bits), panel_bytes = in * stride;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *c = codes + p * panel_bytes;
+        const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
+        for (int64_t k = 0; k < in; k++) {
+            const int64_t g = k / group;
+            vf scale[VECTORS], offset[VECTORS], w[VECTORS];
+            for (int v = 0; v < VECTORS; v++) {
+                scale[v] = loadv(s + g * PANEL + v * LANES);
+                offset[v] = loadv(o + g * PANEL + v * LANES);
+            }
+            switch (bits) {
+                case 4: expand_entry(c + k * stride, 4, scale, offset, w); break;
+                case 5: expand_entry(c + k * stride, 5, scale, offset, w); break;
+                case 6: expand_entry(c + k * stride, 6, scale, offset, w); break;
+                default: expand_entry(c + k * stride, 8, scale, offset, w); break;
+            }
+            for (int v = 0; v < VECTORS; v++) {
+                const int64_t n = p * PANEL + v * LANES;     /* LANES divides block: one block a vector */
+                if (n < out_features) storev(weight + ((n / block) * in + k) * block + n % block, w[v]);
+            }
+        }
+    }
+    return 0;
+}
