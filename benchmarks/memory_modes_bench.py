@@ -55,7 +55,8 @@ def resident_of_fresh_engine(model_dir: str, mode: str) -> float:
 def _print_resident(model_dir: str, mode: str) -> None:
     engine = Engine(_config(model_dir, mode, num_blocks=64))
     engine.wait_for_screen()
-    engine.grammars.tokenizer.wait()
+    if engine.grammars.tokenizer.started:
+        engine.grammars.tokenizer.wait()
     print(json.dumps({"resident_mb": resident_mb()}))
 
 

@@ -37,8 +37,10 @@ async def serve(settings: WorkerSettings) -> None:
                                                                                 model_dir=str(model_dir))))
     engine = engine_thread.engine
     # Building the grammar tokenizer holds the GIL for seconds on a 262k vocabulary (llguidance
-    # does not let go of it): it finishes before the worker registers, so it never stalls heartbeats.
-    if not await asyncio.to_thread(engine.grammars.tokenizer.wait):
+    # does not let go of it): with GRAMMAR_TOKENIZER=start it finishes before the worker registers,
+    # so it never stalls a step; by default the first constrained request starts it and the
+    # worker's steps wait for it once (as a first structured request does on vLLM).
+    if engine.grammars.tokenizer.started and not await asyncio.to_thread(engine.grammars.tokenizer.wait):
         log.warning("structured output unavailable on this worker: its grammar tokenizer did not build")
     labels = engine_labels(engine)
     log.info("engine ready", extra={"model_dir": str(model_dir), "num_blocks": engine.info.num_blocks,

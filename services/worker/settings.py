@@ -26,6 +26,7 @@ DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine
 CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/weight_codes.py
 CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
 CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/coded_wide.py
+GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/grammar.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -82,6 +83,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
         ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
         ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
+        grammar_tokenizer=read.choice("GRAMMAR_TOKENIZER", "first_use", GRAMMAR_TOKENIZER_MODES),
     )
     if config.ngram_min > config.ngram_max:
         raise SettingsError(f"SPECULATIVE_NGRAM_MIN={config.ngram_min} is invalid: "

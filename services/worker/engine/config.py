@@ -41,6 +41,7 @@ class EngineConfig:
     lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head
     ngram_min: int = 2                 # speculation: shortest suffix looked up earlier in the sequence
     ngram_max: int = 4                 # speculation: longest suffix looked up
+    grammar_tokenizer: str = "first_use"   # structured output's tokenizer: first_use (built when the first constrained sequence registers) | start
 
 
 def require_choice(what: str, value: str, choices: tuple[str, ...]) -> None:

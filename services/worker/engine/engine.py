@@ -31,7 +31,8 @@ from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.device import dtype_name
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.forward import Forward
-from services.worker.engine.grammar import Grammars, GrammarTokenizer, tokenizer_from_model_dir
+from services.worker.engine.grammar import (GRAMMAR_TOKENIZER_MODES, Grammars, GrammarTokenizer,
+                                            tokenizer_from_model_dir)
 from services.worker.engine.grammar_masks import GrammarMasker
 from services.worker.engine.isolation import StepIsolation
 from services.worker.engine.kv_cache import PagedKVCache
@@ -93,11 +94,14 @@ class Engine:
         self.prompt_scorer = PromptScorer(prepared.lm_head, prepared.softcap)
         self.sequences = Sequences(self.pool, self.block_size, config.model_key)
         vocab_size = int(self.model_config.vocab_size)
-        # Structured output: the grammar tokenizer builds in the background (seconds on 262k tokens).
-        # Its build's temporaries (~0.3 GB on 262k tokens) are handed back once it is built.
+        # Structured output: the grammar tokenizer builds in the background (seconds on 262k tokens,
+        # ~225 MB resident), at start or when the first constrained sequence registers
+        # (GRAMMAR_TOKENIZER). Its build's temporaries (~0.3 GB on 262k tokens) are handed back
+        # once it is built.
+        require_choice("GRAMMAR_TOKENIZER", config.grammar_tokenizer, GRAMMAR_TOKENIZER_MODES)
         self.grammars = Grammars(GrammarTokenizer(
             tokenizer_from_model_dir(config.model_dir, vocab_size, prepared.eos_token_ids),
-            background=(Path(config.model_dir) / "tokenizer.json").is_file(),
+            background=config.grammar_tokenizer == "start" and (Path(config.model_dir) / "tokenizer.json").is_file(),
             on_built=release_freed_host_memory if self.device.type == "cpu" else None),
             vocab_size, prepared.eos_token_ids)
         self.grammar_masks = GrammarMasker()
@@ -134,6 +138,7 @@ class Engine:
         for new in batch.new_sequences:
             self.sequences.register(new)
             if new.sampling.constraint is not None:
+                self.grammars.tokenizer.start()     # needed by its first sampled token
                 # A resumed sequence's matcher replays the tokens it already generated.
                 self.sequences.get(new.seq_id).grammar = self.grammars.state(new.sampling.constraint,
                                                                              new.output_token_ids)

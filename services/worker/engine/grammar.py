@@ -44,9 +44,12 @@ def tokenizer_from_model_dir(model_dir: str, vocab_size: int, eos_token_ids: Seq
     return build
 
 
+GRAMMAR_TOKENIZER_MODES = ("first_use", "start")
+
+
 class GrammarTokenizer:
-    """The tokenizer, built once: in a background thread from start, or on first use; get()
-    waits for it."""
+    """The tokenizer, built once: in a background thread from `start()` (at the engine's start,
+    or when the first constrained sequence registers), or on first use; get() waits for it."""
 
     def __init__(self, build: TokenizerFactory, background: bool = True,
                  on_built: Callable[[], object] | None = None) -> None:
@@ -56,8 +59,21 @@ class GrammarTokenizer:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._built = False
+        self._started = False
         if background:
-            threading.Thread(target=self._ensure, name="grammar-tokenizer", daemon=True).start()
+            self.start()
+
+    def start(self) -> None:
+        """Starts the build in a background thread, unless it was started or is done."""
+        with self._lock:
+            if self._started or self._built:
+                return
+            self._started = True
+        threading.Thread(target=self._ensure, name="grammar-tokenizer", daemon=True).start()
+
+    @property
+    def started(self) -> bool:
+        return self._started or self._built
 
     def _ensure(self) -> None:
         with self._lock:

@@ -198,3 +198,26 @@ def test_engine_speculative_drafts_are_checked_against_the_grammar(hf_tokenizer,
     assert sum(verified) > 0
     assert drafted == plain
     assert re.fullmatch(regex, hf_tokenizer.decode(drafted))
+
+
+@pytest.mark.parametrize("mode", ["first_use", "start"])
+def test_the_tokenizer_is_built_at_start_or_when_the_first_constrained_sequence_registers(tmp_path, mode):
+    from services.worker.engine import Engine, EngineConfig
+    from tests.fixtures.tiny_model import save_tiny_model
+    save_tiny_model(tmp_path)
+    engine = Engine(EngineConfig(model_dir=str(tmp_path), num_blocks=64, block_size=4, grammar_tokenizer=mode))
+    tokenizer = engine.grammars.tokenizer
+    assert tokenizer.started is (mode == "start")
+    plain = SamplingParams(temperature=0.0)
+    engine.step(StepBatch(new_sequences=(NewSequence("plain", (2, 40, 41), (), plain),), work=()))
+    assert tokenizer.started is (mode == "start")           # an unconstrained sequence builds nothing
+    constrained = SamplingParams(temperature=0.0, constraint=Constraint(ConstraintKind.REGEX, "ab"))
+    engine.step(StepBatch(new_sequences=(NewSequence("json", (2, 40, 41), (), constrained),), work=()))
+    assert tokenizer.started and tokenizer.wait()
+    result = engine.step(StepBatch(work=(WorkItem("json", 3),))).results[0]
+    assert not result.error and len(result.token_ids) == 1
+
+
+def test_an_unknown_grammar_tokenizer_mode_is_refused():
+    with pytest.raises(ValueError, match="GRAMMAR_TOKENIZER"):
+        make_engine("gemma3", grammar_tokenizer="sometimes")

@@ -33,3 +33,23 @@ def test_a_failed_build_is_reported_by_wait_and_raised_by_get() -> None:
     assert tokenizer.wait() is False
     with pytest.raises(RuntimeError, match="no tokenizer.json"):
         tokenizer.get()
+
+
+def test_start_builds_once_in_the_background() -> None:
+    release = threading.Event()
+    calls: list[int] = []
+
+    def build() -> str:
+        release.wait(5)
+        calls.append(1)
+        return "tokenizer"
+
+    tokenizer = GrammarTokenizer(build, background=False)
+    assert not tokenizer.started and calls == []             # nothing built until asked
+    tokenizer.start()
+    tokenizer.start()
+    assert tokenizer.started
+    release.set()
+    assert tokenizer.get() == "tokenizer" and tokenizer.wait() and calls == [1]
+    tokenizer.start()                                        # built: nothing more
+    assert calls == [1]
