@@ -20,6 +20,7 @@ EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")     # services/worker/engine/cuda/varlen_attention.py
 CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
+LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen_loader.py
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/native_decode.py
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
@@ -81,6 +82,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         cpu_prefill_weights=read.choice("CPU_PREFILL_WEIGHTS", "auto", CPU_PREFILL_WEIGHTS_MODES),
         lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
         lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
+        lm_head_screen_weights=read.choice("LM_HEAD_SCREEN_WEIGHTS", "auto", LM_HEAD_SCREEN_WEIGHTS),
         ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
         ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
         grammar_tokenizer=read.choice("GRAMMAR_TOKENIZER", "first_use", GRAMMAR_TOKENIZER_MODES),

@@ -77,6 +77,10 @@ def test_worker_lm_head_screen_settings() -> None:
         WorkerSettings.from_env({"LM_HEAD_SCREEN": "maybe"})
     assert WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "12"}).engine.lm_head_screen_max_rows == 12
     assert WorkerSettings.from_env({}).engine.lm_head_screen_max_rows == 0      # by the screen's kernel
+    assert WorkerSettings.from_env({}).engine.lm_head_screen_weights == "auto"
+    assert WorkerSettings.from_env({"LM_HEAD_SCREEN_WEIGHTS": "copy"}).engine.lm_head_screen_weights == "copy"
+    with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_WEIGHTS"):
+        WorkerSettings.from_env({"LM_HEAD_SCREEN_WEIGHTS": "codes"})
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_MAX_ROWS"):
         WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "-1"})
 

@@ -1,7 +1,7 @@
 """The C kernel of the LM head screen (native/int8_matmul.c) through ctypes: int16
-activation rows times an int8 head packed in panels, each row's top-k, the entries above a
-threshold, and float32 dot products of chosen (row, token) pairs. lm_head_screen.py says
-how the screen uses them."""
+activation rows times an int8 head packed in panels or times the head's 8-bit weight codes,
+each row's top-k, the entries above a threshold, and float32 dot products of chosen (row,
+token) pairs. lm_head_screen.py says how the screen uses them."""
 
 from __future__ import annotations
 
@@ -10,7 +10,10 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.engine.cpu.weight_codes import CodedWeight
+
 NATIVE_TILE = 8             # activation rows the native kernel's widest tile holds
+CODES_TILE = 8              # activation rows the codes kernel's widest tile holds (AVX-512)
 PANEL = 32                  # vocabulary rows per panel of the native kernel's weight layout
 
 
@@ -42,6 +45,10 @@ class NativeInt8Matmul:
         self._gather_dot = library.fairserve_gather_dot
         self._gather_dot.restype = None
         self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+        self._codes_screen = library.fairserve_codes_screen
+        self._codes_screen.restype = ctypes.c_int
+        self._codes_screen.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                                       + [ctypes.c_int64] * 4)
 
     @staticmethod
     def pack(weight: torch.Tensor, w_scale: torch.Tensor) -> Int8Panels:
@@ -77,6 +84,30 @@ class NativeInt8Matmul:
                                 pairs, rows, torch.get_num_threads())
         if failed:
             raise ValueError("int8 matmul: an empty head")
+        return out
+
+    def codes_screen(self, coded: CodedWeight, x: torch.Tensor, x_scale: torch.Tensor,
+                     maxima: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] int16 and x_scale [rows] -> [rows, V] float32 = (x * x_scale[:, None])
+        @ weight.T from the 8-bit codes of `coded` (native/int8_matmul.c rounds only in
+        float32, see there); with `maxima` ([rows, ceil(V / PANEL)] float32) also each row's
+        largest output in each panel of PANEL tokens."""
+        if coded.bits != 8:
+            raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
+        rows, in_features = x.shape
+        if in_features != coded.in_features or x.dtype != torch.int16:
+            raise ValueError(f"codes screen: int16 rows of {in_features} entries for a head of {coded.in_features}")
+        if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
+            raise ValueError("codes screen: codes, scales and offsets must be contiguous")
+        x, x_scale = x.contiguous(), x_scale.float().contiguous()
+        out = torch.empty(rows, coded.out_features)
+        status = self._codes_screen(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                    coded.group, x.data_ptr(), x_scale.data_ptr(), out.data_ptr(),
+                                    _pointer(maxima, rows, coded.out_features), coded.out_features,
+                                    coded.in_features, rows, torch.get_num_threads())
+        if status:
+            raise ValueError(f"codes screen: shapes it does not take ({coded.out_features} x "
+                             f"{coded.in_features}, group {coded.group})" if status == 1 else "codes screen: no memory")
         return out
 
     def top_k(self, values: torch.Tensor, k: int, maxima: torch.Tensor | None = None) -> torch.Tensor:

@@ -32,6 +32,13 @@ multiplied with the same int8 rows, one row per row, no grid split. The
 activation rounding is then ~1/32766 of a row's largest entry, and the weight is
 streamed once for up to 8 rows (on the 2-core AMD EPYC: 12 ms for 8 rows against
 ~25 ms for fbgemm's 17 grid rows), so many more rows per step pay off.
+
+Where the head is kept as 8-bit weight codes (weight_codes.py: the float32 head is
+scale * code + offset in every block of 16 or 32 inputs; Gemma's Q8_0 head is), the screen
+needs no int8 copy at all (`from_codes`): the same C kernel multiplies the int16 rows with
+the codes themselves, exactly in int32 within each block, and applies each block's scale
+and offset in float32. The weight side of the bound is then exact, and what is left of
+|x| * |w_r - q(w_r)| is the kernel's float32 rounding (`_codes_error_norms`).
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.cpu.int8_matmul import NATIVE_TILE, PANEL, NativeInt8Matmul
+from services.worker.engine.cpu.int8_matmul import CODES_TILE, NATIVE_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.native_build import load_binding
 from services.worker.engine.cpu.weight_codes import CodedWeight
 
@@ -61,6 +68,11 @@ NORM_MARGIN = 1e-3
 CHECK_ROWS = 4096           # vocabulary rows the check at create compares
 INT16_GRID = 16383          # native kernel: activation rows are integers in [-INT16_GRID, INT16_GRID]
 INT32_MAX = 2 ** 31 - 1
+UNIT_ROUNDOFF = 2.0 ** -24  # float32's relative rounding error at most
+# The codes kernel's rounding bound, in units of UNIT_ROUNDOFF * ||alpha_v|| * ||x||, beyond
+# what `_codes_error_norms` derives: the float32 norms' own rounding and a margin.
+CODES_SPARE_ROUNDINGS = 12
+CODES_CHUNK_PANELS = 256    # panels of codes expanded at a time for the row norms (8192 rows)
 # Candidates the C kernel's first pass (against the widest bound) collects before torch's
 # nonzero takes over; most are dropped by their own bounds right after.
 FIRST_PASS_CAPACITY = 4 * 32768
@@ -88,6 +100,7 @@ class LMHeadScreen:
             raise ValueError("the LM head screen needs a float32 CPU weight")
         self.weight: torch.Tensor | None = weight.detach()
         self._coded: CodedWeight | None = None     # where exact logits read rows, once weight is let go
+        self._from_codes = False                   # approximate logits from the codes (from_codes)
         self.softcap = softcap
         vocab, hidden = self.weight.shape
         self._vocab, self._hidden = vocab, hidden
@@ -137,13 +150,46 @@ class LMHeadScreen:
         """A screen for `weight`, or None where the int8 op is missing or fails its check."""
         if (native is None and not screening_available()) or weight.shape[1] < 2:
             return None
-        screen = cls(weight, softcap, native)
-        passed = screen.self_check()
-        screen._check = None
-        if not passed:
-            log.warning("LM head screen disabled: the int8 op does not match its float64 reference here")
+        return cls(weight, softcap, native)._checked()
+
+    @classmethod
+    def from_codes(cls, coded: CodedWeight, softcap: float | None,
+                   native: NativeInt8Matmul | None) -> LMHeadScreen | None:
+        """A screen of the head `coded` stands for, from its 8-bit codes alone (no int8 copy,
+        no float32 weight), or None without the C kernel, for narrow codes, or where the
+        kernel fails its check."""
+        if native is None or coded.bits != 8 or coded.in_features < 2:
             return None
-        return screen
+        screen = cls.__new__(cls)
+        screen._init_from_codes(coded, softcap, native)
+        return screen._checked()
+
+    def _init_from_codes(self, coded: CodedWeight, softcap: float | None, native: NativeInt8Matmul) -> None:
+        self.weight = None
+        self._coded = coded                        # exact rows and approximate logits alike
+        self._from_codes = True
+        self.softcap = softcap
+        self._vocab, self._hidden = coded.out_features, coded.in_features
+        self._native = native
+        self._panels = self._packed = None
+        self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
+        row_norms, alpha_norms = _coded_row_norms(coded)
+        self._error_norms = _codes_error_norms(alpha_norms, coded, self._int16_grid)
+        self._quant_norms = row_norms * (1 + NORM_MARGIN)     # the weight itself: nothing rounded
+        self._max_error_norm = float(self._error_norms.max())
+        self._max_quant_norm = float(self._quant_norms.max())
+        self._slack_per_norm = (OP_SLACK + 2 * self._hidden * 2.0 ** -24) * self._max_quant_norm
+        self._check = None
+
+    def _checked(self) -> LMHeadScreen | None:
+        """This screen once its kernel passed `self_check`, else None (logged)."""
+        passed = self.self_check()
+        self._check = None
+        if not passed:
+            log.warning("LM head screen disabled: its %s kernel does not match its float64 reference here",
+                        self.kernel)
+            return None
+        return self
 
     @property
     def vocab_size(self) -> int:
@@ -159,6 +205,8 @@ class LMHeadScreen:
     def self_check(self) -> bool:
         """The op on grid rows of extreme and random integers equals the float64 product
         of the dequantized weights to within its float32 rounding."""
+        if self._from_codes:
+            return self._codes_check()
         assert self._check is not None, "checked once, at create"
         quantized, scales = self._check
         weights = quantized.double() * scales[:, None]
@@ -189,9 +237,35 @@ class LMHeadScreen:
         magnitude = (rows.double().abs() * x_scale[:len(rows), None].double()) @ weights.abs().T
         return bool(((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-6).all())
 
+    def _codes_check(self) -> bool:
+        """The codes kernel on rows of extreme and random int16 integers (more than one tile,
+        the last panel padded) against the float64 product of the float32 weights the codes
+        stand for: every output within the float rounding part of the bound (`error_norms`
+        times the row's norm), and the panel maxima those of the outputs."""
+        assert self._coded is not None and self._native is not None
+        rows = min(self._vocab, CHECK_ROWS - 7)    # the last panel padded once there are that many
+        coded = self._coded.panel_rows(0, rows)
+        weights = coded.rows(torch.arange(rows)).double()
+        generator = torch.Generator().manual_seed(0)
+        grid = self._int16_grid
+        x = torch.randint(-grid, grid + 1, (CODES_TILE + 3, self._hidden), generator=generator)
+        x[0], x[1] = grid, -grid
+        x[2, ::2], x[2, 1::2] = grid, -grid
+        x_scale = torch.rand(len(x), generator=generator) + 0.5
+        maxima = torch.empty(len(x), -(-rows // PANEL))
+        out = self._native.codes_screen(coded, x.to(torch.int16), x_scale, maxima)
+        scaled = x.double() * x_scale.double()[:, None]
+        allowed = scaled.norm(dim=1)[:, None] * self._error_norms[:rows].double()
+        padded = torch.nn.functional.pad(out, (0, maxima.shape[1] * PANEL - rows), value=float("-inf"))
+        return bool(((out.double() - scaled @ weights.T).abs() <= allowed).all()
+                    and torch.equal(maxima, padded.view(len(x), -1, PANEL).amax(dim=-1)))
+
     @property
     def kernel(self) -> str:
-        """What computes the approximate logits: native (the C kernel) or fbgemm."""
+        """What computes the approximate logits: codes (the C kernel from the head's weight
+        codes), native (the C kernel from an int8 copy) or fbgemm."""
+        if self._from_codes:
+            return "codes"
         return "native" if self._native is not None else "fbgemm"
 
     def logits(self, hidden: torch.Tensor, top_counts: Sequence[int],
@@ -262,7 +336,8 @@ class LMHeadScreen:
 
     def _bound(self, norms: torch.Tensor, activation_error: torch.Tensor,
                error_norms: torch.Tensor | float, quant_norms: torch.Tensor | float) -> torch.Tensor:
-        """|x| * |w - q(w)| + |x - q(x)| * |q(w)| + slack, elementwise over broadcast operands."""
+        """|x| * |w - q(w)| + |x - q(x)| * |q(w)| + slack, elementwise over broadcast operands
+        (from the codes: the kernel's float32 rounding in place of |w - q(w)|, and q(w) = w)."""
         return norms * (error_norms + self._slack_per_norm) + activation_error * quant_norms
 
     def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -273,14 +348,17 @@ class LMHeadScreen:
         return self._approximate_fbgemm(x)
 
     def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One int16 row per row through the C kernel."""
+        """One int16 row per row through the C kernel (from the codes or the int8 copy)."""
         assert self._native is not None
         rows = x.shape[0]
         scale = (x.abs().amax(dim=1) / self._int16_grid).clamp_min(1e-30)
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
         maxima = torch.empty(rows, -(-self.vocab_size // PANEL))
-        approx = self._native(self._panels, rounded.to(torch.int16), scale, maxima)
+        if self._from_codes:
+            approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima)
+        else:
+            approx = self._native(self._panels, rounded.to(torch.int16), scale, maxima)
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far
         # more than the relative margin covers when the residual itself is that small.
         return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30, maxima
@@ -319,3 +397,52 @@ class LMHeadScreen:
             return values
         return torch.tanh(values / self.softcap) * self.softcap
 
+
+
+def _coded_row_norms(coded: CodedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per vocabulary row v, both [V] float32 from the 8-bit codes, a chunk of panels at a time:
+    ||w_v||, the norm of the float32 row the codes stand for (expanded as CodedWeight.rows
+    does: scale * code, rounded, plus offset, rounded), and ||alpha_v||, the norm of
+    alpha_i = code_i * |scale_b| + |offset_b| (entry i of block b), which bounds every term
+    of the codes kernel (`_codes_error_norms`). Float32 sums of `hidden` squares: NORM_MARGIN
+    covers their rounding."""
+    panels, in_features, _ = coded.codes.shape
+    blocks, group = in_features // coded.group, coded.group
+    row_norms, alpha_norms = torch.empty(panels, PANEL), torch.empty(panels, PANEL)
+    for first in range(0, panels, CODES_CHUNK_PANELS):
+        chunk = slice(first, first + CODES_CHUNK_PANELS)
+        codes = coded.codes[chunk].view(-1, blocks, group, PANEL).float()
+        scales, offsets = coded.scales[chunk, :, None, :], coded.offsets[chunk, :, None, :]
+        row_norms[chunk] = torch.mul(codes, scales).add_(offsets).square_().sum(dim=(1, 2)).sqrt_()
+        alpha_norms[chunk] = codes.mul_(scales.abs()).add_(offsets.abs()).square_().sum(dim=(1, 2)).sqrt_()
+    return row_norms.view(-1)[:coded.out_features], alpha_norms.view(-1)[:coded.out_features]
+
+
+def _codes_error_norms(alpha_norms: torch.Tensor, coded: CodedWeight, grid: int) -> torch.Tensor:
+    """error_norms[v] such that |x.w_v - out[v]| <= error_norms[v] * ||x|| + (x - q(x)).w_v for
+    the codes kernel's out (native/int8_matmul.c) on q(x) = x_scale * xq, xq the int16 row
+    (|xq| <= grid, x_scale = max|x| / grid). With u = 2^-24, B = in / group blocks,
+    alpha_i = code_i |scale_b| + |offset_b| and S = sum_i alpha_i |xq_i| <= ||alpha|| ||xq||
+    (Cauchy-Schwarz):
+
+    - the float32 weight is w_i = fl(fl(scale_b code_i) + offset_b) (weight_codes.py's `find`
+      checks it bit for bit), so |w_i - (scale_b code_i + offset_b)| <= 2u(1 + u) alpha_i, and
+      x_scale |xq . (w - (scale code + offset))| <= 2u(1 + u) x_scale S;
+    - the kernel's sum over blocks of scale_b fl(U_b) + offset_b X_b is a recursive float32
+      sum of 2B terms, one rounding each (fused multiply-adds), of absolute sum at most
+      (1 + u) S (U_b and X_b exact integers, fl(U_b) within u |U_b|): its error is at most
+      (gamma_2B (1 + u) + u) S, gamma_n = n u / (1 - n u); the last product by x_scale adds
+      u x_scale |sum|;
+    - all told at most (2B + 4) u (1 + 1e-3) x_scale S for (2B + 4) u < 1e-4, and
+      x_scale ||xq|| <= ||x|| + ||x - q(x)|| <= ||x|| (1 + delta), delta = 0.51 sqrt(in) / grid
+      (each entry rounds by at most half a step, x_scale, plus float32 slop, and
+      x_scale <= (1 + u) max|x| / grid <= (1 + u) ||x|| / grid).
+
+    So error_norms[v] = ((2B + 4)(1 + delta)(1 + 1e-3) + CODES_SPARE_ROUNDINGS) u ||alpha_v||,
+    ||alpha_v|| widened by NORM_MARGIN for its float32 rounding (and x's norm's)."""
+    blocks = coded.in_features // coded.group
+    if (2 * blocks + 4) * UNIT_ROUNDOFF >= 1e-4:
+        raise ValueError(f"codes screen: {blocks} blocks a row, too many for its rounding bound")
+    delta = 0.51 * coded.in_features ** 0.5 / grid
+    roundings = (2 * blocks + 4) * (1 + delta) * (1 + 1e-3) + CODES_SPARE_ROUNDINGS
+    return alpha_norms * (roundings * UNIT_ROUNDOFF * (1 + NORM_MARGIN))
