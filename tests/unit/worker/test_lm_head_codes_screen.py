@@ -1,5 +1,5 @@
 """The LM head screen from the head's 8-bit weight codes (LMHeadScreen.from_codes, the C
-kernel fairserve_codes_screen in native/int8_matmul.c): the kernel against a float64
+kernel fairserve_codes_screen in native/codes_screen.c): the kernel against a float64
 reference within its derived rounding bound, on every tile and padding shape and on every
 vector path; greedy and top-k over the screened rows pick exactly what they pick over the
 full float32 logits; a kernel off its bound fails the check at build; and the loader takes
@@ -113,7 +113,7 @@ def expanded(coded: CodedWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 def within_kernel_bound(coded: CodedWeight, x: torch.Tensor, x_scale: torch.Tensor, out: torch.Tensor) -> bool:
     """|out - (x * x_scale) @ w.T| <= (2B + 4) u (1 + 1e-3) x_scale sum_i alpha_i |x_i| entrywise:
-    the kernel's rounding bound before Cauchy-Schwarz (lm_head_screen._codes_error_norms)."""
+    the kernel's rounding bound before Cauchy-Schwarz (codes_screen_bound.codes_error_norms)."""
     weights, alpha = expanded(coded)
     scaled = x.double() * x_scale.double()[:, None]
     blocks = coded.in_features // coded.group
@@ -179,10 +179,10 @@ def test_the_codes_kernel_refuses_what_it_does_not_take(native: NativeInt8Matmul
 
 
 def _build(flags: list[str], target: Path) -> NativeInt8Matmul:
-    """native/int8_matmul.c built for another instruction set than this CPU's best."""
+    """native/int8_matmul.c (with codes_screen.c) built for another instruction set than this CPU's best."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     command = [compiler, *[f for f in COMPILE_FLAGS if f != "-march=native"], *flags, "-o", str(target),
-               str(SOURCES / "int8_matmul.c"), "-lm"]
+               str(SOURCES / "int8_matmul.c"), str(SOURCES / "codes_screen.c"), "-lm"]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return NativeInt8Matmul(ctypes.CDLL(str(target)))
 

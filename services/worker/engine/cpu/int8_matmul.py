@@ -89,7 +89,7 @@ class NativeInt8Matmul:
     def codes_screen(self, coded: CodedWeight, x: torch.Tensor, x_scale: torch.Tensor,
                      maxima: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] int16 and x_scale [rows] -> [rows, V] float32 = (x * x_scale[:, None])
-        @ weight.T from the 8-bit codes of `coded` (native/int8_matmul.c rounds only in
+        @ weight.T from the 8-bit codes of `coded` (native/codes_screen.c rounds only in
         float32, see there); with `maxima` ([rows, ceil(V / PANEL)] float32) also each row's
         largest output in each panel of PANEL tokens."""
         if coded.bits != 8:

@@ -38,7 +38,7 @@ scale * code + offset in every block of 16 or 32 inputs; Gemma's Q8_0 head is), 
 needs no int8 copy at all (`from_codes`): the same C kernel multiplies the int16 rows with
 the codes themselves, exactly in int32 within each block, and applies each block's scale
 and offset in float32. The weight side of the bound is then exact, and what is left of
-|x| * |w_r - q(w_r)| is the kernel's float32 rounding (`_codes_error_norms`).
+|x| * |w_r - q(w_r)| is the kernel's float32 rounding (codes_screen_bound.py).
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.engine.cpu.codes_screen_bound import coded_row_norms, codes_error_norms
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, NATIVE_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.native_build import load_binding
 from services.worker.engine.cpu.weight_codes import CodedWeight
@@ -68,11 +69,6 @@ NORM_MARGIN = 1e-3
 CHECK_ROWS = 4096           # vocabulary rows the check at create compares
 INT16_GRID = 16383          # native kernel: activation rows are integers in [-INT16_GRID, INT16_GRID]
 INT32_MAX = 2 ** 31 - 1
-UNIT_ROUNDOFF = 2.0 ** -24  # float32's relative rounding error at most
-# The codes kernel's rounding bound, in units of UNIT_ROUNDOFF * ||alpha_v|| * ||x||, beyond
-# what `_codes_error_norms` derives: the float32 norms' own rounding and a margin.
-CODES_SPARE_ROUNDINGS = 12
-CODES_CHUNK_PANELS = 256    # panels of codes expanded at a time for the row norms (8192 rows)
 # Candidates the C kernel's first pass (against the widest bound) collects before torch's
 # nonzero takes over; most are dropped by their own bounds right after.
 FIRST_PASS_CAPACITY = 4 * 32768
@@ -173,8 +169,8 @@ class LMHeadScreen:
         self._native = native
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
-        row_norms, alpha_norms = _coded_row_norms(coded)
-        self._error_norms = _codes_error_norms(alpha_norms, coded, self._int16_grid)
+        row_norms, alpha_norms = coded_row_norms(coded, PANEL)
+        self._error_norms = codes_error_norms(alpha_norms, coded, self._int16_grid, NORM_MARGIN)
         self._quant_norms = row_norms * (1 + NORM_MARGIN)     # the weight itself: nothing rounded
         self._max_error_norm = float(self._error_norms.max())
         self._max_quant_norm = float(self._quant_norms.max())
@@ -396,53 +392,3 @@ class LMHeadScreen:
         if not self.softcap:
             return values
         return torch.tanh(values / self.softcap) * self.softcap
-
-
-
-def _coded_row_norms(coded: CodedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per vocabulary row v, both [V] float32 from the 8-bit codes, a chunk of panels at a time:
-    ||w_v||, the norm of the float32 row the codes stand for (expanded as CodedWeight.rows
-    does: scale * code, rounded, plus offset, rounded), and ||alpha_v||, the norm of
-    alpha_i = code_i * |scale_b| + |offset_b| (entry i of block b), which bounds every term
-    of the codes kernel (`_codes_error_norms`). Float32 sums of `hidden` squares: NORM_MARGIN
-    covers their rounding."""
-    panels, in_features, _ = coded.codes.shape
-    blocks, group = in_features // coded.group, coded.group
-    row_norms, alpha_norms = torch.empty(panels, PANEL), torch.empty(panels, PANEL)
-    for first in range(0, panels, CODES_CHUNK_PANELS):
-        chunk = slice(first, first + CODES_CHUNK_PANELS)
-        codes = coded.codes[chunk].view(-1, blocks, group, PANEL).float()
-        scales, offsets = coded.scales[chunk, :, None, :], coded.offsets[chunk, :, None, :]
-        row_norms[chunk] = torch.mul(codes, scales).add_(offsets).square_().sum(dim=(1, 2)).sqrt_()
-        alpha_norms[chunk] = codes.mul_(scales.abs()).add_(offsets.abs()).square_().sum(dim=(1, 2)).sqrt_()
-    return row_norms.view(-1)[:coded.out_features], alpha_norms.view(-1)[:coded.out_features]
-
-
-def _codes_error_norms(alpha_norms: torch.Tensor, coded: CodedWeight, grid: int) -> torch.Tensor:
-    """error_norms[v] such that |x.w_v - out[v]| <= error_norms[v] * ||x|| + (x - q(x)).w_v for
-    the codes kernel's out (native/int8_matmul.c) on q(x) = x_scale * xq, xq the int16 row
-    (|xq| <= grid, x_scale = max|x| / grid). With u = 2^-24, B = in / group blocks,
-    alpha_i = code_i |scale_b| + |offset_b| and S = sum_i alpha_i |xq_i| <= ||alpha|| ||xq||
-    (Cauchy-Schwarz):
-
-    - the float32 weight is w_i = fl(fl(scale_b code_i) + offset_b) (weight_codes.py's `find`
-      checks it bit for bit), so |w_i - (scale_b code_i + offset_b)| <= 2u(1 + u) alpha_i, and
-      x_scale |xq . (w - (scale code + offset))| <= 2u(1 + u) x_scale S;
-    - the kernel's sum over blocks of scale_b fl(U_b) + offset_b X_b is a recursive float32
-      sum of 2B terms, one rounding each (fused multiply-adds), of absolute sum at most
-      (1 + u) S (U_b and X_b exact integers, fl(U_b) within u |U_b|): its error is at most
-      (gamma_2B (1 + u) + u) S, gamma_n = n u / (1 - n u); the last product by x_scale adds
-      u x_scale |sum|;
-    - all told at most (2B + 4) u (1 + 1e-3) x_scale S for (2B + 4) u < 1e-4, and
-      x_scale ||xq|| <= ||x|| + ||x - q(x)|| <= ||x|| (1 + delta), delta = 0.51 sqrt(in) / grid
-      (each entry rounds by at most half a step, x_scale, plus float32 slop, and
-      x_scale <= (1 + u) max|x| / grid <= (1 + u) ||x|| / grid).
-
-    So error_norms[v] = ((2B + 4)(1 + delta)(1 + 1e-3) + CODES_SPARE_ROUNDINGS) u ||alpha_v||,
-    ||alpha_v|| widened by NORM_MARGIN for its float32 rounding (and x's norm's)."""
-    blocks = coded.in_features // coded.group
-    if (2 * blocks + 4) * UNIT_ROUNDOFF >= 1e-4:
-        raise ValueError(f"codes screen: {blocks} blocks a row, too many for its rounding bound")
-    delta = 0.51 * coded.in_features ** 0.5 / grid
-    roundings = (2 * blocks + 4) * (1 + delta) * (1 + 1e-3) + CODES_SPARE_ROUNDINGS
-    return alpha_norms * (roundings * UNIT_ROUNDOFF * (1 + NORM_MARGIN))

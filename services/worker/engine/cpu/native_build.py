@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 Binding = TypeVar("Binding")
 
 SOURCES = Path(__file__).parent / "native"
+# Libraries built from more than their own `native/<name>.c`: the further sources, linked in.
+EXTRA_SOURCES = {"int8_matmul": ("codes_screen.c",)}
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 COMPILE_TIMEOUT_S = 120
 
@@ -60,20 +62,21 @@ def load_binding(binding: Callable[[ctypes.CDLL], Binding], name: str, cache_dir
 
 
 def build(name: str, cache_dir: Path) -> Path:
-    """The compiled library of `native/<name>.c` for this source, flags, compiler and CPU."""
+    """The compiled library of `native/<name>.c` (with its EXTRA_SOURCES) for these sources,
+    flags, compiler and CPU."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise NativeBuildError("no C compiler (cc) on PATH")
-    source_path = SOURCES / f"{name}.c"
+    source_paths = [SOURCES / f"{name}.c", *(SOURCES / extra for extra in EXTRA_SOURCES.get(name, ()))]
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=COMPILE_TIMEOUT_S).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise NativeBuildError(f"{compiler} does not run: {error}") from error
     headers = [header.read_bytes() for header in sorted(SOURCES.glob("*.h"))]
-    key = hashlib.sha256(b"\0".join([source_path.read_bytes(), *headers, " ".join(COMPILE_FLAGS).encode(),
-                                      version.encode(), platform.machine().encode(),
-                                      _cpu_flags().encode()])).hexdigest()[:20]
+    sources = [path.read_bytes() for path in source_paths]
+    key = hashlib.sha256(b"\0".join([*sources, *headers, " ".join(COMPILE_FLAGS).encode(), version.encode(),
+                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:20]
     target = cache_dir / f"{name}-{key}.so"
     if target.is_file():
         return target
@@ -84,7 +87,7 @@ def build(name: str, cache_dir: Path) -> Path:
         raise NativeBuildError(f"cannot write to {cache_dir}: {error}") from error
     os.close(handle)
     try:
-        result = subprocess.run([compiler, *COMPILE_FLAGS, "-o", partial, str(source_path), "-lm"],
+        result = subprocess.run([compiler, *COMPILE_FLAGS, "-o", partial, *map(str, source_paths), "-lm"],
                                 capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         if result.returncode != 0:
             raise NativeBuildError(f"{compiler} failed: {result.stderr.strip()[-2000:]}")

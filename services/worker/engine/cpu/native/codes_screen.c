@@ -1,0 +1,267 @@
+/* Approximate LM head logits straight from the head's 8-bit weight codes (CPU), built into
+ * the int8_matmul library beside the int8 kernel (int8_matmul.c).
+ *
+ * The head kept as weight codes (weight_codes.py: its float32 weight is scale * code + offset
+ * in every block of G = `group` inputs; codes [ceil(V / PANEL)][in][PANEL] uint8, scales and
+ * offsets [ceil(V / PANEL)][in / G][PANEL] float, zero past V):
+ *
+ *   out[m, v] = x_scale[m] * sum_b (scale[v, b] * U[m, v, b] + offset[v, b] * X[m, b]),
+ *   U[m, v, b] = sum_{i in b} code[v, i] * x[m, i],   X[m, b] = sum_{i in b} x[m, i].
+ *
+ * U and X are exact int32 (code <= 255, |x| <= 2^15 and G <= 256 keep |U| < 2^31), X exact
+ * as a float too (|X| <= 2^23); the int accumulators restart every block, each block's two
+ * float terms are fused multiply-adds into one float32 sum per output, in block order, and
+ * that sum times x_scale is the output. The only roundings are U's conversion to float, one
+ * per fused multiply-add and the last product (lm_head_screen.py bounds them).
+ *
+ * A pass holds the int32 and the float accumulators of CODES_TILE activation rows. For each
+ * input pair (k, k + 1) of a block, the 32 codes at k and the 32 at k + 1, widened to int16,
+ * are interleaved into (row r at k, row r at k + 1) pairs, and each activation row's pair,
+ * broadcast, is multiplied into them and added pairwise, as in `tile` above. The interleave
+ * works within 128-bit lanes, so one vector holds rows {0-3, 8-11, 16-19, 24-27} ("lo") and
+ * the other {4-7, 12-15, 20-23, 28-31} ("hi") (AVX2: the same within each half of 16 rows):
+ * the scales and offsets are permuted into that order once a block, and the outputs back
+ * into row order when stored.
+ *
+ * Layouts (all contiguous): codes, scales, offsets as above; x [rows, in] int16, x_scale
+ * [rows] float; out [rows, V] float, maxima [rows, ceil(V / PANEL)] float or NULL (as
+ * fairserve_int8_matmul writes them). Nothing is written past V.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "screen_simd.h"
+
+#define MAX_GROUP 256
+
+#if defined(__AVX512BW__)
+/* 8 rows a pass, as `tile`: their 16 int32 accumulators stay in registers through a block's
+ * products, the 16 float ones only meet them at the block's end (and may wait in memory). */
+#define CODES_TILE 8
+#define HALVES 1          /* code loads per input entry of a panel: 32 rows each */
+typedef __m512 fvec_t;
+
+static inline acc_t widen_codes(const uint8_t *p) {
+    return _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)p));
+}
+
+static inline acc_t pairs_lo(acc_t a, acc_t b) { return _mm512_unpacklo_epi16(a, b); }
+
+static inline acc_t pairs_hi(acc_t a, acc_t b) { return _mm512_unpackhi_epi16(a, b); }
+
+/* *acc = madd_acc(*acc, w, x), updating the accumulator in place. With the intrinsic GCC 12
+ * copies each accumulator into another register and back around every vpdpwssd, which
+ * doubles the registers a pass needs: past 7 rows it spilled inside the loop. */
+static inline void madd_into(acc_t *acc, acc_t w, acc_t x) {
+#if defined(__AVX512VNNI__)
+    __asm__("vpdpwssd %2, %1, %0" : "+v"(*acc) : "v"(w), "v"(x));
+#else
+    *acc = madd_acc(*acc, w, x);
+#endif
+}
+
+/* p[0 .. 32) in the "lo" and in the "hi" row order. */
+static inline fvec_t rows_lo(const float *p) {
+    const __m512i order = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(p), order, _mm512_loadu_ps(p + 16));
+}
+
+static inline fvec_t rows_hi(const float *p) {
+    const __m512i order = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    return _mm512_permutex2var_ps(_mm512_loadu_ps(p), order, _mm512_loadu_ps(p + 16));
+}
+
+/* out[0 .. 32) = the rows of lo and hi, back in row order, times x_scale. */
+static inline void store_rows(float *out, fvec_t lo, fvec_t hi, float x_scale) {
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    const __m512 scale = _mm512_set1_ps(x_scale);
+    _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), scale));
+    _mm512_storeu_ps(out + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), scale));
+}
+
+static inline fvec_t fzero(void) { return _mm512_setzero_ps(); }
+static inline fvec_t fsplat(float value) { return _mm512_set1_ps(value); }
+static inline fvec_t to_float(acc_t acc) { return _mm512_cvtepi32_ps(acc); }
+static inline fvec_t fmadd(fvec_t a, fvec_t b, fvec_t c) { return _mm512_fmadd_ps(a, b, c); }
+#elif defined(__AVX2__)
+#define CODES_TILE 2      /* 2 x (4 int + 4 float) accumulators of AVX2's 16 registers, some spilled */
+#define HALVES 2          /* code loads per input entry of a panel: 16 rows each */
+typedef __m256 fvec_t;
+
+static inline acc_t widen_codes(const uint8_t *p) { return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)p)); }
+
+static inline acc_t pairs_lo(acc_t a, acc_t b) { return _mm256_unpacklo_epi16(a, b); }
+
+static inline acc_t pairs_hi(acc_t a, acc_t b) { return _mm256_unpackhi_epi16(a, b); }
+
+static inline void madd_into(acc_t *acc, acc_t w, acc_t x) { *acc = madd_acc(*acc, w, x); }
+
+/* p[0 .. 16) in the "lo" ({0-3, 8-11}) and in the "hi" ({4-7, 12-15}) row order. */
+static inline fvec_t rows_lo(const float *p) {
+    return _mm256_permute2f128_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x20);
+}
+
+static inline fvec_t rows_hi(const float *p) {
+    return _mm256_permute2f128_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x31);
+}
+
+/* out[0 .. 16) = the rows of lo and hi, back in row order, times x_scale. */
+static inline void store_rows(float *out, fvec_t lo, fvec_t hi, float x_scale) {
+    const __m256 scale = _mm256_set1_ps(x_scale);
+    _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x20), scale));
+    _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_permute2f128_ps(lo, hi, 0x31), scale));
+}
+
+static inline fvec_t fzero(void) { return _mm256_setzero_ps(); }
+static inline fvec_t fsplat(float value) { return _mm256_set1_ps(value); }
+static inline fvec_t to_float(acc_t acc) { return _mm256_cvtepi32_ps(acc); }
+#if defined(__FMA__)
+static inline fvec_t fmadd(fvec_t a, fvec_t b, fvec_t c) { return _mm256_fmadd_ps(a, b, c); }
+#else
+static inline fvec_t fmadd(fvec_t a, fvec_t b, fvec_t c) { return _mm256_add_ps(_mm256_mul_ps(a, b), c); }
+#endif
+#endif
+
+#if defined(LANES)
+#define HALF_ROWS (PANEL / HALVES)
+#define ACCS (2 * HALVES)  /* accumulators per activation row: lo and hi of each half */
+
+/* acc[r] = the exact sums U of one block (codes c, `group` inputs) for activation rows x + r * in. */
+static inline __attribute__((always_inline)) void block_products(const uint8_t *c, int64_t group, const int16_t *x,
+                                                                 int64_t in, const int nx,
+                                                                 acc_t acc[CODES_TILE][ACCS]) {
+    for (int r = 0; r < nx; r++)
+        for (int j = 0; j < ACCS; j++) acc[r][j] = zero_acc();
+    for (int64_t k = 0; k < group; k += 2) {
+        const uint8_t *p = c + k * PANEL;
+        __builtin_prefetch(p + PREFETCH_AHEAD, 0, 3);
+        for (int h = 0; h < HALVES; h++) {
+            const acc_t c0 = widen_codes(p + h * HALF_ROWS), c1 = widen_codes(p + PANEL + h * HALF_ROWS);
+            const acc_t lo = pairs_lo(c0, c1), hi = pairs_hi(c0, c1);
+            for (int r = 0; r < nx; r++) {
+                const acc_t xr = splat_pair(x + r * in + k);
+                madd_into(&acc[r][2 * h], lo, xr);
+                madd_into(&acc[r][2 * h + 1], hi, xr);
+            }
+        }
+    }
+}
+
+/* Activation rows x .. x + nx - 1 against one panel of codes (nx a constant at every call site);
+ * sums [nx, blocks]: the rows' block sums X, as floats. */
+static inline __attribute__((always_inline)) void codes_tile(const uint8_t *codes, const float *scales,
+                                                             const float *offsets, int64_t group, int64_t in,
+                                                             const int16_t *x, const float *x_scale,
+                                                             const float *sums, const int nx, float *out,
+                                                             int64_t vocab, int valid, float *maxima,
+                                                             int64_t panels) {
+    const int64_t blocks = in / group;
+    fvec_t total[CODES_TILE][ACCS];
+    for (int r = 0; r < nx; r++)
+        for (int j = 0; j < ACCS; j++) total[r][j] = fzero();
+    for (int64_t b = 0; b < blocks; b++) {
+        acc_t acc[CODES_TILE][ACCS];
+        block_products(codes + b * group * PANEL, group, x + b * group, in, nx, acc);
+        for (int h = 0; h < HALVES; h++) {
+            const float *s = scales + b * PANEL + h * HALF_ROWS, *o = offsets + b * PANEL + h * HALF_ROWS;
+            const fvec_t s_lo = rows_lo(s), s_hi = rows_hi(s), o_lo = rows_lo(o), o_hi = rows_hi(o);
+            for (int r = 0; r < nx; r++) {
+                const fvec_t block_sum = fsplat(sums[r * blocks + b]);
+                total[r][2 * h] = fmadd(o_lo, block_sum, fmadd(to_float(acc[r][2 * h]), s_lo, total[r][2 * h]));
+                total[r][2 * h + 1] = fmadd(o_hi, block_sum,
+                                            fmadd(to_float(acc[r][2 * h + 1]), s_hi, total[r][2 * h + 1]));
+            }
+        }
+    }
+    for (int r = 0; r < nx; r++) {
+        float row[PANEL];
+        float *to = valid == PANEL ? out + r * vocab : row;
+        for (int h = 0; h < HALVES; h++)
+            store_rows(to + h * HALF_ROWS, total[r][2 * h], total[r][2 * h + 1], x_scale[r]);
+        if (valid < PANEL) memcpy(out + r * vocab, row, sizeof(float) * valid);
+        if (maxima != NULL) maxima[r * panels] = max_of(to, valid);
+    }
+}
+
+#define CODES_CASE(NX) \
+    case NX: \
+        if ((NX) <= CODES_TILE) \
+            codes_tile(codes, scales, offsets, group, in, x, x_scale, sums, NX, out, vocab, valid, maxima, panels); \
+        break;
+
+static void codes_dispatch(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                           int64_t in, const int16_t *x, const float *x_scale, const float *sums, int nx,
+                           float *out, int64_t vocab, int valid, float *maxima, int64_t panels) {
+    switch (nx) {
+        CODES_CASE(1) CODES_CASE(2) CODES_CASE(3) CODES_CASE(4) CODES_CASE(5) CODES_CASE(6) CODES_CASE(7)
+        CODES_CASE(8)
+        default: break;
+    }
+}
+#else
+#define CODES_TILE 4
+/* One output at a time, the same operations in the same order as the vector paths. */
+static void codes_dispatch(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                           int64_t in, const int16_t *x, const float *x_scale, const float *sums, int nx,
+                           float *out, int64_t vocab, int valid, float *maxima, int64_t panels) {
+    const int64_t blocks = in / group;
+    for (int r = 0; r < nx; r++) {
+        for (int n = 0; n < valid; n++) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < blocks; b++) {
+                int32_t sum = 0;
+                for (int64_t i = b * group; i < (b + 1) * group; i++)
+                    sum += (int32_t)codes[i * PANEL + n] * (int32_t)x[r * in + i];
+                total = fmaf((float)sum, scales[b * PANEL + n], total);
+                total = fmaf(offsets[b * PANEL + n], sums[r * blocks + b], total);
+            }
+            out[r * vocab + n] = total * x_scale[r];
+        }
+        if (maxima != NULL) maxima[r * panels] = max_of(out + r * vocab, valid);
+    }
+}
+#endif
+
+/* sums[m, b] = X[m, b] (exact: |X| <= 2^15 * MAX_GROUP = 2^23). */
+static void block_sums(const int16_t *x, int64_t rows, int64_t in, int64_t group, float *sums) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t b = 0; b < in / group; b++) {
+            int32_t sum = 0;
+            for (int64_t i = 0; i < group; i++) sum += x[m * in + b * group + i];
+            sums[m * (in / group) + b] = (float)sum;
+        }
+}
+
+/* 0, or 1 for shapes it does not take (an empty head, an odd group or one past MAX_GROUP, in
+ * not a multiple of it), 2 when it cannot allocate the block sums. */
+int fairserve_codes_screen(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                           const int16_t *x, const float *x_scale, float *out, float *maxima, int64_t vocab,
+                           int64_t in, int64_t rows, int64_t num_threads) {
+    if (vocab <= 0 || in <= 0 || group <= 0 || group % 2 || group > MAX_GROUP || in % group || rows < 0) return 1;
+    if (rows == 0) return 0;
+    const int64_t count = (vocab + PANEL - 1) / PANEL, blocks = in / group;
+    float *sums = malloc(sizeof(float) * rows * blocks);
+    if (sums == NULL) return 2;
+    block_sums(x, rows, in, group, sums);
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t p = 0; p < count; p++) {
+        const int valid = vocab - p * PANEL < PANEL ? (int)(vocab - p * PANEL) : PANEL;
+        /* The rows spread evenly over the fewest tiles (9 rows: 4 + 5, not 8 + 1: a pass of one
+         * row costs about twice as much a row as a wider one). Each tile takes the rows left
+         * over the tiles left, rounded down, so 1 <= nx <= CODES_TILE. */
+        const int64_t tiles = (rows + CODES_TILE - 1) / CODES_TILE;
+        for (int64_t t = 0, m0 = 0; t < tiles; t++) {
+            const int nx = (int)((rows - m0) / (tiles - t));
+            codes_dispatch(codes + p * in * PANEL, scales + p * blocks * PANEL, offsets + p * blocks * PANEL, group,
+                           in, x + m0 * in, x_scale + m0, sums + m0 * blocks, nx, out + m0 * vocab + p * PANEL,
+                           vocab, valid, maxima != NULL ? maxima + m0 * count + p : NULL, count);
+            m0 += nx;
+        }
+    }
+    free(sums);
+    return 0;
+}
