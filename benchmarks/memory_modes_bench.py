@@ -1,18 +1,21 @@
-"""The engine's memory-saving settings against its defaults: speed and resident memory.
+"""The engine's memory settings: speed and resident memory of three engines.
 
     python -m benchmarks.memory_modes_bench              # default model, ~4 min
     python -m benchmarks.memory_modes_bench --rounds 5
 
 Three engines of the same checkpoint:
-- default: every coded linear keeps a float32 pack for its wide steps (prefill chunks), and
-  the LM head's int8 screen serves greedy / top-k rows;
-- CPU_PREFILL_WEIGHTS=codes: no pack, wide steps expand the codes (cpu/coded_wide.py);
-- lean: that, with CPU_WEIGHT_CODES=narrow (codes at the checkpoint's 4-6 bits) and
-  LM_HEAD_SCREEN=off (every LM head row from its codes, no int8 copy).
+- default: the coded layers' wide steps (prefill chunks) expand their codes into oneDNN's pack
+  layout where it is learned (CPU_PREFILL_WEIGHTS=auto), the LM head screen multiplies the
+  head's own codes (LM_HEAD_SCREEN_WEIGHTS=auto), the grammar tokenizer waits for a first
+  constrained request (GRAMMAR_TOKENIZER=first_use);
+- copies: every coded layer keeps a float32 pack for its wide steps, the screen an int8 copy
+  of the head, the grammar tokenizer built at start (the defaults before 2026-12-02);
+- lean: the default with CPU_WEIGHT_CODES=narrow (codes at the checkpoint's 4-6 bits) and
+  LM_HEAD_SCREEN=off (every LM head row from its codes).
 Speed: the engines in one process, prefill chunks (8 prompts at a 512-token budget) and
 decode steps at batch 1 and 8 alternating between them, medians of the rounds, and whether
-all decode the same greedy tokens. Memory: each engine (64-block KV pool, screen built) in
-a fresh process of its own, its VmRSS.
+all decode the same greedy tokens. Memory: each engine (64-block KV pool, screen built, the
+grammar tokenizer where it builds at start) in a fresh process of its own, its VmRSS.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ from services.worker.engine import Engine, EngineConfig
 
 MODES = {
     "default": {},
-    "CPU_PREFILL_WEIGHTS=codes": {"cpu_prefill_weights": "codes"},
-    "lean (+ narrow codes, no screen)": {"cpu_prefill_weights": "codes", "cpu_weight_codes": "narrow",
-                                         "lm_head_screen": "off"},
+    "copies (packs, int8 screen, grammar at start)": {"cpu_prefill_weights": "packs",
+                                                      "lm_head_screen_weights": "copy",
+                                                      "grammar_tokenizer": "start"},
+    "lean (+ narrow codes, no screen)": {"cpu_weight_codes": "narrow", "lm_head_screen": "off"},
 }
 
 

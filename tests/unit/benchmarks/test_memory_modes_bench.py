@@ -16,6 +16,6 @@ def test_a_short_run_prints_every_mode(tmp_path: Path, capsys: pytest.CaptureFix
     memory_modes_bench.main(["--model-dir", str(model_dir), "--rounds", "1", "--steps", "2", "--prompt-len", "40"])
     out = capsys.readouterr().out
     assert "same greedy tokens: yes" in out
-    rows = [line.split("|") for line in out.splitlines() if line.startswith(("| default", "| CPU_PREFILL", "| lean"))]
+    rows = [line.split("|") for line in out.splitlines() if line.startswith(("| default", "| copies", "| lean"))]
     assert len(rows) == 3
     assert all(float(row[-2].replace(",", "")) > 50 for row in rows)      # a fresh engine's MB
