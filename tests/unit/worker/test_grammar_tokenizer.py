@@ -4,13 +4,15 @@ whether it is there (the worker waits for it before registering)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 
 from services.worker.engine.grammar import GrammarTokenizer
 
 
-def test_wait_returns_once_the_background_build_is_done() -> None:
+def gated_build() -> tuple[threading.Event, list[int], Callable[[], str]]:
+    """A build that waits for its event to be set, and counts its calls."""
     release = threading.Event()
     calls: list[int] = []
 
@@ -19,6 +21,11 @@ def test_wait_returns_once_the_background_build_is_done() -> None:
         calls.append(1)
         return "tokenizer"
 
+    return release, calls, build
+
+
+def test_wait_returns_once_the_background_build_is_done() -> None:
+    release, calls, build = gated_build()
     tokenizer = GrammarTokenizer(build, background=True)
     release.set()
     assert tokenizer.wait() is True
@@ -36,14 +43,7 @@ def test_a_failed_build_is_reported_by_wait_and_raised_by_get() -> None:
 
 
 def test_start_builds_once_in_the_background() -> None:
-    release = threading.Event()
-    calls: list[int] = []
-
-    def build() -> str:
-        release.wait(5)
-        calls.append(1)
-        return "tokenizer"
-
+    release, calls, build = gated_build()
     tokenizer = GrammarTokenizer(build, background=False)
     assert not tokenizer.started and calls == []             # nothing built until asked
     tokenizer.start()

@@ -26,7 +26,7 @@ from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLine
 from services.worker.engine.sampler import Sampler, tokens_drawn_from
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
-from tests.unit.worker.test_lm_head_screen import PARAMS, request
+from tests.unit.worker.test_lm_head_screen import PARAMS, hidden_states, request
 from tests.unit.worker.test_weight_codes import snap_to_codes
 
 VOCAB, HIDDEN = 6001, 64          # the last panel holds one row
@@ -78,14 +78,6 @@ def narrow_codes(coder: NativeCodedLinear, vocab: int, hidden: int) -> CodedWeig
 
 def narrow_weight(vocab: int, hidden: int) -> torch.Tensor:
     return (torch.arange(vocab * hidden) % 16).float().view(vocab, hidden) * 0.25
-
-
-def hidden_states(rows: int, seed: int = 1, massive: float = 50.0) -> torch.Tensor:
-    """Final hidden states with a few dimensions far larger than the rest, as Gemma's are."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, HIDDEN, generator=generator) * 3
-    x[:, :3] *= massive
-    return x
 
 
 @pytest.fixture(scope="module")

@@ -348,6 +348,16 @@ int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *sc
     return 0;
 }
 
+/* expand_entry with `bits` known only at run time (one switch an entry, each case inlined). */
+static inline void expand_entry_of(const uint8_t *codes, int64_t bits, const vf *scale, const vf *offset, vf *w) {
+    switch (bits) {
+        case 4: expand_entry(codes, 4, scale, offset, w); break;
+        case 5: expand_entry(codes, 5, scale, offset, w); break;
+        case 6: expand_entry(codes, 6, scale, offset, w); break;
+        default: expand_entry(codes, 8, scale, offset, w); break;
+    }
+}
+
 /* The weight back from its panelled codes: weight [out_features][in], row-major, for steps
  * wider than the linear above serves, which multiply it as a plain float32 matrix. A panel's
  * LANES input entries at a time are expanded as the linear expands them (so every value is
@@ -374,12 +384,7 @@ int fairserve_codes_expand_rows(const uint8_t *codes, const float *scales, const
             float block[LANES][PANEL];
             for (int j = 0; j < LANES; j++) {
                 vf w[VECTORS];
-                switch (bits) {
-                    case 4: expand_entry(c + (k0 + j) * stride, 4, scale, offset, w); break;
-                    case 5: expand_entry(c + (k0 + j) * stride, 5, scale, offset, w); break;
-                    case 6: expand_entry(c + (k0 + j) * stride, 6, scale, offset, w); break;
-                    default: expand_entry(c + (k0 + j) * stride, 8, scale, offset, w); break;
-                }
+                expand_entry_of(c + (k0 + j) * stride, bits, scale, offset, w);
                 for (int v = 0; v < VECTORS; v++) storev(block[j] + v * LANES, w[v]);
             }
             for (int n = 0; n < valid; n++) {
@@ -416,12 +421,7 @@ int fairserve_codes_expand_blocked(const uint8_t *codes, const float *scales, co
                 scale[v] = loadv(s + g * PANEL + v * LANES);
                 offset[v] = loadv(o + g * PANEL + v * LANES);
             }
-            switch (bits) {
-                case 4: expand_entry(c + k * stride, 4, scale, offset, w); break;
-                case 5: expand_entry(c + k * stride, 5, scale, offset, w); break;
-                case 6: expand_entry(c + k * stride, 6, scale, offset, w); break;
-                default: expand_entry(c + k * stride, 8, scale, offset, w); break;
-            }
+            expand_entry_of(c + k * stride, bits, scale, offset, w);
             for (int v = 0; v < VECTORS; v++) {
                 const int64_t n = p * PANEL + v * LANES;     /* LANES divides block: one block a vector */
                 if (n < out_features) storev(weight + ((n / block) * in + k) * block + n % block, w[v]);
