@@ -23,10 +23,9 @@ from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_
 from services.worker.engine.cpu.native_build import COMPILE_FLAGS, SOURCES, default_cache_dir
 from services.worker.engine.cpu.screen_loader import DEFAULT_SCREEN_MAX_ROWS, ScreenLoader
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear, load_coded_linear
-from services.worker.engine.sampler import Sampler, tokens_drawn_from
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
-from tests.unit.worker.test_lm_head_screen import PARAMS, hidden_states, request
+from tests.unit.worker.test_lm_head_screen import assert_draws_match, hidden_states
 from tests.unit.worker.test_weight_codes import snap_to_codes
 
 VOCAB, HIDDEN = 6001, 64          # the last panel holds one row
@@ -261,19 +260,7 @@ def test_top_k_rows_get_the_exact_k_best(screen: LMHeadScreen, head: tuple[torch
 
 def test_draws_over_screened_rows_equal_draws_over_full_rows(screen: LMHeadScreen,
                                                              head: tuple[torch.Tensor, CodedWeight]) -> None:
-    weight = head[0]
-    sampler = Sampler(seed=0, eos_token_ids=[1])
-    x = hidden_states(len(PARAMS), seed=3)
-    full = x @ weight.T
-    for trial in range(3):
-        requests = [request(params, prompt=full[row].topk(3).indices.tolist(),
-                            output=full[row].topk(2 + trial).indices.tolist()[1:])
-                    for row, params in enumerate(PARAMS)]
-        adjusted = [sorted(sampler.adjusted_token_ids(r)) for r in requests]
-        out = screen.logits(x, [tokens_drawn_from(r.params) for r in requests], adjusted)
-        assert out is not None
-        got = [t.token_id for t in sampler.sample(out, requests)]
-        assert got == [t.token_id for t in sampler.sample(full, requests)]
+    assert_draws_match(screen, head[0], trials=3)
 
 
 def test_softcapped_models_get_capped_values_and_the_same_winner(head: tuple[torch.Tensor, CodedWeight],
