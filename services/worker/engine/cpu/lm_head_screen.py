@@ -128,11 +128,7 @@ class LMHeadScreen:
                 qweight = torch._make_per_channel_quantized_tensor(quantized, scales,
                                                                    torch.zeros(vocab, dtype=torch.long), 0)
             self._packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self._error_norms = error_norms
-        self._quant_norms = quant_norms
-        self._max_error_norm = float(error_norms.max())
-        self._max_quant_norm = float(quant_norms.max())
-        self._slack_per_norm = (OP_SLACK + 2 * hidden * 2.0 ** -24) * self._max_quant_norm
+        self._set_norms(error_norms, quant_norms)
         ends = torch.zeros(1, hidden)
         ends[0, 0], ends[0, 1] = -GRID - 1, GRID
         self._ends = ends
@@ -170,12 +166,17 @@ class LMHeadScreen:
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
         row_norms, alpha_norms = coded_row_norms(coded, PANEL)
-        self._error_norms = codes_error_norms(alpha_norms, coded, self._int16_grid, NORM_MARGIN)
-        self._quant_norms = row_norms * (1 + NORM_MARGIN)     # the weight itself: nothing rounded
-        self._max_error_norm = float(self._error_norms.max())
-        self._max_quant_norm = float(self._quant_norms.max())
-        self._slack_per_norm = (OP_SLACK + 2 * self._hidden * 2.0 ** -24) * self._max_quant_norm
+        self._set_norms(codes_error_norms(alpha_norms, coded, self._int16_grid, NORM_MARGIN),
+                        row_norms * (1 + NORM_MARGIN))       # the weight itself: nothing rounded
         self._check = None
+
+    def _set_norms(self, error_norms: torch.Tensor, quant_norms: torch.Tensor) -> None:
+        """The per-row norms the bound reads, their maxima (the first pass's widest bound) and
+        the slack for the exact logits' float32 dot products."""
+        self._error_norms, self._quant_norms = error_norms, quant_norms
+        self._max_error_norm = float(error_norms.max())
+        self._max_quant_norm = float(quant_norms.max())
+        self._slack_per_norm = (OP_SLACK + 2 * self._hidden * 2.0 ** -24) * self._max_quant_norm
 
     def _checked(self) -> LMHeadScreen | None:
         """This screen once its kernel passed `self_check`, else None (logged)."""
