@@ -67,7 +67,7 @@ def test_proxy_routes_and_passes_bytes_through(monkeypatch, http_port: int) -> N
         tcp_proxy.parse_routes("8000=gateway")
 
     async def run() -> int:
-        server = await asyncio.start_server(tcp_proxy.handler("localhost", http_port), "127.0.0.1", 0)
+        server = await asyncio.start_server(tcp_proxy.handler(tcp_proxy.Upstream("localhost", http_port)), "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         monkeypatch.setenv("PROXY_HTTP_PORT", str(port))
         async with server:
