@@ -12,6 +12,10 @@ Prometheus endpoints before and after.
 * waiting: the run's wall time less both, i.e. the time the engine thread had no
   step to run (gRPC, the step's protobuf conversion, the scheduler's planning when it
   is not hidden behind the step in flight).
+
+And the CPU seconds each service (and this client) spent during the run: on a
+machine with as many cores as the worker has threads, every second another
+process runs is taken from the worker's steps.
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.cpu_time import CpuMeter, own_process
 from benchmarks.head_to_head.sweep import Driver, Plan, warm_up
 from benchmarks.head_to_head.systems import Served
 from benchmarks.head_to_head.workload import unique_requests
@@ -61,6 +67,7 @@ class ServedSteps:
     forward_s: float
     rpc_s: float          # the scheduler's Step round trips, summed (they overlap under async scheduling)
     tokens: int
+    cpu_s: dict[str, float] = field(default_factory=dict)   # per service and the client, during the run
 
     def table(self, engine_outside_forward_ms: float) -> str:
         outside = self.steps * engine_outside_forward_ms / 1000
@@ -75,25 +82,41 @@ class ServedSteps:
                  "| worker time | s | ms per step | share |", "|---|---:|---:|---:|"]
         lines += [f"| {name} | {seconds:.2f} | {seconds / max(self.steps, 1) * 1000:.1f} | "
                   f"{seconds / self.wall_s:.1%} |" for name, seconds in rows]
+        if self.cpu_s:
+            lines += ["", self.cpu_table()]
+        return "\n".join(lines)
+
+    def cpu_table(self, cores: int | None = None) -> str:
+        """CPU seconds per process tree against the run's wall time times the cores."""
+        cores = cores or os.cpu_count() or 1
+        capacity = self.wall_s * cores
+        lines = [f"CPU time during the run ({cores} cores x {self.wall_s:.2f} s = {capacity:.2f} CPU s):", "",
+                 "| process | CPU s | share of the cores |", "|---|---:|---:|"]
+        lines += [f"| {name} | {seconds:.2f} | {seconds / capacity:.1%} |" for name, seconds in self.cpu_s.items()]
+        idle = capacity - sum(self.cpu_s.values())
+        lines.append(f"| (none of these) | {idle:.2f} | {idle / capacity:.1%} |")
         return "\n".join(lines)
 
 
 async def _drive(stack: Stack, model: str, concurrency: int, new_tokens: int, short: bool) -> ServedSteps:
+    services = {name: process.pid for name, process in stack.processes.items()}
     driver = Driver("fairserve", Served(stack.url, model), Plan(max_tokens=new_tokens, short_prompts=short))
     worker_port, scheduler_port = stack.ports.workers[0][1], stack.ports.scheduler_metrics
     worker_family, rpc_family = names.WORKER_STEP.name, names.SCHEDULER_WORKER_STEP.name
     try:
         await warm_up(driver)
         before = _scrape(worker_port, worker_family), _scrape(scheduler_port, rpc_family)
+        meter = CpuMeter({**services, **own_process()}).start()
         started = time.perf_counter()
         run = await driver.closed(concurrency, unique_requests(concurrency, new_tokens, seed=7, short=short))
         wall = time.perf_counter() - started
+        cpu = meter.finish()
         after = _scrape(worker_port, worker_family), _scrape(scheduler_port, rpc_family)
     finally:
         await driver.close()
     tokens = sum(r.completion_tokens for r in run.records)
     return ServedSteps(wall, after[0].count - before[0].count, after[0].total_s - before[0].total_s,
-                       after[1].total_s - before[1].total_s, tokens)
+                       after[1].total_s - before[1].total_s, tokens, cpu)
 
 
 def served_steps(model_dir: Path, concurrency: int, new_tokens: int, short: bool) -> ServedSteps:

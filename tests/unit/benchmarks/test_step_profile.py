@@ -145,3 +145,13 @@ def test_the_served_wait_is_the_wall_time_less_the_engine_time() -> None:
     assert "| engine forward + sampling (worker histogram) | 7.00 | 70.0 | 70.0% |" in text
     assert "| worker waits for its next step (the rest) | 2.00 | 20.0 | 20.0% |" in text
     assert "204.8 tokens/s" in text
+
+
+def test_the_cpu_table_shares_the_cores_wall_time() -> None:
+    steps = ServedSteps(wall_s=10.0, steps=100, forward_s=7.0, rpc_s=9.5, tokens=2048,
+                        cpu_s={"worker-0": 16.0, "gateway": 1.5, "client": 0.5})
+    text = steps.cpu_table(cores=2)                          # 20 CPU s in all
+    assert "| worker-0 | 16.00 | 80.0% |" in text
+    assert "| gateway | 1.50 | 7.5% |" in text
+    assert "| (none of these) | 2.00 | 10.0% |" in text
+    assert "CPU time during the run" in steps.table(engine_outside_forward_ms=10.0)
