@@ -6,6 +6,9 @@ the end are not counted), read at the start and at the end.
     ...                                   # the run
     seconds = meter.finish()              # {"gateway": 1.9, "worker-0": 41.0, ...}
 
+A benchmark that started the system holds its services as children, so its own
+time is read apart from its tree (`client_meter`).
+
 On a machine with as many cores as the worker has threads, every CPU second
 another service spends is taken from the worker's steps.
 """
@@ -20,6 +23,15 @@ import psutil
 ReadSeconds = Callable[[int], float]     # pid -> CPU seconds of its process tree so far
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """User and system seconds of one process (its own threads, no children); 0 once gone."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """User and system seconds of a process and its living descendants; 0 once gone."""
     try:
@@ -27,14 +39,7 @@ def tree_cpu_seconds(pid: int) -> float:
         members = [process, *process.children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0.0
-    total = 0.0
-    for member in members:
-        try:
-            times = member.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
+    return sum(process_cpu_seconds(member.pid) for member in members)
 
 
 class CpuMeter:
@@ -52,6 +57,6 @@ class CpuMeter:
         return {name: max(self._read(pid) - self._start[name], 0.0) for name, pid in self._services.items()}
 
 
-def own_process() -> dict[str, int]:
-    """This process (the benchmark's client) under the name `client`."""
-    return {"client": os.getpid()}
+def client_meter() -> CpuMeter:
+    """This process alone (the benchmark's client), under the name `client`."""
+    return CpuMeter({"client": os.getpid()}, read=process_cpu_seconds)

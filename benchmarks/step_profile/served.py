@@ -30,7 +30,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from benchmarks.cpu_time import CpuMeter, own_process
+from benchmarks.cpu_time import CpuMeter, client_meter
 from benchmarks.head_to_head.sweep import Driver, Plan, warm_up
 from benchmarks.head_to_head.systems import Served
 from benchmarks.head_to_head.workload import unique_requests
@@ -106,11 +106,11 @@ async def _drive(stack: Stack, model: str, concurrency: int, new_tokens: int, sh
     try:
         await warm_up(driver)
         before = _scrape(worker_port, worker_family), _scrape(scheduler_port, rpc_family)
-        meter = CpuMeter({**services, **own_process()}).start()
+        meters = CpuMeter(services).start(), client_meter().start()
         started = time.perf_counter()
         run = await driver.closed(concurrency, unique_requests(concurrency, new_tokens, seed=7, short=short))
         wall = time.perf_counter() - started
-        cpu = meter.finish()
+        cpu = {**meters[0].finish(), **meters[1].finish()}
         after = _scrape(worker_port, worker_family), _scrape(scheduler_port, rpc_family)
     finally:
         await driver.close()

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.cpu_time import CpuMeter, own_process, tree_cpu_seconds
+from benchmarks.cpu_time import CpuMeter, client_meter, process_cpu_seconds, tree_cpu_seconds
 
 
 def test_the_meter_reports_each_service_s_seconds_since_start() -> None:
@@ -25,8 +25,18 @@ def test_a_process_tree_s_children_count_and_a_gone_process_reads_zero() -> None
             time.sleep(0.05)
         assert tree_cpu_seconds(child.pid) >= 0.3
         assert tree_cpu_seconds(os.getpid()) >= tree_cpu_seconds(child.pid)     # the child is in our tree
+        # the tree less this process alone is the child (read a moment apart: 10 ms ticks)
+        assert tree_cpu_seconds(os.getpid()) - process_cpu_seconds(os.getpid()) >= 0.28
     finally:
         child.kill()
         child.wait()
     assert tree_cpu_seconds(child.pid) == 0.0
-    assert own_process() == {"client": os.getpid()}
+    assert tree_cpu_seconds(child.pid) == process_cpu_seconds(child.pid) == 0.0
+
+
+def test_the_client_meter_reads_this_process_alone() -> None:
+    meter = client_meter().start()
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    assert list(meter.finish()) == ["client"]
