@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
+from benchmarks.process_tree import tree_pids
+
 ReadSeconds = Callable[[int], float]     # pid -> CPU seconds of its process tree so far
 
 
@@ -34,12 +36,7 @@ def process_cpu_seconds(pid: int) -> float:
 
 def tree_cpu_seconds(pid: int) -> float:
     """User and system seconds of a process and its living descendants; 0 once gone."""
-    try:
-        process = psutil.Process(pid)
-        members = [process, *process.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    return sum(process_cpu_seconds(member.pid) for member in members)
+    return sum((process_cpu_seconds(member) for member in tree_pids(pid)), 0.0)
 
 
 class CpuMeter:

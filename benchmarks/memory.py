@@ -15,6 +15,8 @@ from pathlib import Path
 
 import psutil
 
+from benchmarks.process_tree import tree_pids
+
 MB = 1 << 20
 
 
@@ -46,12 +48,7 @@ def resident_mb(pid: int | None = None) -> float:
 
 def tree_resident_bytes(pid: int) -> int:
     """A process and all its descendants, summed; 0 when it has gone."""
-    try:
-        process = psutil.Process(pid)
-        members = [process, *process.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0
-    return sum(resident_bytes(member.pid) for member in members)
+    return sum(resident_bytes(member) for member in tree_pids(pid))
 
 
 def service_resident_mb(pids: Mapping[str, int]) -> dict[str, float]:
