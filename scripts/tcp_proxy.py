@@ -38,6 +38,11 @@ CONNECT_TIMEOUT_S = 5.0      # one connection attempt to one replica
 RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0)   # between rounds over every address; the last repeats
 
 
+def _describe(error: BaseException) -> str:
+    """An error's message, or its type where it has none (a timeout)."""
+    return str(error) or type(error).__name__
+
+
 async def resolve(host: str, port: int) -> list[str]:
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     return sorted({info[4][0] for info in infos})
@@ -62,7 +67,7 @@ class Upstream:
         except (OSError, asyncio.TimeoutError) as error:
             if self._last_good:
                 log.warning("lookup of %s failed (%s): using its last addresses %s",
-                            self.host, error or type(error).__name__, self._last_good)
+                            self.host, _describe(error), self._last_good)
             return list(self._last_good)
         if found:
             self._last_good = found
@@ -82,7 +87,7 @@ class Upstream:
                 try:
                     return await asyncio.wait_for(asyncio.open_connection(address, self.port), CONNECT_TIMEOUT_S)
                 except (OSError, asyncio.TimeoutError) as error:
-                    last = f"{address}:{self.port}: {error or type(error).__name__}"
+                    last = f"{address}:{self.port}: {_describe(error)}"
             pause = RETRY_DELAYS_S[min(round_, len(RETRY_DELAYS_S) - 1)]
             round_ += 1
             if time.monotonic() + pause > deadline:

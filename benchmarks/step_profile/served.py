@@ -21,9 +21,9 @@ process runs is taken from the worker's steps.
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 import time
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 

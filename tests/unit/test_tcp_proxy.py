@@ -68,8 +68,25 @@ def test_a_lookup_that_never_answers_gives_up_after_the_wait() -> None:
         upstream = tcp_proxy.Upstream("gateway", _free_port(), wait_s=0.5,
                                       resolver=FakeResolver(socket.gaierror(-2, "Name or service not known")))
         await upstream.connect()
-    with pytest.raises(OSError, match="no replica of gateway"):
+    with pytest.raises(OSError, match="no replica of gateway.*resolves to no address"):
         asyncio.run(run())
+
+
+def test_a_lookup_that_hangs_falls_back_after_its_timeout(monkeypatch) -> None:
+    monkeypatch.setattr(tcp_proxy, "LOOKUP_TIMEOUT_S", 0.2)
+
+    class Hanging(FakeResolver):
+        async def __call__(self, host: str, port: int) -> list[str]:
+            if self.calls:
+                await asyncio.sleep(30)               # a dropped DNS query: the resolver's own retry
+            return await super().__call__(host, port)
+
+    async def run() -> list[bytes]:
+        port = _free_port()
+        upstream = tcp_proxy.Upstream("gateway", port, wait_s=2, resolver=Hanging(["127.0.0.1"]))
+        async with await _serve("127.0.0.1", port, b"one"):
+            return [await asyncio.wait_for(_read_from(upstream), 5) for _ in range(2)]
+    assert asyncio.run(run()) == [b"one"] * 2
 
 
 def test_replicas_take_turns() -> None:
