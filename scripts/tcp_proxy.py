@@ -36,6 +36,7 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 LOOKUP_TIMEOUT_S = 2.0       # one name lookup; past it the last good addresses serve
 CONNECT_TIMEOUT_S = 5.0      # one connection attempt to one replica
 RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0)   # between rounds over every address; the last repeats
+DEFAULT_WAIT_S = 30.0        # PROXY_UPSTREAM_WAIT_S when unset
 
 
 def _describe(error: BaseException) -> str:
@@ -53,7 +54,7 @@ class Upstream:
     with the last good answer kept for lookups that fail; the turn for
     round-robin."""
 
-    def __init__(self, host: str, port: int, wait_s: float = 30.0, resolver: Resolver = resolve) -> None:
+    def __init__(self, host: str, port: int, wait_s: float = DEFAULT_WAIT_S, resolver: Resolver = resolve) -> None:
         self.host, self.port, self.wait_s = host, port, wait_s
         self._resolver = resolver
         self._last_good: list[str] = []
@@ -139,9 +140,9 @@ def parse_routes(value: str) -> list[tuple[int, str, int]]:
 
 
 def parse_wait(value: str | None) -> float:
-    """PROXY_UPSTREAM_WAIT_S in seconds (30 when unset)."""
+    """PROXY_UPSTREAM_WAIT_S in seconds (DEFAULT_WAIT_S when unset)."""
     if not value:
-        return 30.0
+        return DEFAULT_WAIT_S
     try:
         wait = float(value)
     except ValueError:

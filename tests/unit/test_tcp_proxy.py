@@ -28,16 +28,13 @@ class FakeResolver:
         return answer
 
 
-async def _echo_name(name: bytes):
+async def _serve(address: str, port: int, name: bytes) -> asyncio.base_events.Server:
+    """A replica that answers every connection with its name, then closes it."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(name)
         await writer.drain()
         writer.close()
-    return handle
-
-
-async def _serve(address: str, port: int, name: bytes) -> asyncio.base_events.Server:
-    return await asyncio.start_server(await _echo_name(name), address, port)
+    return await asyncio.start_server(handle, address, port)
 
 
 def _free_port() -> int:
