@@ -11,6 +11,8 @@ Times, best of several calls each, alternating the two sides of every row:
     q, k, gate, up, 4 for o, 4 / 6 for down and 5 / 8 for v in alternate layers) against 8-bit;
   * the LM head screen's int8 kernel over a 262k x 640 head;
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
+  * prefill attention over a step's chunks (W1-like fresh chunks, one continuing its sequence,
+    one long chunk) in one C call a layer, against SDPA per chunk as the engine calls it;
   * the sampler's greedy argmax against torch's.
 Prints a markdown table. Weights are random (the coded ones random codes): the kernels' speed
 does not depend on them.
@@ -30,6 +32,7 @@ from services.worker.engine.cpu.lm_head_screen import load_native_matmul
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_decode import load_decode_kernel
 from services.worker.engine.cpu.native_ops import load_skinny_linear
+from services.worker.engine.cpu.native_prefill import load_native_prefill
 from services.worker.engine.cpu.timing import best_alternating
 from services.worker.engine.sampler import row_argmax
 from services.worker.engine.cpu.weight_codes import load_coded_linear
@@ -187,6 +190,43 @@ def attention_rows(shapes: Shapes, seq_counts: tuple[int, ...]) -> list[tuple[st
     return results
 
 
+def prefill_attention_rows(shapes: Shapes, layouts: tuple[tuple[tuple[int, int], ...], ...]
+                           ) -> list[tuple[str, float, float]]:
+    """Each layout: a step's chunks as (queries, keys); a chunk with more keys continues its sequence."""
+    loaded = load_native_prefill("auto", torch.float32, default_cache_dir())
+    if loaded is None:
+        return []
+    scale, results = shapes.head_dim ** -0.5, []
+    for chunks in layouts:
+        lens_q, lens_k = zip(*chunks)
+        cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
+        cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
+        query = torch.randn(1, shapes.heads, sum(lens_q), shapes.head_dim)    # as a layer hands it over
+        keys, values = torch.randn(sum(lens_k), 1, shapes.head_dim), torch.randn(sum(lens_k), 1, shapes.head_dim)
+        masks = [None if q == k else torch.arange(k)[None, :] <= torch.arange(k - q, k)[:, None] for q, k in chunks]
+
+        def native() -> None:
+            for _ in range(shapes.layers):
+                loaded.function(query[0].transpose(0, 1), keys, values, cu_q, cu_k, max(lens_q), max(lens_k),
+                                softmax_scale=scale, causal=True)
+
+        def per_chunk() -> None:
+            for _ in range(shapes.layers):
+                for index, mask in enumerate(masks):
+                    q = query[:, :, cu_q[index]:cu_q[index + 1]]
+                    k = keys[cu_k[index]:cu_k[index + 1]].permute(1, 0, 2).unsqueeze(0)
+                    v = values[cu_k[index]:cu_k[index + 1]].permute(1, 0, 2).unsqueeze(0)
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                   enable_gqa=True)
+
+        ours, theirs = best_of(max(2, shapes.repeats // 2), native, per_chunk)
+        shown = ", ".join(f"{q}" if q == k else f"{q} after {k - q}" for q, k in chunks[:3])
+        more = f" and {len(chunks) - 3} more" if len(chunks) > 3 else ""
+        results.append((f"prefill attention, {shapes.layers} layers, chunks of {shown}{more}: "
+                        f"C kernel vs SDPA per chunk", ours, theirs))
+    return results
+
+
 def argmax_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
     results = []
     for rows in row_counts:
@@ -194,6 +234,13 @@ def argmax_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
         ours, theirs = best_of(shapes.repeats * 4, lambda: row_argmax(logits), lambda: logits.argmax(dim=-1))
         results.append((f"greedy argmax, {rows} x {shapes.vocab}: row_argmax vs torch", ours, theirs))
     return results
+
+
+def prefill_layouts(shapes: Shapes) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """A W1 prefill step (six fresh 277-token chunks, one continuing after 100), one 2048-token chunk."""
+    if shapes is QUICK:
+        return (((20, 20), (20, 20), (10, 30)), ((100, 100),))
+    return ((277, 277),) * 6 + ((177, 277),), ((2048, 2048),)
 
 
 def render(rows: list[tuple[str, float, float | None]], header: str) -> str:
@@ -212,7 +259,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = QUICK if args.quick else FULL
     rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + narrow_rows(shapes, (1, 8, 32))
             + screen_rows(shapes, (1, 8, 32))
-            + attention_rows(shapes, (1, 8)) + argmax_rows(shapes, (1, 8)))
+            + attention_rows(shapes, (1, 8)) + prefill_attention_rows(shapes, prefill_layouts(shapes))
+            + argmax_rows(shapes, (1, 8)))
     header = (f"Kernel benchmark ({'quick' if args.quick else 'full'}): {cpu_name()}, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, random weights.")
     print(render(rows, header))

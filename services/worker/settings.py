@@ -17,7 +17,7 @@ from services.worker.engine.config import EngineConfig
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine/eviction.py
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn")     # services/worker/engine/cuda/varlen_attention.py
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")   # services/worker/engine/prefill_kernels.py
 CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
 LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen_loader.py

@@ -25,7 +25,7 @@ class EngineConfig:
     use_cuda_graphs: bool = True       # decode-only steps replay captured CUDA graphs; CPU ignores it
     cuda_graph_max_batch: int = 64     # largest decode batch replayed from a graph; larger ones run eagerly
     cuda_graph_max_context: int = 8192 # longest context replayed from a graph; longer ones run eagerly
-    attention_backend: str = "auto"    # prefill chunks: auto (flash-attn on CUDA when installed) | sdpa | flash_attn
+    attention_backend: str = "auto"    # prefill chunks: auto (flash-attn on CUDA, native C on CPU) | sdpa | flash_attn | native
     decode_attention: str = "auto"     # CPU float32 decodes: auto (native when it builds and checks) | native | sdpa
     cpu_native_kernels: str = "auto"   # CPU float32: C kernels for norms, gated activations, few-row linears (auto) | off
     cpu_weight_codes: str = "auto"     # CPU float32: weights that are exact codes (dequantized GGUF) decode from them: auto (4-6 bits where they fit, if faster here) | narrow | 8bit | off

@@ -27,7 +27,6 @@ from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.native_decode import load_decode_kernel
 from services.worker.engine.cuda import decode_graphs
 from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
-from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.device import dtype_name
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.forward import Forward
@@ -40,6 +39,7 @@ from services.worker.engine.kv_policy import KvEvictor
 from services.worker.engine.kv_rotation import KeyRotation
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
+from services.worker.engine.prefill_kernels import load_prefill_kernel
 from services.worker.engine.prompt_logits import PromptLogitsCache
 from services.worker.engine.prompt_logprobs import PromptScorer
 from services.worker.engine.sampler import SampledToken, Sampler
@@ -67,7 +67,7 @@ class Engine:
         self.model, self.model_config = prepared.model, prepared.model_config
         self.device, self.dtype = prepared.device, prepared.dtype
         self.block_size = config.block_size
-        varlen = load_varlen_kernel(config.attention_backend, self.device, self.dtype)
+        varlen = load_prefill_kernel(config.attention_backend, self.device, self.dtype, prepared.kernel_cache_dir)
         decode_kernel = load_decode_kernel(config.decode_attention, self.device, self.dtype,
                                            self.block_size, prepared.kernel_cache_dir)
         specs, cache_layer = layer_kv_layout(prepared.base)

@@ -13,6 +13,7 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     assert "| kernel | ours (ms) | reference (ms) | reference / ours |" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| kernel", "|---"))]
     names = " ".join(rows)
-    assert len(rows) == 16
-    for kernel in ("linears", "weight codes", "narrow codes", "LM head screen", "decode attention", "greedy argmax"):
+    assert len(rows) == 18
+    for kernel in ("linears", "weight codes", "narrow codes", "LM head screen", "decode attention", "prefill attention",
+                   "greedy argmax"):
         assert kernel in names

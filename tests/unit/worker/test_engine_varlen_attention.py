@@ -11,6 +11,7 @@ import torch
 
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine import engine as engine_module
+from services.worker.engine.cpu.native_prefill import load_native_prefill
 from services.worker.engine.cuda import varlen_attention
 from services.worker.engine.cuda.varlen_attention import VarlenKernel, load_varlen_kernel, reference_varlen_attention
 from tests.fixtures.tiny_model import build_model
@@ -29,8 +30,11 @@ LOGITS_ATOL = 1e-4
 
 
 class CountingKernel:
-    def __init__(self) -> None:
+    """Checks and counts the calls, then runs `inner` (default: the reference kernel)."""
+
+    def __init__(self, inner=reference_varlen_attention) -> None:
         self.calls: list[int] = []     # sequences per call
+        self.inner = inner
 
     def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs):
         assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
@@ -40,15 +44,21 @@ class CountingKernel:
         # Every chunk's queries are the last rows of its keys.
         assert bool((lens_k >= lens_q).all())
         self.calls.append(len(lens_q))
-        return reference_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+        return self.inner(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
 def varlen_engine(kind: str, monkeypatch: pytest.MonkeyPatch, kernel: CountingKernel,
                   max_head_dim: int = 256, **config) -> Engine:
-    monkeypatch.setattr(engine_module, "load_varlen_kernel",
-                        lambda backend, device, dtype: VarlenKernel("reference", kernel, max_head_dim))
+    monkeypatch.setattr(engine_module, "load_prefill_kernel",
+                        lambda backend, device, dtype, cache_dir: VarlenKernel("reference", kernel, max_head_dim))
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
     return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key=kind, **config), model=model)
+
+
+def native_kernel():
+    loaded = load_native_prefill("native", torch.float32)
+    assert loaded is not None
+    return loaded.function
 
 
 # ---- the reference kernel -----------------------------------------------------------------------
@@ -119,19 +129,21 @@ def test_loading_picks_flash_attn_only_on_cuda_in_half_precision(monkeypatch: py
         load_varlen_kernel("flash_attn", cuda, torch.bfloat16)
 
 
-def test_cpu_engine_uses_sdpa_by_default() -> None:
-    engine = Engine(EngineConfig(model_dir="", num_blocks=8, block_size=4),
-                    model=build_model(copy.deepcopy(CONFIGS["llama"]())))
-    assert engine.attention_kernel == "sdpa"
+def test_cpu_engine_uses_the_native_kernel_by_default_and_sdpa_when_asked() -> None:
+    for backend, expected in (("auto", "native"), ("native", "native"), ("sdpa", "sdpa")):
+        engine = Engine(EngineConfig(model_dir="", num_blocks=8, block_size=4, attention_backend=backend),
+                        model=build_model(copy.deepcopy(CONFIGS["llama"]())))
+        assert engine.attention_kernel == expected
 
 
 # ---- the engine through the varlen path ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("inner", ["reference", "native"])
 @pytest.mark.parametrize("kind", ["gemma3", "gemma4", "llama", "qwen2_sliding"])
 def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(
-        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    kernel = CountingKernel()
+        kind: str, inner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    kernel = CountingKernel(native_kernel() if inner == "native" else reference_varlen_attention)
     engine = varlen_engine(kind, monkeypatch, kernel, prompt_logits_cache_size=0)
     assert engine.attention_kernel == "reference"
     recorder = RecordingSampler(engine.sampler)

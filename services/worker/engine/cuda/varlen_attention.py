@@ -37,9 +37,10 @@ class VarlenKernel:
     name: str
     function: VarlenFunction
     max_head_dim: int
+    head_dim_multiple: int = 1          # head dimensions the kernel takes are multiples of this
 
     def supports(self, head_dim: int, value_dim: int) -> bool:
-        return head_dim <= self.max_head_dim and value_dim <= self.max_head_dim
+        return all(dim <= self.max_head_dim and dim % self.head_dim_multiple == 0 for dim in (head_dim, value_dim))
 
 
 def import_flash_attn() -> VarlenFunction | None:
