@@ -101,9 +101,15 @@ static void weighted4(const float *weights, int64_t n, const float *const *value
         for (int64_t e = 0; e < dv; e++) acc[h * stride + e] = 0.0f;
     for (int64_t first = 0; first < n; first += KEY_BLOCK) {
         const int64_t last = first + KEY_BLOCK < n ? first + KEY_BLOCK : n;
+        /* The next block's value rows into L1, the one after into L2: the rows the score pass
+         * prefetched into L2 were not all still there (30 sequences of 300 tokens over 18
+         * layers, 2-core Zen 4: 23.2 -> 17.6 ms; 8 sequences 6.2 -> 4.1). */
         const int64_t next_last = last + KEY_BLOCK < n ? last + KEY_BLOCK : n;
+        const int64_t after_last = next_last + KEY_BLOCK < n ? next_last + KEY_BLOCK : n;
         for (int64_t i = last; i < next_last; i++)
             for (int64_t e = 0; e < dv; e += 16) __builtin_prefetch(values[i] + e, 0, 3);
+        for (int64_t i = next_last; i < after_last; i++)
+            for (int64_t e = 0; e < dv; e += 16) __builtin_prefetch(values[i] + e, 0, 1);
         for (int64_t e = 0; e < dv; e += 16) {
             const int two = e + 16 <= dv;
             float *c0 = acc + e, *c1 = acc + stride + e, *c2 = acc + 2 * stride + e, *c3 = acc + 3 * stride + e;
