@@ -26,6 +26,7 @@
  */
 
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -324,8 +325,16 @@ int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head,
     }
     qsort(list, (size_t)items, sizeof *list, by_cost);
     const problem_t pb = {q, q_token, q_head, v, out, heads, kv_heads, group, d, dv, window, scale};
-    const int64_t rows = positions * group;
-    int failed = 0;
+    /* Every thread's scratch is allocated here, on the calling thread: memory a team thread
+     * allocates comes from an arena of its own, which keeps what it frees resident. */
+    const int64_t rows = positions * group, floats = rows * KEY_BLOCK + rows * dv + 2 * rows;
+    float *scratch = malloc((size_t)(threads * floats) * sizeof *scratch);
+    const float **qrows = malloc((size_t)(threads * rows) * sizeof *qrows);
+    int64_t *bounds = malloc((size_t)(threads * 2 * rows) * sizeof *bounds);
+    if (scratch == NULL || qrows == NULL || bounds == NULL) {
+        free(tile_base), free(list), free(kt), free(scratch), free((void *)qrows), free(bounds);
+        return 1;
+    }
 #pragma omp parallel num_threads((int)threads)
     {
 #pragma omp for schedule(dynamic, 1)
@@ -337,32 +346,24 @@ int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head,
             transpose_keys(k + (cu_k[c] * kv_heads + h) * d, kv_heads * d, nk, d,
                            kt + (tile_base[c] + h * per_head) * d * KEY_TILE, tile);
         }
+        const int64_t me = omp_get_thread_num();
         scratch_t sc;
-        sc.s = malloc((size_t)(rows * KEY_BLOCK + rows * dv + 2 * rows) * sizeof(float));
-        sc.qrows = malloc((size_t)rows * sizeof *sc.qrows);
-        sc.lo = malloc((size_t)(2 * rows) * sizeof *sc.lo);
-        const int ok = sc.s != NULL && sc.qrows != NULL && sc.lo != NULL;
-        if (!ok) {
-#pragma omp atomic write
-            failed = 1;
-        }
-#pragma omp barrier
-        if (!failed) {
-            sc.o = sc.s + rows * KEY_BLOCK;
-            sc.m = sc.o + rows * dv;
-            sc.l = sc.m + rows;
-            sc.hi = sc.lo + rows;
+        sc.s = scratch + me * floats;
+        sc.o = sc.s + rows * KEY_BLOCK;
+        sc.m = sc.o + rows * dv;
+        sc.l = sc.m + rows;
+        sc.qrows = qrows + me * rows;
+        sc.lo = bounds + me * 2 * rows;
+        sc.hi = sc.lo + rows;
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < items; i++) {
-                const item_t *it = &list[i];
-                const int64_t nk = cu_k[it->chunk + 1] - cu_k[it->chunk];
-                const int64_t per_head = (nk + KEY_TILE - 1) / KEY_TILE;
-                run_item(&pb, it, cu_q, cu_k, kt + (tile_base[it->chunk] + it->kv_head * per_head) * d * KEY_TILE,
-                         &sc);
-            }
+        for (int64_t i = 0; i < items; i++) {
+            const item_t *it = &list[i];
+            const int64_t nk = cu_k[it->chunk + 1] - cu_k[it->chunk];
+            const int64_t per_head = (nk + KEY_TILE - 1) / KEY_TILE;
+            run_item(&pb, it, cu_q, cu_k, kt + (tile_base[it->chunk] + it->kv_head * per_head) * d * KEY_TILE, &sc);
         }
-        free(sc.s), free(sc.qrows), free(sc.lo);
     }
+    free(scratch), free((void *)qrows), free(bounds);
     free(tile_base), free(list), free(kt);
-    return failed;
+    return 0;
 }
