@@ -116,6 +116,25 @@ def test_the_coded_linear_matches_torch(kernel: NativeCodedLinear, rows: int, wi
     torch.testing.assert_close(kernel(x, coded, bias).double(), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [9, 24, 30, 64])
+@pytest.mark.parametrize("narrow", [False, True])
+def test_many_rows_give_the_few_row_passes_outputs_bit_for_bit(kernel: NativeCodedLinear, rows: int,
+                                                               narrow: bool) -> None:
+    """Past 8 rows each input chunk is expanded once for all of them: the same chain of
+    multiply-adds per output as 8 rows at a time, so the same bits."""
+    weight = coded_weight(3 * PANEL + 5, 208, 16, 32, seed=rows)    # inputs not a whole number of chunks
+    coded = kernel.find(weight)
+    assert coded is not None
+    if narrow:
+        coded = kernel.narrow(coded)
+        assert coded.bits < 8
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 208, generator=generator)
+    bias = torch.randn(weight.shape[0], generator=generator)
+    eights = torch.cat([kernel(x[start:start + 8], coded, bias) for start in range(0, rows, 8)])
+    assert torch.equal(kernel(x, coded, bias), eights)
+
+
 def test_the_coded_linear_rejects_mismatched_rows(kernel: NativeCodedLinear) -> None:
     coded = kernel.find(coded_weight(32, 64))
     with pytest.raises(ValueError):

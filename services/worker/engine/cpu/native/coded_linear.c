@@ -323,6 +323,88 @@ static void dispatch(const uint8_t *c, const float *scales, const float *offsets
     }
 }
 
+/* ---- steps of more rows than one pass holds ------------------------------------------------
+ * tile() expands every code again for each pass of X_TILE rows. For more rows, each chunk of
+ * CHUNK_ENTRIES input entries is expanded once into a buffer that stays in L1 and every pass
+ * multiplies that, keeping its accumulators in memory between chunks. Each output is still one
+ * chain of multiply-adds over k in order from the same expanded weights: tile()'s bits. */
+#define CHUNK_ENTRIES 64
+
+/* w[k][v] for the entries [k0, k0 + entries) of one panel. */
+static inline __attribute__((always_inline)) void expand_chunk_bits(const uint8_t *c, const int bits,
+                                                                    const float *scales, const float *offsets,
+                                                                    int64_t group, int64_t k0, int64_t entries,
+                                                                    vf *w) {
+    const int64_t stride = bits == 8 ? PANEL : narrow_stride(bits);
+    for (int64_t k = k0; k < k0 + entries; k++) {
+        const int64_t g = k / group;
+        vf scale[VECTORS], offset[VECTORS];
+        for (int v = 0; v < VECTORS; v++) {
+            scale[v] = loadv(scales + g * PANEL + v * LANES);
+            offset[v] = loadv(offsets + g * PANEL + v * LANES);
+        }
+        if ((k & 1) == 0) __builtin_prefetch(c + k * stride + PREFETCH_AHEAD, 0, 3);
+        expand_entry(c + k * stride, bits, scale, offset, w + (k - k0) * VECTORS);
+    }
+}
+
+static void expand_chunk(const uint8_t *c, int64_t bits, const float *scales, const float *offsets, int64_t group,
+                         int64_t k0, int64_t entries, vf *w) {
+    switch (bits) {
+        case 4: expand_chunk_bits(c, 4, scales, offsets, group, k0, entries, w); break;
+        case 5: expand_chunk_bits(c, 5, scales, offsets, group, k0, entries, w); break;
+        case 6: expand_chunk_bits(c, 6, scales, offsets, group, k0, entries, w); break;
+        default: expand_chunk_bits(c, 8, scales, offsets, group, k0, entries, w); break;
+    }
+}
+
+/* acc[r][v] += sum over the chunk's entries of w[k][v] * x[r, k], for nx (a constant) rows. */
+static inline __attribute__((always_inline)) void chunk_pass(const vf *w, int64_t entries, const float *x,
+                                                             int64_t in, const int nx, vf *acc) {
+    vf a[X_TILE][VECTORS];
+    for (int r = 0; r < nx; r++)
+        for (int v = 0; v < VECTORS; v++) a[r][v] = acc[r * VECTORS + v];
+    for (int64_t k = 0; k < entries; k++)
+        for (int r = 0; r < nx; r++) {
+            const vf xr = splat(x + r * in + k);
+            for (int v = 0; v < VECTORS; v++) a[r][v] += w[k * VECTORS + v] * xr;
+        }
+    for (int r = 0; r < nx; r++)
+        for (int v = 0; v < VECTORS; v++) acc[r * VECTORS + v] = a[r][v];
+}
+
+#define PASS_CASE(NX) case NX: if ((NX) <= X_TILE) chunk_pass(w, entries, x, in, NX, acc); break;
+
+static void pass_of(const vf *w, int64_t entries, const float *x, int64_t in, int nx, vf *acc) {
+    switch (nx) {
+        PASS_CASE(1) PASS_CASE(2) PASS_CASE(3) PASS_CASE(4) PASS_CASE(5) PASS_CASE(6) PASS_CASE(7) PASS_CASE(8)
+        default: break;
+    }
+}
+
+/* tile() for any number of rows (up to MAX_CHUNKED_ROWS) against one panel. */
+#define MAX_CHUNKED_ROWS 64
+
+static void panel_rows(const uint8_t *c, const float *scales, const float *offsets, int64_t group, int64_t bits,
+                       const float *x, int64_t in, int64_t rows, const float *bias, float *out, int64_t out_stride,
+                       int valid) {
+    vf w[CHUNK_ENTRIES * VECTORS], acc[MAX_CHUNKED_ROWS * VECTORS];
+    for (int64_t i = 0; i < rows * VECTORS; i++) acc[i] = (vf){0};
+    for (int64_t k0 = 0; k0 < in; k0 += CHUNK_ENTRIES) {
+        const int64_t entries = in - k0 < CHUNK_ENTRIES ? in - k0 : CHUNK_ENTRIES;
+        expand_chunk(c, bits, scales, offsets, group, k0, entries, w);
+        for (int64_t m0 = 0; m0 < rows; m0 += X_TILE) {
+            const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
+            pass_of(w, entries, x + m0 * in + k0, in, nx, acc + m0 * VECTORS);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float row[PANEL];
+        for (int v = 0; v < VECTORS; v++) storev(row + v * LANES, acc[r * VECTORS + v]);
+        for (int n = 0; n < valid; n++) out[r * out_stride + n] = row[n] + (bias != NULL ? bias[n] : 0.0f);
+    }
+}
+
 /* out = x @ weight.T (+ bias) from the panelled codes (the last panel padded with zero rows
  * when out_features is not a multiple of PANEL), of `bits` 8 (a byte a code) or 4, 5, 6
  * (narrow codes); returns nonzero on shapes it does not take (in not a multiple of group,
@@ -339,6 +421,10 @@ int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *sc
         const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
         const float *b = bias != NULL ? bias + p * PANEL : NULL;
         const int valid = out_features - p * PANEL < PANEL ? (int)(out_features - p * PANEL) : PANEL;
+        if (rows > X_TILE && rows <= MAX_CHUNKED_ROWS) {
+            panel_rows(c, s, o, group, bits, x, in, rows, b, out + p * PANEL, out_features, valid);
+            continue;
+        }
         for (int64_t m0 = 0; m0 < rows; m0 += X_TILE) {
             const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
             dispatch(c, s, o, group, bits, x + m0 * in, in, nx, b, out + m0 * out_features + p * PANEL,
