@@ -76,10 +76,6 @@ class NativePrefillAttention:
         return out
 
 
-def supports_head_dims(head_dim: int, value_dim: int) -> bool:
-    return head_dim % VECTOR_WIDTH == 0 and value_dim % VECTOR_WIDTH == 0
-
-
 def load_native_prefill(backend: str, dtype: torch.dtype, cache_dir: Path | None = None) -> VarlenKernel | None:
     """The kernel for ATTENTION_BACKEND `backend` (`auto` or `native`) on CPU, or None for the
     SDPA path. Raises ValueError when `native` is required but cannot run here."""

@@ -48,6 +48,27 @@
 
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 
+/* PASS(n) for the rows left after whole passes of MR (n a constant in each case). */
+#if MR > 4
+#define REMAINING_ROWS(PASS)                                                          \
+    switch (rows) {                                                                   \
+    case 5: PASS(5); break;                                                           \
+    case 4: PASS(4); break;                                                           \
+    case 3: PASS(3); break;                                                           \
+    case 2: PASS(2); break;                                                           \
+    case 1: PASS(1); break;                                                           \
+    default: break;                                                                   \
+    }
+#else
+#define REMAINING_ROWS(PASS)                                                          \
+    switch (rows) {                                                                   \
+    case 3: PASS(3); break;                                                           \
+    case 2: PASS(2); break;                                                           \
+    case 1: PASS(1); break;                                                           \
+    default: break;                                                                   \
+    }
+#endif
+
 static inline vf loadv(const float *p) {
     vf v;
     __builtin_memcpy(&v, p, sizeof v);
@@ -115,18 +136,7 @@ static inline __attribute__((always_inline)) void score_pass(const float *const 
 static void score_rows(const float *const *qrows, int rows, int vectors, const float *kt, int64_t d, float scale,
                        float *s, int64_t s_stride) {
     for (; rows >= MR; rows -= MR, qrows += MR, s += MR * s_stride) SCORE_VECTORS(MR);
-    switch (rows) {
-#if MR > 5
-    case 5: SCORE_VECTORS(5); break;
-#endif
-#if MR > 4
-    case 4: SCORE_VECTORS(4); break;
-#endif
-    case 3: SCORE_VECTORS(3); break;
-    case 2: SCORE_VECTORS(2); break;
-    case 1: SCORE_VECTORS(1); break;
-    default: break;
-    }
+    REMAINING_ROWS(SCORE_VECTORS);
 }
 
 /* o[r][e0 .. e0 + vectors * LANES) += sum_j p[r][j] * v_j[...] over keys [j0, j1). */
@@ -160,18 +170,7 @@ static inline __attribute__((always_inline)) void value_pass(const float *p, int
 static void value_rows(const float *p, int64_t p_stride, int rows, const float *v, int64_t v_stride, int64_t dv,
                        int64_t j0, int64_t j1, float *o, int64_t o_stride) {
     for (; rows >= MR; rows -= MR, p += MR * p_stride, o += MR * o_stride) VALUE_ROWS(MR);
-    switch (rows) {
-#if MR > 5
-    case 5: VALUE_ROWS(5); break;
-#endif
-#if MR > 4
-    case 4: VALUE_ROWS(4); break;
-#endif
-    case 3: VALUE_ROWS(3); break;
-    case 2: VALUE_ROWS(2); break;
-    case 1: VALUE_ROWS(1); break;
-    default: break;
-    }
+    REMAINING_ROWS(VALUE_ROWS);
 }
 
 /* Turns one row's scores of keys [b0, b0 + width) into weights for the online softmax: keys
