@@ -368,8 +368,10 @@ class TestFcfs:
         stats = scheduler_stats_probe(client)
         prompts = Prompts()
         timeline = Timeline()
+        # Long enough to still run when the urgent request comes, however slow the machine.
+        length = 200
         running = start_streams(client, timeline, {
-            f"running-{i}": generate_body(prompts.next(), 48, user="low") for i in range(2)})
+            f"running-{i}": generate_body(prompts.next(), length, user="low") for i in range(2)})
         await until(lambda: all(timeline.tokens_of(n) >= 1 for n in running), "a full batch")
         queued = start_streams(client, timeline, {
             f"queued-{i}": generate_body(prompts.next(), 4, user="low") for i in range(2)})
@@ -384,7 +386,7 @@ class TestFcfs:
             assert timeline.first("token", "urgent") < timeline.first("token", name), timeline.events
         for result in results:
             assert result.finish_reason == "length", result
-        assert [len(r.token_ids) for r in results] == [48, 48, 4, 4]
+        assert [len(r.token_ids) for r in results] == [length, length, 4, 4]
         # A running low-priority request gave up its slot and resumed later.
         assert (await stats())["preemptions"] > before["preemptions"]
         await wait_drained(client, stack, [0])
@@ -514,19 +516,29 @@ class TestTwoWorkers:
             await until(lambda: timeline.tokens_of(name) >= 1, f"{name}'s first token")
             return {w: s["running"] for w, s in workers_by_id(await stats()).items()}
 
+        # Streams far longer than the checks take, however slow the machine: a 60-token stream
+        # once ended before the third one started. They are hung up once checked.
+        length = 900
         tasks: dict[str, asyncio.Task[StreamResult]] = {}
-        first = await running_after_first_token(
-            "session-a", generate_body(prompts.next(), 60, session_id="sticky"), tasks)
-        [home] = [w for w, running in first.items() if running == 1]
-        [other] = [w for w in first if w != home]
-        # Least-loaded routing would pick the other worker; the session stays.
-        second = await running_after_first_token(
-            "session-b", generate_body(prompts.next(), 60, session_id="sticky"), tasks)
-        assert second == {home: 2, other: 0}, second
-        # Without a session, the same moment sends a request to the idle worker.
-        third = await running_after_first_token("no-session", generate_body(prompts.next(), 60), tasks)
-        assert third == {home: 2, other: 1}, third
-        assert all(r.finish_reason == "length" for r in await asyncio.gather(*tasks.values()))
+        try:
+            first = await running_after_first_token(
+                "session-a", generate_body(prompts.next(), length, session_id="sticky"), tasks)
+            [home] = [w for w, running in first.items() if running == 1]
+            [other] = [w for w in first if w != home]
+            # Least-loaded routing would pick the other worker; the session stays.
+            second = await running_after_first_token(
+                "session-b", generate_body(prompts.next(), length, session_id="sticky"), tasks)
+            assert second == {home: 2, other: 0}, second
+            # Without a session, the same moment sends a request to the idle worker.
+            third = await running_after_first_token(
+                "no-session", generate_body(prompts.next(), length), tasks)
+            assert third == {home: 2, other: 1}, third
+        finally:
+            for task in tasks.values():
+                task.cancel()  # hangs up; the gateway cancels the requests
+            outcomes = await asyncio.gather(*tasks.values(), return_exceptions=True)
+        failures = [o for o in outcomes if not isinstance(o, asyncio.CancelledError)]
+        assert not failures, failures
         await wait_drained(client, stack, [0, 1])
 
     async def test_killing_a_worker_moves_its_streams_to_the_other_without_a_gap(
