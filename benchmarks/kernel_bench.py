@@ -9,7 +9,8 @@ Times, best of several calls each, alternating the two sides of every row:
     8-bit weight codes (weight_codes.py) through the coded kernel against oneDNN, and the
     coded kernel on the same codes kept narrow (at the default model's widths: 5 bits for
     q, k, gate, up, 4 for o, 4 / 6 for down and 5 / 8 for v in alternate layers) against 8-bit;
-  * the LM head screen's int8 kernel over a 262k x 640 head;
+  * the LM head screen's int8 kernel over a 262k x 640 head, and its kernel from a Q8_0 head's
+    8-bit codes with int8 activations against int16 ones (where AVX-512 VNNI and VBMI run it);
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
   * prefill attention over a step's chunks (W1-like fresh chunks, one continuing its sequence,
     one long chunk) in one C call a layer, against SDPA per chunk as the engine calls it;
@@ -28,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.machine import cpu_name
+from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_screen
+from services.worker.engine.cpu.int8_matmul import PANEL
 from services.worker.engine.cpu.lm_head_screen import load_native_matmul
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_decode import load_decode_kernel
@@ -35,7 +38,7 @@ from services.worker.engine.cpu.native_ops import load_skinny_linear
 from services.worker.engine.cpu.native_prefill import load_native_prefill
 from services.worker.engine.cpu.timing import best_alternating
 from services.worker.engine.sampler import row_argmax
-from services.worker.engine.cpu.weight_codes import load_coded_linear
+from services.worker.engine.cpu.weight_codes import CodedWeight, load_coded_linear
 
 
 @dataclass(frozen=True)
@@ -154,6 +157,32 @@ def screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
     return results
 
 
+def codes_screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float | None]]:
+    """The screen from a Q8_0 head's codes (group 32): int8 activations with a scale per block
+    (codes_screen_int8.py) against int16 ones, rounding included."""
+    kernel = load_native_matmul(default_cache_dir())
+    if kernel is None or not kernel.has_codes_quads:
+        return []
+    panels, group = -(-shapes.vocab // PANEL), 32
+    coded = CodedWeight(torch.randint(0, 256, (panels, shapes.hidden, PANEL), dtype=torch.uint8),
+                        torch.rand(panels, shapes.hidden // group, PANEL) * 1e-3,
+                        torch.rand(panels, shapes.hidden // group, PANEL) * 1e-3 - 5e-4, group, shapes.vocab,
+                        shapes.hidden)
+    results: list[tuple[str, float, float | None]] = []
+    for rows in row_counts:
+        x = torch.randn(rows, shapes.hidden)
+        x[:, :3] *= 50                                  # Gemma's few massive dimensions
+
+        def int16() -> torch.Tensor:
+            scale = x.abs().amax(dim=1) / 16383
+            return kernel.codes_screen(coded, (x / scale[:, None]).round().to(torch.int16), scale)
+
+        mine, theirs = best_of(shapes.repeats, lambda: int8_screen(kernel, coded, x, None), int16)
+        results.append((f"LM head screen from 8-bit codes, int8 vs int16 activations, {shapes.vocab} x "
+                        f"{shapes.hidden}, {rows} rows", mine, theirs))
+    return results
+
+
 def attention_rows(shapes: Shapes, seq_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
     kernel = load_decode_kernel("auto", torch.device("cpu"), torch.float32, BLOCK_SIZE, default_cache_dir())
     if kernel is None:
@@ -258,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shapes = QUICK if args.quick else FULL
     rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + narrow_rows(shapes, (1, 8, 32))
-            + screen_rows(shapes, (1, 8, 32))
+            + screen_rows(shapes, (1, 8, 32)) + codes_screen_rows(shapes, (1, 8, 32))
             + attention_rows(shapes, (1, 8)) + prefill_attention_rows(shapes, prefill_layouts(shapes))
             + argmax_rows(shapes, (1, 8)))
     header = (f"Kernel benchmark ({'quick' if args.quick else 'full'}): {cpu_name()}, "

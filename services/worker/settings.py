@@ -21,6 +21,7 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")   # services/worke
 CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
 LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen_loader.py
+LM_HEAD_SCREEN_ACTIVATIONS = ("auto", "int16", "int8")  # services/worker/engine/cpu/codes_screen_int8.py
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/native_decode.py
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
@@ -83,6 +84,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
         lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
         lm_head_screen_weights=read.choice("LM_HEAD_SCREEN_WEIGHTS", "auto", LM_HEAD_SCREEN_WEIGHTS),
+        lm_head_screen_activations=read.choice("LM_HEAD_SCREEN_ACTIVATIONS", "auto", LM_HEAD_SCREEN_ACTIVATIONS),
         ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
         ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
         grammar_tokenizer=read.choice("GRAMMAR_TOKENIZER", "first_use", GRAMMAR_TOKENIZER_MODES),

@@ -83,6 +83,10 @@ def test_worker_lm_head_screen_settings() -> None:
         WorkerSettings.from_env({"LM_HEAD_SCREEN_WEIGHTS": "codes"})
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_MAX_ROWS"):
         WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "-1"})
+    assert WorkerSettings.from_env({}).engine.lm_head_screen_activations == "auto"
+    assert WorkerSettings.from_env({"LM_HEAD_SCREEN_ACTIVATIONS": "int8"}).engine.lm_head_screen_activations == "int8"
+    with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_ACTIVATIONS"):
+        WorkerSettings.from_env({"LM_HEAD_SCREEN_ACTIVATIONS": "int4"})
 
 
 def test_speculative_decoding_settings() -> None:

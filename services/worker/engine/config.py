@@ -40,6 +40,7 @@ class EngineConfig:
     lm_head_screen: str = "auto"       # CPU float32 greedy/top-k rows: auto (built in the background, large vocabularies) | on | off
     lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head
     lm_head_screen_weights: str = "auto"   # what the screen multiplies: auto (a head kept as 8-bit codes: the codes; else an int8 copy) | copy (an int8 copy always)
+    lm_head_screen_activations: str = "auto"   # a screen from 8-bit codes rounds hidden states to: auto (the faster kernel, timed at build) | int16 | int8 (AVX-512 VNNI + VBMI)
     ngram_min: int = 2                 # speculation: shortest suffix looked up earlier in the sequence
     ngram_max: int = 4                 # speculation: longest suffix looked up
     grammar_tokenizer: str = "first_use"   # structured output's tokenizer: first_use (built when the first constrained sequence registers) | start

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import kernel_bench
+from services.worker.engine.cpu.lm_head_screen import load_native_matmul
+from services.worker.engine.cpu.native_build import default_cache_dir
 
 
 def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> None:
@@ -13,7 +15,8 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     assert "| kernel | ours (ms) | reference (ms) | reference / ours |" in out
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| kernel", "|---"))]
     names = " ".join(rows)
-    assert len(rows) == 18
+    native = load_native_matmul(default_cache_dir())
+    assert len(rows) == 18 + (3 if native is not None and native.has_codes_quads else 0)
     for kernel in ("linears", "weight codes", "narrow codes", "LM head screen", "decode attention", "prefill attention",
                    "greedy argmax"):
         assert kernel in names

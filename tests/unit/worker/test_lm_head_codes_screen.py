@@ -173,7 +173,8 @@ def _build(flags: list[str], target: Path) -> NativeInt8Matmul:
     """native/int8_matmul.c (with codes_screen.c) built for another instruction set than this CPU's best."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     command = [compiler, *[f for f in COMPILE_FLAGS if f != "-march=native"], *flags, "-o", str(target),
-               str(SOURCES / "int8_matmul.c"), str(SOURCES / "codes_screen.c"), "-lm"]
+               str(SOURCES / "int8_matmul.c"), str(SOURCES / "codes_screen.c"), str(SOURCES / "codes_screen_quads.c"),
+               "-lm"]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return NativeInt8Matmul(ctypes.CDLL(str(target)))
 
@@ -322,9 +323,10 @@ def test_the_check_rejects_a_kernel_off_its_bound(head: tuple[torch.Tensor, Code
 # ---- the loader -----------------------------------------------------------------------------
 
 def loaded(weight: torch.Tensor, coded: CodedWeight | None, native_kernels: bool = True,
-           weights: str = "auto") -> ScreenLoader:
-    loader = ScreenLoader(EngineConfig(model_dir="", lm_head_screen="on", lm_head_screen_weights=weights), None,
-                          default_cache_dir(), native_kernels)
+           weights: str = "auto", activations: str = "int16") -> ScreenLoader:
+    config = EngineConfig(model_dir="", lm_head_screen="on", lm_head_screen_weights=weights,
+                          lm_head_screen_activations=activations)
+    loader = ScreenLoader(config, None, default_cache_dir(), native_kernels)
     head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     head.weight = None                           # as a head served from its codes holds no weight
     loader.start(head, torch.device("cpu"), torch.float32, weight, coded)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.engine.cpu.codes_screen_int8 import check_rows as int8_check_rows
+from services.worker.engine.cpu.int8_matmul import PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.weight_codes import CodedWeight
 
 UNIT_ROUNDOFF = 2.0 ** -24  # float32's relative rounding error at most
@@ -56,10 +58,44 @@ def codes_error_norms(alpha_norms: torch.Tensor, coded: CodedWeight, grid: int, 
       x_scale <= (1 + u) max|x| / grid <= (1 + u) ||x|| / grid).
 
     So error_norms[v] = ((2B + 4)(1 + delta)(1 + 1e-3) + CODES_SPARE_ROUNDINGS) u ||alpha_v||,
-    ||alpha_v|| widened by norm_margin for its float32 rounding (and x's norm's)."""
+    ||alpha_v|| widened by norm_margin for its float32 rounding (and x's norm's).
+
+    The int8 kernel (native/codes_screen_quads.c, codes_screen_int8.py) fits the same bound
+    with grid 127: q(x) = xs_b * xq has a scale per block, xs_b <= (1 + u) max|x| / grid, so
+    delta holds; its terms are fl(U_b xs_b) scale_b and offset_b fl(xs_b X_b), each within u
+    of exact (U_b, X_b exact integers), summed in float32 by 2B fused multiply-adds with no
+    last product, within (gamma_2B (1 + u)) S, S = sum_i alpha_i |q(x)_i|."""
     blocks = coded.in_features // coded.group
     if (2 * blocks + 4) * UNIT_ROUNDOFF >= 1e-4:
         raise ValueError(f"codes screen: {blocks} blocks a row, too many for its rounding bound")
     delta = 0.51 * coded.in_features ** 0.5 / grid
     roundings = (2 * blocks + 4) * (1 + delta) * (1 + 1e-3) + CODES_SPARE_ROUNDINGS
     return alpha_norms * (roundings * UNIT_ROUNDOFF * (1 + norm_margin))
+
+
+def codes_kernel_within_bound(native: NativeInt8Matmul, coded: CodedWeight, error_norms: torch.Tensor,
+                              activations: str, int16_grid: int, rows: int) -> bool:
+    """The codes kernel for `activations` (int16 or int8) on `rows` rows of extreme and random
+    integers against the float64 product of the float32 weights `coded` stands for: every
+    output within the float rounding part of the bound (`error_norms` times the norm of the
+    row the kernel multiplied), and the panel maxima those of the outputs. `coded`: a few
+    thousand vocabulary rows, the last panel padded."""
+    vocab = coded.out_features
+    weights = coded.rows(torch.arange(vocab)).double()
+    generator = torch.Generator().manual_seed(0)
+    maxima = torch.empty(rows, -(-vocab // PANEL))
+    if activations == "int8":
+        x, scales = int8_check_rows(rows, coded.in_features, coded.group, generator)
+        out = native.codes_screen_quads(coded, x, scales, maxima)
+        scaled = (x.double().view(rows, -1, coded.group) * scales.double()[..., None]).view(rows, -1)
+    else:
+        x = torch.randint(-int16_grid, int16_grid + 1, (rows, coded.in_features), generator=generator)
+        x[0], x[1] = int16_grid, -int16_grid
+        x[2, ::2], x[2, 1::2] = int16_grid, -int16_grid
+        x_scale = torch.rand(rows, generator=generator) + 0.5
+        out = native.codes_screen(coded, x.to(torch.int16), x_scale, maxima)
+        scaled = x.double() * x_scale.double()[:, None]
+    allowed = scaled.norm(dim=1)[:, None] * error_norms.double()
+    padded = torch.nn.functional.pad(out, (0, maxima.shape[1] * PANEL - vocab), value=float("-inf"))
+    return bool(((out.double() - scaled @ weights.T).abs() <= allowed).all()
+                and torch.equal(maxima, padded.view(rows, -1, PANEL).amax(dim=-1)))

@@ -1,6 +1,6 @@
 """The C kernel of the LM head screen (native/int8_matmul.c) through ctypes: int16
 activation rows times an int8 head packed in panels or times the head's 8-bit weight codes,
-each row's top-k, the entries above a threshold, and float32 dot products of chosen (row,
+int8 rows (a scale per block) times those codes, each row's top-k, the entries above a threshold, and float32 dot products of chosen (row,
 token) pairs. lm_head_screen.py says how the screen uses them."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from services.worker.engine.cpu.weight_codes import CodedWeight
 
 NATIVE_TILE = 8             # activation rows the native kernel's widest tile holds
 CODES_TILE = 8              # activation rows the codes kernel's widest tile holds (AVX-512)
+QUADS_TILE = 8              # the same for its int8 kernel (codes_screen_quads.c)
 PANEL = 32                  # vocabulary rows per panel of the native kernel's weight layout
 
 
@@ -49,6 +50,12 @@ class NativeInt8Matmul:
         self._codes_screen.restype = ctypes.c_int
         self._codes_screen.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
                                        + [ctypes.c_int64] * 4)
+        self._codes_quads = library.fairserve_codes_screen_quads
+        self._codes_quads.restype = ctypes.c_int
+        self._codes_quads.argtypes = self._codes_screen.argtypes
+        available = library.fairserve_codes_screen_quads_available
+        available.restype = ctypes.c_int
+        self.has_codes_quads = bool(available())
 
     @staticmethod
     def pack(weight: torch.Tensor, w_scale: torch.Tensor) -> Int8Panels:
@@ -107,6 +114,35 @@ class NativeInt8Matmul:
                                     coded.in_features, rows, torch.get_num_threads())
         if status:
             raise ValueError(f"codes screen: shapes it does not take ({coded.out_features} x "
+                             f"{coded.in_features}, group {coded.group})" if status == 1 else "codes screen: no memory")
+        return out
+
+    def codes_screen_quads(self, coded: CodedWeight, x: torch.Tensor, x_scales: torch.Tensor,
+                           maxima: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] int8 and x_scales [rows, in / group] (one per block of the codes) ->
+        [rows, V] float32 = (x * x_scales per block) @ weight.T from the 8-bit codes of `coded`
+        (native/codes_screen_quads.c, AVX-512 VNNI and VBMI only: `has_codes_quads`); `maxima`
+        as in `codes_screen`."""
+        if not self.has_codes_quads:
+            raise ValueError("codes screen: built without the int8 kernel (AVX-512 VNNI and VBMI)")
+        if coded.bits != 8:
+            raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
+        rows, in_features = x.shape
+        blocks = coded.in_features // coded.group
+        if in_features != coded.in_features or x.dtype != torch.int8:
+            raise ValueError(f"codes screen: int8 rows of {in_features} entries for a head of {coded.in_features}")
+        if tuple(x_scales.shape) != (rows, blocks):
+            raise ValueError(f"codes screen: scales {tuple(x_scales.shape)} for {rows} rows of {blocks} blocks")
+        if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
+            raise ValueError("codes screen: codes, scales and offsets must be contiguous")
+        x, x_scales = x.contiguous(), x_scales.float().contiguous()
+        out = torch.empty(rows, coded.out_features)
+        status = self._codes_quads(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                   coded.group, x.data_ptr(), x_scales.data_ptr(), out.data_ptr(),
+                                   _pointer(maxima, rows, coded.out_features), coded.out_features,
+                                   coded.in_features, rows, torch.get_num_threads())
+        if status:
+            raise ValueError(f"codes screen: shapes the int8 kernel does not take ({coded.out_features} x "
                              f"{coded.in_features}, group {coded.group})" if status == 1 else "codes screen: no memory")
         return out
 

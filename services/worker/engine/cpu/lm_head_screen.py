@@ -38,7 +38,9 @@ scale * code + offset in every block of 16 or 32 inputs; Gemma's Q8_0 head is), 
 needs no int8 copy at all (`from_codes`): the same C kernel multiplies the int16 rows with
 the codes themselves, exactly in int32 within each block, and applies each block's scale
 and offset in float32. The weight side of the bound is then exact, and what is left of
-|x| * |w_r - q(w_r)| is the kernel's float32 rounding (codes_screen_bound.py).
+|x| * |w_r - q(w_r)| is the kernel's float32 rounding (codes_screen_bound.py). There the
+rows may instead be rounded to int8 with a scale per block (codes_screen_int8.py: twice the
+multiply-adds an instruction, a looser activation term, so a few more candidates).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine.cpu.codes_screen_bound import coded_row_norms, codes_error_norms
+from services.worker.engine.cpu.codes_screen_bound import coded_row_norms, codes_error_norms, codes_kernel_within_bound
+from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS, INT8_GRID, faster_activations, int8_available
+from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_approximate
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, NATIVE_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.native_build import load_binding
 from services.worker.engine.cpu.weight_codes import CodedWeight
@@ -97,6 +101,7 @@ class LMHeadScreen:
         self.weight: torch.Tensor | None = weight.detach()
         self._coded: CodedWeight | None = None     # where exact logits read rows, once weight is let go
         self._from_codes = False                   # approximate logits from the codes (from_codes)
+        self.activations = "int16"                 # how hidden states are rounded for the kernel
         self.softcap = softcap
         vocab, hidden = self.weight.shape
         self._vocab, self._hidden = vocab, hidden
@@ -145,28 +150,39 @@ class LMHeadScreen:
         return cls(weight, softcap, native)._checked()
 
     @classmethod
-    def from_codes(cls, coded: CodedWeight, softcap: float | None,
-                   native: NativeInt8Matmul | None) -> LMHeadScreen | None:
+    def from_codes(cls, coded: CodedWeight, softcap: float | None, native: NativeInt8Matmul | None,
+                   activations: str = "int16") -> LMHeadScreen | None:
         """A screen of the head `coded` stands for, from its 8-bit codes alone (no int8 copy,
         no float32 weight), or None without the C kernel, for narrow codes, or where the
-        kernel fails its check."""
+        kernel fails its check. `activations`: int16, int8 (where its kernel runs, else
+        int16) or auto (the faster here; codes_screen_int8.py)."""
         if native is None or coded.bits != 8 or coded.in_features < 2:
             return None
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"screen activations {activations!r}: one of {', '.join(ACTIVATIONS)}")
+        if activations == "auto":
+            activations = faster_activations(native, coded)
+        elif activations == "int8" and not int8_available(native, coded):
+            log.warning("LM head screen: no int8 kernel for these codes on this CPU; int16 activations")
+            activations = "int16"
         screen = cls.__new__(cls)
-        screen._init_from_codes(coded, softcap, native)
+        screen._init_from_codes(coded, softcap, native, activations)
         return screen._checked()
 
-    def _init_from_codes(self, coded: CodedWeight, softcap: float | None, native: NativeInt8Matmul) -> None:
+    def _init_from_codes(self, coded: CodedWeight, softcap: float | None, native: NativeInt8Matmul,
+                         activations: str) -> None:
         self.weight = None
         self._coded = coded                        # exact rows and approximate logits alike
         self._from_codes = True
+        self.activations = activations
         self.softcap = softcap
         self._vocab, self._hidden = coded.out_features, coded.in_features
         self._native = native
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
+        grid = INT8_GRID if activations == "int8" else self._int16_grid
         row_norms, alpha_norms = coded_row_norms(coded, PANEL)
-        self._set_norms(codes_error_norms(alpha_norms, coded, self._int16_grid, NORM_MARGIN),
+        self._set_norms(codes_error_norms(alpha_norms, coded, grid, NORM_MARGIN),
                         row_norms * (1 + NORM_MARGIN))       # the weight itself: nothing rounded
         self._check = None
 
@@ -235,27 +251,11 @@ class LMHeadScreen:
         return bool(((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-6).all())
 
     def _codes_check(self) -> bool:
-        """The codes kernel on rows of extreme and random int16 integers (more than one tile,
-        the last panel padded) against the float64 product of the float32 weights the codes
-        stand for: every output within the float rounding part of the bound (`error_norms`
-        times the row's norm), and the panel maxima those of the outputs."""
+        """The codes kernel in use within the rounding part of its bound (codes_screen_bound.py)."""
         assert self._coded is not None and self._native is not None
         rows = min(self._vocab, CHECK_ROWS - 7)    # the last panel padded once there are that many
-        coded = self._coded.panel_rows(0, rows)
-        weights = coded.rows(torch.arange(rows)).double()
-        generator = torch.Generator().manual_seed(0)
-        grid = self._int16_grid
-        x = torch.randint(-grid, grid + 1, (CODES_TILE + 3, self._hidden), generator=generator)
-        x[0], x[1] = grid, -grid
-        x[2, ::2], x[2, 1::2] = grid, -grid
-        x_scale = torch.rand(len(x), generator=generator) + 0.5
-        maxima = torch.empty(len(x), -(-rows // PANEL))
-        out = self._native.codes_screen(coded, x.to(torch.int16), x_scale, maxima)
-        scaled = x.double() * x_scale.double()[:, None]
-        allowed = scaled.norm(dim=1)[:, None] * self._error_norms[:rows].double()
-        padded = torch.nn.functional.pad(out, (0, maxima.shape[1] * PANEL - rows), value=float("-inf"))
-        return bool(((out.double() - scaled @ weights.T).abs() <= allowed).all()
-                    and torch.equal(maxima, padded.view(len(x), -1, PANEL).amax(dim=-1)))
+        return codes_kernel_within_bound(self._native, self._coded.panel_rows(0, rows), self._error_norms[:rows],
+                                         self.activations, self._int16_grid, CODES_TILE + 3)
 
     @property
     def kernel(self) -> str:
@@ -345,13 +345,17 @@ class LMHeadScreen:
         return self._approximate_fbgemm(x)
 
     def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One int16 row per row through the C kernel (from the codes or the int8 copy)."""
+        """One int16 row per row through the C kernel (from the codes or the int8 copy), or
+        from the codes one int8 row with a scale per block (`activations` int8)."""
         assert self._native is not None
         rows = x.shape[0]
+        maxima = torch.empty(rows, -(-self.vocab_size // PANEL))
+        if self.activations == "int8":
+            approx, residual = int8_approximate(self._native, self._coded, x, maxima)
+            return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30, maxima
         scale = (x.abs().amax(dim=1) / self._int16_grid).clamp_min(1e-30)
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
-        maxima = torch.empty(rows, -(-self.vocab_size // PANEL))
         if self._from_codes:
             approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima)
         else:

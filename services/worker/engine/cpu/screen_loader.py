@@ -6,8 +6,9 @@ head until it is ready), or not at all (`off`, other devices and dtypes, a head
 with a bias). A failed build is logged and leaves the full head serving.
 
 A head kept as 8-bit weight codes is screened from the codes themselves where the C kernel
-builds (`LMHeadScreen.from_codes`: no int8 copy, 168 MB less on Gemma 3's head); any other
-head from an int8 copy of its float32 weight.
+builds (`LMHeadScreen.from_codes`: no int8 copy, 168 MB less on Gemma 3's head), with hidden
+states rounded to int16 or to int8 (`LM_HEAD_SCREEN_ACTIVATIONS`; codes_screen_int8.py); any
+other head from an int8 copy of its float32 weight.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.config import EngineConfig, require_choice
+from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS
 from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
 from services.worker.engine.cpu.weight_codes import CodedWeight
@@ -44,10 +46,12 @@ class ScreenLoader:
                  native_kernels: bool) -> None:
         require_choice("LM head screen mode", config.lm_head_screen, LM_HEAD_SCREEN_MODES)
         require_choice("LM_HEAD_SCREEN_WEIGHTS", config.lm_head_screen_weights, LM_HEAD_SCREEN_WEIGHTS)
+        require_choice("LM_HEAD_SCREEN_ACTIVATIONS", config.lm_head_screen_activations, ACTIVATIONS)
         if config.lm_head_screen_max_rows < 0:
             raise ValueError("lm_head_screen_max_rows must be >= 0 (0: by the screen's kernel)")
         self.mode = config.lm_head_screen
         self.from_codes = config.lm_head_screen_weights == "auto"
+        self.activations = config.lm_head_screen_activations
         self.setting_max_rows = config.lm_head_screen_max_rows
         self.screen: LMHeadScreen | None = None
         self._softcap = softcap
@@ -96,7 +100,7 @@ class ScreenLoader:
                 return
             screen = None
             if self.from_codes and coded is not None and coded.bits == 8 and native is not None:
-                screen = LMHeadScreen.from_codes(coded, self._softcap, native)
+                screen = LMHeadScreen.from_codes(coded, self._softcap, native, self.activations)
                 if screen is None:
                     log.warning("LM head screen: not from the head's codes; from an int8 copy of it instead")
             if screen is None:     # no 8-bit codes or C kernel, or the codes kernel failed its check
@@ -105,8 +109,8 @@ class ScreenLoader:
                     screen.read_rows_from(coded)
             self.screen = screen
             if self.screen is not None:
-                log.info("LM head screen ready in %.1f s (%s kernel)", time.perf_counter() - started,
-                         self.screen.kernel)
+                log.info("LM head screen ready in %.1f s (%s kernel, %s activations)", time.perf_counter() - started,
+                         self.screen.kernel, self.screen.activations)
         except Exception:   # the full head keeps serving; the failure is only logged
             log.exception("LM head screen could not be built; the full LM head serves every row")
         finally:
