@@ -77,6 +77,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
         cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
         direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
+        cpu_gemm_cache_entries=read.int("CPU_GEMM_CACHE_ENTRIES", 32, minimum=0, maximum=65536),
         cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
         cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
         cpu_compute=read.choice("CPU_COMPUTE", "float32", CPU_COMPUTE_MODES),

@@ -15,7 +15,8 @@ from transformers import PretrainedConfig
 from services.worker.engine.attention import ATTENTION_NAME
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.coded_head import serve_tied_weight_from_codes
-from services.worker.engine.cpu.host_memory import keep_freed_host_memory, release_freed_host_memory
+from services.worker.engine.cpu.host_memory import (bound_gemm_caches, keep_freed_host_memory,
+                                                     release_freed_host_memory)
 from services.worker.engine.cpu.native_build import default_cache_dir as default_kernel_dir
 from services.worker.engine.cpu.screen_loader import ScreenLoader
 from services.worker.engine.cpu.speedups import Speedups, apply_speedups
@@ -49,6 +50,7 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu":
         keep_freed_host_memory()
+        bound_gemm_caches(config.cpu_gemm_cache_entries)
     model = model if model is not None else _load_model(config.model_dir, dtype)
     model.to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(ATTENTION_NAME)

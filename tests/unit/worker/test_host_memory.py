@@ -1,4 +1,4 @@
-"""The allocator tuning applies once on glibc and is a no-op elsewhere."""
+"""The allocator tuning applies once on glibc and is a no-op elsewhere; the GEMM caches are capped."""
 
 from __future__ import annotations
 
@@ -40,3 +40,28 @@ def test_freed_memory_goes_back() -> None:
     except (OSError, AttributeError):
         pytest.skip("not glibc")
     assert host_memory.release_freed_host_memory()
+
+
+def test_the_gemm_caches_are_capped_unless_the_environment_says_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in host_memory.GEMM_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert host_memory.bound_gemm_caches(0) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "", "LRU_CACHE_CAPACITY": ""}
+    assert host_memory.bound_gemm_caches(32) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "32", "LRU_CACHE_CAPACITY": "32"}
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "8")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
+    assert host_memory.bound_gemm_caches(64) == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64", "LRU_CACHE_CAPACITY": "8"}
+
+
+def test_a_cpu_engine_caps_the_gemm_caches_before_its_first_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.engine import Engine, EngineConfig
+    from tests.fixtures.tiny_model import build_model, gemma3_config
+
+    for name in host_memory.GEMM_CACHE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    seen: list[dict[str, str]] = []
+    original = host_memory.bound_gemm_caches
+    monkeypatch.setattr("services.worker.engine.model.bound_gemm_caches",
+                        lambda entries: seen.append(original(entries)) or seen[-1])
+    Engine(EngineConfig(model_dir="", num_blocks=16, block_size=4, cpu_gemm_cache_entries=24),
+           model=build_model(gemma3_config()))
+    assert seen == [{"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "24", "LRU_CACHE_CAPACITY": "24"}]

@@ -12,6 +12,12 @@ The flip side: everything freed while the model is prepared (load buffers, the
 LM head screen's quantization temporaries, packs that were replaced) would stay
 resident too, so `release_freed_host_memory` hands free pages back once, after
 preparation; the steps' buffers come back on the first steps and stay.
+
+The GEMM libraries keep memory per shape: oneDNN's primitive cache and torch's (ideep's) LRU
+cache of GEMM computations each hold up to 1024 entries by default, and every prefill step of
+a new row count adds one per weight shape (~6 MB a row count on Gemma 3 270M's five). A
+server sees hundreds of row counts, so the worker grew without a visible bound;
+`bound_gemm_caches` caps both (their environment variables, read when the first GEMM runs).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +46,19 @@ def keep_freed_host_memory() -> bool:
     if _applied is None:
         _applied = _tune_glibc()
     return _applied
+
+
+GEMM_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_gemm_caches(entries: int) -> dict[str, str]:
+    """Caps oneDNN's and torch's GEMM caches at `entries` shapes each (0 leaves their defaults),
+    unless the environment already sets them; returns what the process now has. Effective
+    only before this process's first oneDNN GEMM (the engine calls it first thing on CPU)."""
+    if entries > 0:
+        for name in GEMM_CACHE_VARIABLES:
+            os.environ.setdefault(name, str(entries))
+    return {name: os.environ.get(name, "") for name in GEMM_CACHE_VARIABLES}
 
 
 def release_freed_host_memory() -> bool:
