@@ -80,7 +80,7 @@ def test_the_int8_kernel_refuses_what_it_does_not_take(native: NativeInt8Matmul,
                                                        coder: NativeCodedLinear) -> None:  # noqa: F811
     coded = random_codes(64, 64, 32, seed=1)
     with pytest.raises(ValueError, match="32 entries"):
-        native.codes_screen_quads(coded, torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 1))
+        native.codes_screen_quads(coded, torch.zeros(2, 32, dtype=torch.int8), torch.ones(2, 2))
     with pytest.raises(ValueError, match="int8"):
         native.codes_screen_quads(coded, torch.zeros(2, 64, dtype=torch.int16), torch.ones(2, 2))
     with pytest.raises(ValueError, match="scales"):

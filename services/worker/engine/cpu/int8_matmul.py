@@ -99,23 +99,7 @@ class NativeInt8Matmul:
         @ weight.T from the 8-bit codes of `coded` (native/codes_screen.c rounds only in
         float32, see there); with `maxima` ([rows, ceil(V / PANEL)] float32) also each row's
         largest output in each panel of PANEL tokens."""
-        if coded.bits != 8:
-            raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
-        rows, in_features = x.shape
-        if in_features != coded.in_features or x.dtype != torch.int16:
-            raise ValueError(f"codes screen: int16 rows of {in_features} entries for a head of {coded.in_features}")
-        if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
-            raise ValueError("codes screen: codes, scales and offsets must be contiguous")
-        x, x_scale = x.contiguous(), x_scale.float().contiguous()
-        out = torch.empty(rows, coded.out_features)
-        status = self._codes_screen(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
-                                    coded.group, x.data_ptr(), x_scale.data_ptr(), out.data_ptr(),
-                                    _pointer(maxima, rows, coded.out_features), coded.out_features,
-                                    coded.in_features, rows, torch.get_num_threads())
-        if status:
-            raise ValueError(f"codes screen: shapes it does not take ({coded.out_features} x "
-                             f"{coded.in_features}, group {coded.group})" if status == 1 else "codes screen: no memory")
-        return out
+        return self._from_codes(self._codes_screen, "", coded, x, torch.int16, x_scale.float(), maxima)
 
     def codes_screen_quads(self, coded: CodedWeight, x: torch.Tensor, x_scales: torch.Tensor,
                            maxima: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,24 +109,29 @@ class NativeInt8Matmul:
         as in `codes_screen`."""
         if not self.has_codes_quads:
             raise ValueError("codes screen: built without the int8 kernel (AVX-512 VNNI and VBMI)")
+        blocks = coded.in_features // coded.group
+        if tuple(x_scales.shape) != (x.shape[0], blocks):
+            raise ValueError(f"codes screen: scales {tuple(x_scales.shape)} for {x.shape[0]} rows of {blocks} blocks")
+        return self._from_codes(self._codes_quads, "the int8 kernel ", coded, x, torch.int8, x_scales.float(), maxima)
+
+    def _from_codes(self, function: ctypes._CFuncPtr, kernel: str, coded: CodedWeight, x: torch.Tensor,
+                    dtype: torch.dtype, scales: torch.Tensor, maxima: torch.Tensor | None) -> torch.Tensor:
+        """One of the codes kernels on rows `x` of `dtype` with their `scales`, checked first."""
         if coded.bits != 8:
             raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
         rows, in_features = x.shape
-        blocks = coded.in_features // coded.group
-        if in_features != coded.in_features or x.dtype != torch.int8:
-            raise ValueError(f"codes screen: int8 rows of {in_features} entries for a head of {coded.in_features}")
-        if tuple(x_scales.shape) != (rows, blocks):
-            raise ValueError(f"codes screen: scales {tuple(x_scales.shape)} for {rows} rows of {blocks} blocks")
+        if in_features != coded.in_features or x.dtype != dtype:
+            raise ValueError(f"codes screen: {str(dtype).removeprefix('torch.')} rows of {in_features} entries "
+                             f"for a head of {coded.in_features}")
         if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
             raise ValueError("codes screen: codes, scales and offsets must be contiguous")
-        x, x_scales = x.contiguous(), x_scales.float().contiguous()
+        x, scales = x.contiguous(), scales.contiguous()
         out = torch.empty(rows, coded.out_features)
-        status = self._codes_quads(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
-                                   coded.group, x.data_ptr(), x_scales.data_ptr(), out.data_ptr(),
-                                   _pointer(maxima, rows, coded.out_features), coded.out_features,
-                                   coded.in_features, rows, torch.get_num_threads())
+        status = function(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(), coded.group,
+                          x.data_ptr(), scales.data_ptr(), out.data_ptr(), _pointer(maxima, rows, coded.out_features),
+                          coded.out_features, coded.in_features, rows, torch.get_num_threads())
         if status:
-            raise ValueError(f"codes screen: shapes the int8 kernel does not take ({coded.out_features} x "
+            raise ValueError(f"codes screen: shapes {kernel}it does not take ({coded.out_features} x "
                              f"{coded.in_features}, group {coded.group})" if status == 1 else "codes screen: no memory")
         return out
 
