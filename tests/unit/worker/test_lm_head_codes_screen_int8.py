@@ -7,6 +7,7 @@ build, and how the activations are chosen (by setting, or timed)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -159,17 +160,20 @@ def test_the_check_rejects_an_int8_kernel_off_its_bound(head: tuple[torch.Tensor
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     kernel = load_native_matmul(default_cache_dir())       # an instance of its own to break
     assert kernel is not None
-    original = kernel.codes_screen_quads
 
-    def off(*args, **kwargs) -> torch.Tensor:
-        out = original(*args, **kwargs)
-        out[QUADS_TILE + 1, 100] += float(out.abs().max()) * 1e-3     # one output, in the second tile
-        return out
+    def off(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def kernel_off(*args, **kwargs) -> torch.Tensor:
+            out = original(*args, **kwargs)
+            out[QUADS_TILE + 1, 100] += float(out.abs().max()) * 1e-3     # one output, in the second tile
+            return out
+        return kernel_off
 
-    monkeypatch.setattr(kernel, "codes_screen_quads", off)
+    monkeypatch.setattr(kernel, "codes_screen_quads", off(kernel.codes_screen_quads))
+    # The int16 kernel, checked on its own, screens instead (no int8 copy of the head).
+    fallback = LMHeadScreen.from_codes(head[1], None, kernel, "int8")
+    assert fallback is not None and fallback.activations == "int16" and fallback.kernel == "codes"
+    monkeypatch.setattr(kernel, "codes_screen", off(kernel.codes_screen))
     assert LMHeadScreen.from_codes(head[1], None, kernel, "int8") is None
-    int16 = LMHeadScreen.from_codes(head[1], None, kernel, "int16")      # the other kernel is not touched
-    assert int16 is not None and int16.activations == "int16"
 
 
 # ---- choosing the activations --------------------------------------------------------------

@@ -38,9 +38,8 @@ scale * code + offset in every block of 16 or 32 inputs; Gemma's Q8_0 head is), 
 needs no int8 copy at all (`from_codes`): the same C kernel multiplies the int16 rows with
 the codes themselves, exactly in int32 within each block, and applies each block's scale
 and offset in float32. The weight side of the bound is then exact, and what is left of
-|x| * |w_r - q(w_r)| is the kernel's float32 rounding (codes_screen_bound.py). There the
-rows may instead be rounded to int8 with a scale per block (codes_screen_int8.py: twice the
-multiply-adds an instruction, a looser activation term, so a few more candidates).
+|x| * |w_r - q(w_r)| is the kernel's float32 rounding (codes_screen_bound.py). Or the rows
+are int8 with a scale per block (codes_screen_int8.py: faster, a few more candidates).
 """
 
 from __future__ import annotations
@@ -154,8 +153,8 @@ class LMHeadScreen:
                    activations: str = "int16") -> LMHeadScreen | None:
         """A screen of the head `coded` stands for, from its 8-bit codes alone (no int8 copy,
         no float32 weight), or None without the C kernel, for narrow codes, or where the
-        kernel fails its check. `activations`: int16, int8 (where its kernel runs, else
-        int16) or auto (the faster here; codes_screen_int8.py)."""
+        kernel fails its check. `activations`: int16, int8 (where its kernel runs and passes
+        its check, else int16) or auto (the faster here; codes_screen_int8.py)."""
         if native is None or coded.bits != 8 or coded.in_features < 2:
             return None
         if activations not in ACTIVATIONS:
@@ -167,7 +166,10 @@ class LMHeadScreen:
             activations = "int16"
         screen = cls.__new__(cls)
         screen._init_from_codes(coded, softcap, native, activations)
-        return screen._checked()
+        checked = screen._checked()
+        if checked is None and activations == "int8":
+            return cls.from_codes(coded, softcap, native, "int16")      # the int16 kernel, checked on its own
+        return checked
 
     def _init_from_codes(self, coded: CodedWeight, softcap: float | None, native: NativeInt8Matmul,
                          activations: str) -> None:
@@ -345,8 +347,7 @@ class LMHeadScreen:
         return self._approximate_fbgemm(x)
 
     def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One int16 row per row through the C kernel (from the codes or the int8 copy), or
-        from the codes one int8 row with a scale per block (`activations` int8)."""
+        """One int16 (or from the codes int8) row per row through the C kernel."""
         assert self._native is not None
         rows = x.shape[0]
         maxima = torch.empty(rows, -(-self.vocab_size // PANEL))
