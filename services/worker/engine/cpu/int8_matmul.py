@@ -1,7 +1,8 @@
 """The C kernel of the LM head screen (native/int8_matmul.c) through ctypes: int16
 activation rows times an int8 head packed in panels or times the head's 8-bit weight codes,
-int8 rows (a scale per block) times those codes, each row's top-k, the entries above a threshold, and float32 dot products of chosen (row,
-token) pairs. lm_head_screen.py says how the screen uses them."""
+int8 rows (a scale per block) times those codes, each row's top-k, the entries above a
+threshold, and float32 dot products of chosen (row, token) pairs. lm_head_screen.py says
+how the screen uses them."""
 
 from __future__ import annotations
 
