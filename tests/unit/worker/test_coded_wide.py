@@ -4,10 +4,12 @@ into a shared scratch (coded_wide.py), in oneDNN's own pack layout where it is k
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 
-from services.worker.engine.cpu import onednn_layout
+from services.worker.engine.cpu import cpu_linear, onednn_layout
 from services.worker.engine.cpu.coded_wide import WideFromCodes
 from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
 from services.worker.engine.cpu.native_build import default_cache_dir
@@ -17,6 +19,15 @@ from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matc
 from tests.unit.worker.test_weight_codes import _engine, coded_weight, snap_to_codes
 
 ONEDNN = kernel_available("onednn", torch.float32)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad() -> Iterator[None]:
+    """As the engine runs its steps: with autograd on, oneDNN's linear takes a bias that
+    requires grad through another path, whose last bits differ from the pack's on some CPUs
+    (a 2-core AMD EPYC Zen 3, AVX2)."""
+    with torch.no_grad():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +169,29 @@ def test_auto_keeps_the_packs_when_a_layer_shape_has_no_written_pack() -> None:
     assert engine.prepared.speedups.prefill_weights == "packs"
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not engine.prepared.lm_head]
     assert layers and all(m.wide is None for m in layers)
+
+
+@pytest.mark.skipif(not (ONEDNN and kernel_available("mkl", torch.float32)), reason="needs both float32 kernels")
+@pytest.mark.parametrize(("onednn_seconds", "prefill_weights"), [(1.1, "auto"), (1.5, "auto"), (1.1, "packs")])
+def test_auto_takes_onednn_and_the_codes_unless_mkl_is_much_faster(monkeypatch: pytest.MonkeyPatch,
+                                                                   onednn_seconds: float,
+                                                                   prefill_weights: str) -> None:
+    """Under `auto` a calibration that puts MKL ahead by less than PREFILL_CODES_TOLERANCE still
+    gives the layers oneDNN's pack, written from the codes; further ahead, or under `packs`,
+    the layers keep MKL's packs and their float32 weights."""
+    monkeypatch.setattr(cpu_linear, "_prefill_seconds", {"mkl": 1.0, "onednn": onednn_seconds})
+    reference = build_model(gemma3_config(num_key_value_heads=4))
+    assert snap_to_codes(reference) > 0
+    engine = _engine(reference, cpu_prefill_weights=prefill_weights)
+    layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not engine.prepared.lm_head]
+    within = prefill_weights == "auto" and onednn_seconds <= cpu_linear.PREFILL_CODES_TOLERANCE
+    assert engine.prefill_linear_kernel == ("onednn" if within else "mkl")
+    if not within:
+        assert engine.prepared.speedups.prefill_weights == "packs"
+        assert all(m.kernel == "mkl" and m.packed is not None and m.weight is not None for m in layers)
+    elif engine.prepared.speedups.prefill_weights == "codes":
+        assert all(m.packed is None and m.weight is None for m in layers)
+    else:      # oneDNN's pack layout is another one on this CPU: its own packs serve
+        assert all(m.kernel == "onednn" and m.packed is not None for m in layers)
+    prompts = {"a": prompt_of(40, 1), "b": prompt_of(70, 2)}
+    assert Driver(engine).run(prompts, 8) == Driver(_engine(reference, cpu_prefill_weights="packs")).run(prompts, 8)

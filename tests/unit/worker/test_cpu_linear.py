@@ -92,14 +92,26 @@ def test_the_prefill_kernel_is_measured_once_per_process(monkeypatch: pytest.Mon
         calls.append(kernel)
         return 1.0 if kernel == "mkl" else 2.0
 
-    monkeypatch.setattr(cpu_linear, "_chosen_prefill_kernel", None)
+    monkeypatch.setattr(cpu_linear, "_prefill_seconds", None)
     monkeypatch.setattr(cpu_linear, "_time_prefill_kernel", fake_time)
     assert cpu_linear.choose_prefill_kernel() == "mkl"
     assert cpu_linear.choose_prefill_kernel() == "mkl"
+    assert cpu_linear.choose_prefill_kernel(prefer="onednn", tolerance=2.5) == "onednn"   # the same measurement
     assert sorted(calls) == ["mkl", "onednn"]
     assert cpu_linear.choose_prefill_kernel(lambda kernel: {"mkl": 3.0, "onednn": 1.0}[kernel]) == "onednn"
     for kernel in ("mkl", "onednn"):
         assert 0.0 < cpu_linear._time_prefill_kernel(kernel, repeats=1) < 60.0
+
+
+@pytest.mark.parametrize(("mkl", "onednn", "tolerance", "expected"),
+                         [(1.0, 1.1, 1.15, "onednn"), (1.0, 1.15, 1.15, "onednn"), (1.0, 1.2, 1.15, "mkl"),
+                          (1.0, 1.1, 1.0, "mkl"), (1.2, 1.0, 1.0, "onednn"), (1.2, 1.0, 1.15, "onednn")])
+def test_a_preferred_prefill_kernel_is_taken_within_its_tolerance(mkl: float, onednn: float, tolerance: float,
+                                                                  expected: str) -> None:
+    if not (kernel_available("mkl", torch.float32) and kernel_available("onednn", torch.float32)):
+        pytest.skip("needs both float32 kernels")
+    seconds = {"mkl": mkl, "onednn": onednn}
+    assert cpu_linear.choose_prefill_kernel(seconds.__getitem__, prefer="onednn", tolerance=tolerance) == expected
 
 
 @pytest.mark.parametrize("kernel", [k for k in ("mkl", "onednn") if kernel_available(k, torch.float32)])

@@ -152,23 +152,35 @@ def _fastest(kernels: Sequence[str], timer: Callable[[str], float], what: str) -
     return chosen
 
 
-_chosen_prefill_kernel: str | None = None
+# oneDNN's prefill pack can be written from a coded layer's codes (coded_wide.py), so that the
+# layer keeps no float32 copy for prefill (~900 MB on the default model); MKL's pack cannot. Where
+# a coded model's wide steps may run from the codes (CPU_PREFILL_WEIGHTS=auto), oneDNN is taken
+# for prefill unless MKL ran the calibration chunk more than this much faster. (On a 2-core AMD
+# EPYC Zen 3 the calibration put MKL 11 % ahead at 256 rows, and W1's prefill and end-to-end
+# rates at a 2,048-token budget came out the same on either.)
+PREFILL_CODES_TOLERANCE = 1.15
+
+_prefill_seconds: dict[str, float] | None = None
 
 
-def choose_prefill_kernel(timer: Callable[[str], float] | None = None) -> str | None:
-    """The packed float32 kernel that runs a prefill-sized chunk faster here (MKL's packed
-    sgemm was ~11 % faster than oneDNN's at 512 rows on an Intel Xeon), or None where only
-    one is available. The measured choice is kept for the process."""
-    global _chosen_prefill_kernel
+def choose_prefill_kernel(timer: Callable[[str], float] | None = None, prefer: str | None = None,
+                          tolerance: float = 1.0) -> str | None:
+    """The packed float32 kernel for prefill-sized chunks, or None where neither is available:
+    the one the calibration runs faster (MKL's packed sgemm was ~11 % faster than oneDNN's at
+    512 rows on an Intel Xeon), or `prefer` where it is within `tolerance` x the faster one's
+    time. The measurement is kept for the process."""
+    global _prefill_seconds
     available = [kernel for kernel in ("mkl", "onednn") if kernel_available(kernel, torch.float32)]
     if len(available) < 2:
         return available[0] if available else None
-    measured = timer is None
-    if measured and _chosen_prefill_kernel is not None:
-        return _chosen_prefill_kernel
-    chosen = _fastest(available, timer or _time_prefill_kernel, "prefill")
-    if measured:
-        _chosen_prefill_kernel = chosen
+    if timer is None and _prefill_seconds is None:
+        _prefill_seconds = {kernel: _time_prefill_kernel(kernel) for kernel in available}
+    seconds = _prefill_seconds if timer is None else {kernel: timer(kernel) for kernel in available}
+    fastest = min(seconds, key=seconds.__getitem__)
+    chosen = prefer if prefer in seconds and seconds[prefer] <= tolerance * seconds[fastest] else fastest
+    log.info("packed float32 prefill kernel: %s (calibration: %s%s)", chosen,
+             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()),
+             f"; {prefer} taken within {tolerance - 1:.0%} of the fastest" if chosen != fastest else "")
     return chosen
 
 

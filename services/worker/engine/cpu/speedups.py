@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,9 +25,9 @@ from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
                                                      require_bfloat16_cpu)
 from services.worker.engine.cpu.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
-from services.worker.engine.cpu.cpu_linear import (ALL_ROWS, PREFILL_PACK_ROWS_HINT, KernelPlan, PackedLinear,
-                                                   choose_prefill_kernel, kernel_available, pack_linears,
-                                                   resolve_kernel_plan)
+from services.worker.engine.cpu.cpu_linear import (ALL_ROWS, PREFILL_CODES_TOLERANCE, PREFILL_PACK_ROWS_HINT,
+                                                   KernelPlan, PackedLinear, choose_prefill_kernel, kernel_available,
+                                                   pack_linears, resolve_kernel_plan)
 from services.worker.engine.cpu.direct_forward import DirectForward
 from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
 from services.worker.engine.cpu.fused_norms import fuse_rms_norms
@@ -215,17 +216,27 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
                  ", ".join(f"{count} of {bits} bits" for bits, count in sorted(widths.items())),
                  sum(linear.coded.nbytes for linear in coded) / 1e6, time.perf_counter() - started)
         # The layers' packs now serve prefill chunks only: the kernel faster there may be
-        # another. (The LM head's keeps its kernel: past 32 rows it only serves prompt logprobs.)
-        # (Under CPU_COMPUTE=bfloat16 bfloat16 packs serve those chunks, and these are dropped.)
-        prefill_kernel = (choose_prefill_kernel() if target.config.cpu_linear_kernel == "auto"
-                          and target.config.cpu_compute == "float32"
-                          and target.config.cpu_prefill_weights != "codes" else None)
+        # another, and under CPU_PREFILL_WEIGHTS=auto oneDNN's, which can be written from the
+        # codes (`_wide_from_codes`), unless it is much slower. (The LM head's keeps its kernel:
+        # past 32 rows it only serves prompt logprobs. Under CPU_COMPUTE=bfloat16 bfloat16 packs
+        # serve those chunks, and these are dropped.)
+        config = target.config
+        prefill_kernel = (choose_prefill_kernel(**_prefill_preference(config.cpu_prefill_weights))
+                          if config.cpu_linear_kernel == "auto" and config.cpu_compute == "float32"
+                          and config.cpu_prefill_weights != "codes" else None)
         if prefill_kernel is not None:
             for linear in coded:
                 if linear is not done.lm_head and linear.kernel != prefill_kernel:
                     linear.repack_for_prefill(prefill_kernel)
             done.prefill_linear_kernel = prefill_kernel
     return len(coded)
+
+
+def _prefill_preference(prefill_weights: str) -> dict[str, Any]:
+    """choose_prefill_kernel's preference for CPU_PREFILL_WEIGHTS: `auto` takes oneDNN within
+    PREFILL_CODES_TOLERANCE of MKL, since its pack can be written from the codes; `packs` the
+    faster kernel."""
+    return {"prefer": "onednn", "tolerance": PREFILL_CODES_TOLERANCE} if prefill_weights == "auto" else {}
 
 
 def _narrow_codes(mode: str, kernel: NativeCodedLinear) -> bool:
