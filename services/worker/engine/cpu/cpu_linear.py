@@ -59,6 +59,9 @@ CALIBRATION_ROWS = (1, 8, 32)
 # What the prefill calibration times: a layer-sized weight at a prefill chunk's row count.
 PREFILL_CALIBRATION_SHAPE = (2048, 640)
 PREFILL_CALIBRATION_ROWS = 256
+# Rounds of it, alternating the kernels, each kernel's best kept: one round's ratio moved
+# between 0.75 and 1.11 from start to start on a 2-core AMD EPYC Zen 3.
+PREFILL_CALIBRATION_ROUNDS = 5
 
 
 @dataclass(frozen=True)
@@ -156,8 +159,8 @@ def _fastest(kernels: Sequence[str], timer: Callable[[str], float], what: str) -
 # layer keeps no float32 copy for prefill (~900 MB on the default model); MKL's pack cannot. Where
 # a coded model's wide steps may run from the codes (CPU_PREFILL_WEIGHTS=auto), oneDNN is taken
 # for prefill unless MKL ran the calibration chunk more than this much faster. (On a 2-core AMD
-# EPYC Zen 3 the calibration put MKL 11 % ahead at 256 rows, and W1's prefill and end-to-end
-# rates at a 2,048-token budget came out the same on either.)
+# EPYC Zen 3 a one-round calibration put MKL up to 11 % ahead at 256 rows, and W1's prefill and
+# end-to-end rates at a 2,048-token budget came out the same on either.)
 PREFILL_CODES_TOLERANCE = 1.15
 
 _prefill_seconds: dict[str, float] | None = None
@@ -174,7 +177,10 @@ def choose_prefill_kernel(timer: Callable[[str], float] | None = None, prefer: s
     if len(available) < 2:
         return available[0] if available else None
     if timer is None and _prefill_seconds is None:
-        _prefill_seconds = {kernel: _time_prefill_kernel(kernel) for kernel in available}
+        _prefill_seconds = dict.fromkeys(available, float("inf"))
+        for _ in range(PREFILL_CALIBRATION_ROUNDS):    # alternating: the machine's drift hits both
+            for kernel in available:
+                _prefill_seconds[kernel] = min(_prefill_seconds[kernel], _time_prefill_kernel(kernel))
     seconds = _prefill_seconds if timer is None else {kernel: timer(kernel) for kernel in available}
     fastest = min(seconds, key=seconds.__getitem__)
     chosen = prefer if prefer in seconds and seconds[prefer] <= tolerance * seconds[fastest] else fastest
