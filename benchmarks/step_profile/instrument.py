@@ -16,10 +16,10 @@ Categories (each call's exclusive time):
   second pass runs the same steps through the Python path to split it);
 * forward glue: the rest of the forward (residual adds, views, Python between
   the calls above, the sampled rows' gather);
-* LM head + screen: the logits of the sampled rows (the int8 screen's rows and any
-  full rows), with the screen's int8 pass over the whole vocabulary, its top-k of
-  the approximate logits and its exact logits of the candidates apart; sampler:
-  the token choice from them; sampling glue: the rest;
+* LM head + screen: the logits of the sampled rows (the screen's rows and any
+  full rows), with the screen's integer pass over the whole vocabulary (int8 or
+  int16 activations), its top-k of the approximate logits and its exact logits of
+  the candidates apart; sampler: the token choice from them; sampling glue: the rest;
 * step inputs: the packed ids, positions, slots and attention metadata;
 * planning, commit, and engine Python: the step's planning, the sampled tokens'
   commit, and the rest of `Engine.step` (isolation, result building, pool stats).
@@ -109,7 +109,7 @@ def _instrument_screen(clock: StepClock, engine: Engine) -> None:
     screen = engine.prepared.screen.screen
     if screen is None:
         return
-    screen._approximate = clock.timed("screen: int8 pass", screen._approximate)
+    screen._approximate = clock.timed("screen: integer pass", screen._approximate)
     screen._exact = clock.timed("screen: exact logits", screen._exact)
     if screen._native is not None:
         screen._native.top_k = clock.timed("screen: top-k", screen._native.top_k)
