@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -140,18 +140,20 @@ def choose_float32_kernel(timer: Callable[[str], float] | None = None) -> str:
     if timer is None:
         linears = _calibration_linears()
         timer = lambda kernel: _time_kernel(kernel, linears)  # noqa: E731
-    chosen = _fastest(("mkl", "onednn"), timer, "linear")
+    chosen = _pick({kernel: timer(kernel) for kernel in ("mkl", "onednn")}, "linear")
     if measured:
         _chosen_float32_kernel = chosen
     return chosen
 
 
-def _fastest(kernels: Sequence[str], timer: Callable[[str], float], what: str) -> str:
-    """The kernel `timer` (seconds) finds fastest, logged with every measurement."""
-    seconds = {kernel: timer(kernel) for kernel in kernels}
-    chosen = min(seconds, key=seconds.__getitem__)
-    log.info("packed float32 %s kernel: %s (calibration: %s)", what, chosen,
-             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()))
+def _pick(seconds: dict[str, float], what: str, prefer: str | None = None, tolerance: float = 1.0) -> str:
+    """The kernel with the fewest `seconds`, or `prefer` where it is within `tolerance` x that
+    kernel's time, logged with every measurement."""
+    fastest = min(seconds, key=seconds.__getitem__)
+    chosen = prefer if prefer in seconds and seconds[prefer] <= tolerance * seconds[fastest] else fastest
+    log.info("packed float32 %s kernel: %s (calibration: %s%s)", what, chosen,
+             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()),
+             f"; {prefer} taken within {tolerance - 1:.0%} of the fastest" if chosen != fastest else "")
     return chosen
 
 
@@ -182,12 +184,7 @@ def choose_prefill_kernel(timer: Callable[[str], float] | None = None, prefer: s
             for kernel in available:
                 _prefill_seconds[kernel] = min(_prefill_seconds[kernel], _time_prefill_kernel(kernel))
     seconds = _prefill_seconds if timer is None else {kernel: timer(kernel) for kernel in available}
-    fastest = min(seconds, key=seconds.__getitem__)
-    chosen = prefer if prefer in seconds and seconds[prefer] <= tolerance * seconds[fastest] else fastest
-    log.info("packed float32 prefill kernel: %s (calibration: %s%s)", chosen,
-             ", ".join(f"{kernel} {value * 1000:.1f} ms" for kernel, value in seconds.items()),
-             f"; {prefer} taken within {tolerance - 1:.0%} of the fastest" if chosen != fastest else "")
-    return chosen
+    return _pick(seconds, "prefill", prefer, tolerance)
 
 
 def _time_prefill_kernel(kernel: str, repeats: int = 3) -> float:

@@ -16,7 +16,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -221,22 +220,18 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speed
         # past 32 rows it only serves prompt logprobs. Under CPU_COMPUTE=bfloat16 bfloat16 packs
         # serve those chunks, and these are dropped.)
         config = target.config
-        prefill_kernel = (choose_prefill_kernel(**_prefill_preference(config.cpu_prefill_weights))
-                          if config.cpu_linear_kernel == "auto" and config.cpu_compute == "float32"
-                          and config.cpu_prefill_weights != "codes" else None)
+        prefill_kernel = None
+        if config.cpu_linear_kernel == "auto" and config.cpu_compute == "float32":
+            if config.cpu_prefill_weights == "auto":
+                prefill_kernel = choose_prefill_kernel(prefer="onednn", tolerance=PREFILL_CODES_TOLERANCE)
+            elif config.cpu_prefill_weights == "packs":
+                prefill_kernel = choose_prefill_kernel()
         if prefill_kernel is not None:
             for linear in coded:
                 if linear is not done.lm_head and linear.kernel != prefill_kernel:
                     linear.repack_for_prefill(prefill_kernel)
             done.prefill_linear_kernel = prefill_kernel
     return len(coded)
-
-
-def _prefill_preference(prefill_weights: str) -> dict[str, Any]:
-    """choose_prefill_kernel's preference for CPU_PREFILL_WEIGHTS: `auto` takes oneDNN within
-    PREFILL_CODES_TOLERANCE of MKL, since its pack can be written from the codes; `packs` the
-    faster kernel."""
-    return {"prefer": "onednn", "tolerance": PREFILL_CODES_TOLERANCE} if prefill_weights == "auto" else {}
 
 
 def _narrow_codes(mode: str, kernel: NativeCodedLinear) -> bool:
