@@ -116,12 +116,13 @@ def test_the_coded_linear_matches_torch(kernel: NativeCodedLinear, rows: int, wi
     torch.testing.assert_close(kernel(x, coded, bias).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [9, 24, 30, 64])
+@pytest.mark.parametrize("rows", [3, 5, 9, 24, 30, 64])
 @pytest.mark.parametrize("narrow", [False, True])
 def test_many_rows_give_the_few_row_passes_outputs_bit_for_bit(kernel: NativeCodedLinear, rows: int,
                                                                narrow: bool) -> None:
-    """Past 8 rows each input chunk is expanded once for all of them: the same chain of
-    multiply-adds per output as 8 rows at a time, so the same bits."""
+    """Past one pass's rows each input chunk is expanded once for all of them, and passes take
+    part of the panel: the same chain of multiply-adds per output as one row at a time (every
+    code expanded in registers) or 8 at a time, so the same bits."""
     weight = coded_weight(3 * PANEL + 5, 208, 16, 32, seed=rows)    # inputs not a whole number of chunks
     coded = kernel.find(weight)
     assert coded is not None
@@ -132,7 +133,9 @@ def test_many_rows_give_the_few_row_passes_outputs_bit_for_bit(kernel: NativeCod
     x = torch.randn(rows, 208, generator=generator)
     bias = torch.randn(weight.shape[0], generator=generator)
     eights = torch.cat([kernel(x[start:start + 8], coded, bias) for start in range(0, rows, 8)])
+    ones = torch.cat([kernel(x[row:row + 1], coded, bias) for row in range(rows)])
     assert torch.equal(kernel(x, coded, bias), eights)
+    assert torch.equal(eights, ones)
 
 
 def test_the_coded_linear_rejects_mismatched_rows(kernel: NativeCodedLinear) -> None:

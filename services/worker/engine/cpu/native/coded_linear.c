@@ -42,9 +42,16 @@
 #if defined(__AVX512F__)
 #define LANES 16
 #define X_TILE 8          /* activation rows a pass: 8 x 2 accumulators of AVX-512's 32 registers */
+#define CHUNK_TILE 8      /* chunk_pass: rows a pass, over CHUNK_VECTORS vectors of the panel */
+#define CHUNK_VECTORS 2
 #else
 #define LANES 8
 #define X_TILE 2          /* 2 x 4 accumulators of AVX2's 16 */
+/* Half a panel for 4 rows: its 2 weight vectors stay in registers for 8 accumulators (on a
+ * 2-core AMD EPYC Zen 3, 5-10 % faster at 8-30 rows than 2 rows over the whole panel, whose
+ * multiply-adds each reload their weight vector from the buffer). */
+#define CHUNK_TILE 4
+#define CHUNK_VECTORS 2
 #endif
 #define VECTORS (PANEL / LANES)
 #define MAX_CODE 255
@@ -358,22 +365,27 @@ static void expand_chunk(const uint8_t *c, int64_t bits, const float *scales, co
     }
 }
 
-/* acc[r][v] += sum over the chunk's entries of w[k][v] * x[r, k], for nx (a constant) rows. */
+/* acc[r][v] += sum over the chunk's entries of w[k][v] * x[r, k], for nx (a constant) rows and
+ * the panel's vectors v0 .. v0 + CHUNK_VECTORS - 1, whose weights are loaded once an entry. */
 static inline __attribute__((always_inline)) void chunk_pass(const vf *w, int64_t entries, const float *x,
-                                                             int64_t in, const int nx, vf *acc) {
-    vf a[X_TILE][VECTORS];
+                                                             int64_t in, const int nx, int v0, vf *acc) {
+    vf a[CHUNK_TILE][CHUNK_VECTORS];
     for (int r = 0; r < nx; r++)
-        for (int v = 0; v < VECTORS; v++) a[r][v] = acc[r * VECTORS + v];
-    for (int64_t k = 0; k < entries; k++)
+        for (int v = 0; v < CHUNK_VECTORS; v++) a[r][v] = acc[r * VECTORS + v0 + v];
+    for (int64_t k = 0; k < entries; k++) {
+        vf wk[CHUNK_VECTORS];
+        for (int v = 0; v < CHUNK_VECTORS; v++) wk[v] = w[k * VECTORS + v0 + v];
         for (int r = 0; r < nx; r++) {
             const vf xr = splat(x + r * in + k);
-            for (int v = 0; v < VECTORS; v++) a[r][v] += w[k * VECTORS + v] * xr;
+            for (int v = 0; v < CHUNK_VECTORS; v++) a[r][v] += wk[v] * xr;
         }
+    }
     for (int r = 0; r < nx; r++)
-        for (int v = 0; v < VECTORS; v++) acc[r * VECTORS + v] = a[r][v];
+        for (int v = 0; v < CHUNK_VECTORS; v++) acc[r * VECTORS + v0 + v] = a[r][v];
 }
 
-#define PASS_CASE(NX) case NX: if ((NX) <= X_TILE) chunk_pass(w, entries, x, in, NX, acc); break;
+#define PASS_CASE(NX) case NX: if ((NX) <= CHUNK_TILE) \
+    for (int v0 = 0; v0 < VECTORS; v0 += CHUNK_VECTORS) chunk_pass(w, entries, x, in, NX, v0, acc); break;
 
 static void pass_of(const vf *w, int64_t entries, const float *x, int64_t in, int nx, vf *acc) {
     switch (nx) {
@@ -393,8 +405,8 @@ static void panel_rows(const uint8_t *c, const float *scales, const float *offse
     for (int64_t k0 = 0; k0 < in; k0 += CHUNK_ENTRIES) {
         const int64_t entries = in - k0 < CHUNK_ENTRIES ? in - k0 : CHUNK_ENTRIES;
         expand_chunk(c, bits, scales, offsets, group, k0, entries, w);
-        for (int64_t m0 = 0; m0 < rows; m0 += X_TILE) {
-            const int nx = rows - m0 < X_TILE ? (int)(rows - m0) : X_TILE;
+        for (int64_t m0 = 0; m0 < rows; m0 += CHUNK_TILE) {
+            const int nx = rows - m0 < CHUNK_TILE ? (int)(rows - m0) : CHUNK_TILE;
             pass_of(w, entries, x + m0 * in + k0, in, nx, acc + m0 * VECTORS);
         }
     }
