@@ -10,7 +10,8 @@ Times, best of several calls each, alternating the two sides of every row:
     coded kernel on the same codes kept narrow (at the default model's widths: 5 bits for
     q, k, gate, up, 4 for o, 4 / 6 for down and 5 / 8 for v in alternate layers) against 8-bit;
   * the LM head screen's int8 kernel over a 262k x 640 head, and its kernel from a Q8_0 head's
-    8-bit codes with int8 activations against int16 ones (where AVX-512 VNNI and VBMI run it);
+    8-bit codes with int8 activations against int16 ones (where AVX-512 VNNI and VBMI run it;
+    elsewhere the int16 one alone);
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
   * prefill attention over a step's chunks (W1-like fresh chunks, one continuing its sequence,
     one long chunk) in one C call a layer, against SDPA per chunk as the engine calls it;
@@ -159,9 +160,10 @@ def screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
 
 def codes_screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float | None]]:
     """The screen from a Q8_0 head's codes (group 32): int8 activations with a scale per block
-    (codes_screen_int8.py) against int16 ones, rounding included."""
+    (codes_screen_int8.py) against int16 ones, rounding included; where the int8 kernel does not
+    run (no AVX-512 VNNI and VBMI), the int16 one alone."""
     kernel = load_native_matmul(default_cache_dir())
-    if kernel is None or not kernel.has_codes_quads:
+    if kernel is None:
         return []
     panels, group = -(-shapes.vocab // PANEL), 32
     coded = CodedWeight(torch.randint(0, 256, (panels, shapes.hidden, PANEL), dtype=torch.uint8),
@@ -177,6 +179,11 @@ def codes_screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple
             scale = x.abs().amax(dim=1) / 16383
             return kernel.codes_screen(coded, (x / scale[:, None]).round().to(torch.int16), scale)
 
+        if not kernel.has_codes_quads:
+            (seconds,) = best_of(shapes.repeats, int16)
+            results.append((f"LM head screen from 8-bit codes, int16 activations, {shapes.vocab} x "
+                            f"{shapes.hidden}, {rows} rows", seconds, None))
+            continue
         mine, theirs = best_of(shapes.repeats, lambda: int8_screen(kernel, coded, x, None), int16)
         results.append((f"LM head screen from 8-bit codes, int8 vs int16 activations, {shapes.vocab} x "
                         f"{shapes.hidden}, {rows} rows", mine, theirs))
