@@ -16,7 +16,10 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| kernel", "|---"))]
     names = " ".join(rows)
     native = load_native_matmul(default_cache_dir())
-    assert len(rows) == 18 + (3 if native is not None and native.has_codes_quads else 0)
+    assert len(rows) == 18 + (3 if native is not None else 0)      # the codes screen: int8 vs int16, or int16 alone
+    if native is not None:
+        wanted = "int8 vs int16 activations" if native.has_codes_quads else "int16 activations, "
+        assert sum(wanted in row for row in rows) == 3
     for kernel in ("linears", "weight codes", "narrow codes", "LM head screen", "decode attention", "prefill attention",
                    "greedy argmax"):
         assert kernel in names
