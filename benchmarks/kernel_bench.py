@@ -15,7 +15,10 @@ Times, best of several calls each, alternating the two sides of every row:
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
   * prefill attention over a step's chunks (W1-like fresh chunks, one continuing its sequence,
     one long chunk) in one C call a layer, against SDPA per chunk as the engine calls it;
-  * the sampler's greedy argmax against torch's.
+  * the sampler's greedy argmax against torch's;
+  * one layer's 7 linears at prefill steps' rows (a W1 step's ~1,785 and 256) through the
+    native prefill GEMM (prefill_gemm.py, AVX2 and FMA) against oneDNN's packed weights, with
+    whether every output had the same bits (where the GEMM runs).
 Prints a markdown table. Weights are random (the coded ones random codes): the kernels' speed
 does not depend on them.
 """
@@ -37,6 +40,8 @@ from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_decode import load_decode_kernel
 from services.worker.engine.cpu.native_ops import load_skinny_linear
 from services.worker.engine.cpu.native_prefill import load_native_prefill
+from services.worker.engine.cpu.prefill_gemm import PANEL as GEMM_PANEL
+from services.worker.engine.cpu.prefill_gemm import load_prefill_gemm
 from services.worker.engine.cpu.timing import best_alternating
 from services.worker.engine.sampler import row_argmax
 from services.worker.engine.cpu.weight_codes import CodedWeight, load_coded_linear
@@ -272,6 +277,26 @@ def argmax_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, 
     return results
 
 
+def prefill_gemm_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
+    gemm = load_prefill_gemm(default_cache_dir())
+    if gemm is None:
+        return []
+    weights = [torch.randn(out, inp) * 0.02 for out, inp in _layer_shapes(shapes)[:7]]
+    panels = [w.view(w.shape[0] // GEMM_PANEL, GEMM_PANEL, w.shape[1]).transpose(1, 2).contiguous() for w in weights]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 512) for w in weights]
+    results = []
+    for rows in row_counts:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        native = lambda: [gemm(inputs[w.shape[1]], p, w.shape[0]) for w, p in zip(weights, panels)]  # noqa: E731
+        onednn = lambda: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], p, None, "none", [], "")  # noqa: E731
+                          for w, p in zip(weights, packed)]
+        same = all(torch.equal(a, b) for a, b in zip(native(), onednn()))
+        ours, theirs = best_of(shapes.repeats, native, onednn)
+        results.append((f"7 linears of a layer, {rows} rows: native prefill GEMM vs oneDNN packed "
+                        f"({'the same' if same else 'other'} bits)", ours, theirs))
+    return results
+
+
 def prefill_layouts(shapes: Shapes) -> tuple[tuple[tuple[int, int], ...], ...]:
     """A W1 prefill step (six fresh 277-token chunks, one continuing after 100), one 2048-token chunk."""
     if shapes is QUICK:
@@ -296,7 +321,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + narrow_rows(shapes, (1, 8, 32))
             + screen_rows(shapes, (1, 8, 32)) + codes_screen_rows(shapes, (1, 8, 32))
             + attention_rows(shapes, (1, 8)) + prefill_attention_rows(shapes, prefill_layouts(shapes))
-            + argmax_rows(shapes, (1, 8)))
+            + argmax_rows(shapes, (1, 8))
+            + prefill_gemm_rows(shapes, (40, 100) if shapes is QUICK else (256, 1785)))
     header = (f"Kernel benchmark ({'quick' if args.quick else 'full'}): {cpu_name()}, "
               f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, random weights.")
     print(render(rows, header))

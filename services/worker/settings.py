@@ -28,6 +28,7 @@ DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine
 CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/weight_codes.py
 CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
 CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/coded_wide.py
+CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine/cpu/prefill_gemm.py
 GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/grammar.py
 
 
@@ -82,6 +83,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
         cpu_compute=read.choice("CPU_COMPUTE", "float32", CPU_COMPUTE_MODES),
         cpu_prefill_weights=read.choice("CPU_PREFILL_WEIGHTS", "auto", CPU_PREFILL_WEIGHTS_MODES),
+        cpu_prefill_gemm=read.choice("CPU_PREFILL_GEMM", "auto", CPU_PREFILL_GEMM_MODES),
         lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
         lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
         lm_head_screen_weights=read.choice("LM_HEAD_SCREEN_WEIGHTS", "auto", LM_HEAD_SCREEN_WEIGHTS),

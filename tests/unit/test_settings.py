@@ -61,6 +61,7 @@ def test_worker_cuda_graph_settings() -> None:
     ("DECODE_ATTENTION", "decode_attention", "auto", "sdpa", "paged"),
     ("CPU_COMPUTE", "cpu_compute", "float32", "bfloat16", "float16"),
     ("CPU_PREFILL_WEIGHTS", "cpu_prefill_weights", "auto", "packs", "pack"),
+    ("CPU_PREFILL_GEMM", "cpu_prefill_gemm", "auto", "native", "onednn"),
     ("GRAMMAR_TOKENIZER", "grammar_tokenizer", "first_use", "start", "lazy"),
 ])
 def test_worker_kernel_choice_settings(variable: str, field: str, default: str, other: str, bad: str) -> None:

@@ -7,6 +7,7 @@ import pytest
 from benchmarks import kernel_bench
 from services.worker.engine.cpu.lm_head_screen import load_native_matmul
 from services.worker.engine.cpu.native_build import default_cache_dir
+from services.worker.engine.cpu.prefill_gemm import load_prefill_gemm
 
 
 def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> None:
@@ -16,7 +17,11 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith(("| kernel", "|---"))]
     names = " ".join(rows)
     native = load_native_matmul(default_cache_dir())
-    assert len(rows) == 18 + (3 if native is not None else 0)      # the codes screen: int8 vs int16, or int16 alone
+    gemm = load_prefill_gemm(default_cache_dir())
+    # the codes screen: int8 vs int16, or int16 alone; the prefill GEMM where AVX2 runs it
+    assert len(rows) == 18 + (3 if native is not None else 0) + (2 if gemm is not None else 0)
+    if gemm is not None:
+        assert sum("native prefill GEMM vs oneDNN packed" in row for row in rows) == 2
     if native is not None:
         wanted = "int8 vs int16 activations" if native.has_codes_quads else "int16 activations, "
         assert sum(wanted in row for row in rows) == 3

@@ -4,7 +4,8 @@ into a shared scratch (coded_wide.py), in oneDNN's own pack layout where it is k
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from services.worker.engine.cpu import cpu_linear, onednn_layout
 from services.worker.engine.cpu.coded_wide import WideFromCodes
 from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
 from services.worker.engine.cpu.native_build import default_cache_dir
+from services.worker.engine.cpu.prefill_gemm import PANEL, NativePrefillGemm, decide, load_prefill_gemm
 from services.worker.engine.cpu.weight_codes import MAX_ROWS, NativeCodedLinear, load_coded_linear
 from tests.fixtures.tiny_model import build_model, gemma3_config
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
@@ -195,3 +197,101 @@ def test_auto_takes_onednn_and_the_codes_unless_mkl_is_much_faster(monkeypatch: 
         assert all(m.kernel == "onednn" and m.packed is not None for m in layers)
     prompts = {"a": prompt_of(40, 1), "b": prompt_of(70, 2)}
     assert Driver(engine).run(prompts, 8) == Driver(_engine(reference, cpu_prefill_weights="packs")).run(prompts, 8)
+
+
+@pytest.fixture(scope="module")
+def gemm() -> NativePrefillGemm:
+    gemm = load_prefill_gemm(default_cache_dir())
+    if gemm is None:
+        pytest.skip("the native prefill GEMM needs AVX2 and FMA")
+    return gemm
+
+
+def _panels(weight: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = weight.shape
+    return weight.view(out_features // PANEL, PANEL, in_features).transpose(1, 2).contiguous().view(-1)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 300])
+@pytest.mark.parametrize("out_features,in_features", [(16, 8), (48, 40), (32, 1100)])   # 1100: two k blocks
+def test_the_native_gemm_multiplies_a_weight_in_panels(gemm: NativePrefillGemm, rows: int, out_features: int,
+                                                       in_features: int) -> None:
+    generator = torch.Generator().manual_seed(rows * out_features + in_features)
+    x = torch.randn(rows, in_features, generator=generator)
+    weight = torch.randn(out_features, in_features, generator=generator)
+    got = gemm(x, _panels(weight), out_features)
+    assert got.shape == (rows, out_features)
+    torch.testing.assert_close(got.double(), x.double() @ weight.double().T, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got, gemm(x, _panels(weight), out_features))       # the same bits on every call
+
+
+def test_the_native_gemm_refuses_what_it_does_not_take(gemm: NativePrefillGemm) -> None:
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemm(torch.randn(4, 8), torch.zeros(24 * 8), 24)
+    with pytest.raises(ValueError, match="panels of"):
+        gemm(torch.randn(4, 8), torch.zeros(16), 16)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        gemm(torch.randn(8, 4).T, torch.zeros(16 * 8), 16)
+
+
+def _slow(product: Callable[[torch.Tensor], torch.Tensor], seconds: float) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda x: time.sleep(seconds) or product(x)
+
+
+def test_auto_takes_the_native_gemm_only_with_the_same_bits_and_faster() -> None:
+    weight = torch.randn(32, 24, generator=torch.Generator().manual_seed(5))
+    exact = lambda x: x @ weight.T          # noqa: E731
+    other = lambda x: x @ weight.T + 1e-3   # noqa: E731
+    faster = decide("auto", exact, _slow(exact, 0.002), 24)
+    assert faster.serves and faster.same_bits and faster.native_s < faster.library_s
+    assert not decide("auto", _slow(exact, 0.002), exact, 24).serves          # the same bits, slower
+    different = decide("auto", other, _slow(exact, 0.002), 24)
+    assert not different.serves and not different.same_bits
+    assert decide("native", other, exact, 24).serves                           # taken regardless
+    assert not decide("library", exact, _slow(exact, 0.002), 24).serves
+    assert "native (the same bits" in faster.describe() and "library (other bits" in different.describe()
+    with pytest.raises(ValueError, match="CPU_PREFILL_GEMM"):
+        decide("sometimes", exact, exact, 24)
+
+
+@pytest.mark.parametrize("mode", ["auto", "native", "library"])
+def test_wide_steps_through_the_native_gemm(kernel: NativeCodedLinear, gemm: NativePrefillGemm, mode: str) -> None:
+    pairs = [_coded_linear(kernel, out_features, seed, False) for seed, out_features in enumerate((128, 96, 100))]
+    xs = [torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows)) for rows in (MAX_ROWS + 1, 300)]
+    library = WideFromCodes(kernel, onednn=ONEDNN)
+    wide = WideFromCodes(kernel, onednn=ONEDNN, gemm=gemm, gemm_mode=mode)
+    for _, packed in pairs:
+        library.prepare(packed.coded)
+        wide.prepare(packed.coded)
+    verdicts = [wide._native.get((packed.out_features, packed.in_features)) for _, packed in pairs]
+    assert verdicts[2] is None                          # 100 outputs: not whole panels of 16
+    serves = [verdict.serves for verdict in verdicts[:2]]
+    assert serves == [True, True] if mode == "native" else (mode == "auto" or serves == [False, False])
+    assert wide.native_shapes() == sum(serves)
+    for (linear, packed), verdict in zip(pairs, verdicts):
+        for x in xs:
+            got, was = wide(x, packed.coded, None), library(x, packed.coded, None)
+            torch.testing.assert_close(got, linear(x), rtol=1e-5, atol=1e-5)
+            if verdict is None or not verdict.serves or verdict.same_bits:
+                assert torch.equal(got, was)              # under auto: the library's bits exactly
+
+
+@pytest.mark.parametrize("mode", ["native", "auto"])
+def test_an_engine_with_the_native_prefill_gemm_generates_the_same_tokens(gemm: NativePrefillGemm,
+                                                                          mode: str) -> None:
+    reference = build_model(gemma3_config(num_key_value_heads=4))
+    assert snap_to_codes(reference) > 0
+    engine = _engine(reference, cpu_prefill_weights="codes", cpu_prefill_gemm=mode)
+    library = _engine(reference, cpu_prefill_weights="codes", cpu_prefill_gemm="library")
+    assert library.prepared.speedups.native_prefill_shapes == 0
+    if mode == "native":
+        assert engine.prepared.speedups.native_prefill_shapes > 0
+    prompts = {"a": prompt_of(40, 1), "b": prompt_of(70, 2), "c": prompt_of(3, 3)}
+    got = Driver(engine).run(prompts, 10, chunk={"b": 36})
+    assert got == Driver(library).run(prompts, 10, chunk={"b": 36})
+    assert_greedy_matches(reference, prompts, got, 10)
+
+
+def test_an_unknown_prefill_gemm_mode_is_refused() -> None:
+    with pytest.raises(ValueError, match="CPU_PREFILL_GEMM"):
+        _engine(build_model(CONFIGS["gemma3"]()), cpu_prefill_gemm="sometimes")

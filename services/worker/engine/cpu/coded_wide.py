@@ -13,6 +13,10 @@ the same outputs bit for bit (checked once per shape against oneDNN's own reorde
 cost of one expansion per linear per wide step (~0.1 ms for 2048 x 640). Otherwise the
 scratch holds the plain weight, which oneDNN reorders on each call (~0.3-1 ms), or torch's
 linear multiplies it.
+
+With a native GEMM (prefill_gemm.py, CPU_PREFILL_GEMM) the codes of a shape it serves are
+expanded into its panels of 16 columns instead and it multiplies them; `prepare` decides per
+shape, under `auto` only where its outputs are the path's it replaces bit for bit.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 
 from services.worker.engine.cpu import onednn_layout
 from services.worker.engine.cpu.onednn_layout import BlockedPack
+from services.worker.engine.cpu.prefill_gemm import PANEL, NativePrefillGemm, Verdict, decide
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
 
 PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")
@@ -39,12 +44,16 @@ class WideFromCodes:
     `prepare` learned the pack's layout for the shape (the pack's speed), else on the plain
     weight (92-95 % of it at 512 rows, AMD EPYC Zen 5); without, torch's linear."""
 
-    def __init__(self, kernel: NativeCodedLinear, onednn: bool, rows_hint: int = 512) -> None:
+    def __init__(self, kernel: NativeCodedLinear, onednn: bool, rows_hint: int = 512,
+                 gemm: NativePrefillGemm | None = None, gemm_mode: str = "auto") -> None:
         self.kernel = kernel
         self.onednn = onednn
         self.rows_hint = rows_hint          # the row count oneDNN's packs are laid out for
+        self.gemm, self.gemm_mode = gemm, gemm_mode
         self._scratch = torch.empty(0)
+        self._panels = torch.empty(0)       # the native GEMM's weight, [out / 16][in][16]
         self._packs: dict[tuple[int, int], BlockedPack | None] = {}
+        self._native: dict[tuple[int, int], Verdict] = {}
 
     def prepare(self, coded: CodedWeight) -> bool:
         """Learns (once per shape) whether `coded`'s wide steps can multiply a pack written
@@ -52,6 +61,10 @@ class WideFromCodes:
         shape = (coded.out_features, coded.in_features)
         if shape not in self._packs:
             self._packs[shape] = self._learn(coded) if self.onednn else None
+            if self.gemm is not None and coded.out_features % PANEL == 0:
+                self._native[shape] = decide(self.gemm_mode, lambda x: self._native_product(x, coded),
+                                             lambda x: self._library_product(x, coded, None), coded.in_features)
+                log.info("prefill GEMM of %d x %d weights: %s", *shape, self._native[shape].describe())
         return self._packs[shape] is not None
 
     def _learn(self, coded: CodedWeight) -> BlockedPack | None:
@@ -69,7 +82,24 @@ class WideFromCodes:
         """Shapes whose wide steps multiply packs written from the codes."""
         return sum(pack is not None for pack in self._packs.values())
 
+    def native_shapes(self) -> int:
+        """Shapes whose wide steps the native GEMM serves."""
+        return sum(verdict.serves for verdict in self._native.values())
+
     def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        verdict = self._native.get((coded.out_features, coded.in_features))
+        if verdict is not None and verdict.serves and bias is None:
+            return self._native_product(rows, coded)
+        return self._library_product(rows, coded, bias)
+
+    def _native_product(self, rows: torch.Tensor, coded: CodedWeight) -> torch.Tensor:
+        entries = coded.in_features * coded.out_features
+        if self._panels.numel() < entries:
+            self._panels = torch.empty(entries)
+        self.kernel.expand_blocked(coded, self._panels.data_ptr(), PANEL)
+        return self.gemm(rows, self._panels, coded.out_features)
+
+    def _library_product(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         pack = self._packs.get((coded.out_features, coded.in_features)) if self.onednn else None
         if pack is not None:
             self.kernel.expand_blocked(coded, pack.address, pack.block)

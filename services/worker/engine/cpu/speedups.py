@@ -24,6 +24,8 @@ from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
                                                      require_bfloat16_cpu)
 from services.worker.engine.cpu.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
+from services.worker.engine.cpu.prefill_gemm import MODES as PREFILL_GEMM_MODES
+from services.worker.engine.cpu.prefill_gemm import load_prefill_gemm
 from services.worker.engine.cpu.cpu_linear import (ALL_ROWS, PREFILL_CODES_TOLERANCE, PREFILL_PACK_ROWS_HINT,
                                                    KernelPlan, PackedLinear, choose_prefill_kernel, kernel_available,
                                                    pack_linears, resolve_kernel_plan)
@@ -58,6 +60,7 @@ class Speedups:
     direct: DirectForward | None = None
     dropped_bytes: int = 0                 # weight copies the coded linears made unneeded, let go
     prefill_weights: str = "packs"         # what the coded layers' wide steps multiply: packs or codes
+    native_prefill_shapes: int = 0         # weight shapes whose wide steps the native GEMM serves
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     target = _Target(config, device, dtype, kernel_cache_dir)
     _check_compute(target)
     require_choice("CPU_PREFILL_WEIGHTS", config.cpu_prefill_weights, PREFILL_WEIGHTS_MODES)
+    require_choice("CPU_PREFILL_GEMM", config.cpu_prefill_gemm, PREFILL_GEMM_MODES)
     done = Speedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
     native_ops = load_elementwise(kernel_cache_dir) if done.native_kernels else None
     done.fused_norms = fuse_rms_norms(base, native_ops)
@@ -88,17 +92,20 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
     done.bfloat16 = apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
-    wide = _wide_from_codes(config, base, done.lm_head)
+    wide = _wide_from_codes(target, base, done.lm_head)
     done.prefill_weights = "codes" if wide is not None else "packs"
+    done.native_prefill_shapes = wide.native_shapes() if wide is not None else 0
     done.dropped_bytes = _drop_unserved_copies(base, done.lm_head, wide)
     return done
 
 
-def _wide_from_codes(config: EngineConfig, base: torch.nn.Module, lm_head: torch.nn.Module) -> WideFromCodes | None:
+def _wide_from_codes(target: _Target, base: torch.nn.Module, lm_head: torch.nn.Module) -> WideFromCodes | None:
     """What the coded layers' wide steps multiply (CPU_PREFILL_WEIGHTS): their float32 packs
     (None), or the weight expanded from their codes. `auto` takes the codes where every
     coded layer's pack is oneDNN's and a pack written from its codes stands in for it
-    (coded_wide.py): the same kernel on the same bytes, without the pack's ~380 MB."""
+    (coded_wide.py): the same kernel on the same bytes, without the pack's ~380 MB. From the
+    codes, the native GEMM (CPU_PREFILL_GEMM, prefill_gemm.py) may serve a shape instead."""
+    config = target.config
     layers = [linear for linear in _packed_linears(base, lm_head) if linear is not lm_head and linear.coded is not None]
     mode = config.cpu_prefill_weights
     if mode == "packs" or not layers or (mode == "auto" and config.cpu_compute != "float32"):
@@ -107,9 +114,11 @@ def _wide_from_codes(config: EngineConfig, base: torch.nn.Module, lm_head: torch
                         "a checkpoint whose weights are not exact codes, or not float32 on CPU): nothing changes")
         return None
     onednn = kernel_available("onednn", torch.float32)
-    wide = WideFromCodes(layers[0].coded_kernel, onednn, PREFILL_PACK_ROWS_HINT)
+    gemm = load_prefill_gemm(target.kernel_cache_dir) if config.cpu_prefill_gemm != "library" else None
+    wide = WideFromCodes(layers[0].coded_kernel, onednn, PREFILL_PACK_ROWS_HINT, gemm, config.cpu_prefill_gemm)
     same_kernel = all(linear.kernel == "onednn" and linear.max_packed_rows == ALL_ROWS for linear in layers)
-    blocked = all([wide.prepare(linear.coded) for linear in layers]) if onednn else False
+    prepared = [wide.prepare(linear.coded) for linear in layers]      # every shape: its pack, its GEMM
+    blocked = onednn and all(prepared)
     if mode == "auto" and not (same_kernel and blocked):
         log.info("prefill: the layers' float32 packs serve wide steps (%s)",
                  "no pack written from codes stands in for oneDNN's here" if same_kernel
