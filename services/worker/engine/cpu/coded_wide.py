@@ -15,7 +15,7 @@ scratch holds the plain weight, which oneDNN reorders on each call (~0.3-1 ms), 
 linear multiplies it.
 
 With a native GEMM (prefill_gemm.py, CPU_PREFILL_GEMM) the codes of a shape it serves are
-expanded into its panels of 16 columns instead and it multiplies them; `prepare` decides per
+expanded into its panels of 16 columns instead and it multiplies them; `prepare_gemm` decides per
 shape, under `auto` only where its outputs are the path's it replaces bit for bit.
 """
 
@@ -61,11 +61,18 @@ class WideFromCodes:
         shape = (coded.out_features, coded.in_features)
         if shape not in self._packs:
             self._packs[shape] = self._learn(coded) if self.onednn else None
-            if self.gemm is not None and coded.out_features % PANEL == 0:
-                self._native[shape] = decide(self.gemm_mode, lambda x: self._native_product(x, coded),
-                                             lambda x: self._library_product(x, coded, None), coded.in_features)
-                log.info("prefill GEMM of %d x %d weights: %s", *shape, self._native[shape].describe())
         return self._packs[shape] is not None
+
+    def prepare_gemm(self, coded: CodedWeight) -> bool:
+        """Decides (once per shape, after `prepare`) whether the native GEMM serves `coded`'s
+        wide steps (prefill_gemm.decide); whether it does."""
+        shape = (coded.out_features, coded.in_features)
+        self.prepare(coded)
+        if shape not in self._native and self.gemm is not None and coded.out_features % PANEL == 0:
+            self._native[shape] = decide(self.gemm_mode, lambda x: self._native_product(x, coded),
+                                         lambda x: self._library_product(x, coded, None), coded.in_features)
+            log.info("prefill GEMM of %d x %d weights: %s", *shape, self._native[shape].describe())
+        return shape in self._native and self._native[shape].serves
 
     def _learn(self, coded: CodedWeight) -> BlockedPack | None:
         """A pack of the shape whose layout the codes can be written in, checked on `coded`:

@@ -117,15 +117,16 @@ def _wide_from_codes(target: _Target, base: torch.nn.Module, lm_head: torch.nn.M
     gemm = load_prefill_gemm(target.kernel_cache_dir) if config.cpu_prefill_gemm != "library" else None
     wide = WideFromCodes(layers[0].coded_kernel, onednn, PREFILL_PACK_ROWS_HINT, gemm, config.cpu_prefill_gemm)
     same_kernel = all(linear.kernel == "onednn" and linear.max_packed_rows == ALL_ROWS for linear in layers)
-    prepared = [wide.prepare(linear.coded) for linear in layers]      # every shape: its pack, its GEMM
-    blocked = onednn and all(prepared)
+    blocked = all([wide.prepare(linear.coded) for linear in layers]) if onednn else False
     if mode == "auto" and not (same_kernel and blocked):
         log.info("prefill: the layers' float32 packs serve wide steps (%s)",
                  "no pack written from codes stands in for oneDNN's here" if same_kernel
                  else "oneDNN does not pack these layers' prefill here")
         return None
-    log.info("prefill: the layers' wide steps multiply their weights expanded from the codes (%s)",
-             f"into oneDNN's pack layout, {wide.blocked_shapes()} shapes" if blocked else "plain weights")
+    native = sum(wide.prepare_gemm(linear.coded) for linear in layers)
+    log.info("prefill: the layers' wide steps multiply their weights expanded from the codes (%s; %d of %d "
+             "linears through the native GEMM)", f"into oneDNN's pack layout, {wide.blocked_shapes()} shapes"
+             if blocked else "plain weights", native, len(layers))
     return wide
 
 
