@@ -50,8 +50,7 @@ class WideFromCodes:
         self.onednn = onednn
         self.rows_hint = rows_hint          # the row count oneDNN's packs are laid out for
         self.gemm, self.gemm_mode = gemm, gemm_mode
-        self._scratch = torch.empty(0)
-        self._panels = torch.empty(0)       # the native GEMM's weight, [out / 16][in][16]
+        self._scratch = torch.empty(0)      # a plain weight, or the native GEMM's panels [out / 16][in][16]
         self._packs: dict[tuple[int, int], BlockedPack | None] = {}
         self._native: dict[tuple[int, int], Verdict] = {}
 
@@ -99,22 +98,24 @@ class WideFromCodes:
             return self._native_product(rows, coded)
         return self._library_product(rows, coded, bias)
 
-    def _native_product(self, rows: torch.Tensor, coded: CodedWeight) -> torch.Tensor:
+    def _scratch_for(self, coded: CodedWeight) -> torch.Tensor:
+        """The shared scratch, grown to hold `coded`'s weight (steps run one at a time)."""
         entries = coded.in_features * coded.out_features
-        if self._panels.numel() < entries:
-            self._panels = torch.empty(entries)
-        self.kernel.expand_blocked(coded, self._panels.data_ptr(), PANEL)
-        return self.gemm(rows, self._panels, coded.out_features)
+        if self._scratch.numel() < entries:
+            self._scratch = torch.empty(entries)
+        return self._scratch
+
+    def _native_product(self, rows: torch.Tensor, coded: CodedWeight) -> torch.Tensor:
+        panels = self._scratch_for(coded)
+        self.kernel.expand_blocked(coded, panels.data_ptr(), PANEL)
+        return self.gemm(rows, panels, coded.out_features)
 
     def _library_product(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         pack = self._packs.get((coded.out_features, coded.in_features)) if self.onednn else None
         if pack is not None:
             self.kernel.expand_blocked(coded, pack.address, pack.block)
             return torch.ops.mkldnn._linear_pointwise(rows, pack.tensor, bias, "none", [], "")
-        entries = coded.in_features * coded.out_features
-        if self._scratch.numel() < entries:
-            self._scratch = torch.empty(entries)
-        weight = self.kernel.expand_into(coded, self._scratch)
+        weight = self.kernel.expand_into(coded, self._scratch_for(coded))
         if self.onednn:
             return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
         return torch.nn.functional.linear(rows, weight, bias)

@@ -11,6 +11,7 @@ never.
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -72,7 +73,7 @@ class Verdict:
 
     def describe(self) -> str:
         timing = (f"; {self.native_s * 1e3:.2f} against {self.library_s * 1e3:.2f} ms at {CALIBRATION_ROWS} rows"
-                  if self.native_s == self.native_s else "")
+                  if not math.isnan(self.native_s) else "")
         bits = "the same bits as" if self.same_bits else "other bits than"
         return f"{'native' if self.serves else 'library'} ({bits} the library's GEMM{timing})"
 
