@@ -11,7 +11,8 @@ Times, best of several calls each, alternating the two sides of every row:
     q, k, gate, up, 4 for o, 4 / 6 for down and 5 / 8 for v in alternate layers) against 8-bit;
   * the LM head screen's int8 kernel over a 262k x 640 head, and its kernel from a Q8_0 head's
     8-bit codes with int8 activations against int16 ones (where AVX-512 VNNI and VBMI run it;
-    elsewhere the int16 one alone);
+    elsewhere the int16 one alone), and that int16 kernel reading half-float scales and byte
+    zeros against float scales and offsets (codes_screen_half.py);
   * decode attention through the block tables over 18 layers' caches, against gather + SDPA;
   * prefill attention over a step's chunks (W1-like fresh chunks, one continuing its sequence,
     one long chunk) in one C call a layer, against SDPA per chunk as the engine calls it;
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.machine import cpu_name
+from services.worker.engine.cpu.codes_screen_half import half_scales
 from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_screen
 from services.worker.engine.cpu.int8_matmul import PANEL
 from services.worker.engine.cpu.lm_head_screen import load_native_matmul
@@ -195,6 +197,31 @@ def codes_screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple
     return results
 
 
+def half_screen_rows(shapes: Shapes, row_counts: tuple[int, ...]) -> list[tuple[str, float, float | None]]:
+    """The int16 screen from a Q8_0-like head's codes (half-float scales, offsets -zero * scale)
+    reading its half scales and byte zeros (codes_screen_half.py) against its float scales and
+    offsets: the same outputs, fewer bytes."""
+    kernel = load_native_matmul(default_cache_dir())
+    if kernel is None:
+        return []
+    panels, group = -(-shapes.vocab // PANEL), 32
+    scales = (torch.rand(panels, shapes.hidden // group, PANEL) * 1e-3).half().float()
+    zeros = torch.randint(0, 256, scales.shape).float()
+    coded = CodedWeight(torch.randint(0, 256, (panels, shapes.hidden, PANEL), dtype=torch.uint8), scales,
+                        -zeros * scales, group, shapes.vocab, shapes.hidden)
+    half = half_scales(coded)
+    assert half is not None
+    results: list[tuple[str, float, float | None]] = []
+    for rows in row_counts:
+        x = torch.randint(-16383, 16384, (rows, shapes.hidden), dtype=torch.int16)
+        x_scale = torch.rand(rows)
+        mine, theirs = best_of(shapes.repeats, lambda: kernel.codes_screen(coded, x, x_scale, None, half),
+                               lambda: kernel.codes_screen(coded, x, x_scale))
+        results.append((f"LM head screen from 8-bit codes, half vs float scales, {shapes.vocab} x {shapes.hidden}, "
+                        f"{rows} rows", mine, theirs))
+    return results
+
+
 def attention_rows(shapes: Shapes, seq_counts: tuple[int, ...]) -> list[tuple[str, float, float]]:
     kernel = load_decode_kernel("auto", torch.device("cpu"), torch.float32, BLOCK_SIZE, default_cache_dir())
     if kernel is None:
@@ -319,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     shapes = QUICK if args.quick else FULL
     rows = (linear_rows(shapes, (1, 8, 16)) + coded_rows(shapes, (1, 8, 32)) + narrow_rows(shapes, (1, 8, 32))
-            + screen_rows(shapes, (1, 8, 32)) + codes_screen_rows(shapes, (1, 8, 32))
+            + screen_rows(shapes, (1, 8, 32)) + codes_screen_rows(shapes, (1, 8, 32)) + half_screen_rows(shapes, (1, 8))
             + attention_rows(shapes, (1, 8)) + prefill_attention_rows(shapes, prefill_layouts(shapes))
             + argmax_rows(shapes, (1, 8))
             + prefill_gemm_rows(shapes, (40, 100) if shapes is QUICK else (256, 1785)))

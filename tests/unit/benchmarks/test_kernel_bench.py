@@ -18,13 +18,15 @@ def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> No
     names = " ".join(rows)
     native = load_native_matmul(default_cache_dir())
     gemm = load_prefill_gemm(default_cache_dir())
-    # the codes screen: int8 vs int16, or int16 alone; the prefill GEMM where AVX2 runs it
-    assert len(rows) == 18 + (3 if native is not None else 0) + (2 if gemm is not None else 0)
+    # the codes screen: int8 vs int16, or int16 alone, and half vs float scales; the prefill GEMM
+    # where AVX2 runs it
+    assert len(rows) == 18 + (5 if native is not None else 0) + (2 if gemm is not None else 0)
     if gemm is not None:
         assert sum("native prefill GEMM vs oneDNN packed" in row for row in rows) == 2
     if native is not None:
         wanted = "int8 vs int16 activations" if native.has_codes_quads else "int16 activations, "
         assert sum(wanted in row for row in rows) == 3
+        assert sum("half vs float scales" in row for row in rows) == 2
     for kernel in ("linears", "weight codes", "narrow codes", "LM head screen", "decode attention", "prefill attention",
                    "greedy argmax"):
         assert kernel in names

@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.engine.cpu.weight_codes import CodedWeight
+
+if TYPE_CHECKING:
+    from services.worker.engine.cpu.codes_screen_half import HalfScales
 
 NATIVE_TILE = 8             # activation rows the native kernel's widest tile holds
 CODES_TILE = 8              # activation rows the codes kernel's widest tile holds (AVX-512)
@@ -51,6 +55,10 @@ class NativeInt8Matmul:
         self._codes_screen.restype = ctypes.c_int
         self._codes_screen.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
                                        + [ctypes.c_int64] * 4)
+        self._codes_half = library.fairserve_codes_screen_half
+        self._codes_half.restype = ctypes.c_int
+        self._codes_half.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                                     + [ctypes.c_int64] * 4)
         self._codes_quads = library.fairserve_codes_screen_quads
         self._codes_quads.restype = ctypes.c_int
         self._codes_quads.argtypes = self._codes_screen.argtypes
@@ -95,12 +103,21 @@ class NativeInt8Matmul:
         return out
 
     def codes_screen(self, coded: CodedWeight, x: torch.Tensor, x_scale: torch.Tensor,
-                     maxima: torch.Tensor | None = None) -> torch.Tensor:
+                     maxima: torch.Tensor | None = None, half_scales: "HalfScales | None" = None) -> torch.Tensor:
         """x [rows, in] int16 and x_scale [rows] -> [rows, V] float32 = (x * x_scale[:, None])
         @ weight.T from the 8-bit codes of `coded` (native/codes_screen.c rounds only in
         float32, see there); with `maxima` ([rows, ceil(V / PANEL)] float32) also each row's
-        largest output in each panel of PANEL tokens."""
-        return self._from_codes(self._codes_screen, "", coded, x, torch.int16, x_scale.float(), maxima)
+        largest output in each panel of PANEL tokens. With `half_scales` (codes_screen_half.py,
+        of `coded`) the kernel reads them instead of the float scales and offsets: the same
+        outputs, bit for bit, from fewer bytes."""
+        if half_scales is None:
+            return self._from_codes(self._codes_screen, "", coded, x, torch.int16, x_scale.float(), maxima)
+        half, zeros = half_scales.scales, half_scales.zeros
+        if (half.dtype != torch.float16 or zeros.dtype != torch.uint8 or half.shape != coded.scales.shape
+                or zeros.shape != coded.scales.shape or not (half.is_contiguous() and zeros.is_contiguous())):
+            raise ValueError(f"codes screen: half scales {tuple(half.shape)} {half.dtype} and zeros "
+                             f"{tuple(zeros.shape)} {zeros.dtype} for scales {tuple(coded.scales.shape)}")
+        return self._from_codes(self._codes_half, "", coded, x, torch.int16, x_scale.float(), maxima, half_scales)
 
     def codes_screen_quads(self, coded: CodedWeight, x: torch.Tensor, x_scales: torch.Tensor,
                            maxima: torch.Tensor | None = None) -> torch.Tensor:
@@ -116,8 +133,10 @@ class NativeInt8Matmul:
         return self._from_codes(self._codes_quads, "the int8 kernel ", coded, x, torch.int8, x_scales.float(), maxima)
 
     def _from_codes(self, function: ctypes._CFuncPtr, kernel: str, coded: CodedWeight, x: torch.Tensor,
-                    dtype: torch.dtype, scales: torch.Tensor, maxima: torch.Tensor | None) -> torch.Tensor:
-        """One of the codes kernels on rows `x` of `dtype` with their `scales`, checked first."""
+                    dtype: torch.dtype, scales: torch.Tensor, maxima: torch.Tensor | None,
+                    half_scales: "HalfScales | None" = None) -> torch.Tensor:
+        """One of the codes kernels on rows `x` of `dtype` with their `scales`, checked first
+        (with `half_scales`, the symmetric kernel, which takes no float scales or offsets)."""
         if coded.bits != 8:
             raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
         rows, in_features = x.shape
@@ -128,9 +147,11 @@ class NativeInt8Matmul:
             raise ValueError("codes screen: codes, scales and offsets must be contiguous")
         x, scales = x.contiguous(), scales.contiguous()
         out = torch.empty(rows, coded.out_features)
-        status = function(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(), coded.group,
-                          x.data_ptr(), scales.data_ptr(), out.data_ptr(), _pointer(maxima, rows, coded.out_features),
-                          coded.out_features, coded.in_features, rows, torch.get_num_threads())
+        weight = ((coded.scales.data_ptr(), coded.offsets.data_ptr()) if half_scales is None
+                  else (half_scales.scales.data_ptr(), half_scales.zeros.data_ptr()))
+        status = function(coded.codes.data_ptr(), *weight, coded.group, x.data_ptr(), scales.data_ptr(),
+                          out.data_ptr(), _pointer(maxima, rows, coded.out_features), coded.out_features,
+                          coded.in_features, rows, torch.get_num_threads())
         if status:
             raise ValueError(f"codes screen: shapes {kernel}it does not take ({coded.out_features} x "
                              f"{coded.in_features}, group {coded.group})" if status == 1 else "codes screen: no memory")

@@ -52,6 +52,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.cpu.codes_screen_bound import coded_row_norms, codes_error_norms, codes_kernel_within_bound
+from services.worker.engine.cpu.codes_screen_half import HalfScales, checked_half_scales
 from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS, INT8_GRID, faster_activations, int8_available
 from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_approximate
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, NATIVE_TILE, PANEL, NativeInt8Matmul
@@ -100,6 +101,7 @@ class LMHeadScreen:
         self.weight: torch.Tensor | None = weight.detach()
         self._coded: CodedWeight | None = None     # where exact logits read rows, once weight is let go
         self._from_codes = False                   # approximate logits from the codes (from_codes)
+        self._half_scales: HalfScales | None = None     # the codes' scales as half floats (codes_screen_half.py)
         self.activations = "int16"                 # how hidden states are rounded for the kernel
         self.softcap = softcap
         vocab, hidden = self.weight.shape
@@ -182,6 +184,7 @@ class LMHeadScreen:
         self._native = native
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
+        self._half_scales = checked_half_scales(native, coded, INT16_GRID) if activations == "int16" else None
         grid = INT8_GRID if activations == "int8" else self._int16_grid
         row_norms, alpha_norms = coded_row_norms(coded, PANEL)
         self._set_norms(codes_error_norms(alpha_norms, coded, grid, NORM_MARGIN),
@@ -358,7 +361,8 @@ class LMHeadScreen:
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
         if self._from_codes:
-            approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima)
+            half = self._half_scales if self._half_scales is not None and self._half_scales.serves(rows) else None
+            approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima, half)
         else:
             approx = self._native(self._panels, rounded.to(torch.int16), scale, maxima)
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far
