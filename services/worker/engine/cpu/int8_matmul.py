@@ -51,6 +51,10 @@ class NativeInt8Matmul:
         self._gather_dot = library.fairserve_gather_dot
         self._gather_dot.restype = None
         self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
+        self._codes_gather_dot = library.fairserve_codes_gather_dot
+        self._codes_gather_dot.restype = ctypes.c_int
+        self._codes_gather_dot.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                                           + [ctypes.c_int64] * 3)
         self._codes_screen = library.fairserve_codes_screen
         self._codes_screen.restype = ctypes.c_int
         self._codes_screen.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -193,6 +197,29 @@ class NativeInt8Matmul:
         out = torch.empty(ids.numel())
         self._gather_dot(weight.data_ptr(), x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
                          ids.numel(), weight.shape[1], torch.get_num_threads())
+        return out
+
+    def codes_gather_dot(self, coded: CodedWeight, x: torch.Tensor, rows: torch.Tensor,
+                         ids: torch.Tensor) -> torch.Tensor:
+        """[N] float32: coded row ids[i] . x[rows[i]], bit for bit `gather_dot` over the rows
+        `coded.rows(ids)` expands, without gathering them first (8-bit codes; x [B, in]
+        float32)."""
+        if coded.bits != 8 or x.dtype != torch.float32 or x.shape[1] != coded.in_features:
+            raise ValueError(f"codes gather_dot: {coded.bits}-bit codes of {coded.in_features} inputs, "
+                             f"{str(x.dtype).removeprefix('torch.')} rows of {x.shape[1]}")
+        if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
+            raise ValueError("codes gather_dot: codes, scales and offsets must be contiguous")
+        x = x.contiguous()
+        rows = rows.reshape(-1).to(torch.long).contiguous()
+        ids = ids.reshape(-1).to(torch.long).contiguous()
+        if rows.shape != ids.shape:
+            raise ValueError(f"codes gather_dot: {rows.numel()} rows for {ids.numel()} ids")
+        out = torch.empty(ids.numel())
+        status = self._codes_gather_dot(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                        coded.group, x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
+                                        ids.numel(), coded.in_features, torch.get_num_threads())
+        if status:
+            raise ValueError(f"codes gather_dot: group {coded.group} for {coded.in_features} inputs")
         return out
 
 

@@ -389,6 +389,8 @@ class LMHeadScreen:
         reads each weight row in place; torch's path gathers a [N, hidden] copy first (on a
         first token after a prompt N can be thousands: 16k candidates took ~100 ms that way)."""
         if self._coded is not None:
+            if self._native is not None and self._coded.bits == 8:
+                return self._native.codes_gather_dot(self._coded, x, rows, ids).view(ids.shape)
             gathered = self._coded.rows(ids)
             if self._native is not None:
                 positions = torch.arange(gathered.shape[0])

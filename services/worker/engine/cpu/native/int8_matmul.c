@@ -199,21 +199,55 @@ int64_t fairserve_select_above(const float *x, int64_t rows, int64_t cols, const
     return count;
 }
 
+/* w . a over `hidden` float32 entries: two 8-wide accumulators, then the tail in order. */
+static inline float dot_row(const float *w, const float *a, int64_t hidden) {
+    v8 acc0 = (v8){0}, acc1 = acc0;
+    int64_t e = 0;
+    for (; e + 16 <= hidden; e += 16) {
+        acc0 += load8(w + e) * load8(a + e);
+        acc1 += load8(w + e + 8) * load8(a + e + 8);
+    }
+    float total = sum8(acc0 + acc1);
+    for (; e < hidden; e++) total += w[e] * a[e];
+    return total;
+}
+
 /* The screen's exact logits: out[i] = weight[ids[i]] . x[rows[i]] over `hidden` float32
  * entries, each weight row read once, straight from the head (no gathered copy). */
 void fairserve_gather_dot(const float *weight, const float *x, const int64_t *rows, const int64_t *ids,
                           float *out, int64_t count, int64_t hidden, int64_t num_threads) {
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count >= 256)
-    for (int64_t i = 0; i < count; i++) {
-        const float *w = weight + ids[i] * hidden, *a = x + rows[i] * hidden;
-        v8 acc0 = (v8){0}, acc1 = acc0;
-        int64_t e = 0;
-        for (; e + 16 <= hidden; e += 16) {
-            acc0 += load8(w + e) * load8(a + e);
-            acc1 += load8(w + e + 8) * load8(a + e + 8);
-        }
-        float total = sum8(acc0 + acc1);
-        for (; e < hidden; e++) total += w[e] * a[e];
-        out[i] = total;
+    for (int64_t i = 0; i < count; i++) out[i] = dot_row(weight + ids[i] * hidden, x + rows[i] * hidden, hidden);
+}
+
+/* w[0 .. hidden) = the float32 row `id` of a weight kept as 8-bit codes ([P][hidden][PANEL]
+ * uint8, scales and offsets [P][hidden / group][PANEL] float): scale * code rounded, then plus
+ * offset rounded, the two roundings weight_codes.py's `find` checked give the weight back (the
+ * product goes through memory so that it is never fused with the sum). */
+static void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                     int64_t hidden, int64_t id, float *w) {
+    const int64_t blocks = hidden / group;
+    const uint8_t *c = codes + (id / PANEL) * hidden * PANEL + id % PANEL;
+    const float *s = scales + (id / PANEL) * blocks * PANEL + id % PANEL;
+    const float *o = offsets + (id / PANEL) * blocks * PANEL + id % PANEL;
+    for (int64_t e = 0; e < hidden; e++) {
+        volatile float product = s[(e / group) * PANEL] * (float)c[e * PANEL];
+        w[e] = product + o[(e / group) * PANEL];
     }
+}
+
+/* The same exact logits for a head kept as 8-bit codes: each row expanded as CodedWeight.rows
+ * expands it, then the same dot product as fairserve_gather_dot (the same bits as gathering
+ * the rows first). 0, or 1 for a group that does not divide hidden. */
+int fairserve_codes_gather_dot(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+                               const float *x, const int64_t *rows, const int64_t *ids, float *out, int64_t count,
+                               int64_t hidden, int64_t num_threads) {
+    if (group <= 0 || hidden <= 0 || hidden % group) return 1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (count >= 256)
+    for (int64_t i = 0; i < count; i++) {
+        float w[hidden];
+        code_row(codes, scales, offsets, group, hidden, ids[i], w);
+        out[i] = dot_row(w, x + rows[i] * hidden, hidden);
+    }
+    return 0;
 }
