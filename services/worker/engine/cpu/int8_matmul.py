@@ -189,12 +189,7 @@ class NativeInt8Matmul:
         """[N] float32: weight[ids[i]] . x[rows[i]]; weight [V, H] and x [B, H] contiguous float32."""
         if not (weight.is_contiguous() and weight.dtype == torch.float32 and x.dtype == torch.float32):
             raise ValueError("gather_dot needs contiguous float32 weight and activations")
-        x = x.contiguous()
-        rows = rows.reshape(-1).to(torch.long).contiguous()
-        ids = ids.reshape(-1).to(torch.long).contiguous()
-        if rows.shape != ids.shape:
-            raise ValueError(f"gather_dot: {rows.numel()} rows for {ids.numel()} ids")
-        out = torch.empty(ids.numel())
+        x, rows, ids, out = _dot_pairs("gather_dot", x, rows, ids)
         self._gather_dot(weight.data_ptr(), x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
                          ids.numel(), weight.shape[1], torch.get_num_threads())
         return out
@@ -209,18 +204,24 @@ class NativeInt8Matmul:
                              f"{str(x.dtype).removeprefix('torch.')} rows of {x.shape[1]}")
         if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
             raise ValueError("codes gather_dot: codes, scales and offsets must be contiguous")
-        x = x.contiguous()
-        rows = rows.reshape(-1).to(torch.long).contiguous()
-        ids = ids.reshape(-1).to(torch.long).contiguous()
-        if rows.shape != ids.shape:
-            raise ValueError(f"codes gather_dot: {rows.numel()} rows for {ids.numel()} ids")
-        out = torch.empty(ids.numel())
+        x, rows, ids, out = _dot_pairs("codes gather_dot", x, rows, ids)
         status = self._codes_gather_dot(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
                                         coded.group, x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
                                         ids.numel(), coded.in_features, torch.get_num_threads())
         if status:
             raise ValueError(f"codes gather_dot: group {coded.group} for {coded.in_features} inputs")
         return out
+
+
+def _dot_pairs(name: str, x: torch.Tensor, rows: torch.Tensor,
+               ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, rows, ids, out) as the dot-product kernels take them: contiguous, the pairs flat
+    int64 of one length, out [N] float32 to fill."""
+    rows = rows.reshape(-1).to(torch.long).contiguous()
+    ids = ids.reshape(-1).to(torch.long).contiguous()
+    if rows.shape != ids.shape:
+        raise ValueError(f"{name}: {rows.numel()} rows for {ids.numel()} ids")
+    return x.contiguous(), rows, ids, torch.empty(ids.numel())
 
 
 def _pointer(maxima: torch.Tensor | None, rows: int, cols: int) -> int | None:

@@ -93,11 +93,6 @@ static inline fvec_t order_hi(fvec_t a, fvec_t b) {
     return _mm512_permutex2var_ps(a, order, b);
 }
 
-/* p[0 .. 32) in the "lo" and in the "hi" row order. */
-static inline fvec_t rows_lo(const float *p) { return order_lo(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)); }
-
-static inline fvec_t rows_hi(const float *p) { return order_hi(_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)); }
-
 #define FLOATS 16         /* floats a vector */
 #if defined(__F16C__)
 static inline fvec_t widen_half(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
@@ -142,11 +137,6 @@ static inline fvec_t order_lo(fvec_t a, fvec_t b) { return _mm256_permute2f128_p
 
 static inline fvec_t order_hi(fvec_t a, fvec_t b) { return _mm256_permute2f128_ps(a, b, 0x31); }
 
-/* p[0 .. 16) in the "lo" and in the "hi" row order. */
-static inline fvec_t rows_lo(const float *p) { return order_lo(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
-
-static inline fvec_t rows_hi(const float *p) { return order_hi(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)); }
-
 #define FLOATS 8          /* floats a vector */
 #if defined(__F16C__)
 static inline fvec_t widen_half(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
@@ -177,6 +167,11 @@ static inline fvec_t fmadd(fvec_t a, fvec_t b, fvec_t c) { return _mm256_add_ps(
 
 #if defined(LANES)
 #define HALF_ROWS (PANEL / HALVES)    /* = 2 * FLOATS */
+
+/* p[0 .. HALF_ROWS) in the "lo" and in the "hi" row order. */
+static inline fvec_t rows_lo(const float *p) { return order_lo(fload(p), fload(p + FLOATS)); }
+
+static inline fvec_t rows_hi(const float *p) { return order_hi(fload(p), fload(p + FLOATS)); }
 
 #if !defined(__F16C__)
 static inline fvec_t widen_half(const uint16_t *p) {
