@@ -16,14 +16,8 @@ top-k sampling over that row pick exactly what they pick over the full row.
 Tokens whose logits the sampler changes (penalties, min_tokens bans) are given
 exact logits always, and are left out of the thresholds.
 
-Activations: fbgemm quantizes its input per tensor to 7 bits (`reduce_range`;
-AVX2's pairwise int16 sums would saturate with 8), far too coarse for Gemma's
-hidden states, where a few dimensions are 50x the rest. So each row is scaled
-to [-63, 63] and split into two rows of integers, the rounded row and its
-rounding residual x126, on a grid the op keeps exactly: one extra row holds -64
-and 63, so the op's scale is 1 and its zero point 64. The rounding left after
-the second row is below 1/252 of a row's largest entry. `create` checks the op
-against a float64 reference before the screen is used.
+Without the engine's C kernels the approximate logits come from fbgemm's int8 op
+(screen_fbgemm.py).
 
 Where the engine's C kernels build (`native/int8_matmul.c` by `native_build.py`, bound
 in `int8_matmul.py`), the approximate logits come from it instead: activations are rounded
@@ -45,7 +39,6 @@ are int8 with a scale per block (codes_screen_int8.py: faster, a few more candid
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -57,12 +50,11 @@ from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS, INT8_GRID,
 from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_approximate
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, NATIVE_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.native_build import load_binding
+from services.worker.engine.cpu.screen_fbgemm import FbgemmHead, screening_available
 from services.worker.engine.cpu.weight_codes import CodedWeight
 
 log = logging.getLogger(__name__)
 
-GRID = 63                   # activation rows are integers in [-GRID, GRID]
-FINE = 2 * GRID             # the residual row carries (residual * FINE)
 QUANTIZE_CHUNK_ROWS = 16384
 # Rounding, relative to |x| * max |q(w_r)|: the int8 op's float output (within ~1e-8 of
 # float64, checked at create) and the bound's own arithmetic take OP_SLACK; the float32
@@ -76,11 +68,6 @@ INT32_MAX = 2 ** 31 - 1
 # Candidates the C kernel's first pass (against the widest bound) collects before torch's
 # nonzero takes over; most are dropped by their own bounds right after.
 FIRST_PASS_CAPACITY = 4 * 32768
-
-
-def screening_available() -> bool:
-    """Whether fbgemm's int8 op is here (the screen's fallback when the C kernel is not)."""
-    return "fbgemm" in torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
 
 
 def load_native_matmul(cache_dir: Path) -> NativeInt8Matmul | None:
@@ -129,15 +116,8 @@ class LMHeadScreen:
             self._panels = native.pack(quantized, scales.float())
             self._packed = None
         else:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)   # quantized tensors' deprecation notice
-                qweight = torch._make_per_channel_quantized_tensor(quantized, scales,
-                                                                   torch.zeros(vocab, dtype=torch.long), 0)
-            self._packed = torch.ops.quantized.linear_prepack(qweight, None)
+            self._packed = FbgemmHead(quantized, scales)
         self._set_norms(error_norms, quant_norms)
-        ends = torch.zeros(1, hidden)
-        ends[0, 0], ends[0, 1] = -GRID - 1, GRID
-        self._ends = ends
         self._check: tuple[torch.Tensor, torch.Tensor] | None
         check_rows = min(vocab, CHECK_ROWS)
         self._check = (quantized[:check_rows].clone(), scales[:check_rows].clone())
@@ -231,15 +211,8 @@ class LMHeadScreen:
         generator = torch.Generator().manual_seed(0)
         if self._native is not None:
             return self._native_check(quantized, scales, weights, generator)
-        rows = torch.randint(-GRID, GRID + 1, (3, weights.shape[1]), generator=generator).float()
-        rows[0] = GRID
-        rows[1] = -GRID
-        grid = torch.cat([rows, self._ends])
-        with torch.inference_mode():
-            out = torch.ops.quantized.linear_dynamic(grid, self._packed, True)[:3, :len(weights)]
-        reference = rows.double() @ weights.T
-        magnitude = rows.double().abs() @ weights.abs().T
-        return bool(((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-6).all())
+        assert self._packed is not None
+        return self._packed.check(weights, generator)
 
     def _native_check(self, quantized: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
                       generator: torch.Generator) -> bool:
@@ -347,7 +320,9 @@ class LMHeadScreen:
         PANEL tokens where the C kernel computes them, else None)."""
         if self._native is not None:
             return self._approximate_native(x)
-        return self._approximate_fbgemm(x)
+        assert self._packed is not None
+        approx, activation_error = self._packed.approximate(x)
+        return approx, activation_error, None
 
     def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One int16 (or from the codes int8) row per row through the C kernel."""
@@ -368,20 +343,6 @@ class LMHeadScreen:
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far
         # more than the relative margin covers when the residual itself is that small.
         return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30, maxima
-
-    def _approximate_fbgemm(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """One fbgemm call over each row's coarse and residual grid rows."""
-        rows = x.shape[0]
-        scale = (x.abs().amax(dim=1, keepdim=True) / GRID).clamp_min(1e-30)
-        scaled = x / scale
-        coarse = scaled.round()
-        fine = ((scaled - coarse) * FINE).round()
-        residual = (scaled - coarse - fine / FINE) * scale
-        grid = torch.cat([coarse, fine, self._ends])
-        out = torch.ops.quantized.linear_dynamic(grid, self._packed, True)
-        approx = torch.add(out[:rows], out[rows:2 * rows], alpha=1.0 / FINE).mul_(scale)
-        # Computed in float32: a relative margin covers its rounding.
-        return approx, residual.norm(dim=1) * (1 + 1e-4) + 1e-30, None
 
     def _exact(self, x: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Float32 logits of token ids[i] for row rows[i], before any softcap (the bounds
