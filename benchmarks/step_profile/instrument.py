@@ -19,7 +19,9 @@ Categories (each call's exclusive time):
 * LM head + screen: the logits of the sampled rows (the screen's rows and any
   full rows), with the screen's integer pass over the whole vocabulary (int8 or
   int16 activations), its top-k of the approximate logits and its exact logits of
-  the candidates apart; sampler: the token choice from them; sampling glue: the rest;
+  the candidates apart, or where its C path takes the rows (native/screen_pick.c) the
+  pass and, as "pick", the rounding, top-k, bounds and exact logits around it;
+  sampler: the token choice from them; sampling glue: the rest;
 * step inputs: the packed ids, positions, slots and attention metadata;
 * planning, commit, and engine Python: the step's planning, the sampled tokens'
   commit, and the rest of `Engine.step` (isolation, result building, pool stats).
@@ -112,7 +114,12 @@ def _instrument_screen(clock: StepClock, engine: Engine) -> None:
     screen._approximate = clock.timed("screen: integer pass", screen._approximate)
     screen._exact = clock.timed("screen: exact logits", screen._exact)
     if screen._native is not None:
-        screen._native.top_k = clock.timed("screen: top-k", screen._native.top_k)
+        native = screen._native
+        native.top_k = clock.timed("screen: top-k", native.top_k)
+        # The C path around the kernel (native/screen_pick.c): the pass itself, then the pick.
+        native.codes_screen = clock.timed("screen: integer pass", native.codes_screen)
+        native.screen_quantize = clock.timed("screen: pick (C)", native.screen_quantize)
+        native.screen_pick = clock.timed("screen: pick (C)", native.screen_pick)
 
 
 def use_c_layers(engine: Engine, layers):

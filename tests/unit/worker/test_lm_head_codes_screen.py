@@ -20,7 +20,7 @@ import torch
 from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
-from services.worker.engine.cpu.native_build import COMPILE_FLAGS, SOURCES, default_cache_dir
+from services.worker.engine.cpu.native_build import COMPILE_FLAGS, EXTRA_SOURCES, SOURCES, default_cache_dir
 from services.worker.engine.cpu.screen_loader import DEFAULT_SCREEN_MAX_ROWS, ScreenLoader
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear, load_coded_linear
 from tests.fixtures.tiny_model import build_model
@@ -170,10 +170,10 @@ def test_the_codes_kernel_refuses_what_it_does_not_take(native: NativeInt8Matmul
 
 
 def _build(flags: list[str], target: Path) -> NativeInt8Matmul:
-    """native/int8_matmul.c (with codes_screen.c) built for another instruction set than this CPU's best."""
+    """native/int8_matmul.c (with its further sources) built for another instruction set than this CPU's best."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     command = [compiler, *[f for f in COMPILE_FLAGS if f != "-march=native"], *flags, "-o", str(target),
-               str(SOURCES / "int8_matmul.c"), str(SOURCES / "codes_screen.c"), str(SOURCES / "codes_screen_quads.c"),
+               str(SOURCES / "int8_matmul.c"), *(str(SOURCES / extra) for extra in EXTRA_SOURCES["int8_matmul"]),
                "-lm"]
     subprocess.run(command, check=True, capture_output=True, timeout=120)
     return NativeInt8Matmul(ctypes.CDLL(str(target)))

@@ -55,6 +55,14 @@ class NativeInt8Matmul:
         self._codes_gather_dot.restype = ctypes.c_int
         self._codes_gather_dot.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
                                            + [ctypes.c_int64] * 3)
+        self._quantize = library.fairserve_screen_quantize
+        self._quantize.restype = ctypes.c_int
+        self._quantize.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 4
+        self._pick = library.fairserve_screen_pick
+        self._pick.restype = ctypes.c_int64
+        self._pick.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 6
+                               + [ctypes.c_double] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                               + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
         self._codes_screen = library.fairserve_codes_screen
         self._codes_screen.restype = ctypes.c_int
         self._codes_screen.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
@@ -211,6 +219,91 @@ class NativeInt8Matmul:
         if status:
             raise ValueError(f"codes gather_dot: group {coded.group} for {coded.in_features} inputs")
         return out
+
+    def screen_quantize(self, x: torch.Tensor, grid: int) -> Quantized | None:
+        """Rows of x [rows, in] float32 rounded to int16 for the screen's kernel, with the norms
+        its bound reads (native/screen_pick.c); None if an entry is not finite."""
+        x = x.float().contiguous()
+        rows, width = x.shape
+        q = torch.empty(rows, width, dtype=torch.int16)
+        scale, activation_error, norms = torch.empty(rows), torch.empty(rows), torch.empty(rows)
+        if self._quantize(x.data_ptr(), rows, width, grid, q.data_ptr(), scale.data_ptr(),
+                          activation_error.data_ptr(), norms.data_ptr()):
+            return None
+        return Quantized(q, scale, activation_error, norms)
+
+    def screen_pick(self, approx: torch.Tensor, maxima: torch.Tensor, counts: list[int], x: torch.Tensor,
+                    quantized: Quantized, norms: BoundNorms, coded: CodedWeight,
+                    scratch: PickScratch) -> Picked | None:
+        """Logits [rows, vocab]: exact at every token that can be among row r's counts[r] best,
+        -inf elsewhere, from the kernel's approximate logits and their panel maxima over a head
+        kept as 8-bit codes (native/screen_pick.c); None past the scratch's capacity of exact
+        logits."""
+        rows, vocab = approx.shape
+        if coded.bits != 8 or (coded.out_features, coded.in_features) != (vocab, x.shape[1]) or len(counts) != rows:
+            raise ValueError(f"screen pick: {rows} x {vocab} logits, {len(counts)} counts, rows of {x.shape[1]} "
+                             f"for {coded.bits}-bit codes of {coded.out_features} x {coded.in_features}")
+        x = x.float().contiguous()
+        pointer = _pointer(maxima, rows, vocab)
+        count_list = torch.tensor(counts, dtype=torch.long)
+        out = torch.empty(rows, vocab)
+        cand_rows, cand_ids, values = scratch.rows, scratch.ids, scratch.values
+        found = self._pick(approx.contiguous().data_ptr(), pointer, rows, vocab, count_list.data_ptr(), x.data_ptr(),
+                           quantized.norms.data_ptr(), quantized.activation_error.data_ptr(),
+                           norms.error.data_ptr(), norms.quant.data_ptr(), norms.slack, norms.max_error,
+                           norms.max_quant, coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                           coded.group, coded.in_features, out.data_ptr(), scratch.capacity, cand_rows.data_ptr(),
+                           cand_ids.data_ptr(), values.data_ptr(), torch.get_num_threads())
+        if found == -1:
+            return None
+        if found == -2:
+            raise ValueError(f"screen pick: counts {counts} (1 to {MAX_PICK}, at most the panels and the vocabulary)")
+        if found < 0:
+            raise MemoryError("screen pick: no memory for its best tokens")
+        return Picked(out, cand_rows[:found].clone(), cand_ids[:found].clone(), values[:found].clone())
+
+
+MAX_PICK = 256      # screen_pick.c's MAX_PICK: best tokens a row reads at most
+
+
+class PickScratch:
+    """Room for a pick's (row, token, exact logit) triples, kept between steps (one thread)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rows = torch.empty(capacity, dtype=torch.long)
+        self.ids = torch.empty(capacity, dtype=torch.long)
+        self.values = torch.empty(capacity)
+
+
+@dataclass(frozen=True)
+class Quantized:
+    """Rows rounded for the int16 kernel: q [rows, in] int16, scale, and the bound's norms
+    |x - q * scale| (activation_error) and |x| per row."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    activation_error: torch.Tensor
+    norms: torch.Tensor
+
+
+@dataclass(frozen=True)
+class BoundNorms:
+    """The per-token norms of the screen's bound (lm_head_screen.py), float32 [V] each, the
+    slack per unit of |x| and their maxima (the widest bound)."""
+    error: torch.Tensor
+    quant: torch.Tensor
+    slack: float
+    max_error: float
+    max_quant: float
+
+
+@dataclass(frozen=True)
+class Picked:
+    """A pick's logits [rows, vocab] and the (row, token, exact logit) it wrote."""
+    logits: torch.Tensor
+    rows: torch.Tensor
+    ids: torch.Tensor
+    values: torch.Tensor
 
 
 def _dot_pairs(name: str, x: torch.Tensor, rows: torch.Tensor,

@@ -48,7 +48,8 @@ from services.worker.engine.cpu.codes_screen_bound import coded_row_norms, codes
 from services.worker.engine.cpu.codes_screen_half import HalfScales, checked_half_scales
 from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS, INT8_GRID, faster_activations, int8_available
 from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_approximate
-from services.worker.engine.cpu.int8_matmul import CODES_TILE, NATIVE_TILE, PANEL, NativeInt8Matmul
+from services.worker.engine.cpu.int8_matmul import (CODES_TILE, MAX_PICK, NATIVE_TILE, PANEL, BoundNorms, NativeInt8Matmul,
+                                                    PickScratch)
 from services.worker.engine.cpu.native_build import load_binding
 from services.worker.engine.cpu.screen_fbgemm import FbgemmHead, screening_available
 from services.worker.engine.cpu.weight_codes import CodedWeight
@@ -89,6 +90,7 @@ class LMHeadScreen:
         self._coded: CodedWeight | None = None     # where exact logits read rows, once weight is let go
         self._from_codes = False                   # approximate logits from the codes (from_codes)
         self._half_scales: HalfScales | None = None     # the codes' scales as half floats (codes_screen_half.py)
+        self._pick_scratch: PickScratch | None = None   # the C pick's candidates, made at its first step
         self.activations = "int16"                 # how hidden states are rounded for the kernel
         self.softcap = softcap
         vocab, hidden = self.weight.shape
@@ -164,6 +166,7 @@ class LMHeadScreen:
         self._native = native
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
+        self._pick_scratch = None
         self._half_scales = checked_half_scales(native, coded, INT16_GRID) if activations == "int16" else None
         grid = INT8_GRID if activations == "int8" else self._int16_grid
         row_norms, alpha_norms = coded_row_norms(coded, PANEL)
@@ -178,6 +181,8 @@ class LMHeadScreen:
         self._max_error_norm = float(error_norms.max())
         self._max_quant_norm = float(quant_norms.max())
         self._slack_per_norm = (OP_SLACK + 2 * self._hidden * 2.0 ** -24) * self._max_quant_norm
+        self._bound_norms = BoundNorms(error_norms.float().contiguous(), quant_norms.float().contiguous(),
+                                       self._slack_per_norm, self._max_error_norm, self._max_quant_norm)
 
     def _checked(self) -> LMHeadScreen | None:
         """This screen once its kernel passed `self_check`, else None (logged)."""
@@ -250,6 +255,8 @@ class LMHeadScreen:
         once the sampler has adjusted the tokens `adjusted[b]`, and at those tokens;
         -inf elsewhere. None when screening would not pay: non-finite hidden states, or
         more candidates than MAX_CANDIDATES (the bound is loose for this input)."""
+        if self._picks_natively(top_counts, adjusted):
+            return self._picked(hidden, top_counts)
         x = hidden.float()
         if not bool(torch.isfinite(x).all()):
             return None
@@ -290,6 +297,40 @@ class LMHeadScreen:
         out[all_rows, all_ids] = self._capped(self._exact(x, all_rows, all_ids))
         out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
         return out
+
+    def _picks_natively(self, top_counts: Sequence[int], adjusted: Sequence[Sequence[int]]) -> bool:
+        """Whether `logits` takes the C path around the kernel (native/screen_pick.c): int16
+        rows against the head's 8-bit codes, no token adjusted by any row's sampler, and no
+        row reading more best tokens than the pick takes (at most one per panel)."""
+        return (self._from_codes and self.activations == "int16" and self._native is not None
+                and self._coded is not None and self._coded.bits == 8 and not any(len(ids) for ids in adjusted)
+                and max(top_counts) <= min(MAX_PICK, self.vocab_size // PANEL))
+
+    def _picked(self, hidden: torch.Tensor, top_counts: Sequence[int]) -> torch.Tensor | None:
+        """`logits` in three C calls: the rows rounded with their norms, the kernel's pass, and
+        the pick of every token that can be among each row's best (the same candidates' bound,
+        the same exact logits)."""
+        assert self._native is not None and self._coded is not None
+        x = hidden.float().contiguous()
+        quantized = self._native.screen_quantize(x, self._int16_grid)
+        if quantized is None:
+            return None
+        maxima = torch.empty(x.shape[0], -(-self.vocab_size // PANEL))
+        approx = self._native.codes_screen(self._coded, quantized.q, quantized.scale, maxima,
+                                           self._half_for(x.shape[0]))
+        if self._pick_scratch is None:
+            self._pick_scratch = PickScratch(self.MAX_CANDIDATES)
+        picked = self._native.screen_pick(approx, maxima, list(top_counts), x, quantized, self._bound_norms,
+                                          self._coded, self._pick_scratch)
+        if picked is None:
+            return None
+        if self.softcap:
+            picked.logits[picked.rows, picked.ids] = self._capped(picked.values)
+        return picked.logits
+
+    def _half_for(self, rows: int) -> HalfScales | None:
+        """The half scales where they serve this many rows, else None (the float ones)."""
+        return self._half_scales if self._half_scales is not None and self._half_scales.serves(rows) else None
 
     def _first_candidates(self, approx: torch.Tensor, floors: torch.Tensor,
                           maxima: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -336,8 +377,8 @@ class LMHeadScreen:
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
         if self._from_codes:
-            half = self._half_scales if self._half_scales is not None and self._half_scales.serves(rows) else None
-            approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima, half)
+            approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima,
+                                               self._half_for(rows))
         else:
             approx = self._native(self._panels, rounded.to(torch.int16), scale, maxima)
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far

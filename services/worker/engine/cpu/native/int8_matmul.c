@@ -24,12 +24,14 @@
  *
  * codes_screen.c, built into the same library, computes the same logits from the head's
  * 8-bit weight codes instead of an int8 copy of it; screen_simd.h holds what both share.
+ * screen_pick.c picks a step's candidates in one call, with the row helpers of screen_rows.h.
  */
 
 
 #include <stdint.h>
 #include <string.h>
 
+#include "screen_rows.h"
 #include "screen_simd.h"
 #include "vec8.h"
 
@@ -141,7 +143,7 @@ static void top_k_of(const float *values, int64_t n, int64_t k, int64_t *chosen)
 }
 
 /* The k largest entries of one row, looking only into the k panels with the largest maxima. */
-static void top_k_in_panels(const float *values, int64_t cols, int64_t k, const float *maxima, int64_t *chosen) {
+void top_k_in_panels(const float *values, int64_t cols, int64_t k, const float *maxima, int64_t *chosen) {
     const int64_t panels = (cols + PANEL - 1) / PANEL;
     int64_t best_panels[k];
     top_k_of(maxima, panels, k, best_panels);
@@ -200,7 +202,7 @@ int64_t fairserve_select_above(const float *x, int64_t rows, int64_t cols, const
 }
 
 /* w . a over `hidden` float32 entries: two 8-wide accumulators, then the tail in order. */
-static inline float dot_row(const float *w, const float *a, int64_t hidden) {
+float dot_row(const float *w, const float *a, int64_t hidden) {
     v8 acc0 = (v8){0}, acc1 = acc0;
     int64_t e = 0;
     for (; e + 16 <= hidden; e += 16) {
@@ -224,7 +226,7 @@ void fairserve_gather_dot(const float *weight, const float *x, const int64_t *ro
  * uint8, scales and offsets [P][hidden / group][PANEL] float): scale * code rounded, then plus
  * offset rounded, the two roundings weight_codes.py's `find` checked give the weight back (the
  * product goes through memory so that it is never fused with the sum). */
-static void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
+void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
                      int64_t hidden, int64_t id, float *w) {
     const int64_t blocks = hidden / group;
     const uint8_t *c = codes + (id / PANEL) * hidden * PANEL + id % PANEL;
