@@ -226,8 +226,8 @@ void fairserve_gather_dot(const float *weight, const float *x, const int64_t *ro
  * uint8, scales and offsets [P][hidden / group][PANEL] float): scale * code rounded, then plus
  * offset rounded, the two roundings weight_codes.py's `find` checked give the weight back (the
  * product goes through memory so that it is never fused with the sum). */
-void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                     int64_t hidden, int64_t id, float *w) {
+void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group, int64_t hidden,
+              int64_t id, float *w) {
     const int64_t blocks = hidden / group;
     const uint8_t *c = codes + (id / PANEL) * hidden * PANEL + id % PANEL;
     const float *s = scales + (id / PANEL) * blocks * PANEL + id % PANEL;

@@ -19,9 +19,9 @@
  *     threshold = the least exact logit among them (the k_r-th best exact logit of those);
  *     a token t is a candidate when approx[r, t] + bound(r, t) >= threshold, with
  *     bound(r, t) = norm_r (error_norms[t] + slack) + act_err_r quant_norms[t]
- *     (lm_head_screen.py derives it; here it is computed in float64, which only widens it by
- *     less than its margins). Only panels whose maximum reaches threshold - the widest
- *     bound are read.
+ *     (lm_head_screen.py derives it; here it is computed in float64, not float32: the two
+ *     differ by float32's rounding, far below the bound's margins). Only panels whose
+ *     maximum reaches threshold - the widest bound are read.
  *   out [rows, V] is -inf except the candidates' and best's exact logits (code_row + dot_row:
  *   the bits of every other exact logit of the screen); their (row, token, logit) are also
  *   listed in cand_* (best tokens after the candidates), so a caller can soft-cap them. Returns
