@@ -150,3 +150,20 @@ def test_a_vocabulary_of_few_panels_keeps_the_torch_path_for_wide_top_k(coder: N
     kth = exact[1].topk(20).values[-1]
     assert bool(torch.isfinite(out[1][exact[1] >= kth]).all())
     assert torch.equal(out[1].topk(20).values, exact[1].topk(20).values)
+
+
+def test_the_logits_rows_are_reused_and_rewritten_whole(screen: LMHeadScreen, native: NativeInt8Matmul) -> None:
+    """A pick writes its rows over the previous one's: nothing of it is left, and a step of
+    more rows gets rows of its own."""
+    wide = hidden_states(6, seed=11)
+    first = screen.logits(wide, [64] * 6, [[]] * 6)
+    narrow = hidden_states(2, seed=12)
+    second = screen.logits(narrow, [1, 1], [[]] * 2)
+    assert first is not None and second is not None
+    assert second.data_ptr() == first.data_ptr(), "the same rows, reused"
+    exact = exact_logits(native, screen._coded, narrow)
+    kept = torch.isfinite(second)
+    assert int(kept.sum()) < 64, "none of the first step's 64-best rows left"
+    assert torch.equal(second[kept], exact[kept])
+    more = screen.logits(hidden_states(9, seed=13), [1] * 9, [[]] * 9)
+    assert more is not None and more.shape[0] == 9

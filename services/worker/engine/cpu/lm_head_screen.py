@@ -254,7 +254,8 @@ class LMHeadScreen:
         model caps them) at every token that can be among row b's `top_counts[b]` best
         once the sampler has adjusted the tokens `adjusted[b]`, and at those tokens;
         -inf elsewhere. None when screening would not pay: non-finite hidden states, or
-        more candidates than MAX_CANDIDATES (the bound is loose for this input)."""
+        more candidates than MAX_CANDIDATES (the bound is loose for this input). Rows from
+        the C pick are the screen's own, overwritten by its next call: read them before."""
         if self._picks_natively(top_counts, adjusted):
             return self._picked(hidden, top_counts)
         x = hidden.float()
