@@ -1,5 +1,6 @@
 """The scheduler's gRPC transport: the Scheduler service, one step loop per
-worker (each Step with a deadline, STEP_TIMEOUT_S), the reaper for silent
+worker (its steps over one StepStream call or a Step call each, STEP_TRANSPORT,
+each with a deadline, STEP_TIMEOUT_S), the reaper for silent
 workers and queue timeouts, and KV-index lookups for routing (kv_router.py).
 All scheduling decisions live in the core."""
 
@@ -29,6 +30,7 @@ from services.scheduler.kv_router import KvIndexRouter
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.registration import RegistrationError, check_registration, check_worker_figures
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.step_link import StepFailed, step_link
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +41,7 @@ MAX_REAPER_INTERVAL_S = 0.25
 
 @dataclass
 class _SentStep:
-    call: asyncio.Future[Any]   # the Step RPC
+    call: asyncio.Future[Any]   # the step's reply (step_link.py)
     sent_at: float
 
 
@@ -215,6 +217,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         ends instead of waiting a round trip and a planning pass."""
         worker_id = link.worker_id
         depth = self._core.config.max_steps_in_flight
+        steps = step_link(self._settings.step_transport, link.stub, self._settings.step_timeout_s or None)
         sent: deque[_SentStep] = deque()
         try:
             while self._links.get(worker_id) is link and self._core.has_worker(worker_id):
@@ -224,8 +227,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self._metrics.observe_queue_waits(self._core.drain_queue_waits())
                     if plan is not None:
                         self._log_plan(worker_id, plan)
-                        call = asyncio.ensure_future(link.stub.Step(convert.step_batch_to_proto(plan),
-                                                                    timeout=self._settings.step_timeout_s or None))
+                        call = await steps.send(convert.step_batch_to_proto(plan))
                         sent.append(_SentStep(call, time.perf_counter()))
                         continue
                 if not sent:
@@ -236,9 +238,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     continue   # new work arrived: plan it before the reply
                 try:
                     reply = await oldest.call
-                except grpc.aio.AioRpcError as error:
-                    await self._drop_worker(worker_id, f"worker {worker_id} failed a step: "
-                                                       f"{error.code().name} {error.details()}")
+                except StepFailed as error:
+                    await self._drop_worker(worker_id, f"worker {worker_id} failed a step: {error}")
                     return
                 sent.popleft()
                 self._metrics.observe_step(worker_id, time.perf_counter() - oldest.sent_at)
@@ -251,6 +252,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             for step in sent:
                 step.call.cancel()
+            steps.close()
 
     @staticmethod
     async def _reply_or_wake(call: asyncio.Future[Any], wake: asyncio.Event) -> bool:

@@ -12,6 +12,8 @@ from common.settings import EnvReader
 
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 
+STEP_TRANSPORTS = ("stream", "unary")   # services/scheduler/step_link.py
+
 
 _CORE = CoreConfig()    # the scheduling defaults live with the core
 
@@ -41,7 +43,8 @@ class SchedulerSettings:
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
     max_migrations: int = _CORE.max_migrations
-    step_timeout_s: float = 60.0    # a Step RPC's deadline; 0: none
+    step_timeout_s: float = 60.0    # a step's deadline; 0: none
+    step_transport: str = "stream"  # step_link.py: one StepStream call per worker, or a Step call each
     kv_policy: str = "full"
     kv_budget_tokens: int = 1024
     kv_sink_tokens: int = 4
@@ -76,6 +79,7 @@ class SchedulerSettings:
             speculative_sampled=read.bool("SPECULATIVE_SAMPLED", cls.speculative_sampled),
             max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
             step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
+            step_transport=read.choice("STEP_TRANSPORT", cls.step_transport, list(STEP_TRANSPORTS)),
             kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),
             kv_budget_tokens=read.int("KV_BUDGET_TOKENS", cls.kv_budget_tokens, minimum=1),
             kv_sink_tokens=read.int("KV_SINK_TOKENS", cls.kv_sink_tokens, minimum=0),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -16,6 +16,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 from common.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
 from services.worker.step_order import StepOrder
+from services.worker.step_stream import replies_in_order
 from services.worker import convert
 from services.worker.engine.engine import Engine
 from services.worker.engine.types import BlockEvent, PoolStats, StaleEpoch, StepBatch, StepOutput
@@ -108,6 +109,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext):
         request_id_from(context)
+        return await self._step(request, context)
+
+    async def StepStream(self, requests: AsyncIterator[worker_pb2.StepRequest],
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[worker_pb2.StepResponse]:
+        """The scheduler's steps over one call (step_stream.py): the same steps, in turn."""
+        request_id_from(context)
+        async for reply in replies_in_order(requests, lambda request: self._step(request, context)):
+            yield reply
+
+    async def _step(self, request: worker_pb2.StepRequest,
+                    context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
         batch = convert.step_batch_from_proto(request)
         try:
             async with self._order.turn(request.step_id, request.after_step_id, request.epoch):

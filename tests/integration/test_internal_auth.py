@@ -6,6 +6,8 @@ needs no internal token, and the token shows in no log, stats or metrics."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
@@ -51,6 +53,12 @@ def _internal_calls(stack: Stack) -> dict[str, tuple[int, dict[str, Call]]]:
         return await anext(aiter(scheduler(channel).Generate(scheduler_pb2.GenerateRequest(
             request_id="intruder", prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=10)))
 
+    async def step_stream(channel: grpc.aio.Channel) -> object:
+        steps = worker_pb2_grpc.WorkerStub(channel).StepStream(timeout=10)
+        with contextlib.suppress(asyncio.InvalidStateError):    # refused already: the read says how
+            await steps.write(worker_pb2.StepRequest())
+        return await steps.read()
+
     return {
         "scheduler": (stack.ports.scheduler, {
             "Generate": generate,
@@ -65,6 +73,7 @@ def _internal_calls(stack: Stack) -> dict[str, tuple[int, dict[str, Call]]]:
         }),
         "worker": (worker_port, {
             "Step": lambda c: worker_pb2_grpc.WorkerStub(c).Step(worker_pb2.StepRequest(), timeout=10),
+            "StepStream": step_stream,
             "Info": lambda c: worker_pb2_grpc.WorkerStub(c).Info(worker_pb2.InfoRequest(), timeout=10),
             "Stats": lambda c: worker_pb2_grpc.WorkerStub(c).Stats(common_pb2.StatsRequest(), timeout=10),
         }),
@@ -111,7 +120,7 @@ async def test_every_internal_port_refuses_calls_without_the_token(stack: Stack)
     auth = stack.internal_auth()
     assert auth.mutual_tls and auth.token == TOKEN.encode()
     codes = await _codes(stack, dataclasses.replace(auth, token=b""))
-    assert len(codes) == 12 and codes == dict.fromkeys(codes, grpc.StatusCode.UNAUTHENTICATED)
+    assert len(codes) == 13 and codes == dict.fromkeys(codes, grpc.StatusCode.UNAUTHENTICATED)
     wrong = await _codes(stack, dataclasses.replace(auth, token=TOKEN[::-1].encode()))
     assert wrong == codes
     assert _healthy_workers(stack) == ["worker-0"]      # the intruder never registered

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections import Counter
 
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
@@ -11,6 +12,7 @@ from common.grpc_server import GrpcServer, internal_channel
 from common.internal_auth import InternalAuth
 from common.step_convert import step_batch_from_proto, step_output_to_proto
 from services.worker.step_order import StepOrder
+from services.worker.step_stream import replies_in_order
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine
 
@@ -25,8 +27,18 @@ class FakeWorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.order = StepOrder()
         self.executed: list[tuple[int, int]] = []   # (step_id, after_step_id) in the order steps ran
         self.epochs: list[int] = []                 # each step's epoch, in the same order
+        self.calls: Counter[str] = Counter()        # calls opened, by method: "Step", "StepStream"
 
     async def Step(self, request: worker_pb2.StepRequest, context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
+        self.calls["Step"] += 1
+        return await self._step(request)
+
+    async def StepStream(self, requests, context: grpc.aio.ServicerContext):
+        self.calls["StepStream"] += 1
+        async for reply in replies_in_order(requests, self._step):
+            yield reply
+
+    async def _step(self, request: worker_pb2.StepRequest) -> worker_pb2.StepResponse:
         async with self.order.turn(request.step_id, request.after_step_id, request.epoch):
             self.executed.append((request.step_id, request.after_step_id))
             self.epochs.append(request.epoch)

@@ -240,6 +240,22 @@ async def test_async_scheduling_sends_the_next_step_while_one_runs(make_stack) -
     await _eventually(lambda: not worker.engine.seqs)
 
 
+async def test_a_worker_gets_its_steps_over_one_stream(make_stack) -> None:
+    stack = await make_stack()          # STEP_TRANSPORT defaults to stream
+    worker = await stack.add_worker(step_delay_s=0.005)
+    await _generate_three(stack)
+    assert worker.servicer.calls == {"StepStream": 1}
+    assert len(worker.servicer.executed) >= 8      # the longest request's tokens, each a step
+
+
+async def test_the_unary_transport_sends_a_call_per_step(make_stack) -> None:
+    stack = await make_stack(step_transport="unary")
+    worker = await stack.add_worker(step_delay_s=0.005)
+    await _generate_three(stack)
+    assert worker.servicer.calls == {"Step": len(worker.servicer.executed)}
+    assert any(after for _, after in worker.servicer.executed)     # pipelined as over the stream
+
+
 async def test_sync_scheduling_waits_for_each_step(make_stack) -> None:
     stack = await make_stack(async_scheduling=False)
     worker = await stack.add_worker(step_delay_s=0.005)

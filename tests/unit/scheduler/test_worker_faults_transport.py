@@ -1,9 +1,10 @@
 """Worker faults through the real gRPC scheduler: a sequence the worker fails
 alone (STEP_ERROR_INTERNAL) ends its request with an error message while the
 others on the worker go on; a worker whose step hangs (while it still
-heartbeats) leaves the rotation when the Step deadline (STEP_TIMEOUT_S)
-passes, and its request resumes on another worker with nothing lost. And the
-scheduler's settings and gauge for its view of the KV index."""
+heartbeats) leaves the rotation when the step's deadline (STEP_TIMEOUT_S)
+passes, over the step stream or a call per step, and its request resumes on
+another worker with nothing lost. And the scheduler's settings and gauge for
+its view of the KV index."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ async def test_a_sequence_failed_alone_ends_its_request_and_the_others_go_on(mak
     assert [worker.worker_id for worker in stats.workers] == ["w0"] and stats.migrations == 0
 
 
-async def test_a_step_past_its_deadline_fails_the_worker_and_its_request_moves(make_stack) -> None:
-    stack = await make_stack(step_timeout_s=0.3, worker_heartbeat_timeout_s=30.0)
+@pytest.mark.parametrize("transport", ["stream", "unary"])
+async def test_a_step_past_its_deadline_fails_the_worker_and_its_request_moves(make_stack, transport) -> None:
+    stack = await make_stack(step_timeout_s=0.3, worker_heartbeat_timeout_s=30.0, step_transport=transport)
     hung = await stack.add_worker("w0", step_delay_s=0.005)
     stream = aiter(stack.stub.Generate(_request("r", max_tokens=30), timeout=10))
     first = await anext(stream)
@@ -61,15 +63,19 @@ async def test_a_step_past_its_deadline_fails_the_worker_and_its_request_moves(m
     assert rest[-1].finish.finish_reason == "length"
     stats = await stack.stats()
     assert [worker.worker_id for worker in stats.workers] == ["w1"] and stats.migrations == 1
+    assert hung.servicer.calls[{"stream": "StepStream", "unary": "Step"}[transport]] >= 1
     hung.servicer.running.set()
 
 
 def test_settings_read_the_new_variables() -> None:
-    settings = SchedulerSettings.from_env({"STEP_TIMEOUT_S": "0", "MAX_MIGRATIONS": "5"})
+    settings = SchedulerSettings.from_env({"STEP_TIMEOUT_S": "0", "MAX_MIGRATIONS": "5", "STEP_TRANSPORT": "unary"})
     assert settings.step_timeout_s == 0 and settings.core_config().max_migrations == 5
+    assert settings.step_transport == "unary"
     defaults = SchedulerSettings.from_env({})
     assert defaults.step_timeout_s == 60.0 and defaults.core_config().max_migrations == 2
-    for name, value in (("STEP_TIMEOUT_S", "-1"), ("MAX_MIGRATIONS", "-1"), ("MAX_MIGRATIONS", "two")):
+    assert defaults.step_transport == "stream"
+    for name, value in (("STEP_TIMEOUT_S", "-1"), ("MAX_MIGRATIONS", "-1"), ("MAX_MIGRATIONS", "two"),
+                        ("STEP_TRANSPORT", "udp")):
         with pytest.raises(SettingsError, match=name):
             SchedulerSettings.from_env({name: value})
 

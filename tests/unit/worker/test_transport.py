@@ -100,3 +100,48 @@ async def _scenario() -> None:
 
 def test_worker_transport_end_to_end() -> None:
     asyncio.run(_scenario())
+
+
+async def _stream_scenario() -> None:
+    engine = EngineThread(make_engine("gemma3", num_blocks=64, block_size=4))
+    service = WorkerService(engine, "w-test", WorkerMetrics(CollectorRegistry(), "w-test"))
+    server = await _start(service)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = worker_pb2_grpc.WorkerStub(channel)
+            prompt = list(range(3, 14))
+            steps = stub.StepStream()
+            # A prefill, then a decode sent before the prefill's reply (pipelined), as the scheduler does.
+            await steps.write(worker_pb2.StepRequest(
+                step_id=1, epoch=5, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", num_tokens=64)]))
+            await steps.write(worker_pb2.StepRequest(
+                step_id=2, after_step_id=1, epoch=5, work=[worker_pb2.WorkItem(seq_id="a", num_tokens=1)]))
+            first, second = await steps.read(), await steps.read()
+            assert (first.step_id, second.step_id) == (1, 2)
+            assert first.results[0].sampled and second.results[0].sampled
+            assert second.results[0].num_computed_tokens == len(prompt) + 1
+
+            # The same steps through a call each give the same tokens.
+            prefill = await stub.Step(worker_pb2.StepRequest(
+                step_id=3, epoch=5, new_sequences=[_new("b", prompt)], work=[worker_pb2.WorkItem(seq_id="b", num_tokens=64)]))
+            decode = await stub.Step(worker_pb2.StepRequest(step_id=4, epoch=5, work=[worker_pb2.WorkItem(seq_id="b", num_tokens=1)]))
+            assert [r.results[0].token_id for r in (prefill, decode)] == [
+                r.results[0].token_id for r in (first, second)]
+
+            # A step the engine refuses (of an earlier scheduler registration) ends the stream
+            # with its error; the worker serves on.
+            await steps.write(worker_pb2.StepRequest(step_id=5, epoch=2))
+            try:
+                await steps.read()
+                raise AssertionError("the refused step did not end the stream")
+            except grpc.aio.AioRpcError as error:
+                assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+            reply = await stub.Step(worker_pb2.StepRequest(step_id=6, epoch=5, free_seq_ids=["a", "b"]))
+            assert reply.step_id == 6
+    finally:
+        await server.stop()
+        engine.shutdown()
+
+
+def test_worker_steps_over_one_stream() -> None:
+    asyncio.run(_stream_scenario())
