@@ -81,6 +81,12 @@ class StreamSteps:
             self._fail(StepFailed(error.code().name, error.details() or ""))
         except asyncio.InvalidStateError:   # the call already ended; the reader reports how
             pass
+        except asyncio.CancelledError:
+            # A write still waiting when _fail cancelled the call (a worker too stuck to read)
+            # fails with the stream; only the caller's own cancellation goes on up.
+            task = asyncio.current_task()
+            if self._failure is None or (task is not None and task.cancelling()):
+                raise
         return reply
 
     async def _read(self) -> None:
