@@ -65,7 +65,7 @@ class ServedSteps:
     wall_s: float
     steps: float
     forward_s: float
-    rpc_s: float          # the scheduler's Step round trips, summed (they overlap under async scheduling)
+    rpc_s: float          # the scheduler's step round trips (send to reply), summed; they overlap
     tokens: int
     cpu_s: dict[str, float] = field(default_factory=dict)   # per service and the client, during the run
 
@@ -77,8 +77,8 @@ class ServedSteps:
                 ("worker waits for its next step (the rest)", waiting)]
         lines = [f"Served W1: {self.tokens} output tokens in {self.wall_s:.2f} s "
                  f"({self.tokens / self.wall_s:.1f} tokens/s), {self.steps:.0f} worker steps, "
-                 f"{self.wall_s / max(self.steps, 1) * 1000:.1f} ms of wall time per step; the scheduler's Step "
-                 f"round trips sum to {self.rpc_s:.2f} s.", "",
+                 f"{self.wall_s / max(self.steps, 1) * 1000:.1f} ms of wall time per step; the scheduler's step "
+                 f"round trips (send to reply) sum to {self.rpc_s:.2f} s.", "",
                  "| worker time | s | ms per step | share |", "|---|---:|---:|---:|"]
         lines += [f"| {name} | {seconds:.2f} | {seconds / max(self.steps, 1) * 1000:.1f} | "
                   f"{seconds / self.wall_s:.1%} |" for name, seconds in rows]

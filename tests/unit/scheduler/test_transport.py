@@ -252,7 +252,8 @@ async def test_the_unary_transport_sends_a_call_per_step(make_stack) -> None:
     stack = await make_stack(step_transport="unary")
     worker = await stack.add_worker(step_delay_s=0.005)
     await _generate_three(stack)
-    assert worker.servicer.calls == {"Step": len(worker.servicer.executed)}
+    # A step sent after the last token may still be arriving: every call is a step once it runs.
+    await _eventually(lambda: worker.servicer.calls == {"Step": len(worker.servicer.executed)})
     assert any(after for _, after in worker.servicer.executed)     # pipelined as over the stream
 
 

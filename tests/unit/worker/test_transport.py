@@ -112,8 +112,8 @@ async def _stream_scenario() -> None:
             prompt = list(range(3, 14))
             steps = stub.StepStream()
             # A prefill, then a decode sent before the prefill's reply (pipelined), as the scheduler does.
-            await steps.write(worker_pb2.StepRequest(
-                step_id=1, epoch=5, new_sequences=[_new("a", prompt)], work=[worker_pb2.WorkItem(seq_id="a", num_tokens=64)]))
+            await steps.write(worker_pb2.StepRequest(step_id=1, epoch=5, new_sequences=[_new("a", prompt)],
+                                                     work=[worker_pb2.WorkItem(seq_id="a", num_tokens=64)]))
             await steps.write(worker_pb2.StepRequest(
                 step_id=2, after_step_id=1, epoch=5, work=[worker_pb2.WorkItem(seq_id="a", num_tokens=1)]))
             first, second = await steps.read(), await steps.read()
@@ -122,9 +122,10 @@ async def _stream_scenario() -> None:
             assert second.results[0].num_computed_tokens == len(prompt) + 1
 
             # The same steps through a call each give the same tokens.
-            prefill = await stub.Step(worker_pb2.StepRequest(
-                step_id=3, epoch=5, new_sequences=[_new("b", prompt)], work=[worker_pb2.WorkItem(seq_id="b", num_tokens=64)]))
-            decode = await stub.Step(worker_pb2.StepRequest(step_id=4, epoch=5, work=[worker_pb2.WorkItem(seq_id="b", num_tokens=1)]))
+            prefill = await stub.Step(worker_pb2.StepRequest(step_id=3, epoch=5, new_sequences=[_new("b", prompt)],
+                                                             work=[worker_pb2.WorkItem(seq_id="b", num_tokens=64)]))
+            decode = await stub.Step(worker_pb2.StepRequest(step_id=4, epoch=5,
+                                                            work=[worker_pb2.WorkItem(seq_id="b", num_tokens=1)]))
             assert [r.results[0].token_id for r in (prefill, decode)] == [
                 r.results[0].token_id for r in (first, second)]
 
