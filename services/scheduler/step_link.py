@@ -27,6 +27,10 @@ class StepFailed(Exception):
         self.code = code
         self.details = details
 
+    @classmethod
+    def of(cls, error: grpc.aio.AioRpcError) -> StepFailed:
+        return cls(error.code().name, error.details() or "")
+
 
 class UnarySteps:
     """A Step call per step, each with its own deadline."""
@@ -42,7 +46,7 @@ class UnarySteps:
         try:
             return await self._stub.Step(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as error:
-            raise StepFailed(error.code().name, error.details() or "") from error
+            raise StepFailed.of(error) from error
 
     def close(self) -> None:
         """Nothing to close: each call ends with its step (the loop cancels those left)."""
@@ -71,14 +75,12 @@ class StreamSteps:
         if self._call is None:
             self._call = self._stub.StepStream()
             self._reader = asyncio.ensure_future(self._read())
-        deadline = (loop.call_later(self._timeout_s, self._fail, StepFailed(
-            "DEADLINE_EXCEEDED", f"no reply within the step deadline ({self._timeout_s:g} s)"))
-            if self._timeout_s else None)
+        deadline = loop.call_later(self._timeout_s, self._deadline_passed) if self._timeout_s else None
         self._waiting.append((reply, deadline))
         try:
             await self._call.write(request)
         except grpc.aio.AioRpcError as error:
-            self._fail(StepFailed(error.code().name, error.details() or ""))
+            self._fail(StepFailed.of(error))
         except asyncio.InvalidStateError:   # the call already ended; the reader reports how
             pass
         except asyncio.CancelledError:
@@ -105,7 +107,10 @@ class StreamSteps:
                 if not reply.done():
                     reply.set_result(response)
         except grpc.aio.AioRpcError as error:
-            self._fail(StepFailed(error.code().name, error.details() or ""))
+            self._fail(StepFailed.of(error))
+
+    def _deadline_passed(self) -> None:
+        self._fail(StepFailed("DEADLINE_EXCEEDED", f"no reply within the step deadline ({self._timeout_s:g} s)"))
 
     def _fail(self, failure: StepFailed) -> None:
         """Fails every waiting step and every later one; the call is cancelled."""
