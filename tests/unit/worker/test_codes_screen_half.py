@@ -182,9 +182,9 @@ def test_a_screen_reading_half_scales_gives_the_same_logits(native: NativeInt8Ma
     kernels = []                                    # the scales each pass of the screen read
     original = native.codes_screen
 
-    def spy(coded, x, x_scale, maxima=None, half=None):
+    def spy(coded, x, x_scale, maxima=None, half=None, out=None):
         kernels.append((x.shape[0], half is not None))
-        return original(coded, x, x_scale, maxima, half)
+        return original(coded, x, x_scale, maxima, half, out)
 
     monkeypatch.setattr(native, "codes_screen", spy)
     generator = torch.Generator().manual_seed(4)

@@ -259,6 +259,26 @@ def test_top_k_rows_get_the_exact_k_best(screen: LMHeadScreen, head: tuple[torch
         torch.testing.assert_close(got.values, expected.values, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("adjusted", [[], [3, 70]], ids=["C pick", "adjusted tokens"])
+def test_a_call_reuses_the_last_calls_rows_and_carries_nothing_over(head: tuple[torch.Tensor, CodedWeight],
+                                                                    native: NativeInt8Matmul,
+                                                                    adjusted: list[int]) -> None:
+    """The screen's logits rows (and its approximate ones) are kept from call to call, not
+    allocated afresh; a call of fewer rows gets the same rows as a screen of its own."""
+    screen = LMHeadScreen.from_codes(head[1], None, native, "int16")
+    assert screen is not None
+    first = screen.logits(hidden_states(9, seed=11), [1] * 9, [adjusted] * 9)
+    assert first is not None
+    storage = first.data_ptr()
+    x = hidden_states(3, seed=12)
+    again = screen.logits(x, [2] * 3, [adjusted] * 3)
+    assert again is not None and again.data_ptr() == storage
+    fresh = LMHeadScreen.from_codes(head[1], None, native, "int16")
+    assert fresh is not None
+    expected = fresh.logits(x, [2] * 3, [adjusted] * 3)
+    assert expected is not None and torch.equal(again, expected)
+
+
 def test_draws_over_screened_rows_equal_draws_over_full_rows(screen: LMHeadScreen,
                                                              head: tuple[torch.Tensor, CodedWeight]) -> None:
     assert_draws_match(screen, head[0], trials=3)

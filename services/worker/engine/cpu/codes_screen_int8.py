@@ -49,10 +49,11 @@ def quantize_blocks(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Te
 
 
 def approximate(native: NativeInt8Matmul, coded: CodedWeight, x: torch.Tensor,
-                maxima: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(approximate logits [rows, V] of x's int8 rounding, the rounding's residual [rows, in])."""
+                maxima: torch.Tensor | None, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(approximate logits [rows, V] of x's int8 rounding, in `out` where given; the rounding's
+    residual [rows, in])."""
     xq, scales, residual = quantize_blocks(x, coded.group)
-    return native.codes_screen_quads(coded, xq, scales, maxima), residual
+    return native.codes_screen_quads(coded, xq, scales, maxima, out), residual
 
 
 def check_rows(rows: int, in_features: int, group: int,

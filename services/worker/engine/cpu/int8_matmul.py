@@ -115,40 +115,46 @@ class NativeInt8Matmul:
         return out
 
     def codes_screen(self, coded: CodedWeight, x: torch.Tensor, x_scale: torch.Tensor,
-                     maxima: torch.Tensor | None = None, half_scales: "HalfScales | None" = None) -> torch.Tensor:
+                     maxima: torch.Tensor | None = None, half_scales: "HalfScales | None" = None,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] int16 and x_scale [rows] -> [rows, V] float32 = (x * x_scale[:, None])
         @ weight.T from the 8-bit codes of `coded` (native/codes_screen.c rounds only in
         float32, see there); with `maxima` ([rows, ceil(V / PANEL)] float32) also each row's
         largest output in each panel of PANEL tokens. With `half_scales` (codes_screen_half.py,
         of `coded`) the kernel reads them instead of the float scales and offsets: the same
-        outputs, bit for bit, from fewer bytes."""
+        outputs, bit for bit, from fewer bytes. `out`: [rows, V] float32 rows to write (e.g. a
+        ReusedRows'), else fresh ones."""
         if half_scales is None:
-            return self._from_codes(self._codes_screen, "", coded, x, torch.int16, x_scale.float(), maxima)
+            return self._from_codes(self._codes_screen, "", coded, x, torch.int16, x_scale.float(), maxima,
+                                    out=out)
         half, zeros = half_scales.scales, half_scales.zeros
         if (half.dtype != torch.float16 or zeros.dtype != torch.uint8 or half.shape != coded.scales.shape
                 or zeros.shape != coded.scales.shape or not (half.is_contiguous() and zeros.is_contiguous())):
             raise ValueError(f"codes screen: half scales {tuple(half.shape)} {half.dtype} and zeros "
                              f"{tuple(zeros.shape)} {zeros.dtype} for scales {tuple(coded.scales.shape)}")
-        return self._from_codes(self._codes_half, "", coded, x, torch.int16, x_scale.float(), maxima, half_scales)
+        return self._from_codes(self._codes_half, "", coded, x, torch.int16, x_scale.float(), maxima, half_scales,
+                                out)
 
     def codes_screen_quads(self, coded: CodedWeight, x: torch.Tensor, x_scales: torch.Tensor,
-                           maxima: torch.Tensor | None = None) -> torch.Tensor:
+                           maxima: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] int8 and x_scales [rows, in / group] (one per block of the codes) ->
         [rows, V] float32 = (x * x_scales per block) @ weight.T from the 8-bit codes of `coded`
         (native/codes_screen_quads.c, AVX-512 VNNI and VBMI only: `has_codes_quads`); `maxima`
-        as in `codes_screen`."""
+        and `out` as in `codes_screen`."""
         if not self.has_codes_quads:
             raise ValueError("codes screen: built without the int8 kernel (AVX-512 VNNI and VBMI)")
         blocks = coded.in_features // coded.group
         if tuple(x_scales.shape) != (x.shape[0], blocks):
             raise ValueError(f"codes screen: scales {tuple(x_scales.shape)} for {x.shape[0]} rows of {blocks} blocks")
-        return self._from_codes(self._codes_quads, "the int8 kernel ", coded, x, torch.int8, x_scales.float(), maxima)
+        return self._from_codes(self._codes_quads, "the int8 kernel ", coded, x, torch.int8, x_scales.float(), maxima,
+                                out=out)
 
     def _from_codes(self, function: ctypes._CFuncPtr, kernel: str, coded: CodedWeight, x: torch.Tensor,
                     dtype: torch.dtype, scales: torch.Tensor, maxima: torch.Tensor | None,
-                    half_scales: "HalfScales | None" = None) -> torch.Tensor:
+                    half_scales: "HalfScales | None" = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """One of the codes kernels on rows `x` of `dtype` with their `scales`, checked first
-        (with `half_scales`, the symmetric kernel, which takes no float scales or offsets)."""
+        (with `half_scales`, the symmetric kernel, which takes no float scales or offsets), into
+        `out` where given."""
         if coded.bits != 8:
             raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
         rows, in_features = x.shape
@@ -158,7 +164,12 @@ class NativeInt8Matmul:
         if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
             raise ValueError("codes screen: codes, scales and offsets must be contiguous")
         x, scales = x.contiguous(), scales.contiguous()
-        out = torch.empty(rows, coded.out_features)
+        if out is None:
+            out = torch.empty(rows, coded.out_features)
+        elif (tuple(out.shape) != (rows, coded.out_features) or out.dtype != torch.float32
+              or not out.is_contiguous()):
+            raise ValueError(f"codes screen: out {tuple(out.shape)} {out.dtype} for {rows} rows of "
+                             f"{coded.out_features} tokens")
         weight = ((coded.scales.data_ptr(), coded.offsets.data_ptr()) if half_scales is None
                   else (half_scales.scales.data_ptr(), half_scales.zeros.data_ptr()))
         status = function(coded.codes.data_ptr(), *weight, coded.group, x.data_ptr(), scales.data_ptr(),
@@ -266,23 +277,36 @@ class NativeInt8Matmul:
 MAX_PICK = 256      # screen_pick.c's MAX_PICK: best tokens a row reads at most
 
 
+class ReusedRows:
+    """[rows, width] float32 rows kept between steps (one thread) and handed out again, grown
+    when a step needs more: a fresh [30, 262144] tensor a step cost ~10 ms of page faults on
+    the 2-core AMD EPYC, more than the screen's pick itself. What it hands out is valid until
+    its next `take`."""
+
+    def __init__(self) -> None:
+        self._rows = torch.empty(0)
+
+    def take(self, rows: int, width: int) -> torch.Tensor:
+        """[rows, width] float32 rows to write (their values are the previous step's)."""
+        if self._rows.shape[0] < rows or self._rows.shape[-1] != width:
+            self._rows = torch.empty(rows, width)
+        return self._rows[:rows]
+
+
 class PickScratch:
-    """Room for a pick's (row, token, exact logit) triples and its logits, kept between steps
-    (one thread). The logits rows are reused: a fresh [30, 262144] tensor a step cost ~10 ms
-    of page faults on the 2-core AMD EPYC, more than the pick itself."""
+    """Room for a pick's (row, token, exact logit) triples and its logits rows, kept between
+    steps (one thread)."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.rows = torch.empty(capacity, dtype=torch.long)
         self.ids = torch.empty(capacity, dtype=torch.long)
         self.values = torch.empty(capacity)
-        self._out = torch.empty(0)
+        self._out = ReusedRows()
 
     def out(self, rows: int, vocab: int) -> torch.Tensor:
         """[rows, vocab] float32 rows to write, the previous pick's until then."""
-        if self._out.shape[0] < rows or self._out.shape[-1] != vocab:
-            self._out = torch.empty(rows, vocab)
-        return self._out[:rows]
+        return self._out.take(rows, vocab)
 
 
 @dataclass(frozen=True)

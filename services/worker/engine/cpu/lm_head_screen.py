@@ -49,7 +49,7 @@ from services.worker.engine.cpu.codes_screen_half import HalfScales, checked_hal
 from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS, INT8_GRID, faster_activations, int8_available
 from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_approximate
 from services.worker.engine.cpu.int8_matmul import (CODES_TILE, MAX_PICK, NATIVE_TILE, PANEL, BoundNorms, NativeInt8Matmul,
-                                                    PickScratch)
+                                                    PickScratch, ReusedRows)
 from services.worker.engine.cpu.native_build import load_binding
 from services.worker.engine.cpu.screen_fbgemm import FbgemmHead, screening_available
 from services.worker.engine.cpu.weight_codes import CodedWeight
@@ -91,6 +91,8 @@ class LMHeadScreen:
         self._from_codes = False                   # approximate logits from the codes (from_codes)
         self._half_scales: HalfScales | None = None     # the codes' scales as half floats (codes_screen_half.py)
         self._pick_scratch: PickScratch | None = None   # the C pick's candidates, made at its first step
+        self._approx_rows = ReusedRows()           # `logits`' approximate logits, reused step to step
+        self._logits_rows = ReusedRows()           # its returned rows where the C pick does not take them
         self.activations = "int16"                 # how hidden states are rounded for the kernel
         self.softcap = softcap
         vocab, hidden = self.weight.shape
@@ -167,6 +169,7 @@ class LMHeadScreen:
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
         self._pick_scratch = None
+        self._approx_rows, self._logits_rows = ReusedRows(), ReusedRows()
         self._half_scales = checked_half_scales(native, coded, INT16_GRID) if activations == "int16" else None
         grid = INT8_GRID if activations == "int8" else self._int16_grid
         row_norms, alpha_norms = coded_row_norms(coded, PANEL)
@@ -254,8 +257,8 @@ class LMHeadScreen:
         model caps them) at every token that can be among row b's `top_counts[b]` best
         once the sampler has adjusted the tokens `adjusted[b]`, and at those tokens;
         -inf elsewhere. None when screening would not pay: non-finite hidden states, or
-        more candidates than MAX_CANDIDATES (the bound is loose for this input). Rows from
-        the C pick are the screen's own, overwritten by its next call: read them before."""
+        more candidates than MAX_CANDIDATES (the bound is loose for this input). The rows are
+        the screen's own (ReusedRows), overwritten by its next call: read them before."""
         if self._picks_natively(top_counts, adjusted):
             return self._picked(hidden, top_counts)
         x = hidden.float()
@@ -263,7 +266,7 @@ class LMHeadScreen:
             return None
         rows = x.shape[0]
         vocab = self.vocab_size
-        approx, activation_error, maxima = self._approximate(x)
+        approx, activation_error, maxima = self._approximate(x, self._approx_rows.take(rows, vocab))
         norms = x.norm(dim=1)
 
         # Exact logits of the best approximate tokens give each row a threshold: the
@@ -294,7 +297,7 @@ class LMHeadScreen:
         extra_rows = [torch.full((len(ids),), row, dtype=torch.long) for row, ids in enumerate(adjusted_ids)]
         all_rows = torch.cat([cand_rows, *extra_rows])
         all_ids = torch.cat([cand_ids, *adjusted_ids])
-        out = torch.full((rows, vocab), float("-inf"))
+        out = self._logits_rows.take(rows, vocab).fill_(float("-inf"))
         out[all_rows, all_ids] = self._capped(self._exact(x, all_rows, all_ids))
         out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
         return out
@@ -318,7 +321,8 @@ class LMHeadScreen:
             return None
         maxima = torch.empty(x.shape[0], -(-self.vocab_size // PANEL))
         approx = self._native.codes_screen(self._coded, quantized.q, quantized.scale, maxima,
-                                           self._half_for(x.shape[0]))
+                                           self._half_for(x.shape[0]),
+                                           self._approx_rows.take(x.shape[0], self.vocab_size))
         if self._pick_scratch is None:
             self._pick_scratch = PickScratch(self.MAX_CANDIDATES)
         picked = self._native.screen_pick(approx, maxima, list(top_counts), x, quantized, self._bound_norms,
@@ -357,29 +361,32 @@ class LMHeadScreen:
         (from the codes: the kernel's float32 rounding in place of |w - q(w)|, and q(w) = w)."""
         return norms * (error_norms + self._slack_per_norm) + activation_error * quant_norms
 
-    def _approximate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(approximate logits [B, vocab], |x - q(x)| per row, the logits' maxima per panel of
-        PANEL tokens where the C kernel computes them, else None)."""
+    def _approximate(self, x: torch.Tensor,
+                     out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(approximate logits [B, vocab], in `out` where the C kernel computes them and it is
+        given; |x - q(x)| per row; the logits' maxima per panel of PANEL tokens where the C kernel
+        computes them, else None)."""
         if self._native is not None:
-            return self._approximate_native(x)
+            return self._approximate_native(x, out)
         assert self._packed is not None
         approx, activation_error = self._packed.approximate(x)
         return approx, activation_error, None
 
-    def _approximate_native(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _approximate_native(self, x: torch.Tensor,
+                            out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One int16 (or from the codes int8) row per row through the C kernel."""
         assert self._native is not None
         rows = x.shape[0]
         maxima = torch.empty(rows, -(-self.vocab_size // PANEL))
         if self.activations == "int8":
-            approx, residual = int8_approximate(self._native, self._coded, x, maxima)
+            approx, residual = int8_approximate(self._native, self._coded, x, maxima, out)
             return approx, residual.norm(dim=1) * (1 + 1e-4) + x.norm(dim=1) * 2.0 ** -22 + 1e-30, maxima
         scale = (x.abs().amax(dim=1) / self._int16_grid).clamp_min(1e-30)
         rounded = (x / scale[:, None]).round_().clamp_(-self._int16_grid, self._int16_grid)
         residual = x - rounded * scale[:, None]
         if self._from_codes:
             approx = self._native.codes_screen(self._coded, rounded.to(torch.int16), scale, maxima,
-                                               self._half_for(rows))
+                                               self._half_for(rows), out)
         else:
             approx = self._native(self._panels, rounded.to(torch.int16), scale, maxima)
         # The residual is computed in float32: its rounding is below 2^-24 |x| per entry, far
