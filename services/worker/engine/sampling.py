@@ -75,7 +75,7 @@ class StepSampler:
     def logits(self, hidden: torch.Tensor, requests: list[SampleRequest]) -> tuple[torch.Tensor, list[bool]]:
         """Float32 logits [rows, vocab] of the sampling rows, and which rows are complete
         (the others are screened)."""
-        screen = self.screen_loader.screen
+        screen = self.screen_loader.screen_for(len(requests))
         picks = [self._screen_pick(screen, request) for request in requests] if screen is not None else []
         screened = [row for row, pick in enumerate(picks) if pick is not None]
         screened_logits = None

@@ -13,8 +13,9 @@ bound stays the screen's usual one (lm_head_screen.py): the activation residual,
 here, and the kernel's float32 rounding (codes_screen_bound.py, on the int8 grid).
 
 `auto` (LM_HEAD_SCREEN_ACTIVATIONS) times both kernels on the head itself when the screen is
-built and keeps the faster: the int8 kernel's float work at every block end is twice the
-int16 kernel's share, so it does not pay on every CPU or at every row count.
+built and keeps the faster at a c32 step's rows: the int8 kernel's float work at every block
+end is twice the int16 kernel's share, so it does not pay on every CPU or at every row count.
+Where int8 is kept, an int16 screen may serve the narrow steps beside it (screen_rows.py).
 """
 
 from __future__ import annotations

@@ -292,17 +292,21 @@ class ReusedRows:
             self._rows = torch.empty(rows, width)
         return self._rows[:rows]
 
+    def release(self) -> None:
+        """Lets the rows go (the next `take` allocates afresh)."""
+        self._rows = torch.empty(0)
+
 
 class PickScratch:
-    """Room for a pick's (row, token, exact logit) triples and its logits rows, kept between
-    steps (one thread)."""
+    """Room for a pick's (row, token, exact logit) triples and its logits rows (`out`, or rows of
+    its own), kept between steps (one thread)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, out: ReusedRows | None = None) -> None:
         self.capacity = capacity
         self.rows = torch.empty(capacity, dtype=torch.long)
         self.ids = torch.empty(capacity, dtype=torch.long)
         self.values = torch.empty(capacity)
-        self._out = ReusedRows()
+        self._out = out if out is not None else ReusedRows()
 
     def out(self, rows: int, vocab: int) -> torch.Tensor:
         """[rows, vocab] float32 rows to write, the previous pick's until then."""

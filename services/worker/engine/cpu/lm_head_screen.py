@@ -48,21 +48,20 @@ from services.worker.engine.cpu.codes_screen_bound import coded_row_norms, codes
 from services.worker.engine.cpu.codes_screen_half import HalfScales, checked_half_scales
 from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS, INT8_GRID, faster_activations, int8_available
 from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_approximate
-from services.worker.engine.cpu.int8_matmul import (CODES_TILE, MAX_PICK, NATIVE_TILE, PANEL, BoundNorms, NativeInt8Matmul,
+from services.worker.engine.cpu.int8_matmul import (CODES_TILE, MAX_PICK, PANEL, BoundNorms, NativeInt8Matmul,
                                                     PickScratch, ReusedRows)
 from services.worker.engine.cpu.native_build import load_binding
 from services.worker.engine.cpu.screen_fbgemm import FbgemmHead, screening_available
+from services.worker.engine.cpu.screen_int8_copy import NORM_MARGIN, native_kernel_exact, quantize_rows
 from services.worker.engine.cpu.weight_codes import CodedWeight
 
 log = logging.getLogger(__name__)
 
-QUANTIZE_CHUNK_ROWS = 16384
 # Rounding, relative to |x| * max |q(w_r)|: the int8 op's float output (within ~1e-8 of
 # float64, checked at create) and the bound's own arithmetic take OP_SLACK; the float32
 # dot products of the exact logits (the threshold's and a candidate's) take the
 # worst-case summation error of `hidden` terms, 2 * hidden * 2^-24 (slack_per_norm).
 OP_SLACK = 1e-5
-NORM_MARGIN = 1e-3
 CHECK_ROWS = 4096           # vocabulary rows the check at create compares
 INT16_GRID = 16383          # native kernel: activation rows are integers in [-INT16_GRID, INT16_GRID]
 INT32_MAX = 2 ** 31 - 1
@@ -97,22 +96,7 @@ class LMHeadScreen:
         self.softcap = softcap
         vocab, hidden = self.weight.shape
         self._vocab, self._hidden = vocab, hidden
-        scales = torch.empty(vocab, dtype=torch.float64)
-        error_norms = torch.empty(vocab, dtype=torch.float32)
-        quant_norms = torch.empty(vocab, dtype=torch.float32)
-        quantized = torch.empty(vocab, hidden, dtype=torch.int8)
-        with torch.inference_mode():
-            for start in range(0, vocab, QUANTIZE_CHUNK_ROWS):
-                chunk = slice(start, start + QUANTIZE_CHUNK_ROWS)
-                rows = self.weight[chunk]
-                scale = (rows.abs().amax(dim=1) / 127).clamp_min(1e-30)
-                q = (rows / scale[:, None]).round_().clamp_(-127, 127)
-                dequantized = q * scale[:, None]
-                scales[chunk] = scale
-                quantized[chunk] = q
-                # Float32 norms, widened by far more than their rounding so the bound never shrinks.
-                error_norms[chunk] = (rows - dequantized).norm(dim=1) * (1 + NORM_MARGIN)
-                quant_norms[chunk] = dequantized.norm(dim=1) * (1 + NORM_MARGIN)
+        quantized, scales, error_norms, quant_norms = quantize_rows(self.weight)
         self._native = native
         self._int16_grid = min(INT16_GRID, INT32_MAX // (127 * hidden))
         if native is not None:
@@ -215,26 +199,11 @@ class LMHeadScreen:
             return self._codes_check()
         assert self._check is not None, "checked once, at create"
         quantized, scales = self._check
-        weights = quantized.double() * scales[:, None]
         generator = torch.Generator().manual_seed(0)
         if self._native is not None:
-            return self._native_check(quantized, scales, weights, generator)
+            return native_kernel_exact(self._native, quantized, scales, self._int16_grid, generator)
         assert self._packed is not None
-        return self._packed.check(weights, generator)
-
-    def _native_check(self, quantized: torch.Tensor, scales: torch.Tensor, weights: torch.Tensor,
-                      generator: torch.Generator) -> bool:
-        """The C kernel on rows of extreme and random int16 integers (more than one tile,
-        some padding) equals the float64 product to within its float32 rounding."""
-        assert self._native is not None
-        grid = self._int16_grid
-        rows = torch.randint(-grid, grid + 1, (NATIVE_TILE + 3, weights.shape[1]), generator=generator)
-        rows[0], rows[1] = grid, -grid
-        x_scale = torch.rand(len(rows), generator=generator) + 0.5
-        out = self._native(self._native.pack(quantized, scales.float()), rows.to(torch.int16), x_scale)
-        reference = (rows.double() * x_scale[:len(rows), None].double()) @ weights.T
-        magnitude = (rows.double().abs() * x_scale[:len(rows), None].double()) @ weights.abs().T
-        return bool(((out.double() - reference).abs() <= 1e-6 * magnitude + 1e-6).all())
+        return self._packed.check(quantized.double() * scales[:, None], generator)
 
     def _codes_check(self) -> bool:
         """The codes kernel in use within the rounding part of its bound (codes_screen_bound.py)."""
@@ -302,6 +271,17 @@ class LMHeadScreen:
         out[torch.arange(rows)[:, None], best_ids] = self._capped(best_exact)
         return out
 
+    def share_rows(self, other: LMHeadScreen) -> None:
+        """Writes its approximate and logits rows into `other`'s: two screens of one head that
+        serve steps in turn (screen_rows.py) need one set between them."""
+        self._approx_rows, self._logits_rows = other._approx_rows, other._logits_rows
+        self._pick_scratch = None
+
+    def release_rows(self) -> None:
+        """Lets its reused rows go (they come back at the width of the next steps)."""
+        self._approx_rows.release()
+        self._logits_rows.release()
+
     def _picks_natively(self, top_counts: Sequence[int], adjusted: Sequence[Sequence[int]]) -> bool:
         """Whether `logits` takes the C path around the kernel (native/screen_pick.c): int16
         rows against the head's 8-bit codes, no token adjusted by any row's sampler, and no
@@ -324,7 +304,7 @@ class LMHeadScreen:
                                            self._half_for(x.shape[0]),
                                            self._approx_rows.take(x.shape[0], self.vocab_size))
         if self._pick_scratch is None:
-            self._pick_scratch = PickScratch(self.MAX_CANDIDATES)
+            self._pick_scratch = PickScratch(self.MAX_CANDIDATES, self._logits_rows)
         picked = self._native.screen_pick(approx, maxima, list(top_counts), x, quantized, self._bound_norms,
                                           self._coded, self._pick_scratch)
         if picked is None:

@@ -7,7 +7,8 @@ with a bias). A failed build is logged and leaves the full head serving.
 
 A head kept as 8-bit weight codes is screened from the codes themselves where the C kernel
 builds (`LMHeadScreen.from_codes`: no int8 copy, 168 MB less on Gemma 3's head), with hidden
-states rounded to int16 or to int8 (`LM_HEAD_SCREEN_ACTIVATIONS`; codes_screen_int8.py); any
+states rounded to int16 or to int8 (`LM_HEAD_SCREEN_ACTIVATIONS`; codes_screen_int8.py), or
+under `auto` with both, each serving the steps it was timed faster on (screen_rows.py); any
 other head from an int8 copy of its float32 weight.
 """
 
@@ -25,6 +26,7 @@ from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS
 from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
+from services.worker.engine.cpu.screen_rows import RowSplit, split_by_rows
 from services.worker.engine.cpu.weight_codes import CodedWeight
 
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")
@@ -54,6 +56,7 @@ class ScreenLoader:
         self.activations = config.lm_head_screen_activations
         self.setting_max_rows = config.lm_head_screen_max_rows
         self.screen: LMHeadScreen | None = None
+        self._split: RowSplit | None = None        # int16 rounding for narrow steps (screen_rows.py)
         self._softcap = softcap
         self._kernel_cache_dir = kernel_cache_dir
         self._native_kernels = native_kernels
@@ -86,6 +89,10 @@ class ScreenLoader:
         """Blocks until the screen is built or known not to be."""
         return self._ready.wait(timeout)
 
+    def screen_for(self, rows: int) -> LMHeadScreen | None:
+        """The screen that serves a step sampling `rows` rows (None: the full head serves)."""
+        return self._split.screen_for(rows) if self._split is not None else self.screen
+
     def max_rows(self, screen: LMHeadScreen) -> int:
         """Screened rows per step at most: the setting, or past where the full head is faster."""
         return self.setting_max_rows or DEFAULT_SCREEN_MAX_ROWS[screen.kernel]
@@ -103,14 +110,18 @@ class ScreenLoader:
                 screen = LMHeadScreen.from_codes(coded, self._softcap, native, self.activations)
                 if screen is None:
                     log.warning("LM head screen: not from the head's codes; from an int8 copy of it instead")
+                elif self.activations == "auto":
+                    self._split = split_by_rows(
+                        screen, lambda: LMHeadScreen.from_codes(coded, self._softcap, native, "int16"))
             if screen is None:     # no 8-bit codes or C kernel, or the codes kernel failed its check
                 screen = LMHeadScreen.create(weight, self._softcap, native)
                 if screen is not None and coded is not None:
                     screen.read_rows_from(coded)
             self.screen = screen
             if self.screen is not None:
-                log.info("LM head screen ready in %.1f s (%s kernel, %s activations)", time.perf_counter() - started,
-                         self.screen.kernel, self.screen.activations)
+                log.info("LM head screen ready in %.1f s (%s kernel, %s activations%s)", time.perf_counter() - started,
+                         self.screen.kernel, self.screen.activations,
+                         f"; int16 for steps of up to {self._split.few_rows} rows" if self._split is not None else "")
         except Exception:   # the full head keeps serving; the failure is only logged
             log.exception("LM head screen could not be built; the full LM head serves every row")
         finally:
