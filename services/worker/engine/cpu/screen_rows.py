@@ -24,7 +24,7 @@ import torch
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
 
 ROW_COUNTS = (1, 2, 4, 8, 16, 32)     # the step widths both screens are timed at
-ROUNDS = 3                            # best of this many calls each, alternating
+ROUNDS = 5                            # best of this many calls each, alternating
 HIDDEN_SCALE = 40.0                   # head rows this many times over: one clear winner a row
 
 
