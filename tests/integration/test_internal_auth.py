@@ -6,8 +6,6 @@ needs no internal token, and the token shows in no log, stats or metrics."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import urllib.request
 from collections.abc import Awaitable, Callable, Iterator
@@ -54,10 +52,9 @@ def _internal_calls(stack: Stack) -> dict[str, tuple[int, dict[str, Call]]]:
             request_id="intruder", prompt_token_ids=[5, 6, 7], max_tokens=2), timeout=10)))
 
     async def step_stream(channel: grpc.aio.Channel) -> object:
-        steps = worker_pb2_grpc.WorkerStub(channel).StepStream(timeout=10)
-        with contextlib.suppress(asyncio.InvalidStateError):    # refused already: the read says how
-            await steps.write(worker_pb2.StepRequest())
-        return await steps.read()
+        # Refused at the call's start, before any request: a request written while the refusal
+        # is under way can end the call as INTERNAL instead, so the read alone says how.
+        return await worker_pb2_grpc.WorkerStub(channel).StepStream(timeout=10).read()
 
     return {
         "scheduler": (stack.ports.scheduler, {
