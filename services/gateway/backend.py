@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from common.types import SamplingParams, TokenLogprob, Usage
+from services.gateway.tenants import TenantLimits
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,12 @@ class GenerationSpec:
     # What its KV keeps past the deployment's budget (full | window | sink | h2o); "": KV_POLICY.
     # A lossy one is not held to the model's context.
     kv_policy: str = ""
+    # With API keys: the authenticated tenant's limits, which the scheduler holds for
+    # every gateway (TENANTS_FILE); None: no keys, an unauthenticated request.
+    tenant_limits: TenantLimits | None = None
+    # A submission of work a scheduler admitted before (continuation.py): not refused
+    # or charged again by the tenant's limits.
+    resubmitted: bool = False
 
 
 @dataclass(frozen=True)

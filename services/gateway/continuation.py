@@ -85,9 +85,11 @@ class ResumableGeneration:
         return await self._backend.cancel(self.request_id)
 
     def _submission(self) -> GenerationSpec:
-        if not self.received:
+        """The spec to send: after a loss, marked as admitted before (the tenant's
+        limits neither refuse nor charge it again), with what was received so far."""
+        if self.submissions == 1:
             return self._spec
-        return replace(self._spec, resume_token_ids=tuple(self.received))
+        return replace(self._spec, resume_token_ids=tuple(self.received), resubmitted=True)
 
     def _recovering_since(self, error: BackendError, lost_at: float | None) -> float:
         """When the scheduler was lost: now, for a first loss. Raises `error` when

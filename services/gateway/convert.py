@@ -31,9 +31,11 @@ from services.gateway.backend import (
     WorkerView,
 )
 from services.gateway.spec import RequestFields, TextInput
+from services.gateway.tenants import TenantLimits
 from services.gateway.validation import SamplingInput
 
 DEFAULT_RETRY_AFTER_S = 1
+QUOTA_GATE = "quota"   # the scheduler's rejection gate for a tenant at one of its limits
 
 
 def sampling_input_from_proto(message: common_pb2.SamplingParams) -> SamplingInput:
@@ -71,7 +73,18 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         cache_salt=spec.cache_salt,
         resume_token_ids=list(spec.resume_token_ids),
         kv_policy=spec.kv_policy,
+        authenticated=spec.tenant_limits is not None,
+        quota=tenant_quota_to_proto(spec.tenant_limits) if spec.tenant_limits is not None else None,
+        resubmitted=spec.resubmitted,
     )
+
+
+def tenant_quota_to_proto(limits: TenantLimits) -> scheduler_pb2.TenantQuota:
+    """The limits the scheduler holds for the tenant; None (no limit) is 0."""
+    return scheduler_pb2.TenantQuota(
+        max_in_flight=limits.max_in_flight or 0, max_queued=limits.max_queued or 0,
+        requests_per_s=limits.requests_per_s or 0.0, burst=limits.burst or 0,
+        tokens_per_minute=limits.tokens_per_minute or 0, max_request_s=limits.max_request_s or 0.0)
 
 
 def model_info_from_proto(message: scheduler_pb2.ModelInfo) -> ModelInfo:
@@ -148,14 +161,23 @@ def _retry_after_s(error: grpc.aio.AioRpcError) -> int | None:
 
 def _refused(error: grpc.aio.AioRpcError) -> bool:
     """Whether the scheduler itself refused the request (it marks its refusals)."""
-    return any(key == REJECTION_KEY for key, _value in error.trailing_metadata() or ())
+    return _rejection_gate(error) is not None
+
+
+def _rejection_gate(error: grpc.aio.AioRpcError) -> str | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == REJECTION_KEY:
+            return str(value)
+    return None
 
 
 def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
     code = error.code()
     details = error.details() or ""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return Overloaded(details, _retry_after_s(error) or DEFAULT_RETRY_AFTER_S)
+        quota = _rejection_gate(error) == QUOTA_GATE
+        return Overloaded(details, _retry_after_s(error) or DEFAULT_RETRY_AFTER_S,
+                          code="tenant_quota_exceeded" if quota else "queue_full")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidGeneration(details)
     if code == grpc.StatusCode.UNAVAILABLE and not _refused(error):

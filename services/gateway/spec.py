@@ -101,7 +101,8 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
         stop_token_ids=stop_token_ids, ignore_eos=bool(fields.ignore_eos),
         min_tokens=check_min_tokens(fields.min_tokens, max_tokens),
         client_id=identity.client_id, session_id=identity.session_id, priority=priority,
-        user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt, kv_policy=kv_policy)
+        user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt, kv_policy=kv_policy,
+        tenant_limits=caller.tenant.limits if caller.tenant is not None else None)
 
 
 def check_kv_policy(kv_policy: str | None) -> str:

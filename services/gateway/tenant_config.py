@@ -5,9 +5,12 @@ tenant is named by derived_name). TENANTS_FILE (JSON, or YAML for .yaml/.yml)
 gives tenants' limits:
 
     defaults:            # optional: every tenant, listed or not
-      max_in_flight: 64
+      max_in_flight: 64  # the default anyway (tenants.DEFAULT_MAX_IN_FLIGHT); null: no limit
     tenants:
-      alice: {weight: 2, max_priority: 5, max_queued: 8, requests_per_s: 10, burst: 20}
+      alice: {weight: 2, max_priority: 5, max_queued: 8, requests_per_s: 10, burst: 20,
+              tokens_per_minute: 100000, max_request_s: 600}
+
+A field given as null has no limit; a field left out takes the defaults' value.
 
 Every error names the variable, and the tenant and field when there is one;
 no error message ever shows a key.
@@ -31,7 +34,9 @@ from services.gateway.tenants import (
 )
 
 INT32_MAX = 2**31 - 1
-FIELDS = ("weight", "max_priority", "max_in_flight", "max_queued", "requests_per_s", "burst")
+FIELDS = ("weight", "max_priority", "max_in_flight", "max_queued", "requests_per_s", "burst",
+          "tokens_per_minute", "max_request_s")
+MAX_TOKENS_PER_MINUTE = 2**53
 
 
 def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"") -> TenantRegistry:
@@ -154,10 +159,12 @@ def parse_limits(entry: Any, where: str, base: TenantLimits) -> TenantLimits:
 def _field(value: Any, name: str, where: str) -> Any:
     if value is None:
         return None
-    if name in ("weight", "requests_per_s"):
+    if name in ("weight", "requests_per_s", "max_request_s"):
         return _positive_number(value, name, where)
     if name == "max_priority":
         return _integer(value, name, where, -INT32_MAX, INT32_MAX)
+    if name == "tokens_per_minute":
+        return _integer(value, name, where, 1, MAX_TOKENS_PER_MINUTE)
     return _integer(value, name, where, 1, INT32_MAX)
 
 

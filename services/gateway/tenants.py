@@ -2,7 +2,8 @@
 
 With API_KEYS set, every request is authenticated to a tenant, whose name
 (never its key) is the request's fairness identity, and whose limits
-(TenantLimits) the gateway enforces. A bare key's tenant is named by a keyed
+(TenantLimits) go with each of its requests to the scheduler, which holds them
+for every gateway at once (services/scheduler/core/quotas.py). A bare key's tenant is named by a keyed
 hash of the key (derived_name), stable across replicas that share the secret.
 
 Pure: no web or gRPC imports. Keys are kept as SHA-256 digests, compared in
@@ -23,6 +24,11 @@ DERIVED_HEX_CHARS = 12
 # Keys the derived names' HMAC without INTERNAL_TOKEN: names are then stable
 # everywhere, though anyone with a key can compute its name.
 DEFAULT_NAME_SECRET = b"fairserve/tenant-name/v1"
+# Every keyed tenant's max_in_flight unless TENANTS_FILE says otherwise (null: no limit).
+# One tenant then holds at most 1/16 of the default MAX_QUEUE_LEN (1024), so it alone cannot
+# fill the queue and get every other tenant refused, while n=8 batches and agents with dozens
+# of parallel calls still fit (README, "Tenants").
+DEFAULT_MAX_IN_FLIGHT = 64
 
 
 @dataclass(frozen=True)
@@ -31,15 +37,20 @@ class TenantLimits:
 
     weight: its share under weighted VTC. max_priority: the highest priority
     its requests may ask for (higher ones are lowered to it). max_in_flight:
-    generations running or waiting at once. max_queued: generations accepted
-    but without a first token yet. requests_per_s and burst: a token bucket
-    over generations started."""
+    generations running or waiting at once (DEFAULT_MAX_IN_FLIGHT unless set).
+    max_queued: generations accepted but without a first token yet.
+    requests_per_s and burst: a token bucket over generations started.
+    tokens_per_minute: prompt plus output tokens a minute. max_request_s: a
+    generation still running this long after it reached the scheduler ends
+    with finish_reason "length"."""
     weight: float = 1.0
     max_priority: int = 0
-    max_in_flight: int | None = None
+    max_in_flight: int | None = DEFAULT_MAX_IN_FLIGHT
     max_queued: int | None = None
     requests_per_s: float | None = None
     burst: int | None = None
+    tokens_per_minute: int | None = None
+    max_request_s: float | None = None
 
     @property
     def limited(self) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import TypeVar
 
 import grpc
 from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
@@ -13,12 +15,16 @@ from common.grpc_server import REJECTION_KEY
 from common.step_convert import step_batch_to_proto, step_output_from_proto  # noqa: F401
 
 from services.scheduler.core import (
-    CoreStats, Finish, Gate, RequestSpec, RequestUpdate, WorkerSpec,
+    CoreStats, Finish, Gate, Rejection, RequestSpec, RequestUpdate, WorkerSpec,
 )
+from services.scheduler.core.types import TenantQuota
 from services.scheduler.registration import WorkerFigures
+
+N = TypeVar("N", int, float)
 
 REJECTION_CODES: dict[Gate, grpc.StatusCode] = {
     Gate.QUEUE: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Gate.QUOTA: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Gate.NEVER_FIT: grpc.StatusCode.INVALID_ARGUMENT,
     Gate.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     Gate.TIMEOUT: grpc.StatusCode.UNAVAILABLE,
@@ -26,11 +32,15 @@ REJECTION_CODES: dict[Gate, grpc.StatusCode] = {
 }
 
 
-def rejection_metadata(gate: Gate) -> tuple[tuple[str, str], ...]:
+def rejection_metadata(rejection: Rejection) -> tuple[tuple[str, str], ...]:
     """Trailing metadata that marks a status as the scheduler's own refusal, so the
     gateway tells an UNAVAILABLE rejection (no worker, hold timed out) from a lost
-    connection to the scheduler (which it survives by resubmitting the request)."""
-    return ((REJECTION_KEY, gate.value),)
+    connection to the scheduler (which it survives by resubmitting the request);
+    with the seconds to wait when the rejection says them (a tenant's quota)."""
+    metadata = ((REJECTION_KEY, rejection.gate.value),)
+    if rejection.retry_after_s > 0:
+        metadata += (("retry-after", str(rejection.retry_after_s)),)
+    return metadata
 
 
 def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSpec:
@@ -50,7 +60,23 @@ def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSp
         cache_salt=message.cache_salt,
         resume_token_ids=tuple(message.resume_token_ids),
         kv_policy=message.kv_policy,
+        authenticated=message.authenticated,
+        quota=tenant_quota_from_proto(message.quota) if message.HasField("quota") else None,
+        resubmitted=message.resubmitted,
     )
+
+
+def tenant_quota_from_proto(message: scheduler_pb2.TenantQuota) -> TenantQuota:
+    """Zeros (and anything not a finite positive number) are "no limit"."""
+    return TenantQuota(
+        max_in_flight=_limit(message.max_in_flight), max_queued=_limit(message.max_queued),
+        requests_per_s=_limit(message.requests_per_s), burst=_limit(message.burst),
+        tokens_per_minute=_limit(message.tokens_per_minute), max_request_s=_limit(message.max_request_s),
+    )
+
+
+def _limit(value: N) -> N | None:
+    return value if math.isfinite(value) and value > 0 else None
 
 
 def worker_spec_from_proto(info: worker_pb2.WorkerInfo, worker_id: str, address: str,

@@ -139,7 +139,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def _refuse(context: grpc.aio.ServicerContext, rejection: Rejection) -> None:
         """Ends a Generate call with the rejection's status, marked as a refusal."""
         await context.abort(convert.REJECTION_CODES[rejection.gate], rejection.message,
-                            trailing_metadata=convert.rejection_metadata(rejection.gate))
+                            trailing_metadata=convert.rejection_metadata(rejection))
 
     def _background(self, work: Coroutine[object, object, object]) -> None:
         task = asyncio.create_task(work)

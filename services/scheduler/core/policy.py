@@ -18,13 +18,13 @@ WaitingClients keeps the waiting counts that drive the lifts. Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from services.scheduler.core.state import RequestState
 from services.scheduler.core.types import Policy
 from services.scheduler.core.vtc import VirtualTokenCounter
 
-__all__ = ["VirtualTokenCounter", "WaitingClients", "pick_next"]
+__all__ = ["VirtualTokenCounter", "WaitingClients", "effective_policy", "pick_next"]
 
 
 class WaitingClients:
@@ -81,6 +81,16 @@ class WaitingClients:
 def _queue_position(request: RequestState) -> tuple[int, int]:
     # A preempted request goes back to the front of its queue.
     return (0 if request.resumed else 1, request.arrival_order)
+
+
+def effective_policy(policy: Policy, *groups: Iterable[RequestState]) -> Policy:
+    """The policy a decision among `groups` (a worker's waiting and running
+    requests) follows: auto is the VTC as soon as one of them carries an
+    authenticated tenant (the gateway has API keys), FCFS otherwise."""
+    if policy is not Policy.AUTO:
+        return policy
+    authenticated = any(request.spec.authenticated for group in groups for request in group)
+    return Policy.VTC if authenticated else Policy.FCFS
 
 
 def pick_next(pending: Sequence[RequestState], policy: Policy,

@@ -14,6 +14,7 @@ Invariants between the core's calls:
   requests, and that of a user within the client its number of pending requests.
 - A worker's reserved_kv_tokens is the sum of kv_reservation over its
   prefilling and active requests.
+- A request's hold on its tenant's quota (core/quotas.py) ends with it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from common.types import SamplingParams, Usage
 
 from services.scheduler.core.counters import CoreCounters
 from services.scheduler.core.policy import VirtualTokenCounter, WaitingClients
+from services.scheduler.core.quotas import TenantQuotas
 from services.scheduler.core.state import Phase, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import Finish, FinishReason, Gate, NewSequence, Rejection, RequestUpdate
@@ -45,8 +47,10 @@ def worker_sampling(request: RequestState) -> SamplingParams:
 
 
 class RequestBook:
-    def __init__(self, vtc: VirtualTokenCounter, counts: CoreCounters) -> None:
+    def __init__(self, vtc: VirtualTokenCounter, counts: CoreCounters,
+                 quotas: TenantQuotas | None = None) -> None:
         self.requests: dict[str, RequestState] = {}
+        self.quotas = quotas
         self.by_seq: dict[str, RequestState] = {}
         self.vtc = vtc
         self.waiting = WaitingClients(vtc)
@@ -131,6 +135,7 @@ class RequestBook:
         if worker is not None:
             self.detach(worker, request)
         self.requests.pop(request.request_id, None)
+        self._release(request)
         self.counts.count_finish(reason)
         self._forget_idle(request.client_id)
         usage = Usage(prompt_tokens=len(request.prompt), completion_tokens=len(request.output),
@@ -145,8 +150,13 @@ class RequestBook:
             worker.pending.remove(request)
         self.waiting.leave(request.client_id, request.user)
         self.requests.pop(request.request_id, None)
+        self._release(request)
         self.counts.count_rejection(gate)
         return RequestUpdate(request.request_id, rejection=Rejection(gate, message))
+
+    def _release(self, request: RequestState) -> None:
+        if self.quotas is not None:
+            self.quotas.release(request.request_id)
 
     def _forget_idle(self, client_id: str) -> None:
         """Bounds the counters kept: idle clients (no request left) past

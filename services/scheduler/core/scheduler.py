@@ -34,8 +34,9 @@ from services.scheduler.core.counters import CoreCounters, core_stats
 from services.scheduler.core.drain import DrainOutcome, drain
 from services.scheduler.core.failover import Failover, Stranded
 from services.scheduler.core.in_flight import dispatch, retire
-from services.scheduler.core.policy import VirtualTokenCounter, pick_next
+from services.scheduler.core.policy import VirtualTokenCounter, effective_policy, pick_next
 from services.scheduler.core.prefix_share import blocked_by_leaders
+from services.scheduler.core.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.routing import SessionMap, route
@@ -61,7 +62,8 @@ class SchedulerCore:
         self._workers: dict[str, WorkerState] = {}
         self._vtc = VirtualTokenCounter(config.vtc_input_weight, config.vtc_output_weight)
         self._counts = CoreCounters()
-        self._book = RequestBook(self._vtc, self._counts)
+        self._quotas = TenantQuotas(clock)
+        self._book = RequestBook(self._vtc, self._counts, self._quotas)
         # The book's maps: the loop reads the first two; the accounting tests
         # check all three are empty once every request has ended.
         self._requests, self._by_seq = self._book.requests, self._book.by_seq
@@ -120,8 +122,9 @@ class SchedulerCore:
         return worker_id in self._workers
 
     def expire(self) -> ExpireOutcome:
-        """Drops workers that stopped heartbeating and fails requests that
-        waited past the queue timeout without being admitted."""
+        """Drops workers that stopped heartbeating, fails requests that
+        waited past the queue timeout without being admitted, and ends those
+        past their tenant's max_request_s ("length": what they generated stands)."""
         now = self._clock()
         updates: list[RequestUpdate] = []
         removed: list[str] = []
@@ -139,6 +142,12 @@ class SchedulerCore:
                 if gates.timed_out(request.started, waited, timeout_s):
                     message = gates.timeout_message(request.held_by, waited, timeout_s)
                     updates.append(self._book.reject(worker, request, Gate.TIMEOUT, message))
+        for request_id, limit_s in self._quotas.overdue():
+            request = self._requests.get(request_id)
+            if request is not None:
+                finish = self._finish(request, FinishReason.LENGTH,
+                                      f"the tenant's max_request_s of {limit_s:g} s ran out")
+                updates.append(RequestUpdate(request_id, finish=finish))
         return ExpireOutcome(updates=tuple(updates), removed_workers=tuple(removed))
 
     # ---- requests ----
@@ -165,9 +174,15 @@ class SchedulerCore:
                                   generated=len(spec.resume_token_ids), cap_tokens=cap)
         if problem:
             return self._count_rejection(spec.request_id, Rejection(Gate.NEVER_FIT, problem))
+        client_id = spec.client_id or ANONYMOUS_CLIENT
+        refusal = self._quotas.admit(spec.request_id, client_id, spec.quota, prompt_len, spec.resubmitted,
+                                     started=bool(spec.resume_token_ids))
+        if refusal is not None:
+            gate = Gate.QUOTA if refusal.retry_after_s else Gate.NEVER_FIT
+            return self._count_rejection(spec.request_id, Rejection(gate, refusal.message, refusal.retry_after_s))
         if spec.session_id:
             self._sessions.remember(spec.session_id, worker.worker_id)
-        request = RequestState.arriving(spec, spec.client_id or ANONYMOUS_CLIENT, max_tokens, self._clock(),
+        request = RequestState.arriving(spec, client_id, max_tokens, self._clock(),
                                         next(self._arrivals), worker.worker_id, kv_policy, cap)
         self._book.add(worker, request)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
@@ -237,6 +252,10 @@ class SchedulerCore:
     def drain_queue_waits(self) -> list[float]:
         """Seconds from arrival to first admission, since the last call."""
         return self._counts.drain_queue_waits()
+
+    def tenant_usage(self, tenant: str) -> TenantUsage:
+        """A tenant's generations in flight and queued, and its refusals (core/quotas.py)."""
+        return self._quotas.usage(tenant)
 
     def stats(self) -> CoreStats:
         return core_stats(self._config.policy, self._counts, self._workers.values(), self._vtc.snapshot(),
@@ -318,7 +337,8 @@ class SchedulerCore:
         blocked = blocked_by_leaders(worker.pending, worker.prefilling, block_size, min_shared)
         while worker.pending and plan.token_budget >= 1:
             candidates = [r for r in worker.pending if r.request_id not in blocked] if blocked else worker.pending
-            request = pick_next(candidates, config.policy, self._vtc)
+            request = pick_next(candidates, effective_policy(config.policy, worker.pending, worker.running),
+                                self._vtc)
             if request is None:
                 return
             if len(worker.running) >= config.max_batch_size and not self._free_a_slot(worker, plan, request):
@@ -337,8 +357,9 @@ class SchedulerCore:
         """Preempts the running request that gives its batch slot to `candidate`;
         False when none does."""
         admitted_now = {new.seq_id for new in plan.new_sequences}
+        policy = effective_policy(self._config.policy, worker.pending, worker.running)
         victim = slot_victim(candidate, worker.running, worker.pending, admitted_now,
-                             self._config.policy, self._config.max_batch_size)
+                             policy, self._config.max_batch_size)
         if victim is None:
             return False
         self._book.preempt(worker, victim, plan)
@@ -394,6 +415,7 @@ class SchedulerCore:
                 logprobs: tuple[TokenLogprob | None, ...]) -> RequestUpdate:
         out, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids,
                                   lambda: self._vtc.charge_output(request.client_id, user=request.user))
+        self._quotas.produced(request.request_id, len(out))
         finish = self._finish(request, reason) if reason is not None else None
         return RequestUpdate(request.request_id, tokens=out, finish=finish,
                              prompt_logprobs=request.take_prompt_logprobs())

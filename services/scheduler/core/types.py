@@ -14,6 +14,9 @@ from common.types import SamplingParams, TokenLogprob, Usage
 class Policy(StrEnum):
     FCFS = "fcfs"
     VTC = "vtc"
+    # The VTC once a waiting or running request carries an authenticated tenant (the
+    # gateway has API keys), FCFS otherwise: fair by default wherever there are tenants.
+    AUTO = "auto"
 
 
 class PrefillMode(StrEnum):
@@ -22,9 +25,10 @@ class PrefillMode(StrEnum):
 
 
 class Gate(StrEnum):
-    """Where a request was stopped. The first four reject, the last two hold."""
+    """Where a request was stopped. The first six reject, the last two hold."""
 
     QUEUE = "queue"
+    QUOTA = "quota"          # its tenant is at one of its limits (core/quotas.py)
     NEVER_FIT = "never_fit"
     TIMEOUT = "timeout"
     NO_WORKER = "no_worker"
@@ -42,7 +46,7 @@ class FinishReason(StrEnum):
 
 @dataclass(frozen=True)
 class CoreConfig:
-    policy: Policy = Policy.FCFS
+    policy: Policy = Policy.AUTO
     max_batch_size: int = 32
     max_batch_tokens: int = 2048
     max_active_kv_tokens: int = 262144
@@ -95,6 +99,22 @@ class RequestSpec:
     # min_tokens count them.
     resume_token_ids: tuple[int, ...] = ()
     kv_policy: str = ""      # full | window | sink | h2o; "": the deployment's KV_POLICY
+    authenticated: bool = False         # client_id is a tenant the gateway authenticated
+    quota: TenantQuota | None = None    # the tenant's limits (core/quotas.py); None: none
+    # Work a scheduler admitted before, sent again after the gateway lost its scheduler:
+    # never refused by its tenant's limits, its prompt and resumed tokens not charged again.
+    resubmitted: bool = False
+
+
+@dataclass(frozen=True)
+class TenantQuota:
+    """One tenant's limits, as its gateway sends them with each request; None: no limit."""
+    max_in_flight: int | None = None    # generations waiting or running at once
+    max_queued: int | None = None       # generations without a first token yet
+    requests_per_s: float | None = None  # new generations a second, up to `burst` at once
+    burst: int | None = None            # None: ceil(requests_per_s)
+    tokens_per_minute: int | None = None  # prompt plus output tokens a minute
+    max_request_s: float | None = None  # from arrival: past it the request ends with "length"
 
 
 @dataclass(frozen=True)
@@ -131,6 +151,7 @@ class Finish:
 class Rejection:
     gate: Gate
     message: str
+    retry_after_s: int = 0   # Gate.QUOTA: when the tenant's limit may let it in; 0: not said
 
 
 @dataclass(frozen=True)

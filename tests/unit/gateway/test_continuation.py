@@ -5,6 +5,7 @@ did without recovery; refusals are never resubmitted."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -56,6 +57,7 @@ async def test_a_stream_goes_on_across_two_losses_without_a_gap_or_a_repeat(
     sent = fake.requests
     assert [len(r.spec.resume_token_ids) for r in sent] == [0, 3, 3, 3, 5, 5, 5]
     assert sent[3].spec.resume_token_ids == tuple(reply_ids[:3])
+    assert [r.spec.resubmitted for r in sent] == [False] + [True] * 6
     assert len({r.request_id for r in sent}) == len(sent)
     assert all(r.spec.prompt_token_ids == sent[0].spec.prompt_token_ids for r in sent)
     assert all(r.spec.max_tokens == sent[0].spec.max_tokens for r in sent)
@@ -90,7 +92,10 @@ async def test_a_request_lost_before_its_first_token_is_sent_again(
         reply = await http.post("/generate", json={"prompt": "Hi", "stream": False})
     assert reply.status_code == 200 and reply.json()["text"] == REPLY_TEXT
     assert [r.spec.resume_token_ids for r in fake.requests] == [()] * 4
-    assert fake.requests[-1].spec == fake.requests[0].spec
+    # Sent again as it was, marked as admitted before: the scheduler neither refuses
+    # nor charges it again against its tenant's limits.
+    assert [r.spec.resubmitted for r in fake.requests] == [False, True, True, True]
+    assert dataclasses.replace(fake.requests[-1].spec, resubmitted=False) == fake.requests[0].spec
 
 
 async def test_past_the_recovery_time_the_error_is_what_it_was_without_recovery(

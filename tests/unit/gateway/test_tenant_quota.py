@@ -38,7 +38,8 @@ def test_bucket_spends_its_burst_then_refills_at_its_rate() -> None:
 
 
 def quotas(clock: Clock, **limits: float) -> TenantQuotas:
-    return TenantQuotas([Tenant("a", TenantLimits(**limits)), Tenant("free")], clock)  # type: ignore[arg-type]
+    free = Tenant("free", TenantLimits(max_in_flight=None))  # keyed tenants have one by default
+    return TenantQuotas([Tenant("a", TenantLimits(**limits)), free], clock)  # type: ignore[arg-type]
 
 
 def refused(quota: TenantQuotas, name: str = "a") -> QuotaExceeded:

@@ -126,7 +126,7 @@ def test_stats_report_queues_counters_and_workers() -> None:
     stats = h.core.stats()
     assert (stats.pending, stats.prefilling + stats.active, stats.admitted) == (1, 2, 2)
     assert stats.rejections == {"queue": 1}
-    assert stats.policy.value == "fcfs"
+    assert stats.policy.value == "auto"   # the default: fcfs until a request carries a tenant
     assert stats.reserved_kv_tokens == 2 * (len(PROMPT) + 2)
     assert {c.client_id for c in stats.clients} == {"a", "b"}
     assert all(w.steps == 1 and w.last_batch_size == 1 and w.healthy for w in stats.workers)

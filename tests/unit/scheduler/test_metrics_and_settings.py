@@ -64,7 +64,7 @@ def test_settings_defaults_and_env() -> None:
     defaults = SchedulerSettings.from_env({})
     assert defaults == SchedulerSettings()
     assert (defaults.host, defaults.port, defaults.metrics_port) == ("127.0.0.1", 50051, 9101)
-    assert (defaults.policy, defaults.prefill_mode) == (Policy.FCFS, PrefillMode.MIXED)
+    assert (defaults.policy, defaults.prefill_mode) == (Policy.AUTO, PrefillMode.MIXED)
     assert (defaults.max_batch_size, defaults.max_batch_tokens, defaults.max_active_kv_tokens) == (32, 2048, 262144)
     assert (defaults.prefill_chunk_size, defaults.max_queue_len, defaults.queue_timeout_s) == (512, 1024, 60.0)
     assert (defaults.kvcache_addr, defaults.worker_heartbeat_timeout_s) == ("127.0.0.1:50071", 10.0)

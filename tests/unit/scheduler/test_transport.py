@@ -101,7 +101,7 @@ async def test_generate_streams_one_event_per_token_then_finish(make_stack) -> N
     assert finish.finish_reason == "length"
     assert (finish.usage.prompt_tokens, finish.usage.completion_tokens) == (12, 5)
     stats = await stack.stats()
-    assert stats.finished == 1 and stats.admitted == 1 and stats.policy == "fcfs"
+    assert stats.finished == 1 and stats.admitted == 1 and stats.policy == "auto"
     assert [w.worker_id for w in stats.workers] == ["w0"] and stats.workers[0].steps >= 5
     await _eventually(lambda: b"fairserve_scheduler_admitted_total 1.0" in
                       generate_latest(stack.server.metrics.registry))
