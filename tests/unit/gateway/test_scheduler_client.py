@@ -41,6 +41,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if request.client_id == "busy":
             context.set_trailing_metadata((("retry-after", "5"),))
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        if request.client_id == "quota":
+            context.set_trailing_metadata((("retry-after", "9"), (REJECTION_KEY, "quota")))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "Tenant 'quota' is at its limit")
         if request.client_id == "held":
             context.set_trailing_metadata((("retry-after", "7"), (REJECTION_KEY, "timeout")))
             await context.abort(grpc.StatusCode.UNAVAILABLE, "soft hold timed out after 30 s")
@@ -123,7 +126,10 @@ async def test_rejections_become_backend_errors(backend: Any) -> None:
     client, _scheduler, _server = backend
     with pytest.raises(Overloaded) as busy:
         [event async for event in client.generate(request(client_id="busy"), "r1.0")]
-    assert busy.value.retry_after_s == 5
+    assert busy.value.retry_after_s == 5 and busy.value.code == "queue_full"
+    with pytest.raises(Overloaded) as quota:   # a tenant's quota, held by the scheduler: 429 as the gateway's own
+        [event async for event in client.generate(request(client_id="quota"), "r1.0")]
+    assert quota.value.retry_after_s == 9 and quota.value.code == "tenant_quota_exceeded"
     with pytest.raises(Unavailable, match="hold") as held:
         [event async for event in client.generate(request(client_id="held"), "r1.0")]
     assert held.value.retry_after_s == 7

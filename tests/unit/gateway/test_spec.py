@@ -123,6 +123,24 @@ def test_the_spec_goes_to_the_scheduler_without_its_stop_strings() -> None:
     assert (message.max_tokens, message.min_tokens, message.ignore_eos) == (7, 2, True)
     assert (message.client_id, message.session_id, message.priority) == ("s-1", "s-1", 4)
     assert message.sampling.seed == 3 and "stop" not in message.DESCRIPTOR.fields_by_name
+    # No keys: not authenticated, no quota for the scheduler to hold.
+    assert not message.authenticated and not message.HasField("quota") and not message.resubmitted
+
+
+def test_a_tenants_limits_go_to_the_scheduler_with_every_request() -> None:
+    limits = TenantLimits(max_in_flight=None, max_queued=3, requests_per_s=2.5, burst=4,
+                          tokens_per_minute=6000, max_request_s=90.0)
+    fields = generate_input(GenerateBody(prompt="x", max_tokens=3)).fields
+    spec = build_spec(fields, PROMPT, LIMITS, Caller(Tenant("alice", limits)))
+    assert spec.tenant_limits == limits
+    message = generate_request_to_proto(replace(spec, resubmitted=True), "r1.0")
+    assert message.authenticated and message.resubmitted and message.client_id == "alice"
+    quota = message.quota
+    assert (quota.max_in_flight, quota.max_queued, quota.requests_per_s, quota.burst) == (0, 3, 2.5, 4)
+    assert (quota.tokens_per_minute, quota.max_request_s) == (6000, 90.0)   # 0: no limit
+    keyed = build_spec(fields, PROMPT, LIMITS, Caller(Tenant("bob")))
+    assert generate_request_to_proto(keyed, "r2.0").quota.max_in_flight == 64   # the keyed default
+    assert build_spec(fields, PROMPT, LIMITS, Caller()).tenant_limits is None
 
 
 async def test_completion_token_ids_are_checked_against_the_models_vocabulary(

@@ -12,6 +12,7 @@ from common.settings import SettingsError
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenant_config import load_tenants, parse_api_keys, parse_tenants_document
 from services.gateway.tenants import (
+    DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_NAME_SECRET,
     Tenant,
     TenantLimits,
@@ -104,6 +105,23 @@ tenants:
         assert limits[derived_name(b"sk-bare")].burst == 7
 
 
+def test_budgets_deadlines_and_the_default_in_flight_limit(tmp_path: Path) -> None:
+    path = write(tmp_path, "t.yaml", """
+tenants:
+  alice: {tokens_per_minute: 12000, max_request_s: 120}
+  bob: {max_in_flight: null}
+""")
+    registry = load_tenants("alice=sk-a,bob=sk-b,carol=sk-c", path)
+    alice, bob, carol = (registry.tenant(name).limits for name in ("alice", "bob", "carol"))
+    assert (alice.tokens_per_minute, alice.max_request_s, alice.max_in_flight) == (12000, 120.0, 64)
+    assert bob.max_in_flight is None                   # null: no limit, said explicitly
+    assert carol == TenantLimits() and carol.max_in_flight == DEFAULT_MAX_IN_FLIGHT == 64
+    # Keys alone, no file: every tenant has the default.
+    assert load_tenants("dave=sk-d").tenant("dave").limits.max_in_flight == 64
+    unlimited = write(tmp_path, "u.json", json.dumps({"defaults": {"max_in_flight": None}}))
+    assert load_tenants("erin=sk-e", unlimited).tenant("erin").limits.max_in_flight is None
+
+
 @pytest.mark.parametrize("tenants, message", [
     ({"alice": {"weight": 0}}, "tenant 'alice' field 'weight' must be finite and above 0"),
     ({"alice": {"weight": float("nan")}}, "field 'weight' must be finite"),
@@ -115,6 +133,10 @@ tenants:
     ({"alice": {"max_queued": 1.5}}, "field 'max_queued' must be an integer"),
     ({"alice": {"requests_per_s": -1}}, "field 'requests_per_s' must be finite and above 0"),
     ({"alice": {"burst": 3}}, "field 'burst' needs 'requests_per_s'"),
+    ({"alice": {"tokens_per_minute": 0}}, "field 'tokens_per_minute' must be between 1"),
+    ({"alice": {"tokens_per_minute": 2.5}}, "field 'tokens_per_minute' must be an integer"),
+    ({"alice": {"max_request_s": 0}}, "field 'max_request_s' must be finite and above 0"),
+    ({"alice": {"max_request_s": "10"}}, "field 'max_request_s' must be a number"),
     ({"alice": {"colour": "red"}}, "tenant 'alice' has unknown fields: colour"),
     ({"alice": [1]}, "tenant 'alice' must be a mapping"),
     ({"carol": {"weight": 1}}, "tenant 'carol' has no key in API_KEYS"),

@@ -13,7 +13,7 @@ import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from prometheus_client import generate_latest
 
-from common.grpc_server import check_health, insecure_channel
+from common.grpc_server import REJECTION_KEY, check_health, insecure_channel
 
 from services.scheduler.server import SchedulerServer
 from services.scheduler.settings import SchedulerSettings
@@ -126,6 +126,42 @@ async def test_rejections_carry_the_right_status(make_stack) -> None:
     assert queue_full.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     worker.servicer.running.set()
     assert len([e async for e in running]) == 5 and len([e async for e in waiting]) == 5
+
+
+async def test_a_tenants_quota_holds_across_callers_and_says_when_to_retry(make_stack) -> None:
+    """Two callers (two gateways) send one tenant's requests: the scheduler counts them
+    together, and refuses the third in flight with RESOURCE_EXHAUSTED, its gate and a
+    retry-after; a token budget refusal says the seconds its refill takes."""
+    stack = await make_stack()
+    worker = await stack.add_worker()
+    other = insecure_channel(stack.address)
+    try:
+        second = scheduler_pb2_grpc.SchedulerStub(other)
+        quota = scheduler_pb2.TenantQuota(max_in_flight=2, tokens_per_minute=60)
+        fields = dict(client_id="alice", authenticated=True, quota=quota)
+        worker.servicer.running.clear()  # steps hang: both stay in flight
+        running = [stub.Generate(_request(rid, **fields), timeout=10)
+                   for stub, rid in ((stack.stub, "a1"), (second, "a2"))]
+        await _wait_for_stats(stack, lambda s: s.pending + s.prefilling + s.active == 2)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await anext(aiter(second.Generate(_request("a3", **fields), timeout=5)))
+        assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "2 generations in flight" in refused.value.details()
+        metadata = tuple(refused.value.trailing_metadata())
+        assert ("retry-after", "1") in metadata and (REJECTION_KEY, "quota") in metadata
+        worker.servicer.running.set()
+        for call in running:
+            assert len([e async for e in call]) == 5
+        # 2 x (12 prompt + 5 output) of 60 spent: 26 left; 12 + 20 more leaves 6 in debt,
+        # so the next 12-token prompt waits about 18 s of refill (one token a second).
+        assert len([e async for e in stack.stub.Generate(_request("a4", 20, **fields), timeout=10)]) == 20
+        with pytest.raises(grpc.aio.AioRpcError) as budget:
+            await anext(aiter(second.Generate(_request("a5", **fields), timeout=5)))
+        assert budget.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "60 tokens a minute" in budget.value.details()
+        assert 10 <= int(dict(budget.value.trailing_metadata())["retry-after"]) <= 19
+    finally:
+        await other.close()
 
 
 async def test_a_held_request_times_out_as_unavailable(make_stack) -> None:
