@@ -3,6 +3,11 @@ queued (accepted, no first token yet) and the rate of new ones (a token
 bucket). Past any of them only that tenant gets QuotaExceeded (429 with
 Retry-After); the others go on.
 
+This is one gateway's early refusal, before a scheduler round trip. The
+limits that hold across gateway replicas are the scheduler's
+(services/scheduler/core/quotas.py), which gets each request's limits with it
+and also holds tokens_per_minute and max_request_s.
+
 Each admitted generation holds a Ticket: started() when its first token
 arrives, release() when it ends whichever way. Pure: no web or gRPC imports,
 the clock injected.
