@@ -27,7 +27,7 @@ from services.scheduler.core import CoreStats, FinishReason, Gate
 from services.scheduler.core.types import ClientCounter
 
 # Every label value is exported from the start, at 0, so rates work at once.
-REJECTION_GATES = (Gate.QUEUE, Gate.NEVER_FIT, Gate.TIMEOUT, Gate.NO_WORKER, Gate.INVALID)
+REJECTION_GATES = (Gate.QUEUE, Gate.QUOTA, Gate.NEVER_FIT, Gate.TIMEOUT, Gate.NO_WORKER, Gate.INVALID)
 HOLD_GATES = (Gate.ACTIVE_KV, Gate.CACHE_POOL)
 MAX_CLIENT_LABELS = 32
 OTHER_CLIENTS = "other"
