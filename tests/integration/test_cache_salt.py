@@ -2,7 +2,8 @@
 different salts never share a cached prefix, whatever they ask; the same salt does, as
 requests without a salt do among themselves, and the KV index answers per salt. Through the
 gateway with API keys and the default scope, a tenant's guesses of another's prompt read
-exactly what they would read without it, in flight too; PREFIX_CACHE_SCOPE=global shares."""
+exactly what they would read without it, in flight too; PREFIX_CACHE_SCOPE=global shares, and
+PREFIX_CACHE_SCOPE=user keeps even one tenant's users apart."""
 
 from __future__ import annotations
 
@@ -97,11 +98,11 @@ def keyed_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
     stack.stop()
 
 
-def complete(stack: Stack, tenant: str, prompt: list[int]) -> tuple[str, int]:
+def complete(stack: Stack, tenant: str, prompt: list[int], **fields: str) -> tuple[str, int]:
     """(text, cached prompt tokens) of one greedy completion sent with `tenant`'s key."""
     reply = httpx.post(f"{stack.url}/v1/completions", timeout=60,
                        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
-                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True, **fields})
     assert reply.status_code == 200, reply.text
     body = reply.json()
     return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -157,3 +158,23 @@ def test_with_global_scope_tenants_share_cached_prefixes(shared_stack: Stack) ->
     assert cached == 0
     other_text, other_cached = complete(shared_stack, "bob", prompt)
     assert (other_text, other_cached) == (text, len(prompt)), "the opt-in shares as before"
+
+
+# ---- PREFIX_CACHE_SCOPE=user: not even two users of one tenant share ----
+
+@pytest.fixture(scope="module")
+def per_user_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("per-user"), tiny_model_dir, extra_env={
+        "API_KEYS": API_KEYS, "PREFIX_CACHE_SCOPE": "user"})
+    yield stack
+    stack.stop()
+
+
+def test_with_user_scope_users_of_one_tenant_share_nothing(per_user_stack: Stack) -> None:
+    prompt = random_ids(random.Random(40), 5 * BLOCK_SIZE + 2)
+    text, cached = complete(per_user_stack, "alice", prompt, user="u1")
+    assert cached == 0
+    assert complete(per_user_stack, "alice", prompt, user="u2") == (text, 0)
+    assert complete(per_user_stack, "alice", prompt, session_id="u1-session") == (text, 0)
+    assert complete(per_user_stack, "bob", prompt, user="u1") == (text, 0)
+    assert complete(per_user_stack, "alice", prompt, user="u1") == (text, len(prompt))
