@@ -43,7 +43,8 @@ def test_user_cache_scope_salts_with_the_client_and_its_end_user() -> None:
     assert resolve_identity("s9", "bob", Caller(ACME, "user")).cache_salt == \
         resolve_identity(None, "bob", Caller(ACME, "user")).cache_salt
     other = Caller(Tenant("other"), "user")
-    assert resolve_identity(None, "bob", other).cache_salt != resolve_identity(None, "bob", Caller(ACME, "user")).cache_salt
+    acme_bob = resolve_identity(None, "bob", Caller(ACME, "user")).cache_salt
+    assert resolve_identity(None, "bob", other).cache_salt != acme_bob
     assert all(salt and salt != "acme" for salt in salts)
     # A client id and user that run together differently never make the same salt.
     left = resolve_identity("a:b", "c", Caller(None, "user")).cache_salt
