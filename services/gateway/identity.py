@@ -4,8 +4,11 @@ within it, its weight the client's VTC weight, and its max_priority caps the
 priority asked for. Without keys, as before: the client is `session_id`, else
 `user`, else "anonymous", with weight 1 and no end user.
 
-PREFIX_CACHE_SCOPE=tenant salts every request's prefix cache with the
-client, so prompts of different tenants never share cached blocks.
+The prefix cache scope salts every request's prefix cache (its cache_salt):
+`tenant` with the client, so prompts of different tenants never share cached
+blocks; `user` with the client and its end user (`user`, else `session_id`),
+so neither do two users of one tenant; `global` not at all. Unset (`auto`) it
+is `tenant` with API keys and `global` without (cache_scope_for).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from services.gateway.tenants import Tenant
 
 MAX_IDENTITY_CHARS = 256
 ANONYMOUS = "anonymous"
-CACHE_SCOPES = ("global", "tenant")
+AUTO_SCOPE = "auto"
+CACHE_SCOPES = ("global", "tenant", "user")
 
 
 @dataclass(frozen=True)
@@ -58,10 +62,27 @@ def resolve_identity(session_id: str | None, user: str | None, caller: Caller) -
     else:
         identity = Identity(client_id=tenant.name, user=end_user or session, session_id=session,
                             weight=tenant.limits.weight)
-    if caller.cache_scope == "tenant":
-        identity = Identity(identity.client_id, identity.user, identity.session_id,
-                            identity.weight, cache_salt=identity.client_id)
-    return identity
+    salt = cache_salt(caller.cache_scope, identity.client_id, end_user or session)
+    return Identity(identity.client_id, identity.user, identity.session_id, identity.weight, salt)
+
+
+def cache_scope_for(setting: str, keys_set: bool) -> str:
+    """The scope PREFIX_CACHE_SCOPE names; `auto` (unset): `tenant` with API keys, so no tenant
+    reads another's prompts through cached_tokens or timings, `global` without keys."""
+    if setting != AUTO_SCOPE:
+        return setting
+    return "tenant" if keys_set else "global"
+
+
+def cache_salt(scope: str, client_id: str, end_user: str) -> str:
+    """The salt of a request of `client_id` and `end_user` under `scope`: "" (global), the
+    client (tenant), or the client and the end user (user), length-prefixed so that no other
+    pair of client and user gives the same salt."""
+    if scope == "tenant":
+        return client_id
+    if scope == "user":
+        return f"user:{len(client_id)}:{client_id}:{end_user}"
+    return ""
 
 
 def cap_priority(priority: int, caller: Caller) -> int:

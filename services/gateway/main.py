@@ -61,7 +61,11 @@ async def serve(settings: GatewaySettings) -> None:
     await grpc_server.set_serving(True)
     log.info("gateway listening", extra={"http_port": settings.port,
                                          "grpc_port": grpc_server.port,
-                                         "scheduler": settings.scheduler_addr})
+                                         "scheduler": settings.scheduler_addr,
+                                         "prefix_cache_scope": settings.cache_scope})
+    if settings.tenants.enabled and settings.cache_scope == "global":
+        log.warning("PREFIX_CACHE_SCOPE=global with API keys: tenants share cached prefixes, so one "
+                    "can read another's prompts through cached_tokens and timings")
     try:
         await http_server.serve()
     finally:

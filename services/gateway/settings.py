@@ -9,7 +9,7 @@ from pathlib import Path
 from common.internal_auth import InternalAuth
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
 from common.settings import EnvReader
-from services.gateway.identity import CACHE_SCOPES
+from services.gateway.identity import AUTO_SCOPE, CACHE_SCOPES, cache_scope_for
 from services.gateway.tenant_config import load_tenants
 from services.gateway.tenants import TenantRegistry
 from services.gateway.tool_parsers import PARSERS
@@ -28,10 +28,12 @@ class GatewaySettings:
     model_name: str = ""
     model_cache_dir: Path = field(default_factory=default_cache_dir)
     tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS, TENANTS_FILE
-    prefix_cache_scope: str = "global"  # "tenant": no cached prefix is shared across clients
+    # global | tenant | user | auto (unset: tenant with API keys, else global); see cache_scope
+    prefix_cache_scope: str = AUTO_SCOPE
     max_request_bytes: int = ONE_MIB
     default_max_tokens: int = 128
     max_model_len: int = 0          # 0: ask the workers through the scheduler
+    max_tokens_limit: int = 0       # the most max_tokens any request may ask; 0: the context length
     log_level: str = "info"
     # What a slow or greedy client can hold: connections, and how long the
     # request line and headers, an idle keep-alive and a body may take.
@@ -53,6 +55,12 @@ class GatewaySettings:
         """The name clients see in /v1/models and in every response."""
         return self.model_name or DEFAULT_MODEL_ID
 
+    @property
+    def cache_scope(self) -> str:
+        """The prefix cache scope requests get: PREFIX_CACHE_SCOPE, or when unset (auto)
+        `tenant` with API keys and `global` without."""
+        return cache_scope_for(self.prefix_cache_scope, self.tenants.enabled)
+
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
         read = EnvReader(env)
@@ -70,10 +78,11 @@ class GatewaySettings:
             tenants=load_tenants(read.str("API_KEYS", ""), read.str("TENANTS_FILE", ""),
                                  internal.token),
             prefix_cache_scope=read.choice("PREFIX_CACHE_SCOPE", cls.prefix_cache_scope,
-                                           CACHE_SCOPES),
+                                           (AUTO_SCOPE, *CACHE_SCOPES)),
             max_request_bytes=read.int("MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
             default_max_tokens=read.int("DEFAULT_MAX_TOKENS", cls.default_max_tokens, minimum=1),
             max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
+            max_tokens_limit=read.int("MAX_TOKENS_LIMIT", cls.max_tokens_limit, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
             max_connections=read.int("GATEWAY_MAX_CONNECTIONS", cls.max_connections, minimum=1),
             header_timeout_s=read.float("GATEWAY_HEADER_TIMEOUT_S", cls.header_timeout_s,

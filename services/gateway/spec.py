@@ -64,11 +64,14 @@ class TextInput:
 @dataclass(frozen=True)
 class Limits:
     """What requests are checked against: the gateway's default budget, the
-    context length (None while unknown) and the vocabulary size."""
+    context length (None while unknown), the vocabulary size, and the most
+    max_tokens any request may ask for, whatever its KV policy (MAX_TOKENS_LIMIT,
+    else the context length; None while unknown)."""
     default_max_tokens: int
     max_model_len: int | None
     vocab_size: int | None
     default_kv_policy: str = "full"     # what a request naming no kv_policy gets (KV_POLICY)
+    max_tokens_limit: int | None = None
 
 
 def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
@@ -92,7 +95,7 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
     # cache: the model's context does not bound it.
     context = limits.max_model_len if (kv_policy or limits.default_kv_policy) == "full" else None
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
-                                    context, fields.max_tokens_param)
+                                    context, fields.max_tokens_param, limits.max_tokens_limit)
     if sampling.constraint is not None and fields.ignore_eos:
         raise bad_request("ignore_eos cannot be combined with a constrained output: the output ends "
                           "where the grammar does.", "ignore_eos")

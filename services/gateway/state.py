@@ -55,16 +55,19 @@ class GatewayState:
     async def limits(self) -> Limits:
         """The MAX_MODEL_LEN setting, else the workers' context length (None
         until a worker has registered); the model's vocabulary size, else, until
-        a worker has registered, the tokenizer's."""
+        a worker has registered, the tokenizer's. MAX_TOKENS_LIMIT, else the context length,
+        bounds every request's max_tokens."""
         model = await self.backend.model_info()
+        max_model_len = self.settings.max_model_len or model.max_model_len
         return Limits(default_max_tokens=self.settings.default_max_tokens,
-                      max_model_len=self.settings.max_model_len or model.max_model_len,
+                      max_model_len=max_model_len,
+                      max_tokens_limit=self.settings.max_tokens_limit or max_model_len,
                       vocab_size=model.vocab_size or self.tokenizer_size,
                       default_kv_policy=model.default_kv_policy)
 
     def caller(self, tenant: Tenant | None) -> Caller:
         """Who a request comes from, as build_spec takes it."""
-        return Caller(tenant, self.settings.prefix_cache_scope)
+        return Caller(tenant, self.settings.cache_scope)
 
     async def text_spec(self, request: TextInput, tenant: Tenant | None) -> GenerationSpec:
         """The text API's spec (/generate, gRPC): a raw prompt is sent as is,

@@ -97,17 +97,22 @@ def check_priority(priority: int | None) -> int:
 
 
 def resolve_max_tokens(requested: int | None, prompt_tokens: int, default: int,
-                       max_model_len: int | None, param: str = "max_tokens") -> int:
-    """The completion budget: the requested one must fit the context; the
-    default shrinks to whatever room the prompt leaves."""
+                       max_model_len: int | None, param: str = "max_tokens",
+                       limit: int | None = None) -> int:
+    """The completion budget: the requested one must fit the context (None: a
+    lossy KV policy, which the context does not bound) and, whatever the
+    policy, `limit` (MAX_TOKENS_LIMIT); the default shrinks to both."""
     check_int(param, requested, 1, INT32_MAX)
     if max_model_len is not None and prompt_tokens >= max_model_len:
         raise context_error(prompt_tokens, requested or 1, max_model_len)
     if requested is None:
         room = default if max_model_len is None else max_model_len - prompt_tokens
-        return max(1, min(default, room))
+        return max(1, min(default, room, limit or default))
     if max_model_len is not None and prompt_tokens + requested > max_model_len:
         raise context_error(prompt_tokens, requested, max_model_len, param)
+    if limit is not None and requested > limit:
+        raise bad_request(f"{param} must be at most {limit}, the server's limit on generated tokens "
+                          f"(MAX_TOKENS_LIMIT), got {requested}.", param, "max_tokens_limit_exceeded")
     return requested
 
 

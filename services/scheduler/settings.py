@@ -48,6 +48,7 @@ class SchedulerSettings:
     kv_policy: str = "full"
     kv_budget_tokens: int = 1024
     kv_sink_tokens: int = 4
+    max_tokens_limit: int = _CORE.max_tokens_limit   # 0: each worker's context length
     log_level: str = "info"
     internal: InternalAuth = InternalAuth()
 
@@ -83,6 +84,7 @@ class SchedulerSettings:
             kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),
             kv_budget_tokens=read.int("KV_BUDGET_TOKENS", cls.kv_budget_tokens, minimum=1),
             kv_sink_tokens=read.int("KV_SINK_TOKENS", cls.kv_sink_tokens, minimum=0),
+            max_tokens_limit=read.int("MAX_TOKENS_LIMIT", cls.max_tokens_limit, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
             internal=InternalAuth.from_env(env),
         )
@@ -101,6 +103,7 @@ class SchedulerSettings:
             speculative_sampled=self.speculative_sampled,
             max_migrations=self.max_migrations,
             kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),
+            max_tokens_limit=self.max_tokens_limit,
         )
 
     @property

@@ -1,11 +1,15 @@
 """Cache salts through the real processes (tiny model): requests sent to the scheduler with
 different salts never share a cached prefix, whatever they ask; the same salt does, as
-requests without a salt do among themselves, and the KV index answers per salt."""
+requests without a salt do among themselves, and the KV index answers per salt. Through the
+gateway with API keys and the default scope, a tenant's guesses of another's prompt read
+exactly what they would read without it, in flight too; PREFIX_CACHE_SCOPE=global shares, and
+PREFIX_CACHE_SCOPE=user keeps even one tenant's users apart."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from itertools import count
 from pathlib import Path
 
@@ -80,36 +84,97 @@ def test_a_salt_shares_the_prefix_of_its_own_prompts_only(scheduler: scheduler_p
     probe.wait_quiescent()
 
 
-# ---- through the gateway: PREFIX_CACHE_SCOPE=tenant salts each tenant's prompts ----
+# ---- through the gateway: with API keys each tenant's cache is its own by default ----
 
-KEYS = {"a": "sk-scope-a-0123456789abcdef", "b": "sk-scope-b-0123456789abcdef"}
+KEYS = {name: f"sk-scope-{name}-0123456789abcdef" for name in ("alice", "bob", "carol")}
+API_KEYS = ",".join(f"{name}={key}" for name, key in KEYS.items())
 
 
 @pytest.fixture(scope="module")
-def scoped_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = start_stack(tmp_path_factory.mktemp("scoped"), tiny_model_dir, extra_env={
-        "API_KEYS": ",".join(f"{name}={key}" for name, key in KEYS.items()),
-        "PREFIX_CACHE_SCOPE": "tenant"})
+def keyed_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """API_KEYS and nothing else: PREFIX_CACHE_SCOPE left to its default."""
+    stack = start_stack(tmp_path_factory.mktemp("keyed"), tiny_model_dir, extra_env={"API_KEYS": API_KEYS})
     yield stack
     stack.stop()
 
 
-def complete(stack: Stack, tenant: str, prompt: list[int]) -> tuple[str, int]:
+def complete(stack: Stack, tenant: str, prompt: list[int], **fields: str) -> tuple[str, int]:
     """(text, cached prompt tokens) of one greedy completion sent with `tenant`'s key."""
     reply = httpx.post(f"{stack.url}/v1/completions", timeout=60,
                        headers={"Authorization": f"Bearer {KEYS[tenant]}"},
-                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True})
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0, "ignore_eos": True, **fields})
     assert reply.status_code == 200, reply.text
     body = reply.json()
     return body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_with_tenant_scope_one_tenant_never_reuses_anothers_prompt(scoped_stack: Stack) -> None:
-    prompt = random_ids(random.Random(7), 3 * BLOCK_SIZE + 5)
-    text, cached = complete(scoped_stack, "a", prompt)
+def guesses_of(secret: list[int]) -> list[list[int]]:
+    """The issue's attack: the secret itself, one wrong token in the middle, a wrong last one."""
+    middle = len(secret) // 2
+    return [list(secret), secret[:middle] + [secret[middle] + 1] + secret[middle + 1:],
+            secret[:-1] + [secret[-1] + 1]]
+
+
+def test_by_default_with_keys_guessing_anothers_prompt_reads_nothing(keyed_stack: Stack) -> None:
+    secret = random_ids(random.Random(38), 8 * BLOCK_SIZE + 1)
+    # Carol plays the guesses before anyone has sent the secret: what they read with nothing
+    # of alice's in the cache (each guess may reuse the guesses before it, of her own).
+    control = [complete(keyed_stack, "carol", guess)[1] for guess in guesses_of(secret)]
+    assert control[0] == 0
+    text, cached = complete(keyed_stack, "alice", secret)
     assert cached == 0
-    other_text, other_cached = complete(scoped_stack, "b", prompt)
-    assert other_cached == 0, "tenant b must not see tenant a's cached prefix"
-    assert other_text == text
-    _, again = complete(scoped_stack, "a", prompt)
-    assert again >= 3 * BLOCK_SIZE, "tenant a's own repeat reuses its cached blocks"
+    reads = [complete(keyed_stack, "bob", guess) for guess in guesses_of(secret)]
+    assert [cached for _, cached in reads] == control, "bob's reads must not depend on alice's cache"
+    assert reads[0] == (text, 0), "bob's copy of alice's prompt: same text, no cached token"
+    _, again = complete(keyed_stack, "alice", secret)
+    assert again >= 8 * BLOCK_SIZE, "alice's own repeat reuses her cached blocks"
+
+
+def test_by_default_with_keys_in_flight_prefix_sharing_never_crosses_tenants(keyed_stack: Stack) -> None:
+    """Alice and bob send the same long prompt at once: bob neither waits for alice's
+    prefill nor reuses its blocks, whichever of them the scheduler sees first."""
+    prompt = random_ids(random.Random(39), 40 * BLOCK_SIZE + 3)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        alice = pool.submit(complete, keyed_stack, "alice", prompt)
+        bob = pool.submit(complete, keyed_stack, "bob", prompt)
+        (alice_text, _), (bob_text, bob_cached) = alice.result(), bob.result()
+    assert bob_cached == 0 and bob_text == alice_text
+    assert complete(keyed_stack, "alice", prompt)[1] >= 40 * BLOCK_SIZE
+
+
+# ---- PREFIX_CACHE_SCOPE=global with keys: the operator's opt-in to sharing ----
+
+@pytest.fixture(scope="module")
+def shared_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("shared"), tiny_model_dir, extra_env={
+        "API_KEYS": API_KEYS, "PREFIX_CACHE_SCOPE": "global"})
+    yield stack
+    stack.stop()
+
+
+def test_with_global_scope_tenants_share_cached_prefixes(shared_stack: Stack) -> None:
+    prompt = random_ids(random.Random(7), 3 * BLOCK_SIZE + 5)
+    text, cached = complete(shared_stack, "alice", prompt)
+    assert cached == 0
+    other_text, other_cached = complete(shared_stack, "bob", prompt)
+    assert (other_text, other_cached) == (text, len(prompt)), "the opt-in shares as before"
+
+
+# ---- PREFIX_CACHE_SCOPE=user: not even two users of one tenant share ----
+
+@pytest.fixture(scope="module")
+def per_user_stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory.mktemp("per-user"), tiny_model_dir, extra_env={
+        "API_KEYS": API_KEYS, "PREFIX_CACHE_SCOPE": "user"})
+    yield stack
+    stack.stop()
+
+
+def test_with_user_scope_users_of_one_tenant_share_nothing(per_user_stack: Stack) -> None:
+    prompt = random_ids(random.Random(40), 5 * BLOCK_SIZE + 2)
+    text, cached = complete(per_user_stack, "alice", prompt, user="u1")
+    assert cached == 0
+    assert complete(per_user_stack, "alice", prompt, user="u2") == (text, 0)
+    assert complete(per_user_stack, "alice", prompt, session_id="u1-session") == (text, 0)
+    assert complete(per_user_stack, "bob", prompt, user="u1") == (text, 0)
+    assert complete(per_user_stack, "alice", prompt, user="u1") == (text, len(prompt))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from services.scheduler.core.gates import never_fit
 from services.scheduler.core.request_book import RequestBook
-from services.scheduler.core.routing import SessionMap, choose_worker
+from services.scheduler.core.routing import SessionMap, choose_worker, session_key
 from services.scheduler.core.state import Phase, RequestState, WorkerState
 from services.scheduler.core.types import FinishReason, Gate, RequestUpdate
 
@@ -111,7 +111,7 @@ class Failover:
         """Queues `request` on `target`; its session follows it."""
         request.worker_id = target.worker_id
         if request.spec.session_id:
-            self._sessions.remember(request.spec.session_id, target.worker_id)
+            self._sessions.remember(session_key(request.spec), target.worker_id)
         if counted_as_waiting:
             target.pending.append(request)
         else:

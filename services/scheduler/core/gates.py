@@ -39,9 +39,28 @@ def reject_early(spec: RequestSpec, already_in_flight: bool, num_workers: int, n
     return None
 
 
-def output_limit(requested_max_tokens: int, prompt_len: int, max_model_len: int) -> int:
-    """The request's max_tokens (output tokens), where <= 0 asks for as many as the context allows."""
-    return requested_max_tokens if requested_max_tokens > 0 else max_model_len - prompt_len
+def output_limit(requested_max_tokens: int, prompt_len: int, max_model_len: int, limit: int = 0) -> int:
+    """The request's max_tokens (output tokens), where <= 0 asks for as many as the context
+    allows, and never more than `limit` (MAX_TOKENS_LIMIT, 0: none) whatever the KV policy."""
+    if requested_max_tokens > 0:
+        return requested_max_tokens
+    room = max_model_len - prompt_len
+    return min(room, limit) if limit > 0 else room
+
+
+def tokens_limit(configured: int, max_model_len: int) -> int:
+    """The most max_tokens a request may ask of a worker: MAX_TOKENS_LIMIT, else its context."""
+    return configured or max_model_len
+
+
+def over_tokens_limit(max_tokens: int, limit: int) -> Rejection | None:
+    """A request asking for more than `limit` output tokens is refused, not clamped: a
+    clamp would end it (and any resumed continuation of it) at another length than the
+    one its client was promised, while a refusal says so at once."""
+    if max_tokens > limit:
+        return Rejection(Gate.INVALID, f"max_tokens ({max_tokens}) exceeds the limit of {limit} "
+                                       f"tokens (MAX_TOKENS_LIMIT, else the model context)")
+    return None
 
 
 def kv_policy_of(spec: RequestSpec, default: KvPolicy) -> KvPolicy:

@@ -2,34 +2,44 @@
 there, else the worker holding (or about to hold) the longest prefix of its
 prompt that it can reuse (one of its own cache salt), else the least loaded.
 A session remembers its last worker; sessions least recently used are
-forgotten first, and all of a worker's sessions when the worker goes.
+forgotten first, and all of a worker's sessions when the worker goes. A
+session is its client's, salt's and id's together (session_key): a client that
+names another client's session id neither follows nor moves that session.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 
 from services.scheduler.core.prefix_share import shared_prefix_tokens
 from services.scheduler.core.state import WorkerState
+from services.scheduler.core.types import RequestSpec
 
 MAX_REMEMBERED_SESSIONS = 65536
 
 
+def session_key(spec: RequestSpec) -> Hashable:
+    """What a request's session is remembered under: its client, cache salt and session id
+    ("" without a session id), so that sessions of different clients or salts that happen to
+    share an id never route (nor time) each other's requests."""
+    return (spec.client_id, spec.cache_salt, spec.session_id) if spec.session_id else ""
+
+
 class SessionMap:
-    """session_id -> worker_id, least recently used sessions forgotten first."""
+    """session (session_key) -> worker_id, least recently used sessions forgotten first."""
 
     def __init__(self, capacity: int = MAX_REMEMBERED_SESSIONS) -> None:
         self._capacity = capacity
-        self._workers: OrderedDict[str, str] = OrderedDict()
+        self._workers: OrderedDict[Hashable, str] = OrderedDict()
 
-    def get(self, session_id: str) -> str | None:
+    def get(self, session_id: Hashable) -> str | None:
         worker_id = self._workers.get(session_id)
         if worker_id is not None:
             self._workers.move_to_end(session_id)
         return worker_id
 
-    def remember(self, session_id: str, worker_id: str) -> None:
+    def remember(self, session_id: Hashable, worker_id: str) -> None:
         self._workers[session_id] = worker_id
         self._workers.move_to_end(session_id)
         while len(self._workers) > self._capacity:
@@ -73,7 +83,7 @@ def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
     return hints
 
 
-def route(prompt: tuple[int, ...], session_id: str, workers: Sequence[WorkerState], sessions: SessionMap,
+def route(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[WorkerState], sessions: SessionMap,
           cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "") -> WorkerState | None:
     """The worker for a new request (None: no worker): its session's, else the
     one holding or about to hold the longest prefix of `prompt` under its

@@ -39,7 +39,7 @@ from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
-from services.scheduler.core.routing import SessionMap, route
+from services.scheduler.core.routing import SessionMap, route, session_key
 from services.scheduler.core.slot_fairness import preemption_victim, slot_victim
 from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
@@ -163,17 +163,21 @@ class SchedulerCore:
                                        num_waiting, self._config.max_queue_len)
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
-        worker = route(spec.prompt_token_ids, spec.session_id, list(self._workers.values()), self._sessions,
+        worker = route(spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
                        cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens, spec.cache_salt)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
-        max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len)
+        limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)
+        max_tokens = gates.output_limit(spec.max_tokens, prompt_len, worker.spec.max_model_len, limit)
         kv_policy = gates.kv_policy_of(spec, self._config.kv_policy)
         cap = kv_policy.cache_blocks(worker.spec.block_size) * worker.spec.block_size
         problem = gates.never_fit(worker.spec, prompt_len, max_tokens, self._config.max_active_kv_tokens,
                                   generated=len(spec.resume_token_ids), cap_tokens=cap)
         if problem:
             return self._count_rejection(spec.request_id, Rejection(Gate.NEVER_FIT, problem))
+        over = gates.over_tokens_limit(max_tokens, limit)   # a lossy policy passes never_fit
+        if over is not None:
+            return self._count_rejection(spec.request_id, over)
         client_id = spec.client_id or ANONYMOUS_CLIENT
         refusal = self._quotas.admit(spec.request_id, client_id, spec.quota, prompt_len, spec.resubmitted,
                                      started=bool(spec.resume_token_ids))
@@ -181,7 +185,7 @@ class SchedulerCore:
             gate = Gate.QUOTA if refusal.retry_after_s else Gate.NEVER_FIT
             return self._count_rejection(spec.request_id, Rejection(gate, refusal.message, refusal.retry_after_s))
         if spec.session_id:
-            self._sessions.remember(spec.session_id, worker.worker_id)
+            self._sessions.remember(session_key(spec), worker.worker_id)
         request = RequestState.arriving(spec, client_id, max_tokens, self._clock(),
                                         next(self._arrivals), worker.worker_id, kv_policy, cap)
         self._book.add(worker, request)

@@ -77,6 +77,9 @@ class CoreConfig:
     # What a request's KV keeps past a budget when it names no kv_policy (KV_POLICY, with
     # KV_BUDGET_TOKENS and KV_SINK_TOKENS; common/step.py's KvPolicy).
     kv_policy: KvPolicy = KvPolicy()
+    # The most max_tokens a request may ask for under any KV policy (MAX_TOKENS_LIMIT);
+    # 0: the worker's context length. Above it a request is refused, never clamped.
+    max_tokens_limit: int = 0
 
 
 @dataclass(frozen=True)

@@ -106,3 +106,15 @@ async def test_kv_policy_reaches_the_scheduler_and_an_unknown_one_is_invalid(
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", kv_policy="lru"))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "kv_policy" in refused.value.details()
+
+
+async def test_an_endless_lossy_generation_is_invalid_naming_max_tokens(
+        text_api: Callable[..., Any], fake: FakeScheduler) -> None:
+    stub = await text_api()
+    asked = len(fake.requests)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", kv_policy="sink", max_tokens=2**31 - 1,
+                                                    ignore_eos=True))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "max_tokens" in refused.value.details() and str(fake.model_len) in refused.value.details()
+    assert len(fake.requests) == asked

@@ -176,7 +176,8 @@ async def test_the_max_model_len_setting_still_overrides_the_workers(
         make_app: Callable[..., Any], fake: FakeScheduler) -> None:
     fake.vocab_size = 300
     state = make_app(fake, max_model_len=10).state.gateway
-    assert await state.limits() == Limits(default_max_tokens=128, max_model_len=10, vocab_size=300)
+    assert await state.limits() == Limits(default_max_tokens=128, max_model_len=10, vocab_size=300,
+                                          max_tokens_limit=10)
     spec = await state.text_spec(TextInput("Hi", raw=True, fields=RequestFields(
         sampling=SamplingInput(temperature=0.2))), tenant=None)
     assert spec.max_tokens == 10 - len(spec.prompt_token_ids) and spec.stop_token_ids == ()

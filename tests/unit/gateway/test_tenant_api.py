@@ -40,7 +40,7 @@ def tenants_file(tmp_path: Path) -> str:
 @pytest.fixture
 async def keyed(make_app: Callable[..., Any], fake: FakeScheduler,
                 tenants_file: str) -> AsyncIterator[httpx.AsyncClient]:
-    app = make_app(fake, tenants=load_tenants(KEYS, tenants_file), prefix_cache_scope="tenant")
+    app = make_app(fake, tenants=load_tenants(KEYS, tenants_file))   # PREFIX_CACHE_SCOPE unset
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
         yield http
@@ -89,6 +89,26 @@ async def test_the_tenant_is_the_client(keyed: httpx.AsyncClient, fake: FakeSche
     bare = derived_name(SECRET_BARE.encode())
     assert (spec.client_id, spec.user, spec.session_id) == (bare, "s-1", "s-1")
     assert (spec.weight, spec.priority, spec.cache_salt) == (1.0, -4, bare)
+
+
+@pytest.mark.parametrize("scope, alice_salts_differ, bob_shares_alices", [
+    ("user", True, False), ("global", False, True)])
+async def test_the_cache_scope_reaches_every_door(make_app: Callable[..., Any], fake: FakeScheduler,
+                                                  tenants_file: str, scope: str, alice_salts_differ: bool,
+                                                  bob_shares_alices: bool) -> None:
+    app = make_app(fake, tenants=load_tenants(KEYS, tenants_file), prefix_cache_scope=scope)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    salts = []
+    async with httpx.AsyncClient(transport=transport, base_url="http://gateway") as http:
+        for key, user in ((SECRET_A, "u1"), (SECRET_A, "u2"), (SECRET_BARE, "u1")):
+            reply = await http.post("/v1/chat/completions", headers=bearer(key), json={**CHAT, "user": user})
+            assert reply.status_code == 200, reply.text
+            salts.append(fake.requests[-1].spec.cache_salt)
+            reply = await http.post("/generate", headers=bearer(key),
+                                    json={"prompt": "Hi", "stream": False, "user": user})
+            assert reply.status_code == 200 and fake.requests[-1].spec.cache_salt == salts[-1]
+    assert (salts[0] != salts[1]) is alice_salts_differ
+    assert (salts[2] == salts[0]) is bob_shares_alices
 
 
 @pytest.fixture

@@ -173,6 +173,6 @@ def test_settings_read_tenants_and_name_the_variable(tmp_path: Path) -> None:
     assert tenant is not None and tenant.limits.weight == 3.0
     assert settings.prefix_cache_scope == "tenant"
     with pytest.raises(SettingsError, match="PREFIX_CACHE_SCOPE"):
-        GatewaySettings.from_env({"PREFIX_CACHE_SCOPE": "user"})
+        GatewaySettings.from_env({"PREFIX_CACHE_SCOPE": "session"})
     with pytest.raises(SettingsError, match="TENANTS_FILE"):
         GatewaySettings.from_env({"API_KEYS": "bob=sk-b", "TENANTS_FILE": path})

@@ -83,3 +83,21 @@ def test_only_a_prefilling_leader_of_the_same_salt_blocks() -> None:
     leader = _salted(0, SHARED, "tenant-a", phase=Phase.PREFILLING, num_computed=8)
     pending = [_salted(1, SHARED, "tenant-a"), _salted(2, SHARED, "tenant-b"), _salted(3, SHARED, "")]
     assert blocked_by_leaders(pending, [leader], 4, 16) == {"r1"}
+
+
+def test_a_session_id_of_another_client_neither_routes_nor_moves_that_session() -> None:
+    # Alice's session is pinned to w1; bob names the same session id. Without sessions keyed
+    # by client and salt, bob would follow it to w1 (and move it where he goes).
+    h = Harness(CoreConfig(prefix_wait_min_tokens=16), {"w0": FakeEngine(), "w1": FakeEngine()})
+    h.submit(tuple(range(300, 320)), max_tokens=2, client_id="bob", cache_salt="bob")     # w0
+    alice = dict(client_id="alice", cache_salt="alice", session_id="s-1")
+    assert h.submit(SHARED, max_tokens=2, **alice).worker_id == "w1"
+    bob = dict(client_id="bob", cache_salt="bob", session_id="s-1")
+    assert h.submit(tuple(range(400, 410)), max_tokens=2, **bob).worker_id == "w0", \
+        "bob does not follow alice's session to its worker"
+    assert h.submit(tuple(range(500, 520)), max_tokens=2, **alice).worker_id == "w1", "nor moves it"
+    assert h.submit(tuple(range(510, 530)), max_tokens=2, **alice).worker_id == "w1"
+    # The same client's session id under another salt (another end user, PREFIX_CACHE_SCOPE=user)
+    # is another session too: it goes to the least loaded worker, not to alice's.
+    other_user = dict(client_id="alice", cache_salt="alice/u2", session_id="s-1")
+    assert h.submit(tuple(range(600, 620)), max_tokens=2, **other_user).worker_id == "w0"

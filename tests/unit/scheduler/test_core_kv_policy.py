@@ -37,7 +37,7 @@ def test_the_policy_reaches_the_worker_with_the_deployment_budget() -> None:
 def test_a_lossy_request_may_run_past_the_context_and_the_pool() -> None:
     # The fake worker holds every token (it drops nothing): the pool is large enough for it,
     # but the model's context (48) and a pool the scheduler believes in are not.
-    h = Harness(CoreConfig(kv_policy=SINK), FakeEngine(num_blocks=64, max_model_len=48))
+    h = Harness(CoreConfig(kv_policy=SINK, max_tokens_limit=1000), FakeEngine(num_blocks=64, max_model_len=48))
     lossy = h.submit(PROMPT, max_tokens=100, kv_policy="sink")
     full = h.submit(PROMPT, max_tokens=100, kv_policy="full")
     assert lossy.rejection is None

@@ -6,7 +6,7 @@ from services.scheduler.core.counters import CoreCounters
 from services.scheduler.core.failover import Failover
 from services.scheduler.core.policy import VirtualTokenCounter
 from services.scheduler.core.request_book import RequestBook
-from services.scheduler.core.routing import SessionMap
+from services.scheduler.core.routing import SessionMap, session_key
 from services.scheduler.core.state import Phase, RequestState, WorkerState
 from services.scheduler.core.types import FinishReason, Gate, RequestSpec
 
@@ -30,7 +30,7 @@ def _queue(book: RequestBook, worker: WorkerState, arrival: int, session: str = 
 def test_release_empties_the_worker_and_sorts_what_ran_from_what_never_did() -> None:
     book, sessions, failover, gone = _setup()
     fresh, preempted, running = _queue(book, gone, 1, session="s"), _queue(book, gone, 2), _queue(book, gone, 3)
-    sessions.remember("s", "w0")
+    sessions.remember(session_key(fresh.spec), "w0")
     for request in (preempted, running):
         book.admit(gone, request, f"s{request.arrival_order}", now=5.0)
     book.preempt(gone, preempted)
@@ -38,7 +38,7 @@ def test_release_empties_the_worker_and_sorts_what_ran_from_what_never_did() -> 
     assert stranded.fresh == [fresh] and stranded.resumable == [preempted, running]
     assert (gone.pending, gone.running, gone.frees, gone.reserved_kv_tokens) == ([], [], [], 0)
     assert running.resumed and running.seq_id is None and book.by_seq == {}
-    assert sessions.get("s") is None
+    assert sessions.get(session_key(fresh.spec)) is None
 
 
 def test_rehome_moves_everything_to_the_least_loaded_worker_left_with_its_session() -> None:
@@ -50,7 +50,7 @@ def test_rehome_moves_everything_to_the_least_loaded_worker_left_with_its_sessio
     stranded = failover.release(gone)
     assert failover.rehome(stranded, [busy, idle], "w0 went away") == []
     assert idle.pending == [running, fresh] and (running.worker_id, fresh.worker_id) == ("w2", "w2")
-    assert running.phase is Phase.PENDING and sessions.get("s") == "w2"
+    assert running.phase is Phase.PENDING and sessions.get(session_key(fresh.spec)) == "w2"
     assert book.waiting.waiting("a") == 2 and book.counts.migrations == 1
 
 

@@ -139,3 +139,30 @@ def test_pool_tail_index_is_keyed_by_salt() -> None:
         found = {salt: pool.find_cached_tail(ROOT_HASH, tokens, salt) for salt in ("tenant-a", "tenant-b", "")}
         assert found["tenant-a"] is not None and found["tenant-b"] is not None and found[""] is None
         assert found["tenant-a"] != found["tenant-b"]
+
+
+def test_guessing_anothers_prompt_token_by_token_reads_nothing(kind: str) -> None:
+    """The attack of issue 38: bob sends guesses of alice's cached prompt and reads his own
+    cached tokens (and computed tokens, which his latency follows). Under his own salt he
+    reads exactly what he would read had alice never sent it; under a shared salt the counts
+    give alice's prompt away to the token (the partial-block copy)."""
+    secret = prompt_of(33, 21)
+    guesses = [secret[:18] + [secret[18] + 1] + secret[19:],      # one wrong token in the middle
+               secret[:-1] + [secret[-1] + 1],                     # a wrong last token
+               secret]
+
+    def bobs_reads(alice_first: bool, bob_salt: str) -> list[tuple[int, int]]:
+        driver = Driver(make_engine(kind, block_size=BLOCK_SIZE, prompt_logits_cache_size=0))
+        if alice_first:
+            _run(driver, "alice", secret, "alice", 1)
+        reads = []
+        for index, guess in enumerate(guesses):
+            reads.append(_start(driver, f"bob-{index}", guess, bob_salt))
+            decode_and_free(driver, f"bob-{index}", 1)
+        return reads
+
+    isolated = bobs_reads(True, "bob")
+    assert isolated == bobs_reads(False, "bob")
+    assert isolated[0] == (0, len(secret))
+    # What the salt closes: sharing alice's salt, the first guess reads her prompt to the token.
+    assert bobs_reads(True, "alice")[0] == (18, len(secret) - 18)
