@@ -23,6 +23,7 @@ def _compose(name: str) -> dict:
 def _variables_read_by_settings() -> set[str]:
     names: set[str] = set()
     for path in [ROOT / "common" / "settings.py", ROOT / "common" / "internal_auth.py",
+                 ROOT / "common" / "worker_auth.py",
                  *ROOT.glob("services/*/settings.py")]:
         names.update(re.findall(r'"([A-Z][A-Z0-9_]+)"', path.read_text()))
     return names
