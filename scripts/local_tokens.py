@@ -1,8 +1,9 @@
 """`make run`'s own internal tokens, so a laptop's internal ports are closed by
 default: INTERNAL_TOKEN and WORKER_TOKEN (common/worker_auth.py), random,
-kept in ~/.cache/fairserve/tokens/local.json (the folder 0700, the file 0600,
-both checked on every start) and reused on later runs. A token the user gives
-(the variable or its _FILE form) wins over the generated one."""
+kept in ~/.cache/fairserve/tokens/local.json (LOCAL_TOKENS_FILE names another;
+its folder 0700, the file 0600, both checked on every start) and reused on
+later runs. A token the user gives (the variable or its _FILE form) wins over
+the generated one."""
 
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from common.settings import SettingsError
 TOKEN_NAMES = ("INTERNAL_TOKEN", "WORKER_TOKEN")
 
 
-def default_tokens_path() -> Path:
-    return Path(os.path.expanduser("~/.cache/fairserve/tokens/local.json"))
+def tokens_path(env: Mapping[str, str]) -> Path:
+    return Path(env.get("LOCAL_TOKENS_FILE") or "~/.cache/fairserve/tokens/local.json").expanduser()
 
 
 def local_tokens(env: Mapping[str, str], path: Path) -> dict[str, str]:

@@ -14,7 +14,7 @@ from pathlib import Path
 from common.metrics import serve_metrics
 from common.internal_auth import read_token
 from common.settings import EnvReader, SettingsError
-from scripts.local_tokens import default_tokens_path, local_tokens
+from scripts.local_tokens import local_tokens, tokens_path
 from scripts.stack import ROOT, Stack, StackPorts
 from scripts.supervisor import Supervisor, SupervisorMetrics, SupervisorSettings
 
@@ -45,8 +45,8 @@ def main() -> int:
         user = Stack(ports=ports_from_env(os.environ), env={}, log_dir=log_dir)
         user.internal_auth()
         read_token(EnvReader(user.service_env()), "WORKER_TOKEN", "WORKER_TOKEN_FILE")
-        tokens_path = default_tokens_path()
-        stack = Stack(ports=user.ports, env=local_tokens(os.environ, tokens_path), log_dir=log_dir)
+        tokens_file = tokens_path(os.environ)
+        stack = Stack(ports=user.ports, env=local_tokens(os.environ, tokens_file), log_dir=log_dir)
         auth = stack.internal_auth()
         stack.worker_token()
     except SettingsError as error:
@@ -67,7 +67,7 @@ def main() -> int:
         print(f"SUPERVISOR_METRICS_PORT={supervision.metrics_port} cannot be served: {error}",
               file=sys.stderr)
         return 2
-    generated = f", generated tokens in {tokens_path}" if stack.env else ""
+    generated = f", generated tokens in {tokens_file}" if stack.env else ""
     print("starting kvcache, scheduler, worker and gateway (logs in "
           f"{stack.log_dir}; internal calls: {auth!r}{generated}) ...", flush=True)
     try:

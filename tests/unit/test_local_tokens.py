@@ -13,7 +13,7 @@ import pytest
 
 from common.internal_auth import InternalAuth
 from common.settings import SettingsError
-from scripts.local_tokens import default_tokens_path, local_tokens
+from scripts.local_tokens import local_tokens, tokens_path
 from scripts.stack import Stack, StackPorts
 
 USER_TOKEN = "user-given-internal-token-0123"
@@ -59,7 +59,8 @@ def test_a_file_others_can_read_is_refused(tmp_path: Path) -> None:
 
 def test_the_default_file_is_under_the_users_cache(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert default_tokens_path() == tmp_path / ".cache" / "fairserve" / "tokens" / "local.json"
+    assert tokens_path({}) == tmp_path / ".cache" / "fairserve" / "tokens" / "local.json"
+    assert tokens_path({"LOCAL_TOKENS_FILE": "~/elsewhere.json"}) == tmp_path / "elsewhere.json"
 
 
 def test_the_worker_token_reaches_the_scheduler_and_workers_only(monkeypatch, tmp_path: Path) -> None:
@@ -86,7 +87,7 @@ def test_the_worker_token_reaches_the_scheduler_and_workers_only(monkeypatch, tm
 def test_the_launcher_generates_its_tokens(monkeypatch, capsys, tmp_path: Path) -> None:
     from scripts import run_stack
 
-    for name in ("INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE", "WORKER_TOKEN", "WORKER_TOKEN_FILE"):
+    for name in ("INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE", "WORKER_TOKEN", "WORKER_TOKEN_FILE", "LOCAL_TOKENS_FILE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
     monkeypatch.setenv("LOG_DIR", str(tmp_path / "logs"))
