@@ -41,7 +41,8 @@ Call = Callable[[grpc.aio.Channel], Awaitable[object]]
 def stack(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     authority = make_authority(tmp_path_factory.mktemp("pki"))
     node = authority.issue("node")
-    env = {"INTERNAL_TOKEN": TOKEN, "WORKER_TOKEN": WORKER_TOKEN, "GRPC_TLS_CA": str(authority.cert), "GRPC_TLS_CERT": str(node.cert),
+    env = {"INTERNAL_TOKEN": TOKEN, "WORKER_TOKEN": WORKER_TOKEN,
+           "GRPC_TLS_CA": str(authority.cert), "GRPC_TLS_CERT": str(node.cert),
            "GRPC_TLS_KEY": str(node.key), "GRPC_TLS_SERVER_NAME": SERVER_NAME}
     stack = start_stack(tmp_path_factory.mktemp("secure-stack"), tiny_model_dir, extra_env=env)
     yield stack

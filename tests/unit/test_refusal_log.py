@@ -33,7 +33,8 @@ def test_one_warning_per_host_per_interval_then_the_count(caplog) -> None:
     clock.now += 0.2
     assert refusals.refused("ipv4:10.0.0.7:40700", "/svc/N", "no token")
     first, local, again = _refusals(caplog)
-    assert (first.peer, first.method, first.reason, first.suppressed) == ("ipv4:10.0.0.7:40001", "/svc/M", "no token", 0)
+    assert (first.peer, first.method, first.reason, first.suppressed) == (
+        "ipv4:10.0.0.7:40001", "/svc/M", "no token", 0)
     assert local.peer == "ipv6:[::1]:40001" and local.suppressed == 0
     assert (again.peer, again.method, again.suppressed) == ("ipv4:10.0.0.7:40700", "/svc/N", 499)
 
