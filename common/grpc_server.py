@@ -41,12 +41,15 @@ class GrpcServer:
     `auth` (the internal services), calls need its token (health excepted) and
     the port serves its TLS; without (the gateway's public API), neither.
     max_receive_bytes lowers the largest request message it takes (the
-    gateway's public port)."""
+    gateway's public port). `interceptors` run after the token's check (a
+    role's token: common/worker_auth.py)."""
 
     def __init__(self, registrations: Iterable[Registration], service_names: Sequence[str],
                  host: str, port: int, auth: InternalAuth | None = None,
-                 max_receive_bytes: int | None = None) -> None:
-        interceptors = [TokenCheck(auth.token)] if auth is not None and auth.token else []
+                 max_receive_bytes: int | None = None,
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+        interceptors = [*([TokenCheck(auth.token)] if auth is not None and auth.token else []),
+                        *interceptors]
         options = CHANNEL_OPTIONS if max_receive_bytes is None else [
             *(option for option in CHANNEL_OPTIONS if option[0] != "grpc.max_receive_message_length"),
             ("grpc.max_receive_message_length", max_receive_bytes)]
@@ -97,10 +100,12 @@ def request_metadata(request_id: str | None) -> tuple[tuple[str, str], ...]:
     return ((REQUEST_ID_KEY, request_id),) if request_id else ()
 
 
-def internal_channel(address: str, auth: InternalAuth = InternalAuth()) -> grpc.aio.Channel:
+def internal_channel(address: str, auth: InternalAuth = InternalAuth(),
+                     interceptors: Sequence[grpc.aio.ClientInterceptor] = ()) -> grpc.aio.Channel:
     """The one way to dial a scheduler, worker or kvcache service: TLS when
-    configured, and the internal token on every call."""
-    interceptors = token_interceptors(auth.token)
+    configured, and the internal token on every call (and what `interceptors`
+    add: a worker's own token, common/worker_auth.py)."""
+    interceptors = [*token_interceptors(auth.token), *interceptors]
     credentials = channel_credentials(auth)
     if credentials is None:
         return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors)

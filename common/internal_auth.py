@@ -4,8 +4,10 @@ optional TLS of the internal gRPC channels (scheduler, workers, kvcache).
 `InternalAuth.from_env` reads and checks the settings once at start. A server
 built with it (`common.grpc_server.GrpcServer`) refuses calls without the token
 with UNAUTHENTICATED, except the standard health service; every internal
-channel (`common.grpc_server.internal_channel`) sends the token. The token and
-the key material never appear in a repr, a log line or an error message.
+channel (`common.grpc_server.internal_channel`) sends the token. The same check,
+under another metadata key and for some methods only, guards a role's token
+(common/worker_auth.py). The tokens and the key material never appear in a
+repr, a log line or an error message.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import Any
 
 import grpc
 
+from common.refusal_log import RefusalLog
 from common.settings import EnvReader, SettingsError
 
 TOKEN_METADATA_KEY = "x-fairserve-internal-token"
@@ -76,23 +79,28 @@ class InternalAuth:
 
 
 def _read_token(read: EnvReader) -> bytes:
-    inline = read.str("INTERNAL_TOKEN", "")
-    path = read.str("INTERNAL_TOKEN_FILE", "")
+    return read_token(read, "INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE")
+
+
+def read_token(read: EnvReader, name: str, file_name: str) -> bytes:
+    """A token from `name` or the file named by `file_name` (empty: none); at
+    least MIN_TOKEN_LENGTH printable ASCII characters. Never echoed."""
+    inline = read.str(name, "")
+    path = read.str(file_name, "")
     if inline and path:
-        raise SettingsError("INTERNAL_TOKEN and INTERNAL_TOKEN_FILE are both set: use one")
-    name, token = "INTERNAL_TOKEN", inline
+        raise SettingsError(f"{name} and {file_name} are both set: use one")
+    source, token = name, inline
     if path:
-        name, token = "INTERNAL_TOKEN_FILE", _read_file("INTERNAL_TOKEN_FILE", path).decode(
-            "utf-8", errors="replace").strip()
+        source, token = file_name, _read_file(file_name, path).decode("utf-8", errors="replace").strip()
         if not token:
-            raise SettingsError(f"INTERNAL_TOKEN_FILE={path!r} is invalid: the file is empty")
+            raise SettingsError(f"{file_name}={path!r} is invalid: the file is empty")
     if not token:
         return b""
     # The value itself is never echoed.
     if not all(33 <= ord(char) <= 126 for char in token):
-        raise SettingsError(f"{name} is invalid: only printable ASCII without spaces is allowed")
+        raise SettingsError(f"{source} is invalid: only printable ASCII without spaces is allowed")
     if len(token) < MIN_TOKEN_LENGTH:
-        raise SettingsError(f"{name} is invalid: must be at least {MIN_TOKEN_LENGTH} characters")
+        raise SettingsError(f"{source} is invalid: must be at least {MIN_TOKEN_LENGTH} characters")
     return token.encode("ascii")
 
 
@@ -142,11 +150,11 @@ def channel_options(auth: InternalAuth) -> list[tuple[str, Any]]:
 
 # ---- the token on the server ----
 
-def presents_token(metadata: Any, token: bytes) -> bool:
-    """Whether the call's metadata carries the token (compared in constant time)."""
+def presents_token(metadata: Any, token: bytes, key: str = TOKEN_METADATA_KEY) -> bool:
+    """Whether the call's metadata carries the token under `key` (compared in constant time)."""
     found = False
-    for key, value in metadata or ():
-        if key == TOKEN_METADATA_KEY:
+    for name, value in metadata or ():
+        if name == key:
             presented = value if isinstance(value, bytes) else value.encode("utf-8", errors="replace")
             found |= hmac.compare_digest(presented, token)
     return found
@@ -157,59 +165,79 @@ def _service_of(method: str) -> str:
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):
-    """Refuses every call without the token with UNAUTHENTICATED, except the
-    services in OPEN_SERVICES. Reflection is behind the token too."""
+    """Refuses every call without the token (under `key`) with `code`, except the
+    services in OPEN_SERVICES; with `methods`, only calls of those methods need it
+    (a role's token: common/worker_auth.py). Reflection is behind the token too.
+    Refusals are logged with the caller's address, rate-limited (refusal_log.py)."""
 
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes, key: str = TOKEN_METADATA_KEY,
+                 code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED, message: str = DENIED_MESSAGE,
+                 methods: frozenset[str] | None = None, refusals: RefusalLog | None = None) -> None:
         if not token:
             raise ValueError("TokenCheck needs a token")
         self._token = token
+        self._key = key
+        self._code = code
+        self._message = message
+        self._methods = methods
+        self._refusals = refusals or RefusalLog(log, "internal call refused")
+
+    def _guards(self, method: str) -> bool:
+        if self._methods is not None:
+            return method in self._methods
+        return _service_of(method) not in OPEN_SERVICES
 
     async def intercept_service(
             self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
             handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
-        if (_service_of(method) in OPEN_SERVICES
-                or presents_token(handler_call_details.invocation_metadata, self._token)):
+        if (not self._guards(method)
+                or presents_token(handler_call_details.invocation_metadata, self._token, self._key)):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        log.warning("internal call refused: no valid token", extra={"method": method})
-        return _denying(handler)
+
+        def refused(peer: str) -> None:
+            self._refusals.refused(peer, method, self._message)
+        return _denying(handler, self._code, self._message, refused)
 
 
-async def _deny(request: object, context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED_MESSAGE)
+def _denying(handler: grpc.RpcMethodHandler, code: grpc.StatusCode = grpc.StatusCode.UNAUTHENTICATED,
+             message: str = DENIED_MESSAGE,
+             on_refused: Callable[[str], None] | None = None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts at once with `code`,
+    telling `on_refused` the caller's address first."""
+    async def deny(request: object, context: grpc.aio.ServicerContext) -> None:
+        if on_refused is not None:
+            on_refused(context.peer())
+        await context.abort(code, message)
 
+    async def deny_stream(request: object, context: grpc.aio.ServicerContext) -> Any:
+        await deny(request, context)
+        yield  # pragma: no cover - abort raises
 
-async def _deny_stream(request: object, context: grpc.aio.ServicerContext) -> Any:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, DENIED_MESSAGE)
-    yield  # pragma: no cover - abort raises
-
-
-def _denying(handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that aborts at once."""
     codecs = dict(request_deserializer=handler.request_deserializer,
                   response_serializer=handler.response_serializer)
     if handler.unary_unary:
-        return grpc.unary_unary_rpc_method_handler(_deny, **codecs)
+        return grpc.unary_unary_rpc_method_handler(deny, **codecs)
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(_deny_stream, **codecs)
+        return grpc.unary_stream_rpc_method_handler(deny_stream, **codecs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(_deny, **codecs)
-    return grpc.stream_stream_rpc_method_handler(_deny_stream, **codecs)
+        return grpc.stream_unary_rpc_method_handler(deny, **codecs)
+    return grpc.stream_stream_rpc_method_handler(deny_stream, **codecs)
 
 
 # ---- the token on the client ----
 
 class _AddToken:
-    def __init__(self, token: bytes) -> None:
+    def __init__(self, token: bytes, key: str) -> None:
         self._token = token.decode("ascii")
+        self._key = key
 
     def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()))
-        metadata[TOKEN_METADATA_KEY] = self._token
+        metadata[self._key] = self._token
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata,
                                           details.credentials, details.wait_for_ready)
 
@@ -244,8 +272,8 @@ class _StreamStream(_AddToken, grpc.aio.StreamStreamClientInterceptor):
         return await continuation(self._details(client_call_details), request_iterator)
 
 
-def token_interceptors(token: bytes) -> list[grpc.aio.ClientInterceptor]:
-    """Client interceptors that add the token to every call (none without a token)."""
+def token_interceptors(token: bytes, key: str = TOKEN_METADATA_KEY) -> list[grpc.aio.ClientInterceptor]:
+    """Client interceptors that add the token (under `key`) to every call (none without a token)."""
     if not token:
         return []
-    return [kind(token) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]
+    return [kind(token, key) for kind in (_UnaryUnary, _UnaryStream, _StreamUnary, _StreamStream)]

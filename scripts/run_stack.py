@@ -1,6 +1,7 @@
-"""`make run`: starts the stack on the default ports, prints the URL, starts
-again a service that exits (supervisor.py), and stops every process on Ctrl-C
-or SIGTERM."""
+"""`make run`: starts the stack on the default ports, with its internal ports
+closed by tokens of its own (local_tokens.py) unless the user gives them,
+prints the URL, starts again a service that exits (supervisor.py), and stops
+every process on Ctrl-C or SIGTERM."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from common.metrics import serve_metrics
-from common.settings import SettingsError
+from common.internal_auth import read_token
+from common.settings import EnvReader, SettingsError
+from scripts.local_tokens import local_tokens, tokens_path
 from scripts.stack import ROOT, Stack, StackPorts
 from scripts.supervisor import Supervisor, SupervisorMetrics, SupervisorSettings
 
@@ -33,15 +36,24 @@ def ports_from_env(env: Mapping[str, str]) -> StackPorts:
 
 
 def main() -> int:
-    stack = Stack(ports=ports_from_env(os.environ), env={},
-                  log_dir=Path(os.environ.get("LOG_DIR") or ROOT / ".cache" / "logs"))
+    log_dir = Path(os.environ.get("LOG_DIR") or ROOT / ".cache" / "logs")
     try:
-        # INTERNAL_TOKEN and GRPC_TLS_* reach every service through the environment;
-        # checked here first so that a bad one stops the start with its own message.
-        auth = stack.internal_auth()
         supervision = SupervisorSettings.from_env(os.environ)
+        # INTERNAL_TOKEN, WORKER_TOKEN and GRPC_TLS_* reach the services through the
+        # environment; the user's are checked first, so that a bad one stops the start
+        # with its own message, then those left unset are generated (local_tokens.py).
+        user = Stack(ports=ports_from_env(os.environ), env={}, log_dir=log_dir)
+        user.internal_auth()
+        read_token(EnvReader(user.service_env()), "WORKER_TOKEN", "WORKER_TOKEN_FILE")
+        tokens_file = tokens_path(os.environ)
+        stack = Stack(ports=user.ports, env=local_tokens(os.environ, tokens_file), log_dir=log_dir)
+        auth = stack.internal_auth()
+        stack.worker_token()
     except SettingsError as error:
         print(f"invalid setting: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"cannot keep the generated tokens: {error}", file=sys.stderr)
         return 2
     # Ctrl-C and SIGTERM both stop every service; SIGINT is set explicitly because a
     # process started in the background inherits it ignored.
@@ -55,8 +67,9 @@ def main() -> int:
         print(f"SUPERVISOR_METRICS_PORT={supervision.metrics_port} cannot be served: {error}",
               file=sys.stderr)
         return 2
+    generated = f", generated tokens in {tokens_file}" if stack.env else ""
     print("starting kvcache, scheduler, worker and gateway (logs in "
-          f"{stack.log_dir}; internal calls: {auth!r}) ...", flush=True)
+          f"{stack.log_dir}; internal calls: {auth!r}{generated}) ...", flush=True)
     try:
         stack.start(timeout_s=600)
         print_banner(stack, metrics_port)

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
     from common.internal_auth import InternalAuth
 
 ROOT = Path(__file__).resolve().parent.parent
+# Held only by the scheduler and the workers (common/worker_auth.py): never passed to the others.
+WORKER_ONLY = ("WORKER_TOKEN", "WORKER_TOKEN_FILE")
+WORKER_ROLE_MODULES = ("services.scheduler.main", "services.worker.main")
 
 
 def free_ports(count: int) -> list[int]:
@@ -90,9 +93,19 @@ class Stack:
 
         return InternalAuth.from_env(self.service_env(), serves=False)
 
+    def worker_token(self) -> bytes:
+        """The workers' token (WORKER_TOKEN, checked against INTERNAL_TOKEN), for
+        clients that play a worker."""
+        from common.worker_auth import worker_token_from_env
+
+        return worker_token_from_env(self.service_env(), self.internal_auth().token)
+
     def _spawn(self, name: str, module: str, extra: dict[str, str] | None = None) -> None:
         env = self.service_env()
         env.update(extra or {})
+        if module not in WORKER_ROLE_MODULES:
+            for variable in WORKER_ONLY:
+                env.pop(variable, None)
         self.launches[name] = (module, dict(extra or {}))
         with open(self.log_dir / f"{name}.log", "ab") as log_file:
             self.processes[name] = subprocess.Popen(

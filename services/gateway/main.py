@@ -42,7 +42,17 @@ class _Server(uvicorn.Server):
         yield
 
 
+def warn_if_internal_ports_open(settings: GatewaySettings) -> None:
+    """API keys guard the public API only: without INTERNAL_TOKEN anyone who can
+    reach the scheduler, workers or kvcache calls them with any identity."""
+    if settings.tenants.enabled and not settings.internal.token:
+        log.warning("API keys are set but INTERNAL_TOKEN is not: the internal gRPC ports (scheduler, "
+                    "workers, kvcache) take calls from anyone who reaches them, keys or not; set "
+                    "INTERNAL_TOKEN (and WORKER_TOKEN on the scheduler and workers)")
+
+
 async def serve(settings: GatewaySettings) -> None:
+    warn_if_internal_ports_open(settings)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
     backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr, settings.internal)
     app = create_app(settings, backend, tokenizer)

@@ -1,7 +1,8 @@
 """What a worker says about itself when it registers, checked before the
 scheduler dials it and before any step is planned for it: its id, the address
-to dial, and the pool and model figures of its Info. Each check raises
-`RegistrationError` with a message that names the field."""
+to dial, and the pool and model figures of its Info, and that a live worker id
+keeps its address. Each check raises `RegistrationError` with a message that
+names the field. Whether the address is the caller's own: address_check.py."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ MAX_HOSTNAME_LENGTH = 253
 
 class RegistrationError(ValueError):
     """A registration field is invalid; the message names it."""
+
+
+class AddressNotOwned(RegistrationError):
+    """The address is not the caller's own (address_check.py)."""
+
+
+class WorkerIdTaken(RegistrationError):
+    """The worker id is live at another address."""
 
 
 @dataclass(frozen=True)
@@ -91,3 +100,13 @@ def check_worker_figures(figures: WorkerFigures, worker_id: str) -> None:
 def check_registration(worker_id: str, address: str) -> None:
     check_worker_id(worker_id)
     check_address(address)
+
+
+def check_rebind(worker_id: str, address: str, live_address: str | None) -> None:
+    """A live worker id is never bound to another address: registering it again
+    at the same address is a reconnect; at another, only once it has left or
+    stopped heartbeating (its old address is not told)."""
+    if live_address is not None and live_address != address:
+        raise WorkerIdTaken(f"worker_id {worker_id!r} is live at another address: a live worker's address "
+                            "never changes (it may register at a new one once it has left or stopped "
+                            "heartbeating for WORKER_HEARTBEAT_TIMEOUT_S)")

@@ -21,14 +21,19 @@ from fairserve.v1 import worker_pb2_grpc
 
 from common.grpc_server import GrpcServer, internal_channel, request_id_from
 from common.internal_auth import InternalAuth
+from common.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
+from common.worker_auth import worker_role_check
 
 from services.scheduler import convert
+from services.scheduler.address_check import HostFacts, check_peer_address
 from services.scheduler.core import Rejection, RequestUpdate, SchedulerCore, StepBatch
 from services.scheduler.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
 from services.scheduler.metrics import SchedulerMetrics
-from services.scheduler.registration import RegistrationError, check_registration, check_worker_figures
+from services.scheduler.registration import (
+    AddressNotOwned, RegistrationError, WorkerIdTaken, check_rebind, check_registration, check_worker_figures,
+)
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.step_link import StepFailed, step_link
 
@@ -59,9 +64,10 @@ class _WorkerLink:
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, settings: SchedulerSettings, metrics: SchedulerMetrics,
                  clock: Callable[[], float] = time.monotonic,
-                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex, hosts: HostFacts = HostFacts()) -> None:
         self._settings = settings
         self._metrics = metrics
+        self._hosts = hosts
         self._core = SchedulerCore(settings.core_config(), clock, new_id)
         self._epochs = EpochClock()
         self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal,
@@ -163,15 +169,16 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                              context: grpc.aio.ServicerContext) -> scheduler_pb2.RegisterWorkerResponse:
         channel = None
         try:
-            check_registration(request.worker_id, request.address)     # before dialing anything
+            await self._check_registration(request, context.peer())    # before dialing anything
             channel = internal_channel(request.address, self._settings.internal)
             stub = worker_pb2_grpc.WorkerStub(channel)
             info = await stub.Info(worker_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
             check_worker_figures(convert.worker_figures_from_proto(info), request.worker_id)
+            self._check_rebind(request)     # another registration of the id may have won meanwhile
         except (grpc.aio.AioRpcError, RegistrationError) as error:
             if channel is not None:
                 await channel.close()
-            await context.abort(*_registration_failure(request, error))
+            await context.abort(*_registration_failure(request, error, context.peer()))
         await self._unlink(request.worker_id)
         spec = convert.worker_spec_from_proto(info, request.worker_id, request.address,
                                               self._epochs.next(after=request.epoch))
@@ -187,6 +194,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._wake_all()
         return scheduler_pb2.RegisterWorkerResponse(heartbeat_interval_s=self._settings.heartbeat_interval_s,
                                                     epoch=spec.epoch)
+
+    async def _check_registration(self, request: scheduler_pb2.RegisterWorkerRequest, peer: str) -> None:
+        """The fields, the id's binding, and that the address is the caller's (address_check.py)."""
+        check_registration(request.worker_id, request.address)
+        self._check_rebind(request)
+        if self._settings.registration_address_check == "peer":
+            await check_peer_address(request.address, peer, self._hosts)
+
+    def _check_rebind(self, request: scheduler_pb2.RegisterWorkerRequest) -> None:
+        link = self._links.get(request.worker_id)
+        check_rebind(request.worker_id, request.address, link.address if link is not None else None)
 
     async def Heartbeat(self, request: scheduler_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> scheduler_pb2.HeartbeatResponse:
@@ -338,15 +356,20 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             link.wake.set()
 
 
-def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest,
-                          error: Exception) -> tuple[grpc.StatusCode, str]:
-    """The status a refused registration ends with, logged."""
+def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest, error: Exception,
+                          peer: str) -> tuple[grpc.StatusCode, str]:
+    """The status a refused registration ends with, logged with the caller's address."""
     code, message = grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, grpc.aio.AioRpcError):
+    if isinstance(error, AddressNotOwned):
+        code = grpc.StatusCode.PERMISSION_DENIED
+    elif isinstance(error, WorkerIdTaken):
+        code = grpc.StatusCode.ALREADY_EXISTS
+    elif isinstance(error, grpc.aio.AioRpcError):
         code = grpc.StatusCode.UNAVAILABLE
         message = (f"could not reach worker {request.worker_id} at {request.address}: "
                    f"{error.code().name} {error.details()}")
-    log.warning("worker registration refused", extra={"code": code.name, "reason": message})
+    log.warning("worker registration refused", extra={"code": code.name, "reason": message,
+                                                      "peer": peer[:MAX_PEER_CHARS]})
     return code, message
 
 
@@ -354,11 +377,13 @@ class SchedulerServer:
     """The gRPC server around the service, with health and reflection."""
 
     def __init__(self, settings: SchedulerSettings, clock: Callable[[], float] = time.monotonic,
-                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex) -> None:
+                 new_id: Callable[[], str] = lambda: uuid.uuid4().hex, hosts: HostFacts = HostFacts()) -> None:
         self.metrics = SchedulerMetrics()
-        self.service = SchedulerService(settings, self.metrics, clock, new_id)
+        self.service = SchedulerService(settings, self.metrics, clock, new_id, hosts)
+        # The worker RPCs need the worker token too (common/worker_auth.py).
         self._grpc = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.service)],
-                                [SERVICE_NAME], settings.host, settings.port, settings.internal)
+                                [SERVICE_NAME], settings.host, settings.port, settings.internal,
+                                interceptors=worker_role_check(settings.worker_token))
 
     @property
     def port(self) -> int:

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.internal_auth import InternalAuth
 from common.step import KV_POLICIES, KvPolicy
 
 from common.settings import EnvReader
+from common.worker_auth import worker_token_from_env
 
+from services.scheduler.address_check import ADDRESS_CHECKS
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 
 STEP_TRANSPORTS = ("stream", "unary")   # services/scheduler/step_link.py
@@ -51,10 +53,13 @@ class SchedulerSettings:
     max_tokens_limit: int = _CORE.max_tokens_limit   # 0: each worker's context length
     log_level: str = "info"
     internal: InternalAuth = InternalAuth()
+    worker_token: bytes = field(default=b"", repr=False)  # common/worker_auth.py; empty: none required
+    registration_address_check: str = "peer"              # address_check.py: peer | off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SchedulerSettings:
         read = EnvReader(env)
+        internal = InternalAuth.from_env(env)
         return cls(
             host=read.str("SCHEDULER_HOST", cls.host),
             port=read.port("SCHEDULER_PORT", cls.port),
@@ -86,7 +91,10 @@ class SchedulerSettings:
             kv_sink_tokens=read.int("KV_SINK_TOKENS", cls.kv_sink_tokens, minimum=0),
             max_tokens_limit=read.int("MAX_TOKENS_LIMIT", cls.max_tokens_limit, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
-            internal=InternalAuth.from_env(env),
+            internal=internal,
+            worker_token=worker_token_from_env(env, internal.token),
+            registration_address_check=read.choice("REGISTRATION_ADDRESS_CHECK", cls.registration_address_check,
+                                                   list(ADDRESS_CHECKS)),
         )
 
     def core_config(self) -> CoreConfig:

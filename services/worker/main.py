@@ -18,6 +18,7 @@ from common.logs import configure_logging
 from common.metrics import serve_metrics
 from common.model_store import resolve_model_dir
 from common.shutdown import stop_requests
+from common.worker_auth import worker_token_interceptors
 from services.kvcache.client import KvIndexClient
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.drain import leave
@@ -69,7 +70,9 @@ async def serve(settings: WorkerSettings) -> None:
 
     stops = stop_requests()
     stop = asyncio.Event()
-    scheduler_channel = internal_channel(settings.scheduler_addr, settings.internal)
+    # The only channel that carries the worker token (common/worker_auth.py).
+    scheduler_channel = internal_channel(settings.scheduler_addr, settings.internal,
+                                         worker_token_interceptors(settings.worker_token))
     registration = asyncio.create_task(keep_registered(
         scheduler_channel, settings.worker_id, address, service, settings.heartbeat_interval_s, stop))
     tasks = [registration, asyncio.create_task(publisher.run(settings.kv_publish_interval_s, stop))]

@@ -228,7 +228,9 @@ async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: st
                     continue   # the scheduler restarted, or dropped us: register at once
         except grpc.aio.AioRpcError as error:
             registered = False
-            log.warning("scheduler unreachable", extra={"code": error.code().name})
+            refused = error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            log.warning("scheduler refused the worker" if refused else "scheduler unreachable",
+                        extra={"code": error.code().name, **({"reason": error.details()} if refused else {})})
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s if registered else RETRY_REGISTRATION_S)
         except asyncio.TimeoutError:

@@ -6,11 +6,12 @@ import os
 import re
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.internal_auth import InternalAuth
 from common.model_store import default_cache_dir
 from common.settings import EnvReader, SettingsError
+from common.worker_auth import worker_token_from_env
 from services.scheduler.registration import MAX_WORKER_ID_LENGTH
 from services.worker.engine.config import EngineConfig
 
@@ -115,11 +116,13 @@ class WorkerSettings:
     engine: EngineConfig           # model_dir still empty: resolved at start
     internal: InternalAuth = InternalAuth()
     drain_timeout_s: float = 30.0  # on SIGTERM, how long it may keep serving what it holds
+    worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/worker_auth.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
         read = EnvReader(env)
         host = read.str("WORKER_HOST", "127.0.0.1")
+        internal = InternalAuth.from_env(env)
         return cls(
             host=host,
             port=read.port("WORKER_PORT", 50061),
@@ -134,6 +137,7 @@ class WorkerSettings:
             kv_publish_interval_s=read.float("KV_PUBLISH_INTERVAL_S", 0.05, minimum=0.001),
             log_level=read.str("LOG_LEVEL", "info"),
             engine=engine_config_from_env(env),
-            internal=InternalAuth.from_env(env),
+            internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", 30.0, minimum=0.0),
+            worker_token=worker_token_from_env(env, internal.token),
         )

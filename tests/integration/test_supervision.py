@@ -61,7 +61,8 @@ def test_killed_services_come_back_and_are_counted(tiny_model_dir: Path, tmp_pat
     ports = dict(zip(PORTS, map(str, free_ports(len(PORTS)))))
     url = f"http://127.0.0.1:{ports['GATEWAY_PORT']}"
     metrics_url = f"http://127.0.0.1:{ports['SUPERVISOR_METRICS_PORT']}/metrics"
-    env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path), **ports}
+    env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path),
+           "LOCAL_TOKENS_FILE": str(tmp_path / "tokens" / "local.json"), **ports}
     launcher, banner = start_launcher(env)
     try:
         assert metrics_url in banner and serves(url)

@@ -23,6 +23,7 @@ def _compose(name: str) -> dict:
 def _variables_read_by_settings() -> set[str]:
     names: set[str] = set()
     for path in [ROOT / "common" / "settings.py", ROOT / "common" / "internal_auth.py",
+                 ROOT / "common" / "worker_auth.py",
                  *ROOT.glob("services/*/settings.py")]:
         names.update(re.findall(r'"([A-Z][A-Z0-9_]+)"', path.read_text()))
     return names
@@ -55,6 +56,13 @@ def test_the_internal_token_comes_from_a_secret_kept_out_of_git_and_the_image() 
         spec = compose["services"][service]
         assert "internal_token" in spec["secrets"], service
         assert spec["environment"]["INTERNAL_TOKEN_FILE"] == "/run/secrets/internal_token", service
+    for service in FAIRSERVE_SERVICES:     # the workers' token: the scheduler's and workers' only
+        spec = compose["services"][service]
+        holds = service in ("scheduler", "worker")
+        assert ("worker_token" in spec["secrets"]) is holds, service
+        assert spec["environment"].get("WORKER_TOKEN_FILE") == (
+            "/run/secrets/worker_token" if holds else None), service
+    assert compose["secrets"]["worker_token"]["file"] == "./secrets/worker_token"
     secret = (DEPLOY / compose["secrets"]["internal_token"]["file"]).resolve()
     assert secret.parent == DEPLOY / "secrets"
     assert (DEPLOY / "secrets" / ".gitignore").read_text().splitlines()[-2:] == ["*", "!.gitignore"]

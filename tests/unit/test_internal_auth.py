@@ -41,9 +41,10 @@ def test_no_token_and_no_tls_by_default() -> None:
 @pytest.mark.parametrize("read", [SchedulerSettings.from_env, WorkerSettings.from_env,
                                   KvCacheSettings.from_env, GatewaySettings.from_env])
 def test_every_service_reads_the_token(read) -> None:
-    settings = read({"INTERNAL_TOKEN": TOKEN})
+    worker_token = "s3cret-worker-token-0123456789ab"     # the scheduler and workers need it too
+    settings = read({"INTERNAL_TOKEN": TOKEN, "WORKER_TOKEN": worker_token})
     assert settings.internal.token == TOKEN.encode()
-    assert TOKEN not in repr(settings)
+    assert TOKEN not in repr(settings) and worker_token not in repr(settings)
 
 
 def test_the_token_can_come_from_a_file(tmp_path: Path) -> None:
@@ -233,7 +234,8 @@ def test_every_internal_server_is_built_with_the_settings_auth() -> None:
     sources = {name: (ROOT / path).read_text() for name, path in [
         ("scheduler", "services/scheduler/server.py"), ("worker", "services/worker/main.py"),
         ("kvcache", "services/kvcache/main.py")]}
-    assert "settings.port, settings.internal)" in sources["scheduler"]
+    assert "settings.port, settings.internal,\n" in sources["scheduler"]
+    assert "interceptors=worker_role_check(settings.worker_token))" in sources["scheduler"]
     assert "settings.port, settings.internal)" in sources["worker"]
     assert "build_server(service, settings.host, settings.port, settings.internal)" in sources["kvcache"]
 

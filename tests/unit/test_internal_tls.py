@@ -69,7 +69,7 @@ def test_tls_settings_are_read_and_checked(pki, tmp_path: Path) -> None:
 
 def test_every_service_reads_the_tls_settings(pki) -> None:
     authority, node, _ = pki
-    settings = SchedulerSettings.from_env(_env(authority.cert, node))
+    settings = SchedulerSettings.from_env({**_env(authority.cert, node), "WORKER_TOKEN": "worker-" + TOKEN})
     assert settings.internal.mutual_tls and settings.internal.token == TOKEN.encode()
 
 

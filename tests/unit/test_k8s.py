@@ -58,7 +58,7 @@ def test_manifests_render_and_validate_against_the_kubernetes_schemas(target: st
 def test_the_secret_example_validates_and_holds_no_value() -> None:
     secret = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
     kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
-    assert set(secret["stringData"]) == {"internal_token", "api_keys"}
+    assert set(secret["stringData"]) == {"internal_token", "worker_token", "api_keys"}
     assert all(" " in value for value in secret["stringData"].values())   # rejected by the services as is
     assert not any(obj["kind"] == "Secret" for obj in render(K8S / "base"))   # made with kubectl, never applied
 
@@ -99,8 +99,17 @@ def test_secrets_come_from_the_secret_and_each_worker_names_itself() -> None:
     gateway_env = {e["name"]: e for e in _container(objects, "gateway")["env"]}
     assert gateway_env["API_KEYS"]["valueFrom"]["secretKeyRef"] == {
         "name": "fairserve-secrets", "key": "api_keys", "optional": True}
-    worker_env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in _container(objects, "worker")["env"]}
+    worker_env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in _container(objects, "worker")["env"]
+                  if "valueFrom" in e}
     assert worker_env == {"WORKER_ID": "metadata.name", "WORKER_ADVERTISE_HOST": "status.podIP"}
+    # The workers' token: mounted and named on the scheduler and the workers only.
+    for name in SERVICES:
+        pod = _by_kind(objects)[("Deployment", name)]["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if "secret" in v]
+        env = {e["name"]: e.get("value") for e in _container(objects, name).get("env", [])}
+        holds = name in ("scheduler", "worker")
+        assert ("worker_token" in {item["key"] for item in volume["secret"]["items"]}) is holds, name
+        assert env.get("WORKER_TOKEN_FILE") == ("/run/secrets/fairserve/worker_token" if holds else None), name
 
 
 def test_the_gpu_overlay_gives_each_worker_one_gpu_and_the_cuda_image() -> None:

@@ -79,3 +79,17 @@ def test_serves_reports_not_ready_and_stops_on_sigterm(
     assert {(entry["method"], entry["path"], entry["status"]) for entry in access} >= {
         ("GET", "/ready", 503), ("POST", "/generate", 503)}
     assert all("duration_ms" in entry and "request_id" in entry for entry in access)
+
+
+def test_a_warning_when_keys_are_set_without_an_internal_token(caplog: pytest.LogCaptureFixture) -> None:
+    from services.gateway.main import warn_if_internal_ports_open
+    from services.gateway.settings import GatewaySettings
+
+    caplog.set_level("WARNING")
+    warn_if_internal_ports_open(GatewaySettings.from_env({"API_KEYS": "alice=sk-alice-0123456789"}))
+    assert "API keys are set but INTERNAL_TOKEN is not" in caplog.text and "sk-alice" not in caplog.text
+    caplog.clear()
+    warn_if_internal_ports_open(GatewaySettings.from_env({}))            # an open API: nothing to guard
+    warn_if_internal_ports_open(GatewaySettings.from_env({"API_KEYS": "alice=sk-alice-0123456789",
+                                                          "INTERNAL_TOKEN": "internal-token-0123456789"}))
+    assert caplog.text == ""

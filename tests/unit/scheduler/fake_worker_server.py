@@ -10,6 +10,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 
 from common.grpc_server import GrpcServer, internal_channel
 from common.internal_auth import InternalAuth
+from common.worker_auth import worker_token_interceptors
 from common.step_convert import step_batch_from_proto, step_output_to_proto
 from services.worker.step_order import StepOrder
 from services.worker.step_stream import replies_in_order
@@ -59,19 +60,21 @@ class FakeWorkerProcess:
     """The fake worker's server plus its registration and heartbeats."""
 
     def __init__(self, engine: FakeEngine, worker_id: str, scheduler_addr: str,
-                 step_delay_s: float = 0.0, auth: InternalAuth = InternalAuth()) -> None:
+                 step_delay_s: float = 0.0, auth: InternalAuth = InternalAuth(),
+                 worker_token: bytes = b"", host: str = "127.0.0.1") -> None:
         self.servicer = FakeWorkerServicer(engine, worker_id, step_delay_s)
         self.worker_id = worker_id
         self._scheduler_addr = scheduler_addr
+        self._host = host
         self._server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, self.servicer)],
-                                  ["fairserve.v1.Worker"], "127.0.0.1", 0, auth)
+                                  ["fairserve.v1.Worker"], host, 0, auth)
         self._heartbeats: asyncio.Task[None] | None = None
-        self._channel = internal_channel(scheduler_addr, auth)
+        self._channel = internal_channel(scheduler_addr, auth, worker_token_interceptors(worker_token))
         self.epoch = 0   # of its registration
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self._server.port}"
+        return f"{self._host}:{self._server.port}"
 
     @property
     def engine(self) -> FakeEngine:
