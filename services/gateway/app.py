@@ -1,5 +1,6 @@
 """The gateway's HTTP app: /generate, health and readiness, metrics, stats,
-and the OpenAI-compatible API (openai_api.py)."""
+and the OpenAI-compatible API (openai_api.py); and the metrics-only app
+served on METRICS_PORT when it is set."""
 
 from __future__ import annotations
 
@@ -43,6 +44,12 @@ from services.gateway.middleware import (
 from services.gateway.schemas import GenerateBody
 from services.gateway.settings import GatewaySettings
 from services.gateway.spec import RequestFields, TextInput
+from services.gateway.stats_view import (
+    dependencies_view,
+    kvcache_view,
+    scheduler_view,
+    stats_scope,
+)
 from services.gateway.structured import body_constraint
 from services.gateway.sse import event_stream, sse_data
 from services.gateway.state import (
@@ -52,6 +59,7 @@ from services.gateway.state import (
     until_disconnected,
 )
 from services.gateway.tenant_quota import TenantQuotas
+from services.gateway.tenant_trackers import TenantTrackers
 from services.gateway.tenants import Tenant
 from services.gateway.unsupported import reject_unsupported
 from services.gateway.validation import SamplingInput
@@ -68,7 +76,9 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     metrics = GatewayMetrics(registry)
     service = GenerationService(scheduler_client, tokenizer, metrics,
                                 quotas=TenantQuotas(settings.tenants.tenants),
-                                scheduler_recovery_s=settings.scheduler_recovery_s)
+                                scheduler_recovery_s=settings.scheduler_recovery_s,
+                                tenant_trackers=TenantTrackers(
+                                    tenant.name for tenant in settings.tenants.tenants))
     drain = Drain()
     app = FastAPI(
         title="fairserve gateway",
@@ -88,6 +98,15 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     app.include_router(openai_api.router)
     app.include_router(tokenize_api.router)
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
+    return app
+
+
+def create_metrics_app(state: GatewayState) -> FastAPI:
+    """/metrics alone, for METRICS_PORT: the public app then answers 404 there."""
+    app = FastAPI(title="fairserve gateway metrics", version="1", openapi_url=None,
+                  docs_url=None, redoc_url=None)
+    app.state.gateway = state
+    app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
     return app
 
 
@@ -173,6 +192,13 @@ async def ready(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
+    """Prometheus metrics; with METRICS_PORT set, served there only (404 here)."""
+    if gateway_state(request).settings.metrics_port:
+        raise not_found(request.url.path)
+    return await prometheus_metrics(request)
+
+
+async def prometheus_metrics(request: Request) -> Response:
     state = gateway_state(request)
     await state.dependencies.recent()     # fresh dependency_up gauges
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -181,14 +207,19 @@ async def metrics(request: Request) -> Response:
 @router.get("/stats")
 async def stats(request: Request) -> Response:
     """The live page's feed (schema: docs/metrics.md). A service that does
-    not answer gives null for its part; the answer is still 200."""
+    not answer gives null for its part; the answer is still 200. With API
+    keys a tenant sees only its own and the shared parts (stats_view.py)."""
     state = gateway_state(request)
+    scope = stats_scope(request_identity(request)[2], state.settings.tenants.enabled)
     scheduler, kvcache, readiness = await asyncio.gather(
         stats_part("scheduler", scheduler_details(state.backend)),
         stats_part("kvcache", state.backend.kvcache_stats()), state.dependencies.recent())
-    return JSONResponse({"ts": time.time(), "gateway": state.service.tracker.snapshot(),
-                         "scheduler": scheduler, "kvcache": kvcache,
-                         "dependencies": dict(readiness.dependencies)})
+    gateway = (state.service.tracker.snapshot() if scope.everything
+               else state.service.tenant_trackers.snapshot(scope.tenant or ""))
+    return JSONResponse({"ts": time.time(), "gateway": gateway,
+                         "scheduler": scheduler_view(scheduler, scope),
+                         "kvcache": kvcache_view(kvcache, scope),
+                         "dependencies": dependencies_view(dict(readiness.dependencies))})
 
 
 async def scheduler_details(backend: SchedulerBackend) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenant_quota import TenantQuotas, Ticket
+from services.gateway.tenant_trackers import TenantTrackers
 from services.gateway.tool_parsers.base import ToolCall
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,8 @@ class GenerationService:
                  clock: Callable[[], float] = time.monotonic,
                  stop_drain_timeout_s: float = STOP_DRAIN_TIMEOUT_S,
                  tracker: LatencyTracker | None = None,
-                 quotas: TenantQuotas | None = None, scheduler_recovery_s: float = 30.0) -> None:
+                 quotas: TenantQuotas | None = None, scheduler_recovery_s: float = 30.0,
+                 tenant_trackers: TenantTrackers | None = None) -> None:
         self._backend = backend
         self._recovery_s = scheduler_recovery_s   # a lost scheduler's requests wait this long (continuation.py)
         # With API keys a spec's client id is its tenant's name, whose limits apply.
@@ -86,6 +88,9 @@ class GenerationService:
         self._tokenizer = tokenizer
         self._metrics = metrics
         self.tracker = tracker if tracker is not None else LatencyTracker(clock=clock)
+        # With API keys, each tenant's own requests too (its private /stats).
+        self.tenant_trackers = (tenant_trackers if tenant_trackers is not None
+                                else TenantTrackers(clock=clock))
         self._clock = clock
         self._stop_drain_timeout_s = stop_drain_timeout_s
         self._background: set[asyncio.Task[bool]] = set()
@@ -239,6 +244,7 @@ class GenerationService:
             self._metrics.tpot.observe(record.tpot_s)
         self._metrics.input_tokens.inc(record.input_tokens)
         self.tracker.record(record)
+        self.tenant_trackers.record(spec.client_id, record)
 
     def _cancel_in_background(self, request_id: str) -> None:
         """The stream was abandoned (client gone, error): make sure the

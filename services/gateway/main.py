@@ -10,12 +10,13 @@ import os
 from collections.abc import Iterator
 
 import uvicorn
+from fastapi import FastAPI
 
 from common.grpc_server import GrpcServer
 from common.logs import configure_logging
 from common.model_store import resolve_model_dir
 from common.shutdown import StopRequests, stop_requests
-from services.gateway.app import create_app
+from services.gateway.app import create_app, create_metrics_app
 from services.gateway.drain import Drain
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
 from services.gateway.grpc_api import add_to_server as add_text_api
@@ -65,12 +66,15 @@ async def serve(settings: GatewaySettings) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",
         **uvicorn_limits(settings)))
 
+    metrics_server = metrics_only_server(settings, app)
     drainer = asyncio.create_task(drain_then_exit(stop_requests(), app.state.gateway.drain,
                                                   http_server, settings.drain_timeout_s))
     await grpc_server.start()
     await grpc_server.set_serving(True)
+    metrics_task = asyncio.create_task(metrics_server.serve()) if metrics_server else None
     log.info("gateway listening", extra={"http_port": settings.port,
                                          "grpc_port": grpc_server.port,
+                                         "metrics_port": settings.metrics_port or settings.port,
                                          "scheduler": settings.scheduler_addr,
                                          "prefix_cache_scope": settings.cache_scope})
     if settings.tenants.enabled and settings.cache_scope == "global":
@@ -80,9 +84,23 @@ async def serve(settings: GatewaySettings) -> None:
         await http_server.serve()
     finally:
         drainer.cancel()
+        if metrics_server is not None and metrics_task is not None:
+            metrics_server.should_exit = True
+            await metrics_task
         await grpc_server.stop()
         await backend.close()
         log.info("gateway stopped")
+
+
+def metrics_only_server(settings: GatewaySettings, app: FastAPI) -> uvicorn.Server | None:
+    """With METRICS_PORT set, /metrics on that port (same host) and not on
+    the public one; None otherwise."""
+    if not settings.metrics_port:
+        return None
+    metrics_app = create_metrics_app(app.state.gateway)
+    return _Server(uvicorn.Config(metrics_app, host=settings.host, port=settings.metrics_port,
+                                  log_config=None, access_log=False, lifespan="off",
+                                  timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
 
 
 async def drain_then_exit(stops: StopRequests, drain: Drain, http_server: uvicorn.Server,

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from common.internal_auth import InternalAuth
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
-from common.settings import EnvReader
+from common.settings import EnvReader, SettingsError
 from services.gateway.identity import AUTO_SCOPE, CACHE_SCOPES, cache_scope_for
 from services.gateway.tenant_config import load_tenants
 from services.gateway.tenants import TenantRegistry
@@ -27,7 +27,8 @@ class GatewaySettings:
     kvcache_addr: str = "127.0.0.1:50071"
     model_name: str = ""
     model_cache_dir: Path = field(default_factory=default_cache_dir)
-    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS, TENANTS_FILE
+    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS, ADMIN_KEYS, TENANTS_FILE
+    metrics_port: int = 0           # /metrics on this port only; 0: on the public port
     # global | tenant | user | auto (unset: tenant with API keys, else global); see cache_scope
     prefix_cache_scope: str = AUTO_SCOPE
     max_request_bytes: int = ONE_MIB
@@ -65,7 +66,7 @@ class GatewaySettings:
     def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
         read = EnvReader(env)
         internal = InternalAuth.from_env(env, serves=False)
-        return cls(
+        settings = cls(
             host=read.str("GATEWAY_HOST", cls.host),
             port=read.port("GATEWAY_PORT", cls.port),
             grpc_port=read.port("GATEWAY_GRPC_PORT", cls.grpc_port),
@@ -76,7 +77,8 @@ class GatewaySettings:
             # Bare keys' tenant names are keyed with the internal token, so
             # replicas sharing it name them alike.
             tenants=load_tenants(read.str("API_KEYS", ""), read.str("TENANTS_FILE", ""),
-                                 internal.token),
+                                 internal.token, read.str("ADMIN_KEYS", "")),
+            metrics_port=read.port("METRICS_PORT", cls.metrics_port),
             prefix_cache_scope=read.choice("PREFIX_CACHE_SCOPE", cls.prefix_cache_scope,
                                            (AUTO_SCOPE, *CACHE_SCOPES)),
             max_request_bytes=read.int("MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
@@ -99,3 +101,7 @@ class GatewaySettings:
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
             tool_call_parser=read.choice("TOOL_CALL_PARSER", cls.tool_call_parser, tuple(PARSERS)),
         )
+        if settings.metrics_port and settings.metrics_port in (settings.port, settings.grpc_port):
+            raise SettingsError(f"METRICS_PORT={settings.metrics_port} is invalid: it must differ "
+                                "from GATEWAY_PORT and GATEWAY_GRPC_PORT")
+        return settings

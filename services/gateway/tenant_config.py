@@ -1,7 +1,11 @@
-"""API_KEYS and TENANTS_FILE into a TenantRegistry, checked once at start.
+"""API_KEYS, ADMIN_KEYS and TENANTS_FILE into a TenantRegistry, checked once at start.
 
 API_KEYS is a comma-separated list of `name=key` entries or bare keys (whose
-tenant is named by derived_name). TENANTS_FILE (JSON, or YAML for .yaml/.yml)
+tenant is named by derived_name). ADMIN_KEYS, in the same syntax, gives the
+operator tenants' keys: valid API keys like the others, whose tenants are
+admins (their /stats shows every tenant); a tenant is either, never both.
+`admin: true` on a tenant in TENANTS_FILE makes an API_KEYS tenant an admin.
+TENANTS_FILE (JSON, or YAML for .yaml/.yml)
 gives tenants' limits:
 
     defaults:            # optional: every tenant, listed or not
@@ -9,6 +13,7 @@ gives tenants' limits:
     tenants:
       alice: {weight: 2, max_priority: 5, max_queued: 8, requests_per_s: 10, burst: 20,
               tokens_per_minute: 100000, max_request_s: 600}
+      ops: {admin: true}
 
 A field given as null has no limit; a field left out takes the defaults' value.
 
@@ -36,33 +41,73 @@ from services.gateway.tenants import (
 INT32_MAX = 2**31 - 1
 FIELDS = ("weight", "max_priority", "max_in_flight", "max_queued", "requests_per_s", "burst",
           "tokens_per_minute", "max_request_s")
+ROLE_FIELDS = ("admin",)   # a tenant's role, not a limit: read by parse_admins
 MAX_TOKENS_PER_MINUTE = 2**53
 
 
-def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"") -> TenantRegistry:
-    """The registry of API_KEYS' value, with TENANTS_FILE's limits (a path, or
-    empty for none); secret keys the bare keys' derived names."""
-    keys = parse_api_keys(api_keys, secret)
+def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"",
+                 admin_keys: str = "") -> TenantRegistry:
+    """The registry of API_KEYS' and ADMIN_KEYS' values, with TENANTS_FILE's
+    limits (a path, or empty for none); secret keys the bare keys' derived names."""
+    keys, admins = _all_keys(api_keys, admin_keys, secret)
     if not tenants_file:
-        return TenantRegistry(keys)
+        return TenantRegistry(keys, admins=admins)
     if not keys:
         raise SettingsError("TENANTS_FILE is set but API_KEYS is empty: tenants come from keys")
-    defaults, limits = parse_tenants_document(read_tenants_file(tenants_file))
+    document = read_tenants_file(tenants_file)
+    defaults, limits = parse_tenants_document(document)
     known = {name for _key, name in keys}
     for name in limits:
         if name not in known:
             raise SettingsError(f"TENANTS_FILE: tenant {name!r} has no key in API_KEYS")
-    return TenantRegistry(keys, limits, defaults)
+    return TenantRegistry(keys, limits, defaults, admins | parse_admins(document))
 
 
-def parse_api_keys(value: str, secret: bytes = b"") -> list[tuple[bytes, str]]:
-    """[(key, tenant name)] of API_KEYS' comma-separated entries."""
+def _all_keys(api_keys: str, admin_keys: str,
+              secret: bytes) -> tuple[list[tuple[bytes, str]], set[str]]:
+    """(every key with its tenant, the ADMIN_KEYS tenants' names)."""
+    keys = parse_api_keys(api_keys, secret)
+    operators = parse_api_keys(admin_keys, secret, "ADMIN_KEYS")
+    tenants = {name for _key, name in keys}
+    known = {key for key, _name in keys}
+    for position, (key, name) in enumerate(operators, start=1):
+        if key in known:
+            raise SettingsError(f"ADMIN_KEYS entry {position} is invalid: the key is also in "
+                                "API_KEYS")
+        if name in tenants:
+            raise SettingsError(f"ADMIN_KEYS tenant {name!r} is also an API_KEYS tenant: an "
+                                "operator tenant has keys of its own (or use admin: true in "
+                                "TENANTS_FILE)")
+    return keys + operators, {name for _key, name in operators}
+
+
+def parse_admins(document: Any) -> set[str]:
+    """The tenants a tenants file's document marks `admin: true` (never in defaults)."""
+    if not isinstance(document, Mapping):
+        return set()
+    defaults = document.get("defaults")
+    if isinstance(defaults, Mapping) and "admin" in defaults:
+        raise SettingsError("TENANTS_FILE: 'admin' is set per tenant, never in defaults")
+    admins: set[str] = set()
+    for name, entry in (document.get("tenants") or {}).items():
+        value = entry.get("admin", False) if isinstance(entry, Mapping) else False
+        if not isinstance(value, bool):
+            raise SettingsError(f"TENANTS_FILE: tenant {name!r} field 'admin' must be true or "
+                                f"false, got {value!r}")
+        if value:
+            admins.add(name)
+    return admins
+
+
+def parse_api_keys(value: str, secret: bytes = b"",
+                   variable: str = "API_KEYS") -> list[tuple[bytes, str]]:
+    """[(key, tenant name)] of API_KEYS' (or ADMIN_KEYS') comma-separated entries."""
     keys: list[tuple[bytes, str]] = []
     seen: set[bytes] = set()
     entries = [entry.strip() for entry in value.split(",")]
     for position, entry in enumerate((entry for entry in entries if entry), start=1):
-        name, key = _split_entry(entry)
-        where = f"API_KEYS entry {position}" + (f" (tenant {name!r})" if name else "")
+        name, key = _split_entry(entry, variable)
+        where = f"{variable} entry {position}" + (f" (tenant {name!r})" if name else "")
         if not key or not all(0x21 <= ord(char) <= 0x7E for char in key):
             raise SettingsError(f"{where} is invalid: a key is printable ASCII without spaces")
         raw = key.encode("ascii")
@@ -73,7 +118,7 @@ def parse_api_keys(value: str, secret: bytes = b"") -> list[tuple[bytes, str]]:
     return keys
 
 
-def _split_entry(entry: str) -> tuple[str, str]:
+def _split_entry(entry: str, variable: str = "API_KEYS") -> tuple[str, str]:
     """`name=key` when what precedes the first `=` is a tenant name and a key
     follows (a key's base64 padding, `abc=` or `abc==`, stays a bare key)."""
     name, sign, key = entry.partition("=")
@@ -81,10 +126,10 @@ def _split_entry(entry: str) -> tuple[str, str]:
     if not sign or not key or key.startswith("="):
         return "", entry
     if not TENANT_NAME.match(name):
-        raise SettingsError(f"API_KEYS has an invalid tenant name {name[:64]!r}: use letters, "
+        raise SettingsError(f"{variable} has an invalid tenant name {name[:64]!r}: use letters, "
                             "digits, '.', '_' and '-' (at most 64, starting with a letter or digit)")
     if name.startswith(DERIVED_PREFIX):
-        raise SettingsError(f"API_KEYS tenant name {name!r} is invalid: names starting with "
+        raise SettingsError(f"{variable} tenant name {name!r} is invalid: names starting with "
                             f"{DERIVED_PREFIX!r} are kept for bare keys")
     return name, key
 
@@ -137,7 +182,7 @@ def parse_limits(entry: Any, where: str, base: TenantLimits) -> TenantLimits:
         return base
     if not isinstance(entry, Mapping):
         raise SettingsError(f"TENANTS_FILE: {where} must be a mapping of {', '.join(FIELDS)}")
-    unknown = sorted(str(key) for key in entry if key not in FIELDS)
+    unknown = sorted(str(key) for key in entry if key not in FIELDS and key not in ROLE_FIELDS)
     if unknown:
         raise SettingsError(f"TENANTS_FILE: {where} has unknown fields: {', '.join(unknown)} "
                             f"(expected {', '.join(FIELDS)})")

@@ -60,8 +60,11 @@ class TenantLimits:
 
 @dataclass(frozen=True)
 class Tenant:
+    """admin: an operator tenant (ADMIN_KEYS, or `admin: true` in
+    TENANTS_FILE), whose /stats shows every tenant, not only itself."""
     name: str
     limits: TenantLimits = TenantLimits()
+    admin: bool = False
 
 
 def derived_name(key: bytes, secret: bytes = b"") -> str:
@@ -76,17 +79,21 @@ def _digest(key: bytes) -> bytes:
 
 
 class TenantRegistry:
-    """The keys and their tenants. Empty: the gateway is open (no keys)."""
+    """The keys and their tenants. Empty: the gateway is open (no keys).
+    `admins` names the operator tenants."""
 
     def __init__(self, keys: Iterable[tuple[bytes, str]] = (),
                  limits: Mapping[str, TenantLimits] | None = None,
-                 default_limits: TenantLimits = TenantLimits()) -> None:
+                 default_limits: TenantLimits = TenantLimits(),
+                 admins: Iterable[str] = ()) -> None:
         limits = dict(limits or {})
+        admins = frozenset(admins)
         self._keys: tuple[tuple[bytes, Tenant], ...] = ()
         tenants: dict[str, Tenant] = {}
         entries = []
         for key, name in keys:
-            tenant = tenants.setdefault(name, Tenant(name, limits.get(name, default_limits)))
+            tenant = tenants.setdefault(
+                name, Tenant(name, limits.get(name, default_limits), admin=name in admins))
             entries.append((_digest(key), tenant))
         self._keys = tuple(entries)
         self._tenants = tenants

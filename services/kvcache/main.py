@@ -28,7 +28,8 @@ REDIS_WAIT_S = 30.0
 async def build_backend(settings: KvCacheSettings) -> IndexBackend:
     if settings.backend == "redis":
         backend = RedisBackend.from_url(settings.redis_url, settings.block_size,
-                                        settings.redis_prefix, settings.redis_socket_timeout_s)
+                                        settings.redis_prefix, settings.redis_socket_timeout_s,
+                                        settings.redis_password)
         try:
             await backend.wait_ready(REDIS_WAIT_S)
         except BaseException:

@@ -225,8 +225,8 @@ class RedisBackend:
 
     @classmethod
     def from_url(cls, url: str, block_size: int, prefix: str = "fairserve:kv:",
-                 socket_timeout_s: float = 0.5) -> "RedisBackend":
-        return cls(redis_client(url, socket_timeout_s), block_size, prefix)
+                 socket_timeout_s: float = 0.5, password: str = "") -> "RedisBackend":
+        return cls(redis_client(url, socket_timeout_s, password), block_size, prefix)
 
     async def wait_ready(self, timeout_s: float, interval_s: float = 0.5) -> None:
         """Pings until Redis answers; raises ConnectionError after timeout_s."""

@@ -26,9 +26,11 @@ T = TypeVar("T")
 PAUSE_AFTER_FAILURE_S = 1.0
 
 
-def redis_client(url: str, socket_timeout_s: float) -> redis.Redis:
-    """A client whose calls end within about twice `socket_timeout_s` (connect, then reply)."""
-    return redis.from_url(url, decode_responses=True, socket_timeout=socket_timeout_s,
+def redis_client(url: str, socket_timeout_s: float, password: str = "") -> redis.Redis:
+    """A client whose calls end within about twice `socket_timeout_s` (connect,
+    then reply); `password` (AUTH) unless empty: the URL's then, if any."""
+    extra = {"password": password} if password else {}
+    return redis.from_url(url, decode_responses=True, socket_timeout=socket_timeout_s, **extra,
                           socket_connect_timeout=socket_timeout_s,
                           retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)))
 

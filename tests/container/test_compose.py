@@ -51,6 +51,9 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     token = workdir / "deploy" / "secrets" / "internal_token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o644)                         # bind-mounted as it is; the services run as uid 10001
+    redis_password = workdir / "deploy" / "secrets" / "redis_password"
+    redis_password.write_text(secrets.token_hex(32))
+    redis_password.chmod(0o644)                # read by Redis (uid 999) and the kvcache (uid 10001)
     (workdir / "deploy" / "secrets" / "gateway.env").write_text("")      # no API keys: an open API
     http_port, grpc_port, prometheus_port = free_ports(3)
     env = {**os.environ, "FAIRSERVE_PORT": str(http_port), "FAIRSERVE_GRPC_PORT": str(grpc_port),

@@ -212,7 +212,7 @@ def test_gateways_scale_behind_one_published_entry_point() -> None:
 def test_prometheus_finds_every_replica_of_the_scaled_services() -> None:
     config = yaml.safe_load((ROOT / "monitoring" / "prometheus.yml").read_text())
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
-    for name, port in (("gateway", 8000), ("worker", 9102)):
+    for name, port in (("gateway", 9100), ("worker", 9102)):   # the gateway's METRICS_PORT
         assert jobs[name]["dns_sd_configs"] == [
             {"names": [name], "type": "A", "port": port, "refresh_interval": "10s"}], name
 
@@ -230,7 +230,7 @@ def test_grafana_is_provisioned_where_compose_mounts_it() -> None:
     (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
     assert datasource["type"] == "prometheus" and datasource["uid"] == "prometheus"
     assert datasource["url"] == "http://prometheus:9090"       # the compose service, on its container port
-    assert _compose("compose.yaml")["services"]["prometheus"]["ports"] == ["${PROMETHEUS_PORT:-9090}:9090"]
+    assert _compose("compose.yaml")["services"]["prometheus"]["ports"] == ["127.0.0.1:${PROMETHEUS_PORT:-9090}:9090"]
 
 
 def test_images_install_only_the_runtime_requirements() -> None:

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 KUBERNETES_VERSION = "1.30"
 SERVICES = {"gateway": 8000, "scheduler": 50051, "worker": 50061, "kvcache": 50071}
-METRICS_PORTS = {"gateway": 8000, "scheduler": 9101, "worker": 9102, "kvcache": 9103}
+METRICS_PORTS = {"gateway": 9100, "scheduler": 9101, "worker": 9102, "kvcache": 9103}
 TARGETS = {"default": K8S, "base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
            "tls": K8S / "overlays" / "tls"}
 
@@ -58,7 +58,8 @@ def test_manifests_render_and_validate_against_the_kubernetes_schemas(target: st
 def test_the_secret_example_validates_and_holds_no_value() -> None:
     secret = yaml.safe_load((K8S / "base" / "secret.example.yaml").read_text())
     kubernetes_validate.validate(secret, KUBERNETES_VERSION, strict=True)
-    assert set(secret["stringData"]) == {"internal_token", "worker_token", "api_keys"}
+    assert set(secret["stringData"]) == {"internal_token", "worker_token", "redis_password", "api_keys",
+                                         "admin_keys"}
     assert all(" " in value for value in secret["stringData"].values())   # rejected by the services as is
     assert not any(obj["kind"] == "Secret" for obj in render(K8S / "base"))   # made with kubectl, never applied
 
@@ -99,6 +100,8 @@ def test_secrets_come_from_the_secret_and_each_worker_names_itself() -> None:
     gateway_env = {e["name"]: e for e in _container(objects, "gateway")["env"]}
     assert gateway_env["API_KEYS"]["valueFrom"]["secretKeyRef"] == {
         "name": "fairserve-secrets", "key": "api_keys", "optional": True}
+    assert gateway_env["ADMIN_KEYS"]["valueFrom"]["secretKeyRef"] == {
+        "name": "fairserve-secrets", "key": "admin_keys", "optional": True}
     worker_env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in _container(objects, "worker")["env"]
                   if "valueFrom" in e}
     assert worker_env == {"WORKER_ID": "metadata.name", "WORKER_ADVERTISE_HOST": "status.podIP"}

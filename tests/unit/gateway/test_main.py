@@ -35,10 +35,15 @@ def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer: Any) -> P
 
 @pytest.fixture
 def gateway(tokenizer_dir: Path) -> Iterator[tuple[subprocess.Popen[str], int, int]]:
+    yield from run_gateway(tokenizer_dir, {})
+
+
+def run_gateway(tokenizer_dir: Path,
+                extra_env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], int, int]]:
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "GATEWAY_PORT": str(http_port), "GATEWAY_GRPC_PORT": str(grpc_port),
            "SCHEDULER_ADDR": f"127.0.0.1:{free_port()}", "KVCACHE_ADDR": f"127.0.0.1:{free_port()}",
-           "MODEL_NAME": str(tokenizer_dir), "PYTHONPATH": f"{ROOT}:{ROOT / 'gen'}"}
+           "MODEL_NAME": str(tokenizer_dir), "PYTHONPATH": f"{ROOT}:{ROOT / 'gen'}", **extra_env}
     process = subprocess.Popen([sys.executable, "-m", "services.gateway.main"], cwd=ROOT, env=env,
                                stderr=subprocess.PIPE, text=True)
     try:
@@ -93,3 +98,17 @@ def test_a_warning_when_keys_are_set_without_an_internal_token(caplog: pytest.Lo
     warn_if_internal_ports_open(GatewaySettings.from_env({"API_KEYS": "alice=sk-alice-0123456789",
                                                           "INTERNAL_TOKEN": "internal-token-0123456789"}))
     assert caplog.text == ""
+def test_metrics_port_serves_metrics_there_only(tokenizer_dir: Path) -> None:
+    metrics_port = free_port()
+    runs = run_gateway(tokenizer_dir, {"METRICS_PORT": str(metrics_port)})
+    process, http_port, _grpc_port = next(runs)
+    try:
+        public = httpx.get(f"http://127.0.0.1:{http_port}/metrics", timeout=5)
+        assert public.status_code == 404, public.text
+        private = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5)
+        assert private.status_code == 200 and "fairserve_gateway_dependency_up" in private.text
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/stats", timeout=5).status_code == 404
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=15) == 0
+    finally:
+        runs.close()

@@ -61,3 +61,29 @@ def test_results_round_trip_through_proto() -> None:
     assert convert.stats_from_proto(convert.stats_to_proto(stats)) == stats
     reply = PublishResult(True, 12)
     assert convert.publish_result_from_proto(convert.publish_result_to_proto(reply)) == reply
+
+
+def test_redis_password_from_env_or_file_never_shown(tmp_path) -> None:
+    assert KvCacheSettings.from_env({}).redis_password == ""
+    inline = KvCacheSettings.from_env({"KV_INDEX_REDIS_PASSWORD": "pw-inline-123"})
+    assert inline.redis_password == "pw-inline-123" and "pw-inline" not in repr(inline)
+    secret = tmp_path / "redis_password"
+    secret.write_text("pw-from-file-456\n")
+    read = KvCacheSettings.from_env({"KV_INDEX_REDIS_PASSWORD_FILE": str(secret)})
+    assert read.redis_password == "pw-from-file-456" and "pw-from-file" not in repr(read)
+
+
+@pytest.mark.parametrize("content,env,message", [
+    (None, {"KV_INDEX_REDIS_PASSWORD": "pw-secret-1"}, "both set"),
+    ("", {}, "one non-empty line"),
+    ("pw-secret-1\nmore", {}, "one non-empty line"),
+    ("pw-secret-1", {"REDIS_URL": "redis://:pw-secret-2@r:6379/0"}, "give it once"),
+])
+def test_bad_redis_password_settings_name_the_variable_not_the_value(
+        tmp_path, content: str | None, env: dict[str, str], message: str) -> None:
+    path = tmp_path / "redis_password"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SettingsError, match=message) as error:
+        KvCacheSettings.from_env({"KV_INDEX_REDIS_PASSWORD_FILE": str(path), **env})
+    assert "KV_INDEX_REDIS_PASSWORD" in str(error.value) and "pw-secret" not in str(error.value)
