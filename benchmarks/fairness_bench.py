@@ -175,7 +175,8 @@ async def measure_tenants(url: str, keys: dict[str, str], load: Load) -> TenantO
         contended = await tenant_b(client, keys["b"], load, load.light_requests)
         stop.set()
         a_done = await a_task
-        stats = (await client.get("/stats", headers={"Authorization": f"Bearer {keys['b']}"})).json()
+        # /stats is private: only an admin key sees every tenant's counters.
+        stats = (await client.get("/stats", headers={"Authorization": f"Bearer {keys['ops']}"})).json()
     clients = (stats.get("scheduler") or {}).get("clients", [])
     return TenantOutcome(alone, contended, a_done, refused, clients)
 
@@ -207,10 +208,10 @@ def places_with(keys: Sequence[str], texts: dict[str, str]) -> list[str]:
 
 def run_tenants(model_dir: Path, load: Load, logs: Path) -> TenantOutcome:
     # Keys no other text can contain by chance.
-    keys = {name: f"sk-{name}-{secrets.token_hex(12)}" for name in ("a", "b")}
+    keys = {name: f"sk-{name}-{secrets.token_hex(12)}" for name in ("a", "b", "ops")}
     env = {"MODEL_NAME": str(model_dir), "SCHEDULING_POLICY": "vtc", "MAX_BATCH_SIZE": "8",
            "MAX_QUEUE_LEN": "4096", "QUEUE_TIMEOUT_S": "600", "LOG_LEVEL": "info",
-           "API_KEYS": ",".join(f"{name}={key}" for name, key in keys.items())}
+           "API_KEYS": f"a={keys['a']},b={keys['b']}", "ADMIN_KEYS": f"ops={keys['ops']}"}
     stack = Stack(ports=StackPorts.free(1), env=env, log_dir=logs / "tenants")
     stack.start(timeout_s=600)
     try:

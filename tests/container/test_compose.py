@@ -48,9 +48,10 @@ def stack(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     (workdir / "deploy" / "secrets").mkdir(parents=True)
     shutil.copy(ROOT / "deploy" / "compose.yaml", workdir / "deploy" / "compose.yaml")
     shutil.copytree(ROOT / "monitoring", workdir / "monitoring")
-    token = workdir / "deploy" / "secrets" / "internal_token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o644)                         # bind-mounted as it is; the services run as uid 10001
+    for name in ("internal_token", "worker_token"):    # the workers' token is not the services'
+        token = workdir / "deploy" / "secrets" / name
+        token.write_text(secrets.token_hex(32))
+        token.chmod(0o644)                     # bind-mounted as it is; the services run as uid 10001
     redis_password = workdir / "deploy" / "secrets" / "redis_password"
     redis_password.write_text(secrets.token_hex(32))
     redis_password.chmod(0o644)                # read by Redis (uid 999) and the kvcache (uid 10001)
