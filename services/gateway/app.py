@@ -66,8 +66,8 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
                registry: CollectorRegistry | None = None) -> FastAPI:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    service = GenerationService(scheduler_client, tokenizer, metrics,
-                                quotas=TenantQuotas(settings.tenants.tenants),
+    quotas = TenantQuotas(settings.tenants.tenants)
+    service = GenerationService(scheduler_client, tokenizer, metrics, quotas=quotas,
                                 scheduler_recovery_s=settings.scheduler_recovery_s)
     drain = Drain()
     app = FastAPI(
@@ -82,7 +82,10 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
             Middleware(JsonBodyMiddleware),
         ],
     )
-    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics, drain)
+    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics, drain,
+                                     quotas)
+    log.info("prompt length bound", extra={
+        "longest_token_chars": app.state.gateway.longest_token_chars})  # computed once, here
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
