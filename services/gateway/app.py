@@ -37,6 +37,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    InFlightLimitMiddleware,
     JsonBodyMiddleware,
     RequestContextMiddleware,
 )
@@ -75,6 +76,7 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
         version="1",
         middleware=[
             Middleware(RequestContextMiddleware, metrics=metrics),
+            Middleware(InFlightLimitMiddleware, limit=settings.max_connections),
             Middleware(DrainMiddleware, drain=drain),
             Middleware(ApiKeyMiddleware, tenants=settings.tenants),
             Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,

@@ -1,4 +1,5 @@
-"""ASGI middleware: request ids and timing logs, API keys, body size and time limits.
+"""ASGI middleware: request ids and timing logs, requests in flight, API keys,
+body size and time limits.
 
 They are plain ASGI (not BaseHTTPMiddleware) so streaming responses and
 disconnect messages pass through untouched.
@@ -24,6 +25,7 @@ from services.gateway.errors import (
     body_timeout,
     too_large,
     unauthorized,
+    unavailable,
 )
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.tenants import TenantRegistry
@@ -93,6 +95,31 @@ class RequestContextMiddleware:
             log.info("request", extra={"method": scope["method"], "path": scope["path"],
                                        "status": status, "duration_ms": round(duration * 1000, 3)})
             request_id_var.reset(token)
+
+
+class InFlightLimitMiddleware:
+    """At most `limit` HTTP requests in flight (their headers arrived, their
+    response not yet sent); past it, 503 with Retry-After. Connections still
+    waiting for headers are capped apart (http_limits.py)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            await send_error(send, unavailable(
+                f"The gateway is at its limit of {self.limit} requests in flight.", 1))
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class ApiKeyMiddleware:

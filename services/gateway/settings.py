@@ -35,7 +35,9 @@ class GatewaySettings:
     log_level: str = "info"
     # What a slow or greedy client can hold: connections, and how long the
     # request line and headers, an idle keep-alive and a body may take.
-    max_connections: int = 1024
+    max_connections: int = 1024     # HTTP requests in flight (headers arrived); past it, 503
+    max_pending_connections: int = 1024  # connections waiting for a request's headers, in all
+    max_pending_per_address: int = 128   # ... from one client address
     header_timeout_s: float = 10.0
     keep_alive_s: int = 5
     body_timeout_s: float = 30.0
@@ -76,6 +78,10 @@ class GatewaySettings:
             max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
             max_connections=read.int("GATEWAY_MAX_CONNECTIONS", cls.max_connections, minimum=1),
+            max_pending_connections=read.int("GATEWAY_MAX_PENDING_CONNECTIONS",
+                                             cls.max_pending_connections, minimum=1),
+            max_pending_per_address=read.int("GATEWAY_MAX_PENDING_PER_ADDRESS",
+                                             cls.max_pending_per_address, minimum=1),
             header_timeout_s=read.float("GATEWAY_HEADER_TIMEOUT_S", cls.header_timeout_s,
                                         minimum=0.1),
             keep_alive_s=read.int("GATEWAY_KEEP_ALIVE_S", cls.keep_alive_s, minimum=1),
