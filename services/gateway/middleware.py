@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Any, NoReturn
@@ -28,11 +27,11 @@ from services.gateway.errors import (
     unavailable,
 )
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.request_ids import client_request_id
 from services.gateway.tenants import TenantRegistry
 
 log = logging.getLogger("services.gateway.access")
 REQUEST_ID_HEADER = b"x-request-id"
-_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json")
 
 
@@ -56,8 +55,8 @@ async def send_error(send: Send, error: ApiError) -> None:
 
 
 class RequestContextMiddleware:
-    """Sets the request id (from X-Request-ID or new), returns it in the
-    response header, logs one JSON line per request and counts it."""
+    """Sets the request id (from a valid X-Request-ID, else new: request_ids.py),
+    returns it in the response header, logs one JSON line per request and counts it."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -67,11 +66,11 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        supplied = header(scope, REQUEST_ID_HEADER)
-        request_id = supplied if supplied and _VALID_REQUEST_ID.match(supplied) else uuid.uuid4().hex
+        supplied = client_request_id(header(scope, REQUEST_ID_HEADER))
+        request_id = supplied or uuid.uuid4().hex
         state = scope_state(scope)
         state["request_id"] = request_id
-        state["request_id_supplied"] = request_id == supplied
+        state["request_id_supplied"] = supplied is not None
         token = request_id_var.set(request_id)
         started = time.perf_counter()
         status = 500

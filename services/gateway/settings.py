@@ -43,6 +43,10 @@ class GatewaySettings:
     body_timeout_s: float = 30.0
     max_header_bytes: int = 16 * 1024
     grpc_max_message_bytes: int = 4 * ONE_MIB
+    # The public gRPC port: connections, streams per connection, calls at once.
+    grpc_max_connections: int = 1024
+    grpc_max_streams_per_connection: int = 100
+    grpc_max_concurrent_rpcs: int = 1024
     # How long a request whose scheduler was lost waits for it to return, then
     # goes on as a continuation (continuation.py); 0: it fails at once.
     scheduler_recovery_s: float = 30.0
@@ -91,6 +95,12 @@ class GatewaySettings:
             grpc_max_message_bytes=read.int("GATEWAY_GRPC_MAX_MESSAGE_BYTES",
                                             cls.grpc_max_message_bytes, minimum=1024,
                                             maximum=64 * ONE_MIB),
+            grpc_max_connections=read.int("GATEWAY_GRPC_MAX_CONNECTIONS", cls.grpc_max_connections,
+                                          minimum=1),
+            grpc_max_streams_per_connection=read.int("GATEWAY_GRPC_MAX_STREAMS_PER_CONNECTION",
+                                                     cls.grpc_max_streams_per_connection, minimum=1),
+            grpc_max_concurrent_rpcs=read.int("GATEWAY_GRPC_MAX_CONCURRENT_RPCS",
+                                              cls.grpc_max_concurrent_rpcs, minimum=1),
             scheduler_recovery_s=read.float("SCHEDULER_RECOVERY_S", cls.scheduler_recovery_s, minimum=0.0),
             internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
