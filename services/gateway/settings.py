@@ -10,7 +10,7 @@ from common.internal_auth import InternalAuth
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
 from common.settings import EnvReader
 from services.gateway.identity import CACHE_SCOPES
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenant_config import load_tenants, read_api_keys
 from services.gateway.tenants import TenantRegistry
 from services.gateway.tool_parsers import PARSERS
 
@@ -27,7 +27,7 @@ class GatewaySettings:
     kvcache_addr: str = "127.0.0.1:50071"
     model_name: str = ""
     model_cache_dir: Path = field(default_factory=default_cache_dir)
-    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS, TENANTS_FILE
+    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS(_FILE), TENANTS_FILE
     prefix_cache_scope: str = "global"  # "tenant": no cached prefix is shared across clients
     max_request_bytes: int = ONE_MIB
     default_max_tokens: int = 128
@@ -63,6 +63,7 @@ class GatewaySettings:
     def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
         read = EnvReader(env)
         internal = InternalAuth.from_env(env, serves=False)
+        api_keys, keys_source = read_api_keys(read.str("API_KEYS", ""), read.str("API_KEYS_FILE", ""))
         return cls(
             host=read.str("GATEWAY_HOST", cls.host),
             port=read.port("GATEWAY_PORT", cls.port),
@@ -73,8 +74,8 @@ class GatewaySettings:
             model_cache_dir=Path(read.str("MODEL_CACHE_DIR", str(default_cache_dir()))).expanduser(),
             # Bare keys' tenant names are keyed with the internal token, so
             # replicas sharing it name them alike.
-            tenants=load_tenants(read.str("API_KEYS", ""), read.str("TENANTS_FILE", ""),
-                                 internal.token),
+            tenants=load_tenants(api_keys, read.str("TENANTS_FILE", ""), internal.token,
+                                 source=keys_source),
             prefix_cache_scope=read.choice("PREFIX_CACHE_SCOPE", cls.prefix_cache_scope,
                                            CACHE_SCOPES),
             max_request_bytes=read.int("MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),

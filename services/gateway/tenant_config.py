@@ -1,7 +1,10 @@
-"""API_KEYS and TENANTS_FILE into a TenantRegistry, checked once at start.
+"""API_KEYS (or API_KEYS_FILE) and TENANTS_FILE into a TenantRegistry,
+checked once at start.
 
 API_KEYS is a comma-separated list of `name=key` entries or bare keys (whose
-tenant is named by derived_name). TENANTS_FILE (JSON, or YAML for .yaml/.yml)
+tenant is named by derived_name). API_KEYS_FILE names a file of the same
+entries instead (one a line or comma-separated; `#` starts a comment line),
+so keys need not sit in the environment; setting both is an error. TENANTS_FILE (JSON, or YAML for .yaml/.yml)
 gives tenants' limits:
 
     defaults:            # optional: every tenant, listed or not
@@ -34,14 +37,36 @@ INT32_MAX = 2**31 - 1
 FIELDS = ("weight", "max_priority", "max_in_flight", "max_queued", "requests_per_s", "burst")
 
 
-def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"") -> TenantRegistry:
-    """The registry of API_KEYS' value, with TENANTS_FILE's limits (a path, or
-    empty for none); secret keys the bare keys' derived names."""
-    keys = parse_api_keys(api_keys, secret)
+def read_api_keys(inline: str, path: str) -> tuple[str, str]:
+    """(the entries, the variable they came from): API_KEYS' value, or the
+    entries in API_KEYS_FILE's file; both set is an error naming both."""
+    if inline.strip() and path:
+        raise SettingsError("API_KEYS and API_KEYS_FILE are both set: use one")
+    if not path:
+        return inline, "API_KEYS"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SettingsError(f"API_KEYS_FILE={path!r} cannot be read: "
+                            f"{getattr(error, 'strerror', None) or 'not UTF-8 text'}") from None
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    value = ",".join(lines)
+    if not value.replace(",", "").strip():
+        raise SettingsError(f"API_KEYS_FILE={path!r} is invalid: the file has no keys")
+    return value, "API_KEYS_FILE"
+
+
+def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"",
+                 source: str = "API_KEYS") -> TenantRegistry:
+    """The registry of API_KEYS' value (or API_KEYS_FILE's: `source`), with
+    TENANTS_FILE's limits (a path, or empty for none); secret keys the bare
+    keys' derived names."""
+    keys = parse_api_keys(api_keys, secret, source)
     if not tenants_file:
         return TenantRegistry(keys)
     if not keys:
-        raise SettingsError("TENANTS_FILE is set but API_KEYS is empty: tenants come from keys")
+        raise SettingsError("TENANTS_FILE is set but API_KEYS is empty (and API_KEYS_FILE "
+                            "unset): tenants come from keys")
     defaults, limits = parse_tenants_document(read_tenants_file(tenants_file))
     known = {name for _key, name in keys}
     for name in limits:
@@ -50,14 +75,16 @@ def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"") -> 
     return TenantRegistry(keys, limits, defaults)
 
 
-def parse_api_keys(value: str, secret: bytes = b"") -> list[tuple[bytes, str]]:
-    """[(key, tenant name)] of API_KEYS' comma-separated entries."""
+def parse_api_keys(value: str, secret: bytes = b"",
+                   source: str = "API_KEYS") -> list[tuple[bytes, str]]:
+    """[(key, tenant name)] of API_KEYS' comma-separated entries (`source` names
+    where they came from in errors)."""
     keys: list[tuple[bytes, str]] = []
     seen: set[bytes] = set()
     entries = [entry.strip() for entry in value.split(",")]
     for position, entry in enumerate((entry for entry in entries if entry), start=1):
-        name, key = _split_entry(entry)
-        where = f"API_KEYS entry {position}" + (f" (tenant {name!r})" if name else "")
+        name, key = _split_entry(entry, source)
+        where = f"{source} entry {position}" + (f" (tenant {name!r})" if name else "")
         if not key or not all(0x21 <= ord(char) <= 0x7E for char in key):
             raise SettingsError(f"{where} is invalid: a key is printable ASCII without spaces")
         raw = key.encode("ascii")
@@ -68,7 +95,7 @@ def parse_api_keys(value: str, secret: bytes = b"") -> list[tuple[bytes, str]]:
     return keys
 
 
-def _split_entry(entry: str) -> tuple[str, str]:
+def _split_entry(entry: str, source: str) -> tuple[str, str]:
     """`name=key` when what precedes the first `=` is a tenant name and a key
     follows (a key's base64 padding, `abc=` or `abc==`, stays a bare key)."""
     name, sign, key = entry.partition("=")
@@ -76,10 +103,10 @@ def _split_entry(entry: str) -> tuple[str, str]:
     if not sign or not key or key.startswith("="):
         return "", entry
     if not TENANT_NAME.match(name):
-        raise SettingsError(f"API_KEYS has an invalid tenant name {name[:64]!r}: use letters, "
+        raise SettingsError(f"{source} has an invalid tenant name {name[:64]!r}: use letters, "
                             "digits, '.', '_' and '-' (at most 64, starting with a letter or digit)")
     if name.startswith(DERIVED_PREFIX):
-        raise SettingsError(f"API_KEYS tenant name {name!r} is invalid: names starting with "
+        raise SettingsError(f"{source} tenant name {name!r} is invalid: names starting with "
                             f"{DERIVED_PREFIX!r} are kept for bare keys")
     return name, key
 
