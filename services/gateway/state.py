@@ -98,7 +98,6 @@ class GatewayState:
             raise bad_request("The prompt is empty.", param, "empty_prompt")
         return ids
 
-
     async def bounded_tokenizer(self, param: str, kv_policy: str | None = None) -> BoundedTokenizer:
         """The tokenizer for one prompt, refusing texts the context cannot hold."""
         context = prompt_context(await self.limits(), kv_policy)
