@@ -105,7 +105,7 @@ def flood(url: str, key: str, text: str, stop: threading.Event, phase: Phase) ->
 
 def fitting_kb(url: str, key: str) -> int:
     """KB of flood text that makes about 90% of the context's tokens."""
-    sample = flood_text(20, 99)
+    sample = flood_text(2, 99)
     with httpx.Client(base_url=url, timeout=60, headers={"authorization": f"Bearer {key}"}) as client:
         reply = client.post("/tokenize", json={"prompt": sample}).json()
     chars_per_token = len(sample) / reply["count"]
