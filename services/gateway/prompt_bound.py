@@ -33,20 +33,24 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
-    pipeline = json.loads(backend.to_str())
-    if not (_model_keeps(pipeline.get("model") or {})
-            and _keeps_length(pipeline.get("normalizer"), _normalizer_keeps)
-            and _keeps_length(pipeline.get("pre_tokenizer"), _pre_tokenizer_keeps)):
+    if not (_model_keeps(backend.model)
+            and _keeps_length(_component(backend.normalizer), _normalizer_keeps)
+            and _keeps_length(_component(backend.pre_tokenizer), _pre_tokenizer_keeps)):
         return None
     vocab = backend.get_vocab(with_added_tokens=True)
     return max((len(token) for token in vocab), default=0) or None
 
 
-def _model_keeps(model: dict[str, Any]) -> bool:
+def _component(part: Any) -> dict[str, Any] | None:
+    """A normalizer's or pre-tokenizer's tokenizer.json entry (the part alone, not
+    the whole tokenizer: Gemma's serializes to 33 MB)."""
+    return None if part is None else json.loads(part.__getstate__())
+
+
+def _model_keeps(model: Any) -> bool:
     """BPE whose unknown characters are bytes, or one unknown token each (a fused
     unknown token, or WordPiece's and WordLevel's, can stand for any length)."""
-    return model.get("type") == "BPE" and bool(model.get("byte_fallback")
-                                               or not model.get("fuse_unk"))
+    return type(model).__name__ == "BPE" and bool(model.byte_fallback or not model.fuse_unk)
 
 
 def _keeps_length(part: dict[str, Any] | None, keeps: Any) -> bool:
