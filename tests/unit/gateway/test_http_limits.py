@@ -224,3 +224,24 @@ def test_half_open_connections_leave_requests_served(make_app: Callable[..., Any
         for sock in flood:
             sock.close()
         server.__exit__()
+
+
+def test_idle_keep_alive_connections_count_as_waiting(make_app: Callable[..., Any],
+                                                      fake: FakeScheduler) -> None:
+    """Between keep-alive requests a connection waits for headers again: it counts against the
+    cap, and is the first closed when newer ones from its address arrive past it."""
+    server = serve(make_app, fake, max_pending_per_address=2, keep_alive_s=30)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as idle:
+            idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            idle.settimeout(5)
+            assert idle.recv(65536).startswith(b"HTTP/1.1 200")
+            newer = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(2)]
+            try:
+                data, took = read_all(idle, 5)       # closed at once, not after 30 s
+                assert data == b"" and took < 2
+            finally:
+                for sock in newer:
+                    sock.close()
+    finally:
+        server.__exit__()
