@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -79,6 +79,12 @@ bench-grammar: install prepare-model
 # (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.
 bench-structured: install prepare-model
 	$(PY) -m benchmarks.structured_bench $(ARGS)
+
+# One tenant's longest gap between streamed tokens, alone and while another floods /tokenize
+# with 750 KB texts from 2 threads (docs/benchmarks.md, Isolation); ARGS="--quick" checks it
+# on the tiny model.
+bench-isolation: install prepare-model
+	$(PY) -m benchmarks.isolation_bench $(ARGS)
 
 # The same workload against fairserve, vLLM (CPU build), llama.cpp's llama-server and
 # transformers serve, one at a time (~30 min); results.json, table.md and PNG curves under

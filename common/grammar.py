@@ -6,6 +6,12 @@ its matchers from the same grammar text. JSON comes out compact (no free whitesp
 tokens, `,` and `:` as separators), so a constrained output cannot spend its budget on blanks.
 A GBNF/EBNF grammar (rules written `name ::= ...`, as llama.cpp and xgrammar take them) is
 translated to Lark first.
+
+Size limits, shared by the gateway (which refuses past them with a 400 naming the field, before
+anything is compiled) and the worker (whose matchers are built with the same parser limits):
+the worker's Earley parser holds at most MAX_ITEMS_IN_ROW items in a row, and a choice row holds
+one item per choice plus one, so MAX_CHOICES choices; the text of a regex, schema or grammar
+(and the choices together) at most MAX_CONSTRAINT_CHARS characters.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from common.types import Constraint, ConstraintKind
 
 # Compact JSON: what json.dumps(separators=(",", ":")) writes.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+MAX_ITEMS_IN_ROW = 2000          # llguidance's ParserLimits.max_items_in_row (its default)
+MAX_CHOICES = MAX_ITEMS_IN_ROW - 1
+MAX_CONSTRAINT_CHARS = 64 * 1024
 
 
 class ConstraintError(ValueError):
@@ -29,6 +38,25 @@ def json_schema_constraint(schema: Any) -> Constraint:
     is kept: the output's properties come in the schema's order."""
     text = schema if isinstance(schema, str) else json.dumps(schema, separators=(",", ":"))
     return Constraint(ConstraintKind.JSON_SCHEMA, text)
+
+
+def parser_limits() -> Any:
+    """The llguidance ParserLimits every matcher and check is built with."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(max_items_in_row=MAX_ITEMS_IN_ROW)
+
+
+def check_size(constraint: Constraint) -> None:
+    """Raises ConstraintError when `constraint` is past the size limits (cheap: nothing compiled)."""
+    if constraint.kind is ConstraintKind.CHOICE:
+        if len(constraint.choices) > MAX_CHOICES:
+            raise ConstraintError(f"at most {MAX_CHOICES} choices, got {len(constraint.choices)}")
+        chars = sum(len(choice) for choice in constraint.choices)
+    else:
+        chars = len(constraint.value)
+    if chars > MAX_CONSTRAINT_CHARS:
+        raise ConstraintError(f"at most {MAX_CONSTRAINT_CHARS} characters, got {chars}")
 
 
 def grammar_of(constraint: Constraint) -> str:
@@ -67,8 +95,9 @@ def check(constraint: Constraint) -> str:
     sent again are checked once); raises ConstraintError naming the problem."""
     from llguidance import LLMatcher
 
+    check_size(constraint)
     grammar = grammar_of(constraint)
-    error = LLMatcher.validate_grammar(grammar)
+    error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
     if error:
         raise ConstraintError(error.strip())
     return grammar

@@ -40,20 +40,24 @@ class GrpcServer:
     """An aio server with the standard health service and reflection. With
     `auth` (the internal services), calls need its token (health excepted) and
     the port serves its TLS; without (the gateway's public API), neither.
-    max_receive_bytes lowers the largest request message it takes (the
-    gateway's public port). `interceptors` run after the token's check (a
-    role's token: common/worker_auth.py)."""
+    max_receive_bytes lowers the largest request message it takes, `options`
+    add the channel arguments and max_concurrent_rpcs caps the calls at once
+    (past it, RESOURCE_EXHAUSTED) of the gateway's public port. `interceptors`
+    run after the token's check (a role's token: common/worker_auth.py)."""
 
     def __init__(self, registrations: Iterable[Registration], service_names: Sequence[str],
                  host: str, port: int, auth: InternalAuth | None = None,
                  max_receive_bytes: int | None = None,
-                 interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> None:
+                 interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+                 options: Sequence[tuple[str, Any]] = (),
+                 max_concurrent_rpcs: int | None = None) -> None:
         interceptors = [*([TokenCheck(auth.token)] if auth is not None and auth.token else []),
                         *interceptors]
-        options = CHANNEL_OPTIONS if max_receive_bytes is None else [
+        server_options = CHANNEL_OPTIONS if max_receive_bytes is None else [
             *(option for option in CHANNEL_OPTIONS if option[0] != "grpc.max_receive_message_length"),
             ("grpc.max_receive_message_length", max_receive_bytes)]
-        self.server = grpc.aio.server(options=options, interceptors=interceptors)
+        self.server = grpc.aio.server(options=[*server_options, *options], interceptors=interceptors,
+                                      maximum_concurrent_rpcs=max_concurrent_rpcs)
         for add, servicer in registrations:
             add(servicer, self.server)
         self.health = health.aio.HealthServicer()

@@ -38,6 +38,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
+    InFlightLimitMiddleware,
     JsonBodyMiddleware,
     RequestContextMiddleware,
 )
@@ -74,8 +75,8 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
                registry: CollectorRegistry | None = None) -> FastAPI:
     registry = registry if registry is not None else CollectorRegistry()
     metrics = GatewayMetrics(registry)
-    service = GenerationService(scheduler_client, tokenizer, metrics,
-                                quotas=TenantQuotas(settings.tenants.tenants),
+    quotas = TenantQuotas(settings.tenants.tenants)
+    service = GenerationService(scheduler_client, tokenizer, metrics, quotas=quotas,
                                 scheduler_recovery_s=settings.scheduler_recovery_s,
                                 tenant_trackers=TenantTrackers(
                                     tenant.name for tenant in settings.tenants.tenants))
@@ -85,6 +86,7 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
         version="1",
         middleware=[
             Middleware(RequestContextMiddleware, metrics=metrics),
+            Middleware(InFlightLimitMiddleware, limit=settings.max_connections),
             Middleware(DrainMiddleware, drain=drain),
             Middleware(ApiKeyMiddleware, tenants=settings.tenants),
             Middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes,
@@ -92,7 +94,10 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
             Middleware(JsonBodyMiddleware),
         ],
     )
-    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics, drain)
+    app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics, drain,
+                                     quotas)
+    log.info("prompt length bound", extra={
+        "longest_token_chars": app.state.gateway.longest_token_chars})  # computed once, here
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)

@@ -8,18 +8,20 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
 
-from common.grpc_server import request_id_from
+from common.grpc_server import REQUEST_ID_KEY
 from common.logs import request_id_var
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import convert
 from services.gateway.api_keys import metadata_key
 from services.gateway.backend import BackendError, GenerationSpec
 from services.gateway.errors import ApiError, bad_request, from_backend, unauthorized
+from services.gateway.request_ids import client_request_id
+from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState, scheduler_request_id
 from services.gateway.tenants import Tenant
 
@@ -31,6 +33,23 @@ _STATUS_CODES = {
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
 }
+
+
+GRPC_IDLE_CONNECTION_S = 300   # a connection with no call for this long is closed
+
+
+def public_grpc_limits(settings: GatewaySettings) -> dict[str, Any]:
+    """GrpcServer's arguments for the public port's limits: its message size,
+    connections, streams per connection and calls at once, and the handshake
+    deadline and metadata size of the HTTP door's headers."""
+    return {"max_receive_bytes": settings.grpc_max_message_bytes,
+            "max_concurrent_rpcs": settings.grpc_max_concurrent_rpcs,
+            "options": [
+                ("grpc.max_allowed_incoming_connections", settings.grpc_max_connections),
+                ("grpc.max_concurrent_streams", settings.grpc_max_streams_per_connection),
+                ("grpc.max_connection_idle_ms", GRPC_IDLE_CONNECTION_S * 1000),
+                ("grpc.server_handshake_timeout_ms", int(settings.header_timeout_s * 1000)),
+                ("grpc.max_metadata_size", settings.max_header_bytes)]}
 
 
 class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
@@ -69,7 +88,7 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
     async def _prepare(self, request: gateway_pb2.TextRequest | None,
                        context: grpc.aio.ServicerContext) -> tuple[GenerationSpec, str, str]:
         tenant = self._authenticate(context)
-        supplied = request_id_from(context)
+        supplied = _request_id(context)
         trace_id = supplied or uuid.uuid4().hex
         request_id_var.set(trace_id)
         if request is None:
@@ -87,6 +106,14 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
         if tenant is None:
             raise unauthorized()
         return tenant
+
+
+def _request_id(context: grpc.aio.ServicerContext) -> str | None:
+    """The client's x-request-id when it is a valid one (request_ids.py), else None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return client_request_id(value)
+    return None
 
 
 def _parse_text_request(data: bytes) -> gateway_pb2.TextRequest | None:

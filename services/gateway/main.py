@@ -20,6 +20,7 @@ from services.gateway.app import create_app, create_metrics_app
 from services.gateway.drain import Drain
 from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
 from services.gateway.grpc_api import add_to_server as add_text_api
+from services.gateway.grpc_api import public_grpc_limits
 from services.gateway.http_limits import uvicorn_limits
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.settings import GatewaySettings
@@ -59,8 +60,7 @@ async def serve(settings: GatewaySettings) -> None:
     app = create_app(settings, backend, tokenizer)
     grpc_server = GrpcServer(
         [(add_text_api, TextGenerationServicer(app.state.gateway))],
-        [SERVICE_NAME], settings.host, settings.grpc_port,
-        max_receive_bytes=settings.grpc_max_message_bytes)
+        [SERVICE_NAME], settings.host, settings.grpc_port, **public_grpc_limits(settings))
     http_server = _Server(uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off",

@@ -1,4 +1,5 @@
-"""ASGI middleware: request ids and timing logs, API keys, body size and time limits.
+"""ASGI middleware: request ids and timing logs, requests in flight, API keys,
+body size and time limits.
 
 They are plain ASGI (not BaseHTTPMiddleware) so streaming responses and
 disconnect messages pass through untouched.
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
 from typing import Any, NoReturn
@@ -24,13 +24,14 @@ from services.gateway.errors import (
     body_timeout,
     too_large,
     unauthorized,
+    unavailable,
 )
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.request_ids import client_request_id
 from services.gateway.tenants import TenantRegistry
 
 log = logging.getLogger("services.gateway.access")
 REQUEST_ID_HEADER = b"x-request-id"
-_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/docs", "/redoc", "/openapi.json")
 
 
@@ -54,8 +55,8 @@ async def send_error(send: Send, error: ApiError) -> None:
 
 
 class RequestContextMiddleware:
-    """Sets the request id (from X-Request-ID or new), returns it in the
-    response header, logs one JSON line per request and counts it."""
+    """Sets the request id (from a valid X-Request-ID, else new: request_ids.py),
+    returns it in the response header, logs one JSON line per request and counts it."""
 
     def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
         self.app = app
@@ -65,11 +66,11 @@ class RequestContextMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        supplied = header(scope, REQUEST_ID_HEADER)
-        request_id = supplied if supplied and _VALID_REQUEST_ID.match(supplied) else uuid.uuid4().hex
+        supplied = client_request_id(header(scope, REQUEST_ID_HEADER))
+        request_id = supplied or uuid.uuid4().hex
         state = scope_state(scope)
         state["request_id"] = request_id
-        state["request_id_supplied"] = request_id == supplied
+        state["request_id_supplied"] = supplied is not None
         token = request_id_var.set(request_id)
         started = time.perf_counter()
         status = 500
@@ -93,6 +94,31 @@ class RequestContextMiddleware:
             log.info("request", extra={"method": scope["method"], "path": scope["path"],
                                        "status": status, "duration_ms": round(duration * 1000, 3)})
             request_id_var.reset(token)
+
+
+class InFlightLimitMiddleware:
+    """At most `limit` HTTP requests in flight (their headers arrived, their
+    response not yet sent); past it, 503 with Retry-After. Connections still
+    waiting for headers are capped apart (http_limits.py)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.in_flight >= self.limit:
+            await send_error(send, unavailable(
+                f"The gateway is at its limit of {self.limit} requests in flight.", 1))
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_flight -= 1
 
 
 class ApiKeyMiddleware:

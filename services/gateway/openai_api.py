@@ -119,7 +119,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     reject_unsupported(body.model_extra)
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
-    prompts = await _completion_prompts(state, body.prompt, body.add_special_tokens)
+    prompts = await _completion_prompts(state, body.prompt, body.add_special_tokens, body.kv_policy)
     fields = completion_fields(body)
     if body.echo and body.max_tokens == 0:
         fields = dataclasses.replace(fields, max_tokens=1)   # scores the prompt only (echo.py)
@@ -144,7 +144,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
     chat = read_chat(body, state.tokenizer)
     prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
-                                      param="messages")
+                                      param="messages", kv_policy=body.kv_policy)
     if body.add_special_tokens:
         prompt_ids = with_special_tokens(state.tokenizer, prompt_ids)
     fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
@@ -196,10 +196,12 @@ def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
         top_logprobs=top_logprobs)
 
 
-async def _completion_prompts(state: GatewayState, prompt: Any, add_special_tokens: bool) -> list[list[int]]:
+async def _completion_prompts(state: GatewayState, prompt: Any, add_special_tokens: bool,
+                              kv_policy: str | None) -> list[list[int]]:
     """The prompts as token ids; ids a client gave are checked in build_spec."""
     if isinstance(prompt, str):
-        return [await state.tokenize(raw_prompt_ids, require_text(prompt), add_special_tokens)]
+        return [await state.tokenize(raw_prompt_ids, require_text(prompt), add_special_tokens,
+                                     kv_policy=kv_policy)]
     if not prompt:
         raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
     if isinstance(prompt[0], int):   # one prompt of token ids: its length is no count of prompts
@@ -208,7 +210,8 @@ async def _completion_prompts(state: GatewayState, prompt: Any, add_special_toke
         raise bad_request(f"At most {MAX_CHOICES} prompts per request, got {len(prompt)}.", "prompt")
     if isinstance(prompt[0], list):
         return [list(ids) for ids in prompt]
-    return [await state.tokenize(raw_prompt_ids, require_text(text), add_special_tokens) for text in prompt]
+    return [await state.tokenize(raw_prompt_ids, require_text(text), add_special_tokens,
+                                 kv_policy=kv_policy) for text in prompt]
 
 
 async def _choices(state: GatewayState, prompts: Sequence[list[int]], fields: RequestFields,

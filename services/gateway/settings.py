@@ -10,7 +10,7 @@ from common.internal_auth import InternalAuth
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
 from common.settings import EnvReader, SettingsError
 from services.gateway.identity import AUTO_SCOPE, CACHE_SCOPES, cache_scope_for
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenant_config import load_tenants, read_api_keys
 from services.gateway.tenants import TenantRegistry
 from services.gateway.tool_parsers import PARSERS
 
@@ -27,7 +27,7 @@ class GatewaySettings:
     kvcache_addr: str = "127.0.0.1:50071"
     model_name: str = ""
     model_cache_dir: Path = field(default_factory=default_cache_dir)
-    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS, ADMIN_KEYS, TENANTS_FILE
+    tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS(_FILE), ADMIN_KEYS, TENANTS_FILE
     metrics_port: int = 0           # /metrics on this port only; 0: on the public port
     # global | tenant | user | auto (unset: tenant with API keys, else global); see cache_scope
     prefix_cache_scope: str = AUTO_SCOPE
@@ -38,12 +38,18 @@ class GatewaySettings:
     log_level: str = "info"
     # What a slow or greedy client can hold: connections, and how long the
     # request line and headers, an idle keep-alive and a body may take.
-    max_connections: int = 1024
+    max_connections: int = 1024     # HTTP requests in flight (headers arrived); past it, 503
+    max_pending_connections: int = 1024  # connections waiting for a request's headers, in all
+    max_pending_per_address: int = 128   # ... from one client address
     header_timeout_s: float = 10.0
     keep_alive_s: int = 5
     body_timeout_s: float = 30.0
     max_header_bytes: int = 16 * 1024
     grpc_max_message_bytes: int = 4 * ONE_MIB
+    # The public gRPC port: connections, streams per connection, calls at once.
+    grpc_max_connections: int = 1024
+    grpc_max_streams_per_connection: int = 100
+    grpc_max_concurrent_rpcs: int = 1024
     # How long a request whose scheduler was lost waits for it to return, then
     # goes on as a continuation (continuation.py); 0: it fails at once.
     scheduler_recovery_s: float = 30.0
@@ -66,6 +72,7 @@ class GatewaySettings:
     def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
         read = EnvReader(env)
         internal = InternalAuth.from_env(env, serves=False)
+        api_keys, keys_source = read_api_keys(read.str("API_KEYS", ""), read.str("API_KEYS_FILE", ""))
         settings = cls(
             host=read.str("GATEWAY_HOST", cls.host),
             port=read.port("GATEWAY_PORT", cls.port),
@@ -76,8 +83,8 @@ class GatewaySettings:
             model_cache_dir=Path(read.str("MODEL_CACHE_DIR", str(default_cache_dir()))).expanduser(),
             # Bare keys' tenant names are keyed with the internal token, so
             # replicas sharing it name them alike.
-            tenants=load_tenants(read.str("API_KEYS", ""), read.str("TENANTS_FILE", ""),
-                                 internal.token, read.str("ADMIN_KEYS", "")),
+            tenants=load_tenants(api_keys, read.str("TENANTS_FILE", ""), internal.token,
+                                 read.str("ADMIN_KEYS", ""), source=keys_source),
             metrics_port=read.port("METRICS_PORT", cls.metrics_port),
             prefix_cache_scope=read.choice("PREFIX_CACHE_SCOPE", cls.prefix_cache_scope,
                                            (AUTO_SCOPE, *CACHE_SCOPES)),
@@ -87,6 +94,10 @@ class GatewaySettings:
             max_tokens_limit=read.int("MAX_TOKENS_LIMIT", cls.max_tokens_limit, minimum=0),
             log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
             max_connections=read.int("GATEWAY_MAX_CONNECTIONS", cls.max_connections, minimum=1),
+            max_pending_connections=read.int("GATEWAY_MAX_PENDING_CONNECTIONS",
+                                             cls.max_pending_connections, minimum=1),
+            max_pending_per_address=read.int("GATEWAY_MAX_PENDING_PER_ADDRESS",
+                                             cls.max_pending_per_address, minimum=1),
             header_timeout_s=read.float("GATEWAY_HEADER_TIMEOUT_S", cls.header_timeout_s,
                                         minimum=0.1),
             keep_alive_s=read.int("GATEWAY_KEEP_ALIVE_S", cls.keep_alive_s, minimum=1),
@@ -96,6 +107,12 @@ class GatewaySettings:
             grpc_max_message_bytes=read.int("GATEWAY_GRPC_MAX_MESSAGE_BYTES",
                                             cls.grpc_max_message_bytes, minimum=1024,
                                             maximum=64 * ONE_MIB),
+            grpc_max_connections=read.int("GATEWAY_GRPC_MAX_CONNECTIONS", cls.grpc_max_connections,
+                                          minimum=1),
+            grpc_max_streams_per_connection=read.int("GATEWAY_GRPC_MAX_STREAMS_PER_CONNECTION",
+                                                     cls.grpc_max_streams_per_connection, minimum=1),
+            grpc_max_concurrent_rpcs=read.int("GATEWAY_GRPC_MAX_CONCURRENT_RPCS",
+                                              cls.grpc_max_concurrent_rpcs, minimum=1),
             scheduler_recovery_s=read.float("SCHEDULER_RECOVERY_S", cls.scheduler_recovery_s, minimum=0.0),
             internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),

@@ -93,7 +93,7 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
     kv_policy = check_kv_policy(fields.kv_policy)
     # A lossy KV policy (the request's, else the deployment's) keeps positions within its
     # cache: the model's context does not bound it.
-    context = limits.max_model_len if (kv_policy or limits.default_kv_policy) == "full" else None
+    context = prompt_context(limits, kv_policy)
     max_tokens = resolve_max_tokens(fields.max_tokens, len(prompt_ids), limits.default_max_tokens,
                                     context, fields.max_tokens_param, limits.max_tokens_limit)
     if sampling.constraint is not None and fields.ignore_eos:
@@ -106,6 +106,13 @@ def build_spec(fields: RequestFields, prompt_ids: Sequence[int], limits: Limits,
         client_id=identity.client_id, session_id=identity.session_id, priority=priority,
         user=identity.user, weight=identity.weight, cache_salt=identity.cache_salt, kv_policy=kv_policy,
         tenant_limits=caller.tenant.limits if caller.tenant is not None else None)
+
+
+def prompt_context(limits: Limits, kv_policy: str | None) -> int | None:
+    """The context a prompt must fit: the model's under the full KV policy (the
+    request's, else the deployment's); none under a lossy one, which keeps positions
+    within its cache."""
+    return limits.max_model_len if (kv_policy or limits.default_kv_policy) == "full" else None
 
 
 def check_kv_policy(kv_policy: str | None) -> str:

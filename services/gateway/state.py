@@ -27,7 +27,9 @@ from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
-from services.gateway.spec import Limits, TextInput, build_spec
+from services.gateway.prompt_bound import BoundedTokenizer, longest_token_chars
+from services.gateway.spec import Limits, TextInput, build_spec, prompt_context
+from services.gateway.tenant_quota import TenantQuotas
 from services.gateway.tenants import Tenant
 from services.gateway.validation import check_text
 
@@ -42,10 +44,16 @@ class GatewayState:
     service: GenerationService
     metrics: GatewayMetrics
     drain: Drain = field(default_factory=Drain)   # SIGTERM: refuse new generations, finish the rest
+    quotas: TenantQuotas = field(default_factory=lambda: TenantQuotas(()))  # the service's too
 
     @cached_property
     def tokenizer_size(self) -> int:
         return len(self.tokenizer)
+
+    @cached_property
+    def longest_token_chars(self) -> int | None:
+        """The length bound's characters per token (prompt_bound.py), computed once."""
+        return longest_token_chars(self.tokenizer)
 
     @cached_property
     def dependencies(self) -> DependencyMonitor:
@@ -73,21 +81,30 @@ class GatewayState:
         """The text API's spec (/generate, gRPC): a raw prompt is sent as is,
         else it becomes one user turn, which ends at the template's turn end."""
         build = raw_prompt_ids if request.raw else user_turn_ids
-        prompt_ids = await self.tokenize(build, require_text(request.prompt))
+        prompt_ids = await self.tokenize(build, require_text(request.prompt),
+                                         kv_policy=request.fields.kv_policy)
         stops = () if request.raw else turn_stop_token_ids(self.tokenizer)
         fields = dataclasses.replace(request.fields, stop_token_ids=stops)
         return build_spec(fields, prompt_ids, await self.limits(), self.caller(tenant))
 
     async def tokenize(self, build: Callable[..., list[int]], *args: Any,
-                       param: str = "prompt") -> list[int]:
-        """Runs prompt building off the event loop (long prompts take a while)."""
+                       param: str = "prompt", kv_policy: str | None = None) -> list[int]:
+        """Runs prompt building off the event loop (long prompts take a while); a
+        text too long for the context is refused by its length before it is
+        tokenized (prompt_bound.py)."""
+        tokenizer = await self.bounded_tokenizer(param, kv_policy)
         try:
-            ids = await asyncio.to_thread(build, self.tokenizer, *args)
+            ids = await asyncio.to_thread(build, tokenizer, *args)
         except ChatTemplateError as error:
             raise bad_request(str(error), param, "invalid_messages") from None
         if not ids:
             raise bad_request("The prompt is empty.", param, "empty_prompt")
         return ids
+
+    async def bounded_tokenizer(self, param: str, kv_policy: str | None = None) -> BoundedTokenizer:
+        """The tokenizer for one prompt, refusing texts the context cannot hold."""
+        context = prompt_context(await self.limits(), kv_policy)
+        return BoundedTokenizer(self.tokenizer, context, self.longest_token_chars, param)
 
 
 def scheduler_request_id(trace_id: str, index: int, supplied_by_client: bool) -> str:

@@ -1,8 +1,9 @@
 """Structured output as the clients ask for it: OpenAI's `response_format`, vLLM's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` and its newer `structured_outputs` object, read
 into the one Constraint the request carries (common/types.py). At most one of them may ask for
-something; a shape this server does not take is a 400 naming the field. Whether the schema,
-regex or grammar itself compiles is build_spec's check (common/grammar.py), before queueing.
+something; a shape this server does not take, or one past the size limits the worker has too
+(common/grammar.py), is a 400 naming the field. Whether the schema, regex or grammar itself
+compiles is build_spec's check (common/grammar.py), before queueing.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from common.grammar import json_schema_constraint
+from common.grammar import ConstraintError, check_size, json_schema_constraint
 from common.types import Constraint, ConstraintKind
 from services.gateway.errors import bad_request
 
@@ -56,6 +57,10 @@ def read_constraint(fields: ConstraintFields) -> tuple[Constraint | None, str]:
         constraint = read(value, name)
         if constraint is None:
             continue
+        try:
+            check_size(constraint)
+        except ConstraintError as error:
+            raise bad_request(f"{name}: {error}.", name, "constraint_too_large") from None
         if found:
             raise bad_request(f"{name} and {found[0][1]} both constrain the output; send one of them.",
                               name, "conflicting_constraints")

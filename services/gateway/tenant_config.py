@@ -1,10 +1,14 @@
-"""API_KEYS, ADMIN_KEYS and TENANTS_FILE into a TenantRegistry, checked once at start.
+"""API_KEYS (or API_KEYS_FILE), ADMIN_KEYS and TENANTS_FILE into a
+TenantRegistry, checked once at start.
 
 API_KEYS is a comma-separated list of `name=key` entries or bare keys (whose
-tenant is named by derived_name). ADMIN_KEYS, in the same syntax, gives the
-operator tenants' keys: valid API keys like the others, whose tenants are
-admins (their /stats shows every tenant); a tenant is either, never both.
-`admin: true` on a tenant in TENANTS_FILE makes an API_KEYS tenant an admin.
+tenant is named by derived_name). API_KEYS_FILE names a file of the same
+entries instead (one a line or comma-separated; `#` starts a comment line),
+so keys need not sit in the environment; setting both is an error.
+ADMIN_KEYS, in the same syntax, gives the operator tenants' keys: valid API
+keys like the others, whose tenants are admins (their /stats shows every
+tenant); a tenant is either, never both. `admin: true` on a tenant in
+TENANTS_FILE makes an API_KEYS tenant an admin.
 TENANTS_FILE (JSON, or YAML for .yaml/.yml)
 gives tenants' limits:
 
@@ -45,15 +49,36 @@ ROLE_FIELDS = ("admin",)   # a tenant's role, not a limit: read by parse_admins
 MAX_TOKENS_PER_MINUTE = 2**53
 
 
+def read_api_keys(inline: str, path: str) -> tuple[str, str]:
+    """(the entries, the variable they came from): API_KEYS' value, or the
+    entries in API_KEYS_FILE's file; both set is an error naming both."""
+    if inline.strip() and path:
+        raise SettingsError("API_KEYS and API_KEYS_FILE are both set: use one")
+    if not path:
+        return inline, "API_KEYS"
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise SettingsError(f"API_KEYS_FILE={path!r} cannot be read: "
+                            f"{getattr(error, 'strerror', None) or 'not UTF-8 text'}") from None
+    lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    value = ",".join(lines)
+    if not value.replace(",", "").strip():
+        raise SettingsError(f"API_KEYS_FILE={path!r} is invalid: the file has no keys")
+    return value, "API_KEYS_FILE"
+
+
 def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"",
-                 admin_keys: str = "") -> TenantRegistry:
-    """The registry of API_KEYS' and ADMIN_KEYS' values, with TENANTS_FILE's
-    limits (a path, or empty for none); secret keys the bare keys' derived names."""
-    keys, admins = _all_keys(api_keys, admin_keys, secret)
+                 admin_keys: str = "", source: str = "API_KEYS") -> TenantRegistry:
+    """The registry of API_KEYS' (or API_KEYS_FILE's: `source`) and ADMIN_KEYS'
+    values, with TENANTS_FILE's limits (a path, or empty for none); secret keys
+    the bare keys' derived names."""
+    keys, admins = _all_keys(api_keys, admin_keys, secret, source)
     if not tenants_file:
         return TenantRegistry(keys, admins=admins)
     if not keys:
-        raise SettingsError("TENANTS_FILE is set but API_KEYS is empty: tenants come from keys")
+        raise SettingsError("TENANTS_FILE is set but API_KEYS is empty (and API_KEYS_FILE "
+                            "unset): tenants come from keys")
     document = read_tenants_file(tenants_file)
     defaults, limits = parse_tenants_document(document)
     known = {name for _key, name in keys}
@@ -63,10 +88,10 @@ def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"",
     return TenantRegistry(keys, limits, defaults, admins | parse_admins(document))
 
 
-def _all_keys(api_keys: str, admin_keys: str,
-              secret: bytes) -> tuple[list[tuple[bytes, str]], set[str]]:
+def _all_keys(api_keys: str, admin_keys: str, secret: bytes,
+              source: str = "API_KEYS") -> tuple[list[tuple[bytes, str]], set[str]]:
     """(every key with its tenant, the ADMIN_KEYS tenants' names)."""
-    keys = parse_api_keys(api_keys, secret)
+    keys = parse_api_keys(api_keys, secret, source)
     operators = parse_api_keys(admin_keys, secret, "ADMIN_KEYS")
     tenants = {name for _key, name in keys}
     known = {key for key, _name in keys}

@@ -107,6 +107,16 @@ class TenantQuotas:
         usage.queued += 1
         return Ticket(usage)
 
+    def take_rate(self, name: str) -> None:
+        """Spends one of tenant `name`'s request rate on a call that is no
+        generation (/tokenize, /detokenize); QuotaExceeded when none is left."""
+        bucket = self._buckets.get(name)
+        wait_s = bucket.take() if bucket is not None else 0.0
+        if wait_s > 0:
+            self._refuse(self._usage[name], name, "rate", max(1, math.ceil(wait_s)),
+                         f"its rate of {self._limits[name].requests_per_s:g} requests/s "
+                         f"(burst {bucket.burst})")  # type: ignore[union-attr]
+
     @staticmethod
     def _refuse(usage: _Usage, name: str, reason: str, retry_after_s: int, limit: str) -> None:
         usage.refused += 1

@@ -2,7 +2,11 @@
 `tokenizers` library, with the special tokens and chat template of its
 tokenizer_config.json. It answers the calls the gateway makes, as
 transformers' fast tokenizer answers them (tests compare the two), without
-importing transformers, which would pull torch into the gateway."""
+importing transformers, which would pull torch into the gateway.
+
+Text is encoded and decoded through the library's batch calls, which release
+the GIL while the Rust code runs (its single `encode` holds it): a long prompt
+tokenized in a thread does not stall the event loop's streams meanwhile."""
 
 from __future__ import annotations
 
@@ -78,11 +82,18 @@ class TextTokenizer:
         text = self.special_tokens.get(name)
         return None if text is None else self._backend.token_to_id(text)
 
+    @property
+    def backend_tokenizer(self) -> Tokenizer:
+        """The `tokenizers` Tokenizer (transformers' fast tokenizers name it so too)."""
+        return self._backend
+
     def __len__(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        # encode_batch, not encode: it lets go of the GIL while it works.
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids)
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_special_tokens)}
@@ -93,6 +104,11 @@ class TextTokenizer:
             raise ValueError("clean_up_tokenization_spaces is not supported: the gateway "
                              "streams text exactly as the tokenizer decodes it")
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def decode_long(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """decode, through the batch call that lets go of the GIL (for a long list of ids)."""
+        [text] = self._backend.decode_batch([list(ids)], skip_special_tokens=skip_special_tokens)
+        return text
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         """The token's id, or the unknown token's when the vocabulary lacks it."""

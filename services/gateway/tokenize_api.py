@@ -1,6 +1,11 @@
 """vLLM's /tokenize and /detokenize: the token ids a prompt or a chat
 conversation becomes here (the same ids a generation would be sent), and the
-text of token ids."""
+text of token ids.
+
+Each call spends one of its tenant's request rate (TENANTS_FILE's
+requests_per_s), as a generation does; a text longer than the context could
+hold is refused by its length before it is tokenized (prompt_bound.py), and
+the tokenizer works off the event loop without holding the GIL."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from services.gateway.validation import check_text
 router = APIRouter()
 _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "bad values"}, 401: {"description": "missing or wrong API key"},
-    422: {"description": "schema error"}}
+    422: {"description": "schema error"}, 429: {"description": "the tenant's request rate"}}
 
 
 def _state(request: Request) -> GatewayState:
@@ -31,11 +36,13 @@ def _state(request: Request) -> GatewayState:
 async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     """{"prompt"} or {"messages", "tools"} -> {"count", "max_model_len", "tokens"}."""
     state = _state(request)
+    charge_rate(state, request)
     reject_unsupported(body.model_extra)
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give either prompt or messages.", "prompt" if body.prompt else "messages")
     if body.prompt is not None:
-        ids = await asyncio.to_thread(_prompt_ids, state.tokenizer, check_text(body.prompt, "prompt"),
+        ids = await asyncio.to_thread(_prompt_ids, await state.bounded_tokenizer("prompt"),
+                                      check_text(body.prompt, "prompt"),
                                       body.add_special_tokens is not False)
     else:
         messages = read_messages(body.messages or [])
@@ -53,14 +60,23 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
 async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
     """{"tokens"} -> {"prompt"}: their text, special tokens included."""
     state = _state(request)
+    charge_rate(state, request)
     reject_unsupported(body.model_extra)
     size = state.tokenizer_size
     for token_id in body.tokens:
         if not 0 <= token_id < size:
             raise bad_request(f"Token id {token_id} in tokens is outside the tokenizer's "
                               f"vocabulary [0, {size}).", "tokens")
-    text = state.tokenizer.decode(body.tokens, skip_special_tokens=False)
+    decode = getattr(state.tokenizer, "decode_long", state.tokenizer.decode)
+    text = await asyncio.to_thread(decode, body.tokens, skip_special_tokens=False)
     return {"prompt": text}
+
+
+def charge_rate(state: GatewayState, request: Request) -> None:
+    """Spends one of the caller's tenant's request rate (429 with Retry-After past it)."""
+    tenant = getattr(request.state, "tenant", None)
+    if tenant is not None:
+        state.quotas.take_rate(tenant.name)
 
 
 def _prompt_ids(tokenizer: Any, prompt: str, add_special_tokens: bool) -> list[int]:

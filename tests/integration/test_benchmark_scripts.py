@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import async_scheduling_bench, serving_bench, structured_bench
+from benchmarks import async_scheduling_bench, isolation_bench, serving_bench, structured_bench
 
 
 def test_async_scheduling_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
@@ -31,3 +31,12 @@ def test_structured_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "| 1 |" in out and "| all |" in out
     assert "finish reasons ['length']" in out    # every constrained stream ran to max_tokens
+
+
+def test_isolation_bench_quick(capsys: pytest.CaptureFixture[str]) -> None:
+    isolation_bench.main(["--quick", "--flood-kb", "200"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "gap" not in line]
+    assert [row.split("|")[1].strip() for row in rows][:2] == ["alone", "200 KB texts"]
+    assert "context_length_exceeded" in rows[1]          # past the tiny context: refused by length
+    assert "x 200" in rows[2]                             # texts that fit are tokenized

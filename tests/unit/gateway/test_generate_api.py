@@ -112,6 +112,12 @@ async def test_request_id_is_echoed_and_sent_to_the_scheduler(client: httpx.Asyn
     assert fake.requests[0].request_id.startswith("abc-123.")
     generated = (await client.get("/health")).headers["x-request-id"]
     assert re.fullmatch(r"[0-9a-f]{32}", generated)
+    # An invalid id (too long, odd characters) is ignored and replaced (request_ids.py).
+    for bad in ("A" * 129, "a b", "a/b", "é"):
+        replaced = await post(client, {"prompt": "Hi", "stream": False},
+                              headers={"X-Request-ID": bad.encode("latin-1")})
+        assert re.fullmatch(r"[0-9a-f]{32}", replaced.headers["x-request-id"])
+        assert fake.requests[-1].trace_id == replaced.headers["x-request-id"]
 
 
 async def test_curl_form_content_type_is_read_as_json(client: httpx.AsyncClient) -> None:

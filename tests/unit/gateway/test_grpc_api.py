@@ -13,7 +13,13 @@ from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.backend import Overloaded
 from services.gateway.chat_template import raw_prompt_ids
 from services.gateway.tenant_config import load_tenants
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.grpc_api import (
+    SERVICE_NAME,
+    TextGenerationServicer,
+    add_to_server,
+    public_grpc_limits,
+)
+from services.gateway.settings import GatewaySettings
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler
 
@@ -27,7 +33,7 @@ async def text_api(make_app: Callable[..., Any], fake: FakeScheduler
     async def start(**settings: Any) -> gateway_pb2_grpc.TextGenerationStub:
         state = make_app(fake, **settings).state.gateway
         server = GrpcServer([(add_to_server, TextGenerationServicer(state))], [SERVICE_NAME],
-                            "127.0.0.1", 0)
+                            "127.0.0.1", 0, **public_grpc_limits(GatewaySettings(**settings)))
         await server.start()
         servers.append(server)
         channel = insecure_channel(f"127.0.0.1:{server.port}")
@@ -118,3 +124,47 @@ async def test_an_endless_lossy_generation_is_invalid_naming_max_tokens(
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "max_tokens" in refused.value.details() and str(fake.model_len) in refused.value.details()
     assert len(fake.requests) == asked
+async def test_an_invalid_request_id_is_replaced_and_never_logged(
+        text_api: Callable[..., Any], fake: FakeScheduler, caplog: pytest.LogCaptureFixture) -> None:
+    stub = await text_api()
+    long_id = "A" * 3006
+    caplog.set_level("DEBUG")
+    for bad in (long_id, "id with spaces", "id/../x;rm", ""):
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"), metadata=(("x-request-id", bad),))
+    for sent in fake.requests:
+        assert len(sent.trace_id) == 32 and sent.trace_id.isalnum()    # a fresh uuid4 hex
+        assert len(sent.request_id) < 64
+    assert "AAAAAAAAAA" not in caplog.text
+    await stub.Generate(gateway_pb2.TextRequest(prompt="Hi"),
+                        metadata=(("x-request-id", "a" * 128),))
+    assert fake.requests[-1].trace_id == "a" * 128
+
+
+async def test_calls_at_once_are_capped(text_api: Callable[..., Any], fake: FakeScheduler) -> None:
+    fake.token_delay_s = 0.1
+    stub = await text_api(grpc_max_concurrent_rpcs=1)
+    slow = stub.GenerateStream(gateway_pb2.TextRequest(prompt="Hi", max_tokens=20))
+    await slow.read()     # the first call is in flight
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", max_tokens=1))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    slow.cancel()
+
+
+def test_public_grpc_limits_from_settings() -> None:
+    settings = GatewaySettings.from_env({
+        "GATEWAY_GRPC_MAX_CONNECTIONS": "7", "GATEWAY_GRPC_MAX_STREAMS_PER_CONNECTION": "3",
+        "GATEWAY_GRPC_MAX_CONCURRENT_RPCS": "9", "GATEWAY_HEADER_TIMEOUT_S": "2"})
+    limits = public_grpc_limits(settings)
+    options = dict(limits["options"])
+    assert limits["max_concurrent_rpcs"] == 9
+    assert options["grpc.max_allowed_incoming_connections"] == 7
+    assert options["grpc.max_concurrent_streams"] == 3
+    assert options["grpc.server_handshake_timeout_ms"] == 2000
+    defaults = GatewaySettings.from_env({})
+    assert (defaults.grpc_max_connections, defaults.grpc_max_streams_per_connection,
+            defaults.grpc_max_concurrent_rpcs) == (1024, 100, 1024)
+    for name in ("GATEWAY_GRPC_MAX_CONNECTIONS", "GATEWAY_GRPC_MAX_STREAMS_PER_CONNECTION",
+                 "GATEWAY_GRPC_MAX_CONCURRENT_RPCS"):
+        with pytest.raises(Exception, match=name):
+            GatewaySettings.from_env({name: "0"})

@@ -157,3 +157,36 @@ def test_any_value_is_a_constraint_or_a_400(name: str, value: Any) -> None:
         check_constraint(RequestFields(constraint=constraint, constraint_param=param or name))
     except ApiError as error:
         assert error.status == 400 and error.param and error.param.startswith(name)
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"guided_choice": [f"option {i}" for i in range(20_000)]}, "guided_choice"),
+    ({"structured_outputs": {"choice": [f"o{i}" for i in range(2000)]}}, "structured_outputs"),
+    ({"guided_choice": ["x" * 40_000, "y" * 40_000]}, "guided_choice"),
+    ({"guided_regex": "a" * 70_000}, "guided_regex"),
+    ({"guided_grammar": "start: " + " | ".join(f'"w{i}"' for i in range(12_000))}, "guided_grammar"),
+    ({"guided_json": {"type": "object", "description": "d" * 70_000}}, "guided_json"),
+])
+async def test_constraints_past_the_workers_limits_are_refused_before_compiling(
+        client: httpx.AsyncClient, fake: FakeScheduler, monkeypatch: pytest.MonkeyPatch,
+        fields: dict[str, Any], param: str) -> None:
+    """The worker's limits (common/grammar.py): a 20,000-option guided_choice once passed the
+    gateway and failed in the worker after a second of compiling."""
+    import common.grammar
+
+    def never(_constraint: Any) -> str:
+        raise AssertionError("compiled")
+
+    monkeypatch.setattr(common.grammar, "grammar_of", never)
+    reply = await client.post("/v1/completions", json={**COMPLETION, **fields})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["code"] == "constraint_too_large"
+    assert fake.requests == []
+
+
+def test_the_size_limits_are_the_workers() -> None:
+    from common.grammar import MAX_CHOICES, MAX_ITEMS_IN_ROW, check, parser_limits
+
+    assert parser_limits().max_items_in_row == MAX_ITEMS_IN_ROW == MAX_CHOICES + 1
+    check(Constraint(ConstraintKind.CHOICE, choices=tuple(f"c{i}" for i in range(MAX_CHOICES))))

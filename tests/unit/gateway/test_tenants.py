@@ -176,3 +176,28 @@ def test_settings_read_tenants_and_name_the_variable(tmp_path: Path) -> None:
         GatewaySettings.from_env({"PREFIX_CACHE_SCOPE": "session"})
     with pytest.raises(SettingsError, match="TENANTS_FILE"):
         GatewaySettings.from_env({"API_KEYS": "bob=sk-b", "TENANTS_FILE": path})
+
+
+def test_api_keys_file(tmp_path: Path) -> None:
+    """Keys from a file, as INTERNAL_TOKEN_FILE gives the token: one a line or
+    comma-separated, `#` comment lines; never together with API_KEYS."""
+    path = write(tmp_path, "keys", "# the tenants' keys\nalice=sk-alice-1\n\n bob=sk-bob-1, sk-bare-1\n")
+    settings = GatewaySettings.from_env({"API_KEYS_FILE": path})
+    assert settings.tenants.enabled
+    assert settings.tenants.authenticate(b"sk-alice-1").name == "alice"
+    assert settings.tenants.authenticate(b"sk-bob-1").name == "bob"
+    assert settings.tenants.authenticate(b"sk-bare-1") is not None
+    assert settings.tenants.authenticate(b"# the tenants' keys") is None
+    with pytest.raises(SettingsError, match="API_KEYS and API_KEYS_FILE"):
+        GatewaySettings.from_env({"API_KEYS_FILE": path, "API_KEYS": "carol=sk-c"})
+    with pytest.raises(SettingsError, match="API_KEYS_FILE=.*cannot be read"):
+        GatewaySettings.from_env({"API_KEYS_FILE": str(tmp_path / "missing")})
+    with pytest.raises(SettingsError, match="API_KEYS_FILE=.*no keys"):
+        GatewaySettings.from_env({"API_KEYS_FILE": write(tmp_path, "empty", "# none\n\n")})
+    bad = write(tmp_path, "bad", "alice=sk-SECRET-1\nalice2=sk-SECRET-1\n")
+    with pytest.raises(SettingsError, match="API_KEYS_FILE entry 2") as error:
+        GatewaySettings.from_env({"API_KEYS_FILE": bad})
+    assert "SECRET" not in str(error.value)
+    tenants = write(tmp_path, "t.json", json.dumps({"tenants": {"alice": {"weight": 2}}}))
+    keyed = GatewaySettings.from_env({"API_KEYS_FILE": path, "TENANTS_FILE": tenants})
+    assert keyed.tenants.tenant("alice").limits.weight == 2.0

@@ -221,3 +221,17 @@ def test_the_tokenizer_is_built_at_start_or_when_the_first_constrained_sequence_
 def test_an_unknown_grammar_tokenizer_mode_is_refused():
     with pytest.raises(ValueError, match="GRAMMAR_TOKENIZER"):
         make_engine("gemma3", grammar_tokenizer="sometimes")
+
+
+def test_the_most_choices_the_gateway_passes_still_match(grammars, hf_tokenizer):
+    """common/grammar.py's MAX_CHOICES is what the worker's parser limits hold: one choice
+    more and the matcher's row overflows."""
+    from common.grammar import MAX_CHOICES
+    from common.types import Constraint, ConstraintKind
+
+    choices = tuple(f"option {i}" for i in range(MAX_CHOICES))
+    state = grammars.state(Constraint(ConstraintKind.CHOICE, choices=choices))
+    for token in hf_tokenizer.encode("option 1234", add_special_tokens=False):
+        assert not state.banned()[token]
+        state.advance([token])
+    assert not state.banned()[EOS]
