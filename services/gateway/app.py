@@ -73,7 +73,7 @@ STATS_PART_TIMEOUT_S = 3.0
 def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, tokenizer: Any,
                registry: CollectorRegistry | None = None) -> FastAPI:
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry, settings.model_id)
     service = GenerationService(scheduler_client, tokenizer, metrics,
                                 quotas=TenantQuotas(settings.tenants.tenants),
                                 scheduler_recovery_s=settings.scheduler_recovery_s,
@@ -201,6 +201,7 @@ async def metrics(request: Request) -> Response:
 async def prometheus_metrics(request: Request) -> Response:
     state = gateway_state(request)
     await state.dependencies.recent()     # fresh dependency_up gauges
+    await state.metrics.vllm.refresh(lambda: scheduler_details(state.backend))  # vLLM's engine gauges
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

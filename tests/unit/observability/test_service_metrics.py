@@ -20,7 +20,7 @@ def catalogued_series(service: str) -> set[str]:
 
 def fairserve_series(registry: CollectorRegistry) -> set[str]:
     return {name for name in exported_series_names(generate_latest(registry).decode())
-            if not name.endswith("_created")}
+            if not name.endswith("_created") and name.startswith("fairserve_")}
 
 
 def scrape(registry: CollectorRegistry) -> str:
