@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from common.tracing import tracer
 from services.gateway.backend import GenerationSpec, SchedulerBackend
 from services.gateway.chat_template import (
     ChatTemplateError,
@@ -82,7 +83,9 @@ class GatewayState:
                        param: str = "prompt") -> list[int]:
         """Runs prompt building off the event loop (long prompts take a while)."""
         try:
-            ids = await asyncio.to_thread(build, self.tokenizer, *args)
+            with tracer().start_as_current_span("tokenize") as span:
+                ids = await asyncio.to_thread(build, self.tokenizer, *args)
+                span.set_attribute("fairserve.prompt_tokens", len(ids))
         except ChatTemplateError as error:
             raise bad_request(str(error), param, "invalid_messages") from None
         if not ids:
