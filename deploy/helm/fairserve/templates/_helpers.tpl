@@ -1,0 +1,99 @@
+{{/* Labels of one fairserve service: name and part-of, as deploy/k8s has them. */}}
+{{- define "fairserve.labels" -}}
+app.kubernetes.io/name: {{ . }}
+app.kubernetes.io/part-of: fairserve
+{{- end }}
+
+{{- define "fairserve.image" -}}
+{{ .root.Values.image.prefix }}{{ .service }}:{{ .root.Values.image.tag }}
+{{- end }}
+
+{{/* The pod security context of every fairserve pod: non-root, seccomp. */}}
+{{- define "fairserve.podSecurity" -}}
+automountServiceAccountToken: false
+securityContext:
+  runAsNonRoot: true
+  runAsUser: 10001
+  runAsGroup: 10001
+  seccompProfile:
+    type: RuntimeDefault
+{{- end }}
+
+{{/* The container security context: no privilege, read-only root, no capability. */}}
+{{- define "fairserve.containerSecurity" -}}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  runAsNonRoot: true
+  capabilities:
+    drop:
+    - ALL
+{{- end }}
+
+{{/* Scrape annotations of a pod whose metrics are on port . */}}
+{{- define "fairserve.scrape" -}}
+prometheus.io/scrape: "true"
+prometheus.io/port: {{ . | quote }}
+prometheus.io/path: /metrics
+{{- end }}
+
+{{- define "fairserve.mounts" -}}
+- name: secrets
+  mountPath: /run/secrets/fairserve
+  readOnly: true
+- name: cache
+  mountPath: /home/fairserve/.cache
+- name: tmp
+  mountPath: /tmp
+{{- end }}
+
+{{/* Volumes: the Secret's keys in `.keys` only (least privilege), cache, tmp. */}}
+{{- define "fairserve.volumes" -}}
+- name: secrets
+  secret:
+    secretName: {{ .root.Values.existingSecret }}
+    items:
+    {{- range .keys }}
+    - key: {{ . }}
+      path: {{ . }}
+    {{- end }}
+- name: cache
+  emptyDir: {}
+- name: tmp
+  emptyDir: {}
+{{- end }}
+
+{{- define "fairserve.grpcProbes" -}}
+startupProbe:
+  grpc:
+    port: {{ . }}
+  periodSeconds: 5
+  failureThreshold: 60
+readinessProbe:
+  grpc:
+    port: {{ . }}
+  periodSeconds: 5
+livenessProbe:
+  grpc:
+    port: {{ . }}
+  periodSeconds: 10
+  failureThreshold: 3
+{{- end }}
+
+{{/* The model volume's mount and volume, when a claim holds the model. */}}
+{{- define "fairserve.modelMount" -}}
+{{- if .Values.model.existingClaim }}
+- name: model
+  mountPath: {{ .Values.model.mountPath }}
+  readOnly: true
+{{- end }}
+{{- end }}
+
+{{- define "fairserve.modelVolume" -}}
+{{- if .Values.model.existingClaim }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ .Values.model.existingClaim }}
+    readOnly: true
+{{- end }}
+{{- end }}
