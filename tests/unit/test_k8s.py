@@ -4,6 +4,7 @@ is fetched). tests/unit/kustomize_lite.py does the rendering."""
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -130,8 +131,15 @@ def test_the_gpu_overlay_gives_each_worker_one_gpu_and_the_cuda_image() -> None:
     env = {e["name"]: e for e in worker["env"]}
     assert env["DEVICE"]["value"] == "cuda" and "WORKER_ID" in env        # merged, not replaced
     assert "nvidia.com/gpu" not in _container(cpu, "worker")["resources"]["limits"]
-    others = [obj for obj in gpu if obj["metadata"]["name"] != "worker"]
-    assert others == [obj for obj in cpu if obj["metadata"]["name"] != "worker"]
+    # Besides the worker, only the gateway's model-init step changes: it runs the worker image,
+    # which the overlay retags (the CUDA build converts the model the same way).
+    def without_model_init(objects):
+        objects = copy.deepcopy([obj for obj in objects if obj["metadata"]["name"] != "worker"])
+        for obj in objects:
+            for init in obj.get("spec", {}).get("template", {}).get("spec", {}).get("initContainers", []):
+                init["image"] = init["image"].removesuffix("-cuda")
+        return objects
+    assert without_model_init(gpu) == without_model_init(cpu)
 
 
 def test_prometheus_on_kubernetes_scrapes_pods_by_their_annotations() -> None:
@@ -195,3 +203,14 @@ def test_the_keda_overlay_scales_workers_on_vllms_waiting_gauge() -> None:
     assert trigger["type"] == "prometheus"
     assert trigger["metadata"]["query"] == "max(vllm:num_requests_waiting)"
     assert float(trigger["metadata"]["threshold"]) > 0
+
+
+def test_the_model_is_a_volume_filled_at_start_not_part_of_an_image() -> None:
+    kinds = _by_kind(render(K8S))
+    gateway = kinds[("Deployment", "gateway")]["spec"]["template"]["spec"]
+    (init,) = gateway["initContainers"]
+    assert init["image"].startswith("fairserve-worker") and init["command"] == ["python", "-m", "common.model_store"]
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in _container(render(K8S), "gateway")["volumeMounts"]
+    assert {"name": "models", "mountPath": "/models"} in _container(render(K8S), "worker")["volumeMounts"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True

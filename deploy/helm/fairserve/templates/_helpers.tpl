@@ -80,20 +80,15 @@ livenessProbe:
   failureThreshold: 3
 {{- end }}
 
-{{/* The model volume's mount and volume, when a claim holds the model. */}}
-{{- define "fairserve.modelMount" -}}
-{{- if .Values.model.existingClaim }}
-- name: model
-  mountPath: {{ .Values.model.mountPath }}
-  readOnly: true
-{{- end }}
-{{- end }}
-
+{{/* The model volume (never in an image): the claim that holds it, else an
+emptyDir the worker, or the gateway's model-init step, converts it into. */}}
 {{- define "fairserve.modelVolume" -}}
-{{- if .Values.model.existingClaim }}
 - name: model
+{{- if .Values.model.existingClaim }}
   persistentVolumeClaim:
     claimName: {{ .Values.model.existingClaim }}
     readOnly: true
+{{- else }}
+  emptyDir: {}
 {{- end }}
 {{- end }}
