@@ -4,8 +4,9 @@ app.kubernetes.io/name: {{ . }}
 app.kubernetes.io/part-of: fairserve
 {{- end }}
 
+{{/* <prefix><service>:<tag>; a worker with GPUs takes the CUDA build, <tag>-cuda (`make image VARIANT=cuda`). */}}
 {{- define "fairserve.image" -}}
-{{ .root.Values.image.prefix }}{{ .service }}:{{ .root.Values.image.tag }}
+{{ .root.Values.image.prefix }}{{ .service }}:{{ .root.Values.image.tag }}{{ if and (eq .service "worker") (gt (int .root.Values.worker.gpu) 0) }}-cuda{{ end }}
 {{- end }}
 
 {{/* The pod security context of every fairserve pod: non-root, seccomp. */}}
