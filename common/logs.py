@@ -1,4 +1,5 @@
-"""Structured JSON logs: one line per event, with the request id when known."""
+"""Structured JSON logs: one line per event, with the request id when known,
+and with tracing on, the request's trace id (common/tracing.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import logging
 import sys
 import time
+
+from common.tracing import trace_id_for_log
 
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
@@ -29,6 +32,9 @@ class JsonFormatter(logging.Formatter):
         request_id = getattr(record, "request_id", None) or request_id_var.get()
         if request_id:
             entry["request_id"] = request_id
+        trace_id = trace_id_for_log(request_id)
+        if trace_id:
+            entry["trace_id"] = trace_id
         for key, value in record.__dict__.items():
             if key not in _RESERVED and key not in entry and not key.startswith("_"):
                 entry[key] = value

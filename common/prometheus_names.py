@@ -141,12 +141,12 @@ WORKER_TOKENS = _family(WORKER, "tokens_total", COUNTER, ("worker", "kind"),
                         "positions), sampled")
 WORKER_KV_BLOCKS = _family(WORKER, "kv_blocks", GAUGE, ("worker", "state"),
                            "KV blocks by state: free, cached, used, total")
-WORKER_KV_EVICTIONS = _family(WORKER, "kv_evictions", GAUGE, ("worker",),
-                              "Cached blocks evicted since start (monotonic)")
-WORKER_PREFIX_HIT_TOKENS = _family(WORKER, "prefix_cache_hit_tokens", GAUGE, ("worker",),
-                                   "Prompt tokens served from the prefix cache since start (monotonic)")
-WORKER_PREFIX_QUERY_TOKENS = _family(WORKER, "prefix_cache_query_tokens", GAUGE, ("worker",),
-                                     "Prompt tokens looked up in the prefix cache since start (monotonic)")
+WORKER_KV_EVICTIONS = _family(WORKER, "kv_evictions_total", COUNTER, ("worker",),
+                              "Cached blocks evicted")
+WORKER_PREFIX_HIT_TOKENS = _family(WORKER, "prefix_cache_hit_tokens_total", COUNTER, ("worker",),
+                                   "Prompt tokens served from the prefix cache")
+WORKER_PREFIX_QUERY_TOKENS = _family(WORKER, "prefix_cache_query_tokens_total", COUNTER, ("worker",),
+                                     "Prompt tokens looked up in the prefix cache")
 WORKER_RUNNING = _family(WORKER, "running_sequences", GAUGE, ("worker",), "Sequences holding KV blocks")
 WORKER_PROMPT_LOGITS_HITS = _family(WORKER, "prompt_logits_hits_total", COUNTER, ("worker",),
                                     "Identical prompts whose first token came from kept logits, with no forward")

@@ -35,6 +35,7 @@ from services.gateway.errors import (
 )
 from services.gateway.generation import GenerationService, TextDelta
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.request_span import RequestSpanMiddleware
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -69,12 +70,15 @@ log = logging.getLogger(__name__)
 router = APIRouter()
 DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboard"
 STATS_PART_TIMEOUT_S = 3.0
+# FastAPI's own OpenTelemetry would continue a client's traceparent and record
+# request data; the gateway's spans are request_span.py's and tracing's own.
+NO_FASTAPI_TELEMETRY = {"tracing": False, "metrics": False, "logs": False, "operation_spans": False}
 
 
 def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, tokenizer: Any,
                registry: CollectorRegistry | None = None) -> FastAPI:
     registry = registry if registry is not None else CollectorRegistry()
-    metrics = GatewayMetrics(registry)
+    metrics = GatewayMetrics(registry, settings.model_id)
     quotas = TenantQuotas(settings.tenants.tenants)
     service = GenerationService(scheduler_client, tokenizer, metrics, quotas=quotas,
                                 scheduler_recovery_s=settings.scheduler_recovery_s,
@@ -84,8 +88,10 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     app = FastAPI(
         title="fairserve gateway",
         version="1",
+        telemetry=NO_FASTAPI_TELEMETRY,
         middleware=[
             Middleware(RequestContextMiddleware, metrics=metrics),
+            Middleware(RequestSpanMiddleware),
             Middleware(InFlightLimitMiddleware, limit=settings.max_connections),
             Middleware(DrainMiddleware, drain=drain),
             Middleware(ApiKeyMiddleware, tenants=settings.tenants),
@@ -109,7 +115,7 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
 def create_metrics_app(state: GatewayState) -> FastAPI:
     """/metrics alone, for METRICS_PORT: the public app then answers 404 there."""
     app = FastAPI(title="fairserve gateway metrics", version="1", openapi_url=None,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, telemetry=NO_FASTAPI_TELEMETRY)
     app.state.gateway = state
     app.add_api_route("/metrics", prometheus_metrics, methods=["GET"])
     return app
@@ -206,6 +212,7 @@ async def metrics(request: Request) -> Response:
 async def prometheus_metrics(request: Request) -> Response:
     state = gateway_state(request)
     await state.dependencies.recent()     # fresh dependency_up gauges
+    await state.metrics.vllm.refresh(lambda: scheduler_details(state.backend))  # vLLM's engine gauges
     return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -28,6 +28,7 @@ from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tenant_quota import TenantQuotas, Ticket
 from services.gateway.tenant_trackers import TenantTrackers
 from services.gateway.tool_parsers.base import ToolCall
+from services.gateway.vllm_metrics import RequestTimes
 
 log = logging.getLogger(__name__)
 STOP_DRAIN_TIMEOUT_S = 2.0
@@ -66,12 +67,15 @@ class _Progress:
         self.inter_token_s: list[float] = []
         self.completion_tokens = 0
         self.queue_wait_s: float | None = None
+        self.cached_tokens = 0
         self.finished = False  # the scheduler is done with the request
         self.concluded = False  # counted in the metrics and the tracker
 
     def note_finish(self, finish: Finish | None) -> None:
         if finish is not None and finish.queue_wait_s is not None:
             self.queue_wait_s = finish.queue_wait_s
+        if finish is not None:
+            self.cached_tokens = max(self.cached_tokens, finish.usage.cached_tokens)
 
 
 class GenerationService:
@@ -177,6 +181,8 @@ class GenerationService:
                 ticket.started()
             progress.first_token_at = now
             self._metrics.ttft.observe(now - progress.started)
+            self._metrics.vllm.first_token(now - progress.started)
+            gap = None
         else:
             gap = now - progress.last_token_at
             progress.inter_token_s.append(gap)
@@ -184,6 +190,7 @@ class GenerationService:
         progress.last_token_at = now
         progress.completion_tokens += 1
         self._metrics.output_tokens.inc()
+        self._metrics.vllm.token(gap)
 
     def _final_delta(self, finish: Finish, detokenizer: IncrementalDetokenizer,
                      stops: StopStringMatcher, spec: GenerationSpec,
@@ -243,6 +250,7 @@ class GenerationService:
         if record.tpot_s is not None:
             self._metrics.tpot.observe(record.tpot_s)
         self._metrics.input_tokens.inc(record.input_tokens)
+        self._metrics.vllm.ended(outcome, _request_times(record, progress, spec))
         self.tracker.record(record)
         self.tenant_trackers.record(spec.client_id, record)
 
@@ -255,6 +263,15 @@ class GenerationService:
             return
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _request_times(record: RequestRecord, progress: _Progress, spec: GenerationSpec) -> RequestTimes:
+    decode = (progress.last_token_at - progress.first_token_at
+              if progress.first_token_at is not None and progress.last_token_at is not None else None)
+    return RequestTimes(prompt_tokens=record.input_tokens, generation_tokens=record.output_tokens,
+                        cached_tokens=progress.cached_tokens, max_tokens=spec.max_tokens,
+                        e2e_s=record.e2e_s, ttft_s=record.ttft_s, decode_s=decode,
+                        queue_s=record.queue_wait_s)
 
 
 async def merge_streams(streams: Sequence[AsyncIterator[TextDelta]]

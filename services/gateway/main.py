@@ -14,6 +14,7 @@ from fastapi import FastAPI
 
 from common.grpc_server import GrpcServer
 from common.logs import configure_logging
+from common.tracing import setup_tracing, shutdown_tracing
 from common.model_store import resolve_model_dir
 from common.shutdown import StopRequests, stop_requests
 from services.gateway.app import create_app, create_metrics_app
@@ -122,7 +123,11 @@ async def drain_then_exit(stops: StopRequests, drain: Drain, http_server: uvicor
 def main() -> None:
     settings = GatewaySettings.from_env(os.environ)
     configure_logging("gateway", settings.log_level)
-    asyncio.run(serve(settings))
+    setup_tracing("gateway", os.environ)    # off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
 
 
 if __name__ == "__main__":

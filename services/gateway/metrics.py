@@ -1,5 +1,6 @@
 """The gateway's Prometheus metrics (the gateway families of
-common.prometheus_names), registered on a registry the app owns."""
+common.prometheus_names, and vLLM's beside them), registered on a registry the
+app owns."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from common import prometheus_names as names
+from common.model_store import DEFAULT_MODEL_ID
+from services.gateway.vllm_metrics import VllmMetrics
 
 # Outcomes of a generation request; each is exported from the start at 0.
 REQUEST_STATUSES = ("stop", "length", "cancelled", "error", "rejected")
@@ -40,8 +43,10 @@ class _Labeller:
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str = DEFAULT_MODEL_ID) -> None:
         self.registry = registry
+        # vLLM's families beside fairserve's own (vllm_metrics.py).
+        self.vllm = VllmMetrics(registry, model_name)
         self.http_requests = names.counter(names.GATEWAY_HTTP_REQUESTS, registry)
         self.http_duration = names.histogram(names.GATEWAY_HTTP_REQUEST_DURATION, registry)
         outcomes = names.counter(names.GATEWAY_REQUESTS, registry)

@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.logs import request_id_var
+from common.tracing import forget_trace
 from services.gateway.api_keys import presented_key
 from services.gateway.errors import (
     ApiError,
@@ -93,6 +94,7 @@ class RequestContextMiddleware:
             self.metrics.request_duration.labels(route=route).observe(duration)
             log.info("request", extra={"method": scope["method"], "path": scope["path"],
                                        "status": status, "duration_ms": round(duration * 1000, 3)})
+            forget_trace(request_id)   # its trace id stays out of later lines under a reused id
             request_id_var.reset(token)
 
 

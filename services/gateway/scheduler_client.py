@@ -9,9 +9,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from opentelemetry import trace
 
 from common.grpc_server import internal_channel, request_metadata
 from common.internal_auth import InternalAuth
+from common.tracing import traceparent_metadata, tracer
 from fairserve.v1 import common_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
 from services.gateway.backend import (
@@ -41,9 +43,12 @@ class SchedulerClient:
 
     async def generate(self, spec: GenerationSpec, request_id: str,
                        trace_id: str = "") -> AsyncIterator[GenerationEvent]:
+        span = tracer().start_span("scheduler.Generate", kind=trace.SpanKind.CLIENT,
+                                   attributes={"fairserve.request_id": request_id,
+                                               "fairserve.prompt_tokens": len(spec.prompt_token_ids)})
         call = self._scheduler.Generate(
             convert.generate_request_to_proto(spec, request_id),
-            metadata=request_metadata(trace_id or request_id),
+            metadata=(*request_metadata(trace_id or request_id), *traceparent_metadata(span)),
         )
         try:
             async for message in call:
@@ -55,6 +60,7 @@ class SchedulerClient:
             # Closing the stream early (client gone, stop string) cancels the
             # RPC, which the scheduler turns into a cancelled request.
             call.cancel()
+            span.end()
 
     async def cancel(self, request_id: str) -> bool:
         try:

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from common.tracing import tracer
 from services.gateway.backend import GenerationSpec, SchedulerBackend
 from services.gateway.chat_template import (
     ChatTemplateError,
@@ -94,7 +95,9 @@ class GatewayState:
         tokenized (prompt_bound.py)."""
         tokenizer = await self.bounded_tokenizer(param, kv_policy)
         try:
-            ids = await asyncio.to_thread(build, tokenizer, *args)
+            with tracer().start_as_current_span("tokenize") as span:
+                ids = await asyncio.to_thread(build, tokenizer, *args)
+                span.set_attribute("fairserve.prompt_tokens", len(ids))
         except ChatTemplateError as error:
             raise bad_request(str(error), param, "invalid_messages") from None
         if not ids:

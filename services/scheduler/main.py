@@ -7,6 +7,7 @@ import logging
 import os
 
 from common.logs import configure_logging
+from common.tracing import setup_tracing, shutdown_tracing
 from common.metrics import serve_metrics
 from common.shutdown import on_stop_signal
 
@@ -33,7 +34,11 @@ async def serve(settings: SchedulerSettings) -> None:
 def main() -> None:
     settings = SchedulerSettings.from_env(os.environ)
     configure_logging("scheduler", settings.log_level)
-    asyncio.run(serve(settings))
+    setup_tracing("scheduler", os.environ)    # off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from common.grpc_server import GrpcServer, internal_channel, request_id_from
 from common.internal_auth import InternalAuth
 from common.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
+from common.tracing import traceparent_from_metadata
 from common.worker_auth import worker_role_check
 
 from services.scheduler import convert
@@ -31,6 +32,7 @@ from services.scheduler.core import Rejection, RequestUpdate, SchedulerCore, Ste
 from services.scheduler.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.request_traces import RequestTraces
 from services.scheduler.registration import (
     AddressNotOwned, RegistrationError, WorkerIdTaken, check_rebind, check_registration, check_worker_figures,
 )
@@ -73,6 +75,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal,
                                  on_availability=metrics.set_kv_index_up)
         self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._traces = RequestTraces()     # spans of traced requests (request_traces.py)
         self._links: dict[str, _WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._background_tasks: set[asyncio.Task[object]] = set()
@@ -112,6 +115,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                                 "reason": result.rejection.message})
             await self._refuse(context, result.rejection)
         request_id = result.request_id
+        self._traces.start(request_id, traceparent_from_metadata(context.invocation_metadata()),
+                           (trace_id,) if trace_id else ())
         log.info("request queued", extra={"scheduler_request_id": request_id, "worker_id": result.worker_id,
                                           "client_id": spec.client_id, "prompt_tokens": len(spec.prompt_token_ids),
                                           "max_tokens": spec.max_tokens, "cached_prefix_tokens": hints,
@@ -120,6 +125,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._streams[request_id] = queue
         self._wake(result.worker_id)
         ended = False
+        reason = "cancelled"
         try:
             while True:
                 update = await queue.get()
@@ -131,12 +137,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     # Before the yield: a client that closes the call once it has the last event
                     # (the generator then never resumes) did not cancel a finished request.
                     ended = True
+                    reason = update.finish.reason.value
                     self._log_finish(request_id, update)
                 yield convert.generate_event_to_proto(update)
                 if finished:
                     return
         finally:
             self._streams.pop(request_id, None)
+            self._traces.finished(request_id, reason)
             if not ended:  # the client went away: stop generating for it
                 log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
                 self._cancel(request_id)
@@ -245,7 +253,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self._metrics.observe_queue_waits(self._core.drain_queue_waits())
                     if plan is not None:
                         self._log_plan(worker_id, plan)
-                        call = await steps.send(convert.step_batch_to_proto(plan))
+                        request = convert.step_batch_to_proto(plan)
+                        request.trace_context.update(self._traces.planned(worker_id, plan))
+                        call = await steps.send(request)
                         sent.append(_SentStep(call, time.perf_counter()))
                         continue
                 if not sent:
@@ -261,7 +271,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     return
                 sent.popleft()
                 self._metrics.observe_step(worker_id, time.perf_counter() - oldest.sent_at)
-                self._deliver(self._core.apply_step(worker_id, convert.step_output_from_proto(reply)))
+                output = convert.step_output_from_proto(reply)
+                self._traces.applied(output)
+                self._deliver(self._core.apply_step(worker_id, output))
         except asyncio.CancelledError:
             raise
         except Exception as error:  # a bug must not leave this worker's requests hanging

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from common.grpc_server import GrpcServer, internal_channel
 from common.logs import configure_logging
+from common.tracing import setup_tracing, shutdown_tracing
 from common.metrics import serve_metrics
 from common.model_store import resolve_model_dir
 from common.shutdown import stop_requests
@@ -93,7 +94,11 @@ async def serve(settings: WorkerSettings) -> None:
 def main() -> None:
     settings = WorkerSettings.from_env(os.environ)
     configure_logging("worker", settings.log_level)
-    asyncio.run(serve(settings))
+    setup_tracing("worker", os.environ)    # off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
+    try:
+        asyncio.run(serve(settings))
+    finally:
+        shutdown_tracing()
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common import prometheus_names as names
 from services.worker.engine.types import PoolStats, StepBatch, StepOutput
@@ -32,6 +32,21 @@ def engine_labels(engine: Engine) -> dict[str, str]:
             "prefill_attention": engine.attention_kernel, "decode_attention": engine.decode_attention}
 
 
+class PoolTotal:
+    """A counter fed from a total the engine keeps: each new total adds what it
+    grew by. A total that went down (a step rolled back) adds nothing, and the
+    counter resumes from there, so it never decreases."""
+
+    def __init__(self, counter: Counter) -> None:
+        self.counter = counter
+        self._last = 0
+
+    def advance(self, total: int) -> None:
+        if total > self._last:
+            self.counter.inc(total - self._last)
+        self._last = total
+
+
 class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry, worker_id: str, pool: PoolStats | None = None,
                  engine_labels: Mapping[str, str] | None = None) -> None:
@@ -47,9 +62,11 @@ class WorkerMetrics:
         self.tokens = {kind: token_counter.labels(worker=worker_id, kind=kind) for kind in TOKEN_KINDS}
         blocks = gauge(names.WORKER_KV_BLOCKS)
         self.blocks = {state: blocks.labels(worker=worker_id, state=state) for state in BLOCK_STATES}
-        self.evictions = gauge(names.WORKER_KV_EVICTIONS).labels(worker=worker_id)
-        self.prefix_hit_tokens = gauge(names.WORKER_PREFIX_HIT_TOKENS).labels(worker=worker_id)
-        self.prefix_query_tokens = gauge(names.WORKER_PREFIX_QUERY_TOKENS).labels(worker=worker_id)
+        self.evictions = PoolTotal(names.counter(names.WORKER_KV_EVICTIONS, registry).labels(worker=worker_id))
+        self.prefix_hit_tokens = PoolTotal(
+            names.counter(names.WORKER_PREFIX_HIT_TOKENS, registry).labels(worker=worker_id))
+        self.prefix_query_tokens = PoolTotal(
+            names.counter(names.WORKER_PREFIX_QUERY_TOKENS, registry).labels(worker=worker_id))
         self.running = gauge(names.WORKER_RUNNING).labels(worker=worker_id)
         self.prompt_logits_hits = names.counter(names.WORKER_PROMPT_LOGITS_HITS, registry).labels(worker=worker_id)
         self.graph_steps = names.counter(names.WORKER_GRAPH_STEPS, registry).labels(worker=worker_id)
@@ -83,6 +100,6 @@ class WorkerMetrics:
         for state, value in (("free", pool.free_blocks), ("cached", pool.cached_blocks),
                              ("used", pool.used_blocks), ("total", pool.total_blocks)):
             self.blocks[state].set(value)
-        self.evictions.set(pool.evictions)
-        self.prefix_hit_tokens.set(pool.prefix_hit_tokens)
-        self.prefix_query_tokens.set(pool.prefix_query_tokens)
+        self.evictions.advance(pool.evictions)
+        self.prefix_hit_tokens.advance(pool.prefix_hit_tokens)
+        self.prefix_query_tokens.advance(pool.prefix_query_tokens)

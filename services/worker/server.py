@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 from common.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
 from services.worker.step_order import StepOrder
+from services.worker.step_spans import record_step_spans
 from services.worker.step_stream import replies_in_order
 from services.worker import convert
 from services.worker.engine.engine import Engine
@@ -123,9 +125,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         batch = convert.step_batch_from_proto(request)
         try:
             async with self._order.turn(request.step_id, request.after_step_id, request.epoch):
+                started_ns = time.time_ns()
                 output, running = await self._thread.run(lambda: self._run_step(batch))
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        record_step_spans(request.trace_context, batch, output, started_ns, time.time_ns(), self._worker_id)
         self._record(batch, output, running)
         self._log_step(batch, output)
         return convert.step_response_to_proto(request.step_id, output)

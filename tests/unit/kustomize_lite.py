@@ -7,7 +7,7 @@ refuses any other field, so a kustomization that grows past it fails loudly:
 - `patches`: `path` to a strategic merge patch, matched by kind and name.
   Maps merge key by key, a key set to null is removed; lists of maps with a
   `name` merge entry by entry (containers, env, ports, volumes); other lists
-  are replaced.
+  are replaced. A patch with `$patch: delete` removes its object.
 
 `kubectl kustomize deploy/k8s` renders the same where kubectl is installed."""
 
@@ -42,6 +42,9 @@ def render(directory: Path) -> list[dict[str, Any]]:
                        and obj["metadata"]["name"] == patch["metadata"]["name"]]
             if len(targets) != 1:
                 raise ValueError(f"{directory}: patch {patch_entry['path']} matches {len(targets)} objects")
+            if patch.get("$patch") == "delete":
+                objects.remove(targets[0])
+                continue
             merged = _merge(targets[0], patch)
             objects[objects.index(targets[0])] = merged
     for image in kustomization.get("images", []):

