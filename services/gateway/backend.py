@@ -93,10 +93,22 @@ class WorkerView:
 class SchedulerView:
     workers: tuple[WorkerView, ...]
     details: dict[str, Any] = field(default_factory=dict)
+    # Requests waiting for a worker to register while none serves (WORKER_RECOVERY_S).
+    waiting_for_worker: int = 0
+    worker_wait_s: float = 0.0
+    worker_recovery_s: float = 0.0
 
     @property
     def healthy_workers(self) -> int:
         return sum(1 for worker in self.workers if worker.healthy)
+
+    def not_ready_reason(self) -> str:
+        """Why the gateway is not ready for want of a worker, with what waits for one."""
+        reason = "no healthy worker is registered with the scheduler"
+        if self.waiting_for_worker:
+            reason += (f"; {self.waiting_for_worker} request(s) wait for one to register, the longest "
+                       f"for {self.worker_wait_s:.0f} s (WORKER_RECOVERY_S={self.worker_recovery_s:g})")
+        return reason
 
 
 @dataclass(frozen=True)

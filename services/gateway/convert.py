@@ -112,7 +112,9 @@ def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
 def scheduler_view_from_proto(message: scheduler_pb2.SchedulerStats) -> SchedulerView:
     workers = tuple(WorkerView(worker_id=worker.worker_id, address=worker.address,
                                healthy=worker.healthy) for worker in message.workers)
-    return SchedulerView(workers=workers, details=scheduler_stats_to_dict(message))
+    return SchedulerView(workers=workers, details=scheduler_stats_to_dict(message),
+                         waiting_for_worker=message.waiting_for_worker, worker_wait_s=message.worker_wait_s,
+                         worker_recovery_s=message.worker_recovery_s)
 
 
 def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, Any]:
@@ -125,6 +127,7 @@ def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, 
         "rejections": dict(message.rejections),
         "holds": dict(message.holds), "policy": message.policy,
         "reserved_kv_tokens": message.reserved_kv_tokens,
+        "waiting_for_worker": message.waiting_for_worker,
         "workers": [{
             "worker_id": w.worker_id, "healthy": w.healthy, "running": w.running,
             "free_blocks": w.free_blocks, "cached_blocks": w.cached_blocks,

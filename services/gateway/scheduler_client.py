@@ -93,7 +93,7 @@ class SchedulerClient:
             message = scheduler.message if isinstance(scheduler, BackendError) else repr(scheduler)
             return Readiness(False, message, dependencies)
         if scheduler.healthy_workers < 1:
-            return Readiness(False, "no healthy worker is registered with the scheduler", dependencies)
+            return Readiness(False, scheduler.not_ready_reason(), dependencies)
         return Readiness(True, "", dependencies)
 
     async def model_info(self) -> ModelInfo:
