@@ -1,13 +1,15 @@
-"""Chaos suite (`make chaos`): concurrent greedy streams against two workers
-while, in turn, a worker, the scheduler, the KV index service and (with
-KV_INDEX_BACKEND=redis) Redis are killed with SIGKILL mid-stream and started
-again. Each stream is compared with the same request run undisturbed just
+"""Chaos suite (`make chaos`): concurrent greedy streams against two workers,
+then against one (the default `make run`), while, in turn, a worker, the
+scheduler, the KV index service and (with KV_INDEX_BACKEND=redis, two workers)
+Redis are killed with SIGKILL mid-stream and started again. With one worker
+its death leaves none: the streams wait for it to come back (WORKER_RECOVERY_S). Each stream is compared with the same request run undisturbed just
 before; the report counts accepted, completed, lost, differing and duplicated
 streams and 5xx replies per fault (a markdown table and a JSON file) and the
 exit code is 1 when any of these is not clean.
 
     python -m benchmarks.chaos                  # default model, 12 streams x 128 tokens
     python -m benchmarks.chaos --quick          # tiny model, 4 streams x 40 tokens
+    python -m benchmarks.chaos --workers 1 --faults worker   # one round, one fault
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ class ChaosSettings:
     kill_after: int = 16               # every stream has streamed this many chunks at the kill
     down_s: float = 1.0                # how long the target stays dead
     redis: bool | None = None          # None: a Redis round when redis-server is installed
+    workers: tuple[int, ...] = (2, 1)  # a round per worker count
+    faults: tuple[str, ...] = ()       # only these faults (names as in chaos_faults.py); (): all
     out_dir: Path = field(default_factory=lambda: ROOT / ".cache" / "chaos")
 
     @classmethod
@@ -128,26 +132,29 @@ async def run_round(stack: Stack, faults: list[Fault], settings: ChaosSettings) 
 
 
 def start_stack(settings: ChaosSettings, model_dir: Path | None, log_dir: Path,
-                extra: dict[str, str]) -> Stack:
+                extra: dict[str, str], workers: int = 2) -> Stack:
     env = {**COMMON_ENV, **(QUICK_ENV if settings.quick else {}), **extra}
     if model_dir is not None:
         env["MODEL_NAME"] = str(model_dir)
-    stack = Stack(ports=StackPorts.free(2), env=env, log_dir=log_dir).start(timeout_s=300)
+    stack = Stack(ports=StackPorts.free(workers), env=env, log_dir=log_dir).start(timeout_s=300)
     try:
-        stack.wait_workers(2, 120)
+        stack.wait_workers(workers, 120)
     except BaseException:
         stack.stop()
         raise
     return stack
 
 
-def one_round(settings: ChaosSettings, model_dir: Path | None, run_dir: Path, backend: str) -> list[FaultReport]:
+def one_round(settings: ChaosSettings, model_dir: Path | None, run_dir: Path, backend: str,
+              workers: int = 2) -> list[FaultReport]:
     redis = RedisProcess(run_dir / "redis") if backend == "redis" else None
     extra = {} if redis is None else {"KV_INDEX_BACKEND": "redis", "REDIS_URL": redis.start()}
     try:
-        stack = start_stack(settings, model_dir, run_dir / f"logs-{backend}", extra)
+        stack = start_stack(settings, model_dir, run_dir / f"logs-{backend}-{workers}w", extra, workers)
         try:
-            return asyncio.run(run_round(stack, faults_for(stack, redis), settings))
+            faults = [f for f in faults_for(stack, redis, workers)
+                      if not settings.faults or f.name.split(" ")[0] in settings.faults]
+            return asyncio.run(run_round(stack, faults, settings))
         finally:
             stack.stop()
     finally:
@@ -163,8 +170,10 @@ def run_suite(settings: ChaosSettings) -> list[FaultReport]:
     with_redis = settings.redis if settings.redis is not None else bool(shutil.which("redis-server"))
     with tempfile.TemporaryDirectory(prefix="chaos-") as scratch:
         model_dir = tiny_model(Path(scratch)) if settings.quick else None
-        reports = one_round(settings, model_dir, run_dir, "memory")
-        if with_redis:
+        reports: list[FaultReport] = []
+        for workers in settings.workers:
+            reports += one_round(settings, model_dir, run_dir, "memory", workers)
+        if with_redis and 2 in settings.workers and (not settings.faults or "redis" in settings.faults):
             reports += one_round(settings, model_dir, run_dir, "redis")
     (run_dir / "chaos.json").write_text(json.dumps({
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
@@ -188,11 +197,17 @@ def parse_args(argv: list[str] | None) -> ChaosSettings:
     parser.add_argument("--down-s", type=float, help="seconds the target stays dead")
     parser.add_argument("--redis", choices=("auto", "yes", "no"), default="auto")
     parser.add_argument("--out", type=Path, help="directory for the JSON report and logs")
+    parser.add_argument("--workers", type=int, nargs="+", choices=(1, 2), help="worker counts, a round each")
+    parser.add_argument("--faults", nargs="+", help="only these: worker scheduler kvcache redis")
     args = parser.parse_args(argv)
     overrides = {key: value for key, value in (
         ("streams", args.streams), ("tokens", args.tokens), ("kill_after", args.kill_after),
         ("down_s", args.down_s), ("out_dir", args.out)) if value is not None}
     overrides["redis"] = {"auto": None, "yes": True, "no": False}[args.redis]
+    if args.workers:
+        overrides["workers"] = tuple(args.workers)
+    if args.faults:
+        overrides["faults"] = tuple(args.faults)
     return ChaosSettings.quick_mode(**overrides) if args.quick else ChaosSettings(**overrides)
 
 

@@ -1,6 +1,7 @@
 """The chaos suite's faults: how each target is killed (SIGKILL), started
-again and waited for, on a scripts.stack.Stack with two workers; and a
-redis-server that can be killed and started again on the same port."""
+again and waited for, on a scripts.stack.Stack with one or two workers (with
+one, a fault's name says so); and a redis-server that can be killed and
+started again on the same port."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ class Fault:
     name: str
     kill: Callable[[], None]
     restart: Callable[[], None]
-    settle: Callable[[], None]        # the stack whole again (both workers) before the next fault
+    settle: Callable[[], None]        # the stack whole again (every worker) before the next fault
 
 
 class RedisProcess:
@@ -66,17 +67,18 @@ class RedisProcess:
         wait_for_redis(self.url, self.process, timeout_s)
 
 
-def faults_for(stack: Stack, redis: RedisProcess | None) -> list[Fault]:
+def faults_for(stack: Stack, redis: RedisProcess | None, workers: int = 2) -> list[Fault]:
     """A worker, the scheduler and the KV index service; with Redis, Redis only
     (the other faults do not depend on the index's backend)."""
-    both_workers = lambda: stack.wait_workers(2, READY_S)  # noqa: E731
+    all_workers = lambda: stack.wait_workers(workers, READY_S)  # noqa: E731
+    suffix = "" if workers == 2 else f" ({workers} worker{'s' if workers > 1 else ''})"
     if redis is not None:
-        return [Fault("redis", redis.kill, redis.start, both_workers)]
+        return [Fault("redis" + suffix, redis.kill, redis.start, all_workers)]
     kvcache_address = f"127.0.0.1:{stack.ports.kvcache}"
     return [
-        Fault("worker", lambda: stack.kill("worker-0"), lambda: stack.respawn("worker-0"), both_workers),
-        Fault("scheduler", lambda: stack.kill("scheduler"), stack.start_scheduler_again, both_workers),
-        Fault("kvcache", lambda: stack.kill("kvcache"),
+        Fault("worker" + suffix, lambda: stack.kill("worker-0"), lambda: stack.respawn("worker-0"), all_workers),
+        Fault("scheduler" + suffix, lambda: stack.kill("scheduler"), stack.start_scheduler_again, all_workers),
+        Fault("kvcache" + suffix, lambda: stack.kill("kvcache"),
               lambda: (stack.respawn("kvcache"), stack.wait_serving("kvcache", kvcache_address, READY_S)),
-              both_workers),
+              all_workers),
     ]
