@@ -44,6 +44,12 @@ class GenerationSpec:
     # A submission of work a scheduler admitted before (continuation.py): not refused
     # or charged again by the tenant's limits.
     resubmitted: bool = False
+    # A request that outlives its call (a background /v1/responses response): leaving the
+    # stream does not cancel it, and the scheduler keeps its events and `attachment`.
+    detached: bool = False
+    attachment: bytes = b""
+    # Not a new request: re-reads the detached request of this id from its first event.
+    attach: bool = False
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,10 @@ class SchedulerBackend(Protocol):
         ...
 
     async def cancel(self, request_id: str) -> bool: ...
+
+    async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
+        """A detached request as it was sent, for its client; None when unknown."""
+        ...
 
     async def scheduler_stats(self) -> SchedulerView: ...
 

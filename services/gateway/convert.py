@@ -76,7 +76,18 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         authenticated=spec.tenant_limits is not None,
         quota=tenant_quota_to_proto(spec.tenant_limits) if spec.tenant_limits is not None else None,
         resubmitted=spec.resubmitted,
+        detached=spec.detached,
+        attachment=spec.attachment,
     )
+
+
+def detached_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> GenerationSpec:
+    """A detached request as sent, to attach to it: what reading its tokens needs."""
+    return GenerationSpec(
+        prompt_token_ids=tuple(message.prompt_token_ids), max_tokens=message.max_tokens,
+        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
+        min_tokens=message.min_tokens, client_id=message.client_id, detached=True,
+        attachment=message.attachment, attach=True)
 
 
 def tenant_quota_to_proto(limits: TenantLimits) -> scheduler_pb2.TenantQuota:

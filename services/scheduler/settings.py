@@ -46,6 +46,7 @@ class SchedulerSettings:
     speculative_sampled: bool = False
     max_migrations: int = _CORE.max_migrations
     worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py
+    detached_ttl_s: float = 3600.0   # detached.py: how long an ended detached request is kept
     step_timeout_s: float = 60.0    # a step's deadline; 0: none
     step_transport: str = "stream"  # step_link.py: one StepStream call per worker, or a Step call each
     kv_policy: str = "full"
@@ -86,6 +87,7 @@ class SchedulerSettings:
             speculative_sampled=read.bool("SPECULATIVE_SAMPLED", cls.speculative_sampled),
             max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
             worker_recovery_s=read.float("WORKER_RECOVERY_S", cls.worker_recovery_s, minimum=0.0),
+            detached_ttl_s=read.float("DETACHED_TTL_S", cls.detached_ttl_s, minimum=1.0),
             step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
             step_transport=read.choice("STEP_TRANSPORT", cls.step_transport, list(STEP_TRANSPORTS)),
             kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),

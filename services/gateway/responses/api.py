@@ -1,11 +1,18 @@
 """The /v1/responses routes: create (streamed or not, in the background or
 not), retrieve (with stream=true&starting_after=N, the events after N as they
 come), cancel and delete. Only the tenant that created a response sees it:
-any other gets the 404 an unknown id gets."""
+any other gets the 404 an unknown id gets.
+
+A background response is a detached request of the scheduler (its id the
+response's), which keeps its tokens and this gateway's state of it (the
+attachment): a gateway that does not hold the response (another replica, or
+this one restarted) adopts it by reading it again from its first token, and so
+rebuilds the very events it had streamed (docs/architecture.md)."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import secrets
 import time
@@ -15,7 +22,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway.chat_request import call_reader, constrain_tool_call, read_chat
+from services.gateway.backend import GenerationSpec
+from services.gateway.chat_request import ChatRequest, call_reader, constrain_tool_call, read_chat
 from services.gateway.chat_template import chat_prompt_ids, turn_stop_token_ids
 from services.gateway.errors import ApiError, bad_request, from_backend, overloaded
 from services.gateway.generation import merge_streams
@@ -25,6 +33,7 @@ from services.gateway.responses.events import ResponseBuilder, conversation_of
 from services.gateway.responses.runner import start
 from services.gateway.responses.store import ResponseRecord, ResponseStore, TooManyResponses
 from services.gateway.responses.translate import chat_body, input_messages, refuse_unimplemented
+from services.gateway.schemas import ChatCompletionBody
 from services.gateway.spec import build_spec
 from services.gateway.sse import event_stream
 from services.gateway.state import GatewayState, scheduler_request_id, until_disconnected
@@ -46,8 +55,10 @@ def _not_found(response_id: str) -> ApiError:
                     "response_id", "not_found")
 
 
-def _record(request: Request, response_id: str) -> ResponseRecord:
+async def _record(request: Request, response_id: str) -> ResponseRecord:
     record = _state(request).responses.get(response_id, _owner(request))
+    if record is None and response_id.startswith("resp_"):
+        record = await _adopt(request, response_id)
     if record is None:
         raise _not_found(response_id)
     return record
@@ -69,18 +80,56 @@ async def create_response(body: ResponseCreateBody, request: Request) -> Respons
     fields = constrain_tool_call(chat_fields(chat_request, turn_stop_token_ids(state.tokenizer)), chat)
     tenant = getattr(request.state, "tenant", None)
     spec = build_spec(fields, prompt_ids, await state.limits(), state.caller(tenant))
-    record = ResponseRecord(owner, _builder(body, state.settings.model_id), conversation,
-                            bool(body.background), store_it)
+    builder = _builder(body, state.settings.model_id)
+    record = ResponseRecord(owner, builder, conversation, bool(body.background), store_it)
+    if record.background:
+        spec = dataclasses.replace(spec, detached=True,
+                                   attachment=_attachment(record, chat_request.model_dump(exclude_none=True)))
     try:
         state.responses.add(record)
     except TooManyResponses as error:
         raise overloaded(str(error), 60, "too_many_responses") from None
     request_id = getattr(request.state, "request_id", "") or record.response_id
     supplied = bool(getattr(request.state, "request_id_supplied", False))
-    deltas = merge_streams([state.service.stream(spec, scheduler_request_id(request_id, 0, supplied), request_id)])
+    scheduler_id = record.response_id if record.background else scheduler_request_id(request_id, 0, supplied)
+    _run(state, record, chat, spec, scheduler_id, request_id)
+    return await _answer(request, state.responses, record, bool(body.stream))
+
+
+def _run(state: GatewayState, record: ResponseRecord, chat: ChatRequest, spec: GenerationSpec,
+         scheduler_id: str, trace_id: str) -> None:
+    """Starts filling `record` from the generation of `spec` (or, attach: its replay)."""
+    deltas = merge_streams([state.service.stream(spec, scheduler_id, trace_id)])
     reader = call_reader(chat, state.settings.tool_call_parser, stream=True)
     start(record, state.responses, reader(deltas, 1) if reader is not None else deltas, state.response_tasks)
-    return await _answer(request, state.responses, record, bool(body.stream))
+
+
+def _attachment(record: ResponseRecord, chat_request: dict[str, Any]) -> bytes:
+    """What another gateway needs to rebuild the response from its tokens."""
+    builder = record.builder
+    return json.dumps({"owner": record.owner, "id": builder.response_id, "created_at": builder.created_at,
+                       "model": builder.model, "echo": builder.echo, "conversation": record.conversation,
+                       "store": record.store, "chat": chat_request}).encode()
+
+
+async def _adopt(request: Request, response_id: str) -> ResponseRecord | None:
+    """A background response this gateway does not hold, read again from the scheduler."""
+    state, owner = _state(request), _owner(request)
+    spec = await state.backend.detached(response_id, owner)
+    if spec is None:
+        return None
+    saved = json.loads(spec.attachment)
+    if saved.get("owner") != owner or saved.get("id") != response_id:
+        return None
+    builder = ResponseBuilder(response_id, saved["created_at"], saved["model"], saved["echo"])
+    record = ResponseRecord(owner, builder, saved["conversation"], True, saved["store"])
+    try:
+        state.responses.add(record)
+    except TooManyResponses as error:
+        raise overloaded(str(error), 60, "too_many_responses") from None
+    chat = read_chat(ChatCompletionBody.model_validate(saved["chat"]), state.tokenizer)
+    _run(state, record, chat, spec, response_id, response_id)
+    return record
 
 
 async def _answer(request: Request, store: ResponseStore, record: ResponseRecord, stream: bool) -> Response:
@@ -148,7 +197,7 @@ def _builder(body: ResponseCreateBody, model: str) -> ResponseBuilder:
 @router.get("/responses/{response_id}")
 async def retrieve_response(response_id: str, request: Request, stream: bool = False,
                             starting_after: int = -1) -> Response:
-    record = _record(request, response_id)
+    record = await _record(request, response_id)
     if stream:
         return event_stream(_sse(record, starting_after))
     return JSONResponse(record.builder.snapshot())
@@ -156,24 +205,27 @@ async def retrieve_response(response_id: str, request: Request, stream: bool = F
 
 @router.post("/responses/{response_id}/cancel")
 async def cancel_response(response_id: str, request: Request) -> Response:
-    record = _record(request, response_id)
+    record = await _record(request, response_id)
     if not record.background:
         raise bad_request("Only a background response can be cancelled.", "response_id")
-    await _stop(record)
+    await _stop(_state(request), record)
     return JSONResponse(record.builder.snapshot())
 
 
 @router.delete("/responses/{response_id}")
 async def delete_response(response_id: str, request: Request) -> Response:
-    record = _record(request, response_id)
-    await _stop(record)
+    record = await _record(request, response_id)
+    await _stop(_state(request), record)
     _state(request).responses.remove(response_id)
     return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
 
-async def _stop(record: ResponseRecord) -> None:
-    """Cancels the generation of a response in progress and waits for it to end."""
+async def _stop(state: GatewayState, record: ResponseRecord) -> None:
+    """Cancels the generation of a response in progress and waits for it to end; a
+    background one's detached request too (leaving its stream does not)."""
     task = record.task
     if task is not None and not task.done():
         task.cancel()
         await asyncio.wait({task})
+        if record.background:
+            await state.backend.cancel(record.response_id)

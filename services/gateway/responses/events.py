@@ -11,7 +11,7 @@ Pure: built from generation deltas; no transport."""
 
 from __future__ import annotations
 
-import secrets
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,7 +78,7 @@ class ResponseBuilder:
     def _text(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
         if self._message is None:
-            self._message = {"id": f"msg_{secrets.token_hex(12)}", "type": "message", "status": "in_progress",
+            self._message = {"id": self._item_id("msg", len(self.output)), "type": "message", "status": "in_progress",
                              "role": "assistant", "content": []}
             index = len(self.output)
             self.output.append(self._message)
@@ -98,8 +98,8 @@ class ResponseBuilder:
         events: list[dict[str, Any]] = []
         item = self._calls.get(index)
         if item is None:
-            item = {"id": f"fc_{secrets.token_hex(12)}", "type": "function_call", "status": "in_progress",
-                    "call_id": call_id or f"call_{secrets.token_hex(12)}", "name": name or "", "arguments": ""}
+            item = {"id": self._item_id("fc", len(self.output)), "type": "function_call", "status": "in_progress",
+                    "call_id": self._item_id("call", len(self.output)), "name": name or "", "arguments": ""}
             self._calls[index] = item
             self.output.append(item)
             events.append({"type": "response.output_item.added", "output_index": len(self.output) - 1,
@@ -109,6 +109,12 @@ class ResponseBuilder:
             events.append({"type": "response.function_call_arguments.delta", "item_id": item["id"],
                            "output_index": self.output.index(item), "delta": arguments})
         return events
+
+    def _item_id(self, prefix: str, output_index: int) -> str:
+        """Ids that the same response gets again when its events are rebuilt from its tokens
+        (a gateway resuming it; store.py), so a resumed stream repeats none with another id."""
+        digest = hashlib.sha256(f"{self.response_id}/{output_index}".encode()).hexdigest()[:24]
+        return f"{prefix}_{digest}"
 
     def _close_items(self, status: str = "completed") -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []

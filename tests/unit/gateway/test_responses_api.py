@@ -183,3 +183,28 @@ def test_function_tools_come_back_as_function_call_items(serve: Callable[..., Se
                                      previous_response_id=response.id, tools=[WEATHER])
     assert follow_up.status == "completed"
     assert "sunny" in tokenizer.decode(list(fake.requests[-1].spec.prompt_token_ids))
+
+
+def test_a_gateway_adopts_a_background_response_for_its_owner_only(serve: Callable[..., ServerThread],
+                                                                   reply_ids: list[int]) -> None:
+    # This gateway does not hold the response: it asks the scheduler, which (here, a careless
+    # one) answers whoever asks; the gateway still shows it to the tenant in its attachment only.
+    from services.gateway.backend import GenerationSpec
+
+    class Keeper(FakeScheduler):
+        async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
+            attachment = {"owner": "alice", "id": request_id, "created_at": 1, "model": "m",
+                          "echo": {"background": True}, "conversation": [{"role": "user", "content": "Hi"}],
+                          "store": True, "chat": {"messages": [{"role": "user", "content": "Hi"}]}}
+            return GenerationSpec(prompt_token_ids=(5, 6, 7), max_tokens=64, client_id=client_id,
+                                  detached=True, attach=True, attachment=json.dumps(attachment).encode())
+
+    url = serve(Keeper(reply_ids=reply_ids), tenants=load_tenants(f"alice={ALICE},mallory={MALLORY}")).url
+    mallory = openai.OpenAI(base_url=f"{url}/v1", api_key=MALLORY, max_retries=0, timeout=10)
+    alice = openai.OpenAI(base_url=f"{url}/v1", api_key=ALICE, max_retries=0, timeout=10)
+    with pytest.raises(openai.NotFoundError):
+        mallory.responses.retrieve("resp_elsewhere")
+    events = list(alice.responses.retrieve("resp_elsewhere", stream=True))
+    assert events[-1].type == "response.completed" and events[-1].response.output_text == REPLY_TEXT
+    with pytest.raises(openai.NotFoundError):
+        mallory.responses.retrieve("resp_elsewhere")        # adopted now, still alice's
