@@ -1,7 +1,9 @@
 """Chaos suite (`make chaos`): concurrent greedy streams against two workers,
 then against one (the default `make run`), while, in turn, a worker, the
-scheduler, the KV index service and (with KV_INDEX_BACKEND=redis, two workers)
-Redis are killed with SIGKILL mid-stream and started again. With one worker
+scheduler, the KV index service, the gateway (background /v1/responses
+streams, which the client resumes with starting_after) and (with
+KV_INDEX_BACKEND=redis, two workers) Redis are killed with SIGKILL mid-stream
+and started again. With one worker
 its death leaves none: the streams wait for it to come back (WORKER_RECOVERY_S). Each stream is compared with the same request run undisturbed just
 before; the report counts accepted, completed, lost, differing and duplicated
 streams and 5xx replies per fault (a markdown table and a JSON file) and the
@@ -29,6 +31,7 @@ import httpx
 
 from benchmarks.chaos_faults import Fault, RedisProcess, faults_for
 from benchmarks.chaos_report import FaultReport, StreamResult, exit_code, fault_report, markdown_table
+from benchmarks.chaos_responses import response_bodies, stream_response
 from scripts.stack import ROOT, Stack, StackPorts
 
 QUICK_ENV = {
@@ -98,14 +101,17 @@ async def until(predicate, what: str, timeout_s: float = STREAM_TIMEOUT_S) -> No
 
 
 async def run_fault(client: httpx.AsyncClient, fault: Fault, settings: ChaosSettings) -> FaultReport:
-    requests = bodies(fault.name, settings)
-    references = await asyncio.gather(*(stream(client, body, StreamResult()) for body in requests))
+    if fault.resumes:      # the gateway's own death: background responses, resumed (chaos_responses.py)
+        requests, streamer = response_bodies(fault.name, settings.streams, settings.tokens), stream_response
+    else:
+        requests, streamer = bodies(fault.name, settings), stream
+    references = await asyncio.gather(*(streamer(client, body, StreamResult()) for body in requests))
     broken = [r for r in references if r.status != 200 or r.error or r.finish_reason is None]
     if broken:
         raise RuntimeError(f"{fault.name}: the undisturbed run failed: {broken[0]}")
     started = time.monotonic()
     seen = [StreamResult() for _ in requests]
-    tasks = [asyncio.create_task(stream(client, body, s)) for body, s in zip(requests, seen)]
+    tasks = [asyncio.create_task(streamer(client, body, s)) for body, s in zip(requests, seen)]
     await until(lambda: all(s.chunks >= settings.kill_after or s.finish_reason or s.error for s in seen),
                 f"{settings.kill_after} chunks on every stream")
     chunks_at_kill = [s.chunks for s in seen]

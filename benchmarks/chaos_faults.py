@@ -22,6 +22,7 @@ class Fault:
     kill: Callable[[], None]
     restart: Callable[[], None]
     settle: Callable[[], None]        # the stack whole again (every worker) before the next fault
+    resumes: bool = False             # the client's own gateway dies: its streams resume (chaos_responses.py)
 
 
 class RedisProcess:
@@ -81,4 +82,6 @@ def faults_for(stack: Stack, redis: RedisProcess | None, workers: int = 2) -> li
         Fault("kvcache" + suffix, lambda: stack.kill("kvcache"),
               lambda: (stack.respawn("kvcache"), stack.wait_serving("kvcache", kvcache_address, READY_S)),
               all_workers),
+        Fault("gateway" + suffix, lambda: stack.kill("gateway"),
+              lambda: (stack.respawn("gateway"), stack.wait_ready(READY_S)), all_workers, resumes=True),
     ]

@@ -6,8 +6,9 @@ A reader that is not the owner gets nothing, as if the id did not exist (a
 after it ended; each tenant keeps at most RESPONSES_MAX_PER_TENANT, in
 progress or stored.
 
-Kept in this process (see docs/architecture.md for what survives a gateway's
-death and what does not yet). The clock is injected."""
+Kept in this process; a background response is also held by the scheduler,
+from which another gateway adopts it (docs/architecture.md). The clock is
+injected."""
 
 from __future__ import annotations
 
