@@ -40,6 +40,8 @@ QUICK_ENV = {
 }
 COMMON_ENV = {"WORKER_HEARTBEAT_INTERVAL_S": "0.5", "LOG_LEVEL": "info"}
 STREAM_TIMEOUT_S = 300.0
+# The quick mode's faults: the cascade needs streams longer than its kills take.
+QUICK_FAULTS = ("worker", "scheduler", "kvcache", "gateway", "redis")
 
 
 @dataclass
@@ -52,11 +54,13 @@ class ChaosSettings:
     redis: bool | None = None          # None: a Redis round when redis-server is installed
     workers: tuple[int, ...] = (2, 1)  # a round per worker count
     faults: tuple[str, ...] = ()       # only these faults (names as in chaos_faults.py); (): all
+    cascade_gap_s: float = 4.0         # the cascade fault: seconds between its kills
     out_dir: Path = field(default_factory=lambda: ROOT / ".cache" / "chaos")
 
     @classmethod
     def quick_mode(cls, **overrides: Any) -> "ChaosSettings":
-        return cls(**{"quick": True, "streams": 4, "tokens": 40, "kill_after": 6, **overrides})
+        return cls(**{"quick": True, "streams": 4, "tokens": 40, "kill_after": 6, "faults": QUICK_FAULTS,
+                      **overrides})
 
 
 async def stream(client: httpx.AsyncClient, body: dict[str, Any], seen: StreamResult) -> StreamResult:
@@ -158,7 +162,7 @@ def one_round(settings: ChaosSettings, model_dir: Path | None, run_dir: Path, ba
     try:
         stack = start_stack(settings, model_dir, run_dir / f"logs-{backend}-{workers}w", extra, workers)
         try:
-            faults = [f for f in faults_for(stack, redis, workers)
+            faults = [f for f in faults_for(stack, redis, workers, settings.cascade_gap_s)
                       if not settings.faults or f.name.split(" ")[0] in settings.faults]
             return asyncio.run(run_round(stack, faults, settings))
         finally:
@@ -204,7 +208,8 @@ def parse_args(argv: list[str] | None) -> ChaosSettings:
     parser.add_argument("--redis", choices=("auto", "yes", "no"), default="auto")
     parser.add_argument("--out", type=Path, help="directory for the JSON report and logs")
     parser.add_argument("--workers", type=int, nargs="+", choices=(1, 2), help="worker counts, a round each")
-    parser.add_argument("--faults", nargs="+", help="only these: worker scheduler kvcache redis")
+    parser.add_argument("--faults", nargs="+", help="only these: worker scheduler kvcache gateway cascade redis")
+    parser.add_argument("--cascade-gap-s", type=float, help="seconds between the cascade fault's kills")
     args = parser.parse_args(argv)
     overrides = {key: value for key, value in (
         ("streams", args.streams), ("tokens", args.tokens), ("kill_after", args.kill_after),
@@ -214,6 +219,8 @@ def parse_args(argv: list[str] | None) -> ChaosSettings:
         overrides["workers"] = tuple(args.workers)
     if args.faults:
         overrides["faults"] = tuple(args.faults)
+    if args.cascade_gap_s is not None:
+        overrides["cascade_gap_s"] = args.cascade_gap_s
     return ChaosSettings.quick_mode(**overrides) if args.quick else ChaosSettings(**overrides)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,7 +69,22 @@ class RedisProcess:
         wait_for_redis(self.url, self.process, timeout_s)
 
 
-def faults_for(stack: Stack, redis: RedisProcess | None, workers: int = 2) -> list[Fault]:
+def cascade(stack: Stack, gap_s: float) -> None:
+    """The scheduler, `gap_s` later worker-0, `gap_s` later the KV index service, each
+    killed and started again at once (as `make run`'s supervisor does)."""
+    kvcache_address = f"127.0.0.1:{stack.ports.kvcache}"
+    steps = (("scheduler", stack.start_scheduler_again), ("worker-0", lambda: stack.respawn("worker-0")),
+             ("kvcache", lambda: (stack.respawn("kvcache"),
+                                  stack.wait_serving("kvcache", kvcache_address, READY_S))))
+    for index, (name, restart) in enumerate(steps):
+        if index:
+            time.sleep(gap_s)
+        stack.kill(name)
+        restart()
+
+
+def faults_for(stack: Stack, redis: RedisProcess | None, workers: int = 2,
+               cascade_gap_s: float = 4.0) -> list[Fault]:
     """A worker, the scheduler and the KV index service; with Redis, Redis only
     (the other faults do not depend on the index's backend)."""
     all_workers = lambda: stack.wait_workers(workers, READY_S)  # noqa: E731
@@ -84,4 +100,6 @@ def faults_for(stack: Stack, redis: RedisProcess | None, workers: int = 2) -> li
               all_workers),
         Fault("gateway" + suffix, lambda: stack.kill("gateway"),
               lambda: (stack.respawn("gateway"), stack.wait_ready(READY_S)), all_workers, resumes=True),
+        # issue 42's sequence: every service but the gateway, one after another.
+        Fault("cascade" + suffix, lambda: cascade(stack, cascade_gap_s), lambda: None, all_workers),
     ]
