@@ -135,14 +135,19 @@ async def _adopt(request: Request, response_id: str) -> ResponseRecord | None:
 async def _answer(request: Request, store: ResponseStore, record: ResponseRecord, stream: bool) -> Response:
     if record.background and not stream:
         return JSONResponse(record.builder.snapshot())
-    if not record.background:
-        await until_disconnected(request, _settled(record))   # a refusal is the HTTP status
-        if record.failure is not None:
-            store.remove(record.response_id)
-            raise from_backend(record.failure)
-    if stream:
-        return event_stream(_sse(record, -1, cancel_on_close=not record.background))
-    await until_disconnected(request, _ended(record))
+    try:
+        if not record.background:
+            await until_disconnected(request, _settled(record))   # a refusal is the HTTP status
+            if record.failure is not None:
+                store.remove(record.response_id)
+                raise from_backend(record.failure)
+        if stream:
+            return event_stream(_sse(record, -1, cancel_on_close=not record.background))
+        await until_disconnected(request, _ended(record))
+    except BaseException:
+        if not record.background and record.task is not None and not record.task.done():
+            record.task.cancel()          # the client of a foreground response left
+        raise
     return JSONResponse(record.builder.snapshot())
 
 

@@ -208,3 +208,18 @@ def test_a_gateway_adopts_a_background_response_for_its_owner_only(serve: Callab
     assert events[-1].type == "response.completed" and events[-1].response.output_text == REPLY_TEXT
     with pytest.raises(openai.NotFoundError):
         mallory.responses.retrieve("resp_elsewhere")        # adopted now, still alice's
+
+
+def test_a_foreground_stream_whose_client_leaves_stops_generating(serve: Callable[..., ServerThread],
+                                                                    reply_ids: list[int]) -> None:
+    fake = FakeScheduler(reply_ids=reply_ids * 50, token_delay_s=0.02)
+    url = serve(fake).url
+    with httpx.stream("POST", f"{url}/v1/responses", json={"input": "Hi", "stream": True,
+                                                           "max_output_tokens": 500}, timeout=10) as reply:
+        for line in reply.iter_lines():
+            if "output_text.delta" in line:
+                break
+    deadline = time.monotonic() + 5
+    while not fake.abandoned and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake.abandoned and not fake.finished
