@@ -4,6 +4,7 @@ a tenant reading another's response (a 404, as for an unknown id)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -210,16 +211,18 @@ def test_a_gateway_adopts_a_background_response_for_its_owner_only(serve: Callab
         mallory.responses.retrieve("resp_elsewhere")        # adopted now, still alice's
 
 
-def test_a_foreground_stream_whose_client_leaves_stops_generating(serve: Callable[..., ServerThread],
-                                                                    reply_ids: list[int]) -> None:
-    fake = FakeScheduler(reply_ids=reply_ids * 50, token_delay_s=0.02)
-    url = serve(fake).url
-    with httpx.stream("POST", f"{url}/v1/responses", json={"input": "Hi", "stream": True,
-                                                           "max_output_tokens": 500}, timeout=10) as reply:
-        for line in reply.iter_lines():
-            if "output_text.delta" in line:
+async def test_a_foreground_stream_whose_client_leaves_stops_generating(make_app: Callable[..., Any],
+                                                                          reply_ids: list[int]) -> None:
+    fake = FakeScheduler(reply_ids=reply_ids[:-1] * 50, token_delay_s=0.02)   # no EOS: it runs long
+    with ServerThread(make_app(fake)) as server:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            async with http.stream("POST", "/v1/responses", json={"input": "Hi", "stream": True,
+                                                                   "max_output_tokens": 400}) as response:
+                lines = response.aiter_lines()
+                while "output_text.delta" not in await anext(lines):
+                    pass
+        for _ in range(200):
+            if fake.abandoned:
                 break
-    deadline = time.monotonic() + 5
-    while not fake.abandoned and time.monotonic() < deadline:
-        time.sleep(0.05)
+            await asyncio.sleep(0.02)
     assert fake.abandoned and not fake.finished
