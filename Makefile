@@ -97,9 +97,10 @@ bench-serving: install prepare-model
 bench-peers: install
 	$(PY) -m benchmarks.head_to_head.peers $(ARGS)
 
-# Kills a worker, the scheduler, the KV index and Redis (if installed) mid-stream, in turn,
-# and checks every stream against an undisturbed run (exit 1 on a loss, a difference, a
-# repeat or a 5xx); report under .cache/chaos/<time>:
+# Kills a worker, the scheduler, the KV index, the gateway (background /v1/responses streams,
+# resumed), all but the gateway in a cascade, and Redis (if installed) mid-stream, in turn, with
+# two workers and then one, and checks every stream against an undisturbed run (exit 1 on a loss,
+# a difference, a repeat or a 5xx); report under .cache/chaos/<time>:
 #   make chaos   or   make chaos ARGS="--quick"   (tiny model, 4 streams of 40 tokens)
 chaos: install prepare-model
 	$(PY) -m benchmarks.chaos $(ARGS)

@@ -1,13 +1,17 @@
-"""Chaos suite (`make chaos`): concurrent greedy streams against two workers
-while, in turn, a worker, the scheduler, the KV index service and (with
-KV_INDEX_BACKEND=redis) Redis are killed with SIGKILL mid-stream and started
-again. Each stream is compared with the same request run undisturbed just
+"""Chaos suite (`make chaos`): concurrent greedy streams against two workers,
+then against one (the default `make run`), while, in turn, a worker, the
+scheduler, the KV index service, the gateway (background /v1/responses
+streams, which the client resumes with starting_after) and (with
+KV_INDEX_BACKEND=redis, two workers) Redis are killed with SIGKILL mid-stream
+and started again. With one worker
+its death leaves none: the streams wait for it to come back (WORKER_RECOVERY_S). Each stream is compared with the same request run undisturbed just
 before; the report counts accepted, completed, lost, differing and duplicated
 streams and 5xx replies per fault (a markdown table and a JSON file) and the
 exit code is 1 when any of these is not clean.
 
     python -m benchmarks.chaos                  # default model, 12 streams x 128 tokens
     python -m benchmarks.chaos --quick          # tiny model, 4 streams x 40 tokens
+    python -m benchmarks.chaos --workers 1 --faults worker   # one round, one fault
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import httpx
 
 from benchmarks.chaos_faults import Fault, RedisProcess, faults_for
 from benchmarks.chaos_report import FaultReport, StreamResult, exit_code, fault_report, markdown_table
+from benchmarks.chaos_responses import response_bodies, stream_response
 from scripts.stack import ROOT, Stack, StackPorts
 
 QUICK_ENV = {
@@ -35,6 +40,8 @@ QUICK_ENV = {
 }
 COMMON_ENV = {"WORKER_HEARTBEAT_INTERVAL_S": "0.5", "LOG_LEVEL": "info"}
 STREAM_TIMEOUT_S = 300.0
+# The quick mode's faults: the cascade needs streams longer than its kills take.
+QUICK_FAULTS = ("worker", "scheduler", "kvcache", "gateway", "redis")
 
 
 @dataclass
@@ -45,11 +52,15 @@ class ChaosSettings:
     kill_after: int = 16               # every stream has streamed this many chunks at the kill
     down_s: float = 1.0                # how long the target stays dead
     redis: bool | None = None          # None: a Redis round when redis-server is installed
+    workers: tuple[int, ...] = (2, 1)  # a round per worker count
+    faults: tuple[str, ...] = ()       # only these faults (names as in chaos_faults.py); (): all
+    cascade_gap_s: float = 4.0         # the cascade fault: seconds between its kills
     out_dir: Path = field(default_factory=lambda: ROOT / ".cache" / "chaos")
 
     @classmethod
     def quick_mode(cls, **overrides: Any) -> "ChaosSettings":
-        return cls(**{"quick": True, "streams": 4, "tokens": 40, "kill_after": 6, **overrides})
+        return cls(**{"quick": True, "streams": 4, "tokens": 40, "kill_after": 6, "faults": QUICK_FAULTS,
+                      **overrides})
 
 
 async def stream(client: httpx.AsyncClient, body: dict[str, Any], seen: StreamResult) -> StreamResult:
@@ -94,14 +105,17 @@ async def until(predicate, what: str, timeout_s: float = STREAM_TIMEOUT_S) -> No
 
 
 async def run_fault(client: httpx.AsyncClient, fault: Fault, settings: ChaosSettings) -> FaultReport:
-    requests = bodies(fault.name, settings)
-    references = await asyncio.gather(*(stream(client, body, StreamResult()) for body in requests))
+    if fault.resumes:      # the gateway's own death: background responses, resumed (chaos_responses.py)
+        requests, streamer = response_bodies(fault.name, settings.streams, settings.tokens), stream_response
+    else:
+        requests, streamer = bodies(fault.name, settings), stream
+    references = await asyncio.gather(*(streamer(client, body, StreamResult()) for body in requests))
     broken = [r for r in references if r.status != 200 or r.error or r.finish_reason is None]
     if broken:
         raise RuntimeError(f"{fault.name}: the undisturbed run failed: {broken[0]}")
     started = time.monotonic()
     seen = [StreamResult() for _ in requests]
-    tasks = [asyncio.create_task(stream(client, body, s)) for body, s in zip(requests, seen)]
+    tasks = [asyncio.create_task(streamer(client, body, s)) for body, s in zip(requests, seen)]
     await until(lambda: all(s.chunks >= settings.kill_after or s.finish_reason or s.error for s in seen),
                 f"{settings.kill_after} chunks on every stream")
     chunks_at_kill = [s.chunks for s in seen]
@@ -128,26 +142,29 @@ async def run_round(stack: Stack, faults: list[Fault], settings: ChaosSettings) 
 
 
 def start_stack(settings: ChaosSettings, model_dir: Path | None, log_dir: Path,
-                extra: dict[str, str]) -> Stack:
+                extra: dict[str, str], workers: int = 2) -> Stack:
     env = {**COMMON_ENV, **(QUICK_ENV if settings.quick else {}), **extra}
     if model_dir is not None:
         env["MODEL_NAME"] = str(model_dir)
-    stack = Stack(ports=StackPorts.free(2), env=env, log_dir=log_dir).start(timeout_s=300)
+    stack = Stack(ports=StackPorts.free(workers), env=env, log_dir=log_dir).start(timeout_s=300)
     try:
-        stack.wait_workers(2, 120)
+        stack.wait_workers(workers, 120)
     except BaseException:
         stack.stop()
         raise
     return stack
 
 
-def one_round(settings: ChaosSettings, model_dir: Path | None, run_dir: Path, backend: str) -> list[FaultReport]:
+def one_round(settings: ChaosSettings, model_dir: Path | None, run_dir: Path, backend: str,
+              workers: int = 2) -> list[FaultReport]:
     redis = RedisProcess(run_dir / "redis") if backend == "redis" else None
     extra = {} if redis is None else {"KV_INDEX_BACKEND": "redis", "REDIS_URL": redis.start()}
     try:
-        stack = start_stack(settings, model_dir, run_dir / f"logs-{backend}", extra)
+        stack = start_stack(settings, model_dir, run_dir / f"logs-{backend}-{workers}w", extra, workers)
         try:
-            return asyncio.run(run_round(stack, faults_for(stack, redis), settings))
+            faults = [f for f in faults_for(stack, redis, workers, settings.cascade_gap_s)
+                      if not settings.faults or f.name.split(" ")[0] in settings.faults]
+            return asyncio.run(run_round(stack, faults, settings))
         finally:
             stack.stop()
     finally:
@@ -163,8 +180,10 @@ def run_suite(settings: ChaosSettings) -> list[FaultReport]:
     with_redis = settings.redis if settings.redis is not None else bool(shutil.which("redis-server"))
     with tempfile.TemporaryDirectory(prefix="chaos-") as scratch:
         model_dir = tiny_model(Path(scratch)) if settings.quick else None
-        reports = one_round(settings, model_dir, run_dir, "memory")
-        if with_redis:
+        reports: list[FaultReport] = []
+        for workers in settings.workers:
+            reports += one_round(settings, model_dir, run_dir, "memory", workers)
+        if with_redis and 2 in settings.workers and (not settings.faults or "redis" in settings.faults):
             reports += one_round(settings, model_dir, run_dir, "redis")
     (run_dir / "chaos.json").write_text(json.dumps({
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(settings).items()},
@@ -188,11 +207,20 @@ def parse_args(argv: list[str] | None) -> ChaosSettings:
     parser.add_argument("--down-s", type=float, help="seconds the target stays dead")
     parser.add_argument("--redis", choices=("auto", "yes", "no"), default="auto")
     parser.add_argument("--out", type=Path, help="directory for the JSON report and logs")
+    parser.add_argument("--workers", type=int, nargs="+", choices=(1, 2), help="worker counts, a round each")
+    parser.add_argument("--faults", nargs="+", help="only these: worker scheduler kvcache gateway cascade redis")
+    parser.add_argument("--cascade-gap-s", type=float, help="seconds between the cascade fault's kills")
     args = parser.parse_args(argv)
     overrides = {key: value for key, value in (
         ("streams", args.streams), ("tokens", args.tokens), ("kill_after", args.kill_after),
         ("down_s", args.down_s), ("out_dir", args.out)) if value is not None}
     overrides["redis"] = {"auto": None, "yes": True, "no": False}[args.redis]
+    if args.workers:
+        overrides["workers"] = tuple(args.workers)
+    if args.faults:
+        overrides["faults"] = tuple(args.faults)
+    if args.cascade_gap_s is not None:
+        overrides["cascade_gap_s"] = args.cascade_gap_s
     return ChaosSettings.quick_mode(**overrides) if args.quick else ChaosSettings(**overrides)
 
 

@@ -21,6 +21,7 @@ from starlette.middleware import Middleware
 
 from common.types import Usage
 from services.gateway import openai_api, tokenize_api
+from services.gateway.responses import api as responses_api
 from services.gateway.backend import BackendError, SchedulerBackend
 from services.gateway.drain import Drain, DrainMiddleware
 from services.gateway.errors import (
@@ -107,6 +108,7 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(tokenize_api.router)
     app.mount("/dashboard", StaticFiles(directory=DASHBOARD_DIR, html=True), name="dashboard")
     return app

@@ -44,6 +44,12 @@ class GenerationSpec:
     # A submission of work a scheduler admitted before (continuation.py): not refused
     # or charged again by the tenant's limits.
     resubmitted: bool = False
+    # A request that outlives its call (a background /v1/responses response): leaving the
+    # stream does not cancel it, and the scheduler keeps its events and `attachment`.
+    detached: bool = False
+    attachment: bytes = b""
+    # Not a new request: re-reads the detached request of this id from its first event.
+    attach: bool = False
 
 
 @dataclass(frozen=True)
@@ -93,10 +99,22 @@ class WorkerView:
 class SchedulerView:
     workers: tuple[WorkerView, ...]
     details: dict[str, Any] = field(default_factory=dict)
+    # Requests waiting for a worker to register while none serves (WORKER_RECOVERY_S).
+    waiting_for_worker: int = 0
+    worker_wait_s: float = 0.0
+    worker_recovery_s: float = 0.0
 
     @property
     def healthy_workers(self) -> int:
         return sum(1 for worker in self.workers if worker.healthy)
+
+    def not_ready_reason(self) -> str:
+        """Why the gateway is not ready for want of a worker, with what waits for one."""
+        reason = "no healthy worker is registered with the scheduler"
+        if self.waiting_for_worker:
+            reason += (f"; {self.waiting_for_worker} request(s) wait for one to register, the longest "
+                       f"for {self.worker_wait_s:.0f} s (WORKER_RECOVERY_S={self.worker_recovery_s:g})")
+        return reason
 
 
 @dataclass(frozen=True)
@@ -161,6 +179,10 @@ class SchedulerBackend(Protocol):
         ...
 
     async def cancel(self, request_id: str) -> bool: ...
+
+    async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
+        """A detached request as it was sent, for its client; None when unknown."""
+        ...
 
     async def scheduler_stats(self) -> SchedulerView: ...
 

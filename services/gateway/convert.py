@@ -76,7 +76,18 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         authenticated=spec.tenant_limits is not None,
         quota=tenant_quota_to_proto(spec.tenant_limits) if spec.tenant_limits is not None else None,
         resubmitted=spec.resubmitted,
+        detached=spec.detached,
+        attachment=spec.attachment,
     )
+
+
+def detached_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> GenerationSpec:
+    """A detached request as sent, to attach to it: what reading its tokens needs."""
+    return GenerationSpec(
+        prompt_token_ids=tuple(message.prompt_token_ids), max_tokens=message.max_tokens,
+        stop_token_ids=tuple(message.stop_token_ids), ignore_eos=message.ignore_eos,
+        min_tokens=message.min_tokens, client_id=message.client_id, detached=True,
+        attachment=message.attachment, attach=True)
 
 
 def tenant_quota_to_proto(limits: TenantLimits) -> scheduler_pb2.TenantQuota:
@@ -112,7 +123,9 @@ def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
 def scheduler_view_from_proto(message: scheduler_pb2.SchedulerStats) -> SchedulerView:
     workers = tuple(WorkerView(worker_id=worker.worker_id, address=worker.address,
                                healthy=worker.healthy) for worker in message.workers)
-    return SchedulerView(workers=workers, details=scheduler_stats_to_dict(message))
+    return SchedulerView(workers=workers, details=scheduler_stats_to_dict(message),
+                         waiting_for_worker=message.waiting_for_worker, worker_wait_s=message.worker_wait_s,
+                         worker_recovery_s=message.worker_recovery_s)
 
 
 def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, Any]:
@@ -125,6 +138,7 @@ def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, 
         "rejections": dict(message.rejections),
         "holds": dict(message.holds), "policy": message.policy,
         "reserved_kv_tokens": message.reserved_kv_tokens,
+        "waiting_for_worker": message.waiting_for_worker,
         "workers": [{
             "worker_id": w.worker_id, "healthy": w.healthy, "running": w.running,
             "free_blocks": w.free_blocks, "cached_blocks": w.cached_blocks,

@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from services.gateway.errors import ApiError, unavailable
 from services.gateway.middleware import send_error
 
-GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+GENERATION_PATHS = frozenset({"/generate", "/v1/completions", "/v1/chat/completions", "/v1/responses"})
 RETRY_AFTER_S = 2
 
 

@@ -4,6 +4,7 @@ which it only asks for its stats, as a probe too)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,14 +47,26 @@ class SchedulerClient:
         span = tracer().start_span("scheduler.Generate", kind=trace.SpanKind.CLIENT,
                                    attributes={"fairserve.request_id": request_id,
                                                "fairserve.prompt_tokens": len(spec.prompt_token_ids)})
-        call = self._scheduler.Generate(
-            convert.generate_request_to_proto(spec, request_id),
-            metadata=(*request_metadata(trace_id or request_id), *traceparent_metadata(span)),
-        )
+        metadata = (*request_metadata(trace_id or request_id), *traceparent_metadata(span))
+        if spec.attach:
+            call = self._scheduler.Attach(
+                scheduler_pb2.AttachRequest(request_id=request_id, client_id=spec.client_id),
+                metadata=metadata)
+        else:
+            call = self._scheduler.Generate(
+                convert.generate_request_to_proto(spec, request_id), metadata=metadata)
         try:
+            skip = len(spec.resume_token_ids) if spec.attach else 0   # read already, before a loss
             async for message in call:
                 self.scheduler_seen = True
-                yield convert.event_from_proto(message)
+                event = convert.event_from_proto(message)
+                if skip:
+                    dropped = min(skip, len(event.tokens))
+                    skip -= dropped
+                    event = dataclasses.replace(event, tokens=event.tokens[dropped:], prompt_logprobs=())
+                    if not event.tokens and event.finish is None:
+                        continue
+                yield event
         except grpc.aio.AioRpcError as error:
             raise convert.backend_error_from_rpc(error) from None
         finally:
@@ -71,6 +84,17 @@ class SchedulerClient:
             log.warning("cancel failed", extra={"error": error.code().name})
             return False
         return reply.found
+
+    async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
+        try:
+            reply = await self._scheduler.GetDetached(
+                scheduler_pb2.AttachRequest(request_id=request_id, client_id=client_id),
+                timeout=PROBE_TIMEOUT_S, metadata=request_metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise convert.backend_error_from_rpc(error) from None
+        return convert.detached_spec_from_proto(reply)
 
     async def scheduler_stats(self) -> SchedulerView:
         try:
@@ -99,7 +123,7 @@ class SchedulerClient:
             message = scheduler.message if isinstance(scheduler, BackendError) else repr(scheduler)
             return Readiness(False, message, dependencies)
         if scheduler.healthy_workers < 1:
-            return Readiness(False, "no healthy worker is registered with the scheduler", dependencies)
+            return Readiness(False, scheduler.not_ready_reason(), dependencies)
         return Readiness(True, "", dependencies)
 
     async def model_info(self) -> ModelInfo:

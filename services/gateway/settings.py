@@ -56,6 +56,10 @@ class GatewaySettings:
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
     drain_timeout_s: float = 30.0   # on SIGTERM, how long generations in flight may take to end
     tool_call_parser: str = "hermes"   # how chat replies' tool calls are read (tool_parsers/)
+    # /v1/responses (responses/store.py): how long a finished response is kept, and how
+    # many responses (in progress or kept) a tenant may have.
+    responses_ttl_s: float = 3600.0
+    responses_max_per_tenant: int = 100
 
     @property
     def model_id(self) -> str:
@@ -114,6 +118,9 @@ class GatewaySettings:
             grpc_max_concurrent_rpcs=read.int("GATEWAY_GRPC_MAX_CONCURRENT_RPCS",
                                               cls.grpc_max_concurrent_rpcs, minimum=1),
             scheduler_recovery_s=read.float("SCHEDULER_RECOVERY_S", cls.scheduler_recovery_s, minimum=0.0),
+            responses_ttl_s=read.float("RESPONSES_TTL_S", cls.responses_ttl_s, minimum=1.0),
+            responses_max_per_tenant=read.int("RESPONSES_MAX_PER_TENANT", cls.responses_max_per_tenant,
+                                              minimum=1),
             internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
             tool_call_parser=read.choice("TOOL_CALL_PARSER", cls.tool_call_parser, tuple(PARSERS)),

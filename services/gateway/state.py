@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -27,6 +28,7 @@ from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.responses.store import ResponseStore
 from services.gateway.settings import GatewaySettings
 from services.gateway.prompt_bound import BoundedTokenizer, longest_token_chars
 from services.gateway.spec import Limits, TextInput, build_spec, prompt_context
@@ -46,6 +48,14 @@ class GatewayState:
     metrics: GatewayMetrics
     drain: Drain = field(default_factory=Drain)   # SIGTERM: refuse new generations, finish the rest
     quotas: TenantQuotas = field(default_factory=lambda: TenantQuotas(()))  # the service's too
+    # The generations filling /v1/responses (responses/runner.py), kept until they end.
+    response_tasks: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @cached_property
+    def responses(self) -> ResponseStore:
+        """The responses kept for /v1/responses (responses/store.py)."""
+        return ResponseStore(self.settings.responses_ttl_s, self.settings.responses_max_per_tenant,
+                             time.monotonic)
 
     @cached_property
     def tokenizer_size(self) -> int:

@@ -140,4 +140,6 @@ def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
                                              served_tokens=c.served_tokens, weight=c.weight)
                  for c in stats.clients],
         policy=stats.policy.value, reserved_kv_tokens=stats.reserved_kv_tokens,
+        waiting_for_worker=stats.waiting_for_worker, worker_wait_s=stats.worker_wait_s,
+        worker_recovery_s=stats.worker_recovery_s,
     )

@@ -29,6 +29,7 @@ from common.worker_auth import worker_role_check
 from services.scheduler import convert
 from services.scheduler.address_check import HostFacts, check_peer_address
 from services.scheduler.core import Rejection, RequestUpdate, SchedulerCore, StepBatch
+from services.scheduler.detached import DetachedLog
 from services.scheduler.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
 from services.scheduler.metrics import SchedulerMetrics
@@ -79,6 +80,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._links: dict[str, _WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._background_tasks: set[asyncio.Task[object]] = set()
+        self._detached = DetachedLog(settings.detached_ttl_s, clock)
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
@@ -110,6 +112,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             else:
                 self._background(lookup)
         result = self._core.submit(spec, hints)
+        if request.detached and result.rejection is None:
+            self._detached.open(result.request_id, request, spec.client_id, request.authenticated)
         if result.rejection is not None:
             log.info("request rejected", extra={"gate": result.rejection.gate.value,
                                                 "reason": result.rejection.message})
@@ -145,7 +149,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         finally:
             self._streams.pop(request_id, None)
             self._traces.finished(request_id, reason)
-            if not ended:  # the client went away: stop generating for it
+            if not ended and request.detached:
+                log.info("the caller of a detached request left; it goes on",
+                         extra={"scheduler_request_id": request_id})
+            elif not ended:  # the client went away: stop generating for it
                 log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
                 self._cancel(request_id)
 
@@ -164,6 +171,26 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.CancelResponse:
         request_id_from(context)
         return scheduler_pb2.CancelResponse(found=self._cancel(request.request_id))
+
+    async def Attach(self, request: scheduler_pb2.AttachRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
+        """A detached request's events from its first (detached.py)."""
+        entry = self._detached.get(request.request_id, request.client_id)
+        if entry is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no detached request {request.request_id!r}")
+        assert entry is not None
+        async for update in self._detached.follow(entry):
+            if update.rejection is not None:
+                await self._refuse(context, update.rejection)
+            yield convert.generate_event_to_proto(update)
+
+    async def GetDetached(self, request: scheduler_pb2.AttachRequest,
+                          context: grpc.aio.ServicerContext) -> scheduler_pb2.GenerateRequest:
+        entry = self._detached.get(request.request_id, request.client_id)
+        if entry is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no detached request {request.request_id!r}")
+        assert entry is not None
+        return entry.request  # type: ignore[return-value]
 
     async def Stats(self, request: object, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
         return convert.stats_to_proto(self._core.stats())
@@ -354,6 +381,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     def _deliver(self, updates: Iterable[RequestUpdate]) -> None:
         for update in updates:
+            self._detached.note(update)
             queue = self._streams.get(update.request_id)
             if queue is not None:
                 queue.put_nowait(update)

@@ -45,6 +45,8 @@ class SchedulerSettings:
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
     max_migrations: int = _CORE.max_migrations
+    worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py
+    detached_ttl_s: float = 3600.0   # detached.py: how long an ended detached request is kept
     step_timeout_s: float = 60.0    # a step's deadline; 0: none
     step_transport: str = "stream"  # step_link.py: one StepStream call per worker, or a Step call each
     kv_policy: str = "full"
@@ -84,6 +86,8 @@ class SchedulerSettings:
             speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
             speculative_sampled=read.bool("SPECULATIVE_SAMPLED", cls.speculative_sampled),
             max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
+            worker_recovery_s=read.float("WORKER_RECOVERY_S", cls.worker_recovery_s, minimum=0.0),
+            detached_ttl_s=read.float("DETACHED_TTL_S", cls.detached_ttl_s, minimum=1.0),
             step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
             step_transport=read.choice("STEP_TRANSPORT", cls.step_transport, list(STEP_TRANSPORTS)),
             kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),
@@ -110,6 +114,7 @@ class SchedulerSettings:
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
             speculative_sampled=self.speculative_sampled,
             max_migrations=self.max_migrations,
+            worker_recovery_s=self.worker_recovery_s,
             kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),
             max_tokens_limit=self.max_tokens_limit,
         )

@@ -1,8 +1,9 @@
-"""The chaos suite's quick mode (tiny model, two workers, 4 streams of 40
-tokens): a worker, the scheduler, the KV index service and Redis (when
-redis-server is installed) each killed with SIGKILL mid-stream and started
-again lose no stream, change no stream's text, repeat no token and give no
-5xx."""
+"""The chaos suite's quick mode (tiny model, two workers and then one, 4 streams
+of 40 tokens): a worker, the scheduler, the KV index service, the gateway
+(background /v1/responses streams the client resumes) and Redis (when
+redis-server is installed; two workers) each killed with SIGKILL mid-stream and
+started again lose no stream, change no stream's text, repeat no token and give
+no 5xx."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, FaultReport]:
     return {report.fault: report for report in run_suite(settings)}
 
 
-@pytest.mark.parametrize("fault", ["worker", "scheduler", "kvcache", "redis"])
+@pytest.mark.parametrize("fault", ["worker", "scheduler", "kvcache", "gateway", "redis", "worker (1 worker)",
+                                   "scheduler (1 worker)", "kvcache (1 worker)", "gateway (1 worker)"])
 def test_a_fault_loses_changes_and_repeats_nothing(reports: dict[str, FaultReport], fault: str) -> None:
     if fault == "redis" and shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed")

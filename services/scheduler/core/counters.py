@@ -58,7 +58,9 @@ def summarize_worker(worker: WorkerState, healthy: bool) -> WorkerSummary:
 
 
 def core_stats(policy: Policy, counters: CoreCounters, workers: Iterable[WorkerState],
-               clients: tuple[ClientCounter, ...], now: float, heartbeat_timeout_s: float) -> CoreStats:
+               clients: tuple[ClientCounter, ...], now: float, heartbeat_timeout_s: float,
+               waiting_for_worker: int = 0, waiting_since_s: float | None = None,
+               worker_recovery_s: float = 0.0) -> CoreStats:
     workers = list(workers)
     summaries = tuple(summarize_worker(w, healthy=not w.draining and
                                        now - w.last_heartbeat_s <= heartbeat_timeout_s)
@@ -74,4 +76,7 @@ def core_stats(policy: Policy, counters: CoreCounters, workers: Iterable[WorkerS
         workers=summaries, clients=clients,
         reserved_kv_tokens=sum(w.reserved_kv_tokens for w in workers),
         finished_by_reason=dict(counters.finished),
+        waiting_for_worker=waiting_for_worker,
+        worker_wait_s=now - waiting_since_s if waiting_since_s is not None else 0.0,
+        worker_recovery_s=worker_recovery_s,
     )

@@ -5,8 +5,9 @@ Requests that never ran move as they are, to wait on another worker. Requests
 that ran there (running ones, and preempted ones waiting to run again) are
 resumed on another worker by recompute from their prompt and the tokens
 already streamed, so their clients see no gap and no repeat. With no worker
-left, or none that could ever fit a resumed request, it ends with an error;
-a request that never ran is rejected.
+left the core holds them until one registers (recovery.py, WORKER_RECOVERY_S);
+with recovery off, or no worker that could ever fit a resumed request, it ends
+with an error; a request that never ran is rejected.
 
 A request running on a worker that fails may be what failed it (a poison
 request that crashes every worker it runs on). Each such move counts as a
@@ -68,6 +69,22 @@ class Failover:
             updates.extend(self._migrate(request, workers, reason, failed))
         for request in stranded.fresh:
             updates.extend(self._reroute(request, workers))
+        return updates
+
+    def count_failures(self, stranded: Stranded, reason: str) -> list[RequestUpdate]:
+        """Counts a failover of each request that was running on a failed worker, before
+        they wait for another (recovery.py); ends those past MAX_MIGRATIONS, which
+        leave `stranded`. The ones kept are later moved with failed=False."""
+        updates: list[RequestUpdate] = []
+        for request in list(stranded.resumable):
+            if request.phase is Phase.PENDING:
+                continue      # preempted before: it was not running there
+            problem = self._failover_limit(request)
+            if problem:
+                stranded.resumable.remove(request)
+                request.worker_id = ""
+                finish = self._book.finish(None, request, FinishReason.ERROR, f"{reason}; {problem}")
+                updates.append(RequestUpdate(request.request_id, finish=finish))
         return updates
 
     def _migrate(self, request: RequestState, workers: Sequence[WorkerState], reason: str,

@@ -17,7 +17,8 @@ the VTC), prefix_share (followers wait for a leader's blocks), slot_fairness
 to make room), speculation (the draft allowance), stopping (finish reasons).
 So does the bookkeeping: request_book (the moves between a worker's lists),
 step_builder (one step's budgets), in_flight (steps sent, not yet applied),
-failover (requests of a gone worker), counters (totals and stats).
+failover (requests of a gone worker), recovery (requests waiting for a worker
+while none serves), counters (totals and stats).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from dataclasses import replace
 from itertools import count
 
 from common.sequence_ids import sequence_id
-from common.types import TokenLogprob
+from common.types import TokenLogprob, Usage
 
 from services.scheduler.core import gates
 from services.scheduler.core.counters import CoreCounters, core_stats
@@ -37,6 +38,7 @@ from services.scheduler.core.in_flight import dispatch, retire
 from services.scheduler.core.policy import VirtualTokenCounter, effective_policy, pick_next
 from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.quotas import TenantQuotas, TenantUsage
+from services.scheduler.core.recovery import Parked, WorkerRecovery
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.routing import SessionMap, route, session_key
@@ -70,6 +72,8 @@ class SchedulerCore:
         self._waiting_by_client = self._book.waiting
         self._sessions = SessionMap()
         self._failover = Failover(self._book, self._sessions, config.max_active_kv_tokens, config.max_migrations)
+        self._recovery = WorkerRecovery(config.worker_recovery_s)
+        self._seen_worker = False   # recovery waits for a worker once there has been one
         self._arrivals = count()
         self._step_ids = count(1)
 
@@ -88,8 +92,33 @@ class SchedulerCore:
         pool = PoolStats(total_blocks=spec.num_blocks, free_blocks=spec.num_blocks,
                             cached_blocks=0, used_blocks=0)
         self._workers[spec.worker_id] = WorkerState(spec=spec, pool=pool, last_heartbeat_s=self._clock())
-        return self._failover.rehome(stranded, list(self._workers.values()), f"worker {spec.worker_id} restarted",
-                                     failed=True)
+        self._seen_worker = True
+        updates = self._rehome(stranded, f"worker {spec.worker_id} restarted", failed=True)
+        return updates + self._take_back_waiting()
+
+    def _take_back_waiting(self) -> list[RequestUpdate]:
+        """Places what waited for a worker (recovery.py) once one serves: held requests
+        resumed as failover does, parked arrivals submitted as if they came now."""
+        if not self._recovery or not any(not w.draining for w in self._workers.values()):
+            return []
+        stranded, parked = self._recovery.take_all()
+        updates = self._failover.rehome(stranded, list(self._workers.values()), "no worker was left")
+        for item in parked:
+            result = self._place(item.spec, item.cached_prefix_tokens, quota_admitted=True)
+            if result.rejection is not None:
+                self._quotas.release(item.spec.request_id)
+                updates.append(RequestUpdate(item.spec.request_id, rejection=result.rejection))
+        return updates
+
+    def _rehome(self, stranded: Stranded, reason: str, failed: bool) -> list[RequestUpdate]:
+        """Moves a gone worker's requests to the workers left; with none serving they
+        wait for one (WORKER_RECOVERY_S) when recovery is on."""
+        serving = any(not w.draining for w in self._workers.values())
+        if serving or not self._recovery.enabled:
+            return self._failover.rehome(stranded, list(self._workers.values()), reason, failed=failed)
+        updates = self._failover.count_failures(stranded, reason) if failed else []
+        self._recovery.hold(stranded, reason, self._clock())
+        return updates
 
     def heartbeat(self, worker_id: str) -> bool:
         worker = self._workers.get(worker_id)
@@ -109,7 +138,7 @@ class SchedulerCore:
             return []
         stranded = self._failover.release(worker)
         del self._workers[worker_id]
-        return self._failover.rehome(stranded, list(self._workers.values()), message, failed=True)
+        return self._rehome(stranded, message, failed=True)
 
     def drain_worker(self, worker_id: str) -> DrainOutcome:
         """A worker leaving on purpose: routed nothing new, its requests moved (drain.py)."""
@@ -142,6 +171,7 @@ class SchedulerCore:
                 if gates.timed_out(request.started, waited, timeout_s):
                     message = gates.timeout_message(request.held_by, waited, timeout_s)
                     updates.append(self._book.reject(worker, request, Gate.TIMEOUT, message))
+        updates.extend(self._recovery.end_overdue(now, self._book))
         for request_id, limit_s in self._quotas.overdue():
             request = self._requests.get(request_id)
             if request is not None:
@@ -157,14 +187,40 @@ class SchedulerCore:
         """Queues a request on a worker, or rejects it at once."""
         if not spec.request_id:
             spec = replace(spec, request_id=self._new_id())
-        num_waiting = sum(len(w.pending) for w in self._workers.values())
+        num_waiting = sum(len(w.pending) for w in self._workers.values()) + len(self._recovery)
         serving = sum(not worker.draining for worker in self._workers.values())
-        rejection = gates.reject_early(spec, spec.request_id in self._requests, serving,
-                                       num_waiting, self._config.max_queue_len)
+        parking = not self._workers and self._recovery.enabled and self._seen_worker
+        known = spec.request_id in self._requests or spec.request_id in self._recovery
+        rejection = gates.reject_early(spec, known, serving or parking, num_waiting, self._config.max_queue_len)
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
+        if parking:
+            return self._park(spec, cached_prefix_tokens or {})
+        return self._place(spec, cached_prefix_tokens or {})
+
+    def _park(self, spec: RequestSpec, cached_prefix_tokens: Mapping[str, int]) -> SubmitResult:
+        """Queues a request while no worker serves (recovery.py), under its tenant's quota."""
+        refusal = self._admit_quota(spec)
+        if refusal is not None:
+            return self._count_rejection(spec.request_id, refusal)
+        self._recovery.park(spec, cached_prefix_tokens, self._clock())
+        return SubmitResult(request_id=spec.request_id, worker_id="")
+
+    def _admit_quota(self, spec: RequestSpec) -> Rejection | None:
+        refusal = self._quotas.admit(spec.request_id, spec.client_id or ANONYMOUS_CLIENT, spec.quota,
+                                     len(spec.prompt_token_ids), spec.resubmitted,
+                                     started=bool(spec.resume_token_ids))
+        if refusal is None:
+            return None
+        return Rejection(Gate.QUOTA if refusal.retry_after_s else Gate.NEVER_FIT, refusal.message,
+                         refusal.retry_after_s)
+
+    def _place(self, spec: RequestSpec, cached_prefix_tokens: Mapping[str, int],
+               quota_admitted: bool = False) -> SubmitResult:
+        """Routes a request that passed the early gates to a serving worker and queues it
+        there, or rejects it. `quota_admitted`: its tenant's quota holds it already (parked)."""
         worker = route(spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
-                       cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens, spec.cache_salt)
+                       cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)
@@ -179,11 +235,9 @@ class SchedulerCore:
         if over is not None:
             return self._count_rejection(spec.request_id, over)
         client_id = spec.client_id or ANONYMOUS_CLIENT
-        refusal = self._quotas.admit(spec.request_id, client_id, spec.quota, prompt_len, spec.resubmitted,
-                                     started=bool(spec.resume_token_ids))
+        refusal = None if quota_admitted else self._admit_quota(spec)
         if refusal is not None:
-            gate = Gate.QUOTA if refusal.retry_after_s else Gate.NEVER_FIT
-            return self._count_rejection(spec.request_id, Rejection(gate, refusal.message, refusal.retry_after_s))
+            return self._count_rejection(spec.request_id, refusal)
         if spec.session_id:
             self._sessions.remember(session_key(spec), worker.worker_id)
         request = RequestState.arriving(spec, client_id, max_tokens, self._clock(),
@@ -195,7 +249,13 @@ class SchedulerCore:
         """Ends a request now; its sequence is freed in its worker's next step."""
         request = self._requests.get(request_id)
         if request is None:
-            return False, []
+            parked = self._recovery.forget(request_id, self._book)
+            if not isinstance(parked, Parked):
+                return False, []
+            self._counts.count_finish(FinishReason.CANCELLED)
+            usage = Usage(prompt_tokens=len(parked.spec.prompt_token_ids),
+                          completion_tokens=len(parked.spec.resume_token_ids))
+            return True, [RequestUpdate(request_id, finish=Finish(reason=FinishReason.CANCELLED, usage=usage))]
         finish = self._finish(request, FinishReason.CANCELLED)
         return True, [RequestUpdate(request_id, finish=finish)]
 
@@ -263,7 +323,9 @@ class SchedulerCore:
 
     def stats(self) -> CoreStats:
         return core_stats(self._config.policy, self._counts, self._workers.values(), self._vtc.snapshot(),
-                          now=self._clock(), heartbeat_timeout_s=self._config.heartbeat_timeout_s)
+                          now=self._clock(), heartbeat_timeout_s=self._config.heartbeat_timeout_s,
+                          waiting_for_worker=len(self._recovery), waiting_since_s=self._recovery.oldest_s(),
+                          worker_recovery_s=self._config.worker_recovery_s)
 
     def _count_rejection(self, request_id: str, rejection: Rejection) -> SubmitResult:
         self._counts.count_rejection(rejection.gate)
@@ -425,4 +487,6 @@ class SchedulerCore:
                              prompt_logprobs=request.take_prompt_logprobs())
 
     def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:
+        if request.request_id in self._recovery:      # waiting for a worker: on none's lists
+            self._recovery.forget(request.request_id, self._book)
         return self._book.finish(self._workers.get(request.worker_id), request, reason, message)

@@ -80,6 +80,10 @@ class CoreConfig:
     # The most max_tokens a request may ask for under any KV policy (MAX_TOKENS_LIMIT);
     # 0: the worker's context length. Above it a request is refused, never clamped.
     max_tokens_limit: int = 0
+    # While no worker serves, running and queued requests (and new ones, within the gates)
+    # wait this long for one to register, then end with an error (WORKER_RECOVERY_S);
+    # 0: they end at once. Only once a worker has registered (recovery.py).
+    worker_recovery_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -232,3 +236,8 @@ class CoreStats:
     clients: tuple[ClientCounter, ...] = ()
     reserved_kv_tokens: int = 0
     finished_by_reason: dict[str, int] = field(default_factory=dict)
+    # Requests waiting for a worker to register while none serves (recovery.py), and
+    # how long the longest of them has waited.
+    waiting_for_worker: int = 0
+    worker_wait_s: float = 0.0
+    worker_recovery_s: float = 0.0

@@ -147,6 +147,9 @@ class FakeScheduler:
         self.cancelled.append(request_id)
         return True
 
+    async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
+        return None      # detached requests live in a real scheduler (tests/integration)
+
     async def scheduler_stats(self) -> SchedulerView:
         workers = tuple(WorkerView(f"w{index}", f"127.0.0.1:{50061 + index}", True)
                         for index in range(self.healthy_workers))

@@ -64,7 +64,7 @@ def test_a_silent_workers_requests_move_to_the_worker_left_and_lose_nothing() ->
 
 
 def test_when_the_last_worker_leaves_waiting_requests_are_unavailable() -> None:
-    h = Harness(CoreConfig(max_batch_size=1), FakeEngine())
+    h = Harness(CoreConfig(max_batch_size=1, worker_recovery_s=0), FakeEngine())   # recovery off
     running = h.submit(PROMPT, max_tokens=10).request_id
     waiting = h.submit(PROMPT, max_tokens=10).request_id
     h.step()
@@ -166,7 +166,7 @@ def test_a_preempted_request_waiting_on_a_failed_worker_resumes_elsewhere() -> N
 
 
 def test_a_preempted_request_ends_with_an_error_when_no_worker_is_left() -> None:
-    h = Harness(CoreConfig(max_batch_size=1), FakeEngine())
+    h = Harness(CoreConfig(max_batch_size=1, worker_recovery_s=0), FakeEngine())   # recovery off
     low = h.submit(PROMPT, max_tokens=6).request_id
     h.step()
     h.step()

@@ -212,7 +212,7 @@ async def test_a_client_disconnect_frees_the_sequence(make_stack) -> None:
 
 
 async def test_a_worker_that_goes_away_ends_its_requests_with_an_error(make_stack) -> None:
-    stack = await make_stack()
+    stack = await make_stack(worker_recovery_s=0)   # recovery off: they end at once
     worker = await stack.add_worker(step_delay_s=0.01)
     stream = aiter(stack.stub.Generate(_request("doomed", max_tokens=1000), timeout=10))
     await anext(stream)
@@ -227,7 +227,7 @@ async def test_a_worker_that_goes_away_ends_its_requests_with_an_error(make_stac
 
 
 async def test_a_worker_that_stops_heartbeating_leaves_the_rotation(make_stack) -> None:
-    stack = await make_stack()
+    stack = await make_stack(worker_recovery_s=0)   # recovery off: they end at once
     worker = await stack.add_worker(step_delay_s=0.01)
     stream = aiter(stack.stub.Generate(_request("stuck", max_tokens=1000), timeout=10))
     await anext(stream)
