@@ -35,6 +35,7 @@ import torch
 from services.worker.engine.attention import StepMetadata, paged_attention_forward
 from services.worker.engine.cpu.native_layers import NativeDecodeLayers
 from services.worker.engine.cpu.native_ops import NativeElementwise
+from services.worker.engine.lora.layers import LoraStep
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ROPE_TOLERANCE = 1e-5      # native RoPE against transformers', relative to the probe's largest output
@@ -109,6 +110,14 @@ class DirectForward:
         self._layer_types: list[str | None] = list(types) if shape.rotary_per_type else [None] * len(layers)
         self._steps = [_LayerSteps.of(layer, shape) for layer in layers]
         self.native_layers: NativeDecodeLayers | None = None     # decode steps' layers in one C call
+        self._lora: LoraStep | None = None
+
+    def serve_loras(self, step: LoraStep) -> None:
+        """Re-reads the layers' projections (now LoRA wrappers, lora/layers.py). A step with adapter
+        rows runs the Python layers: the C decode layers hold the base projections only."""
+        self._lora = step
+        layers = list(self._base.layers[:self._base.config.num_hidden_layers])
+        self._steps = [_LayerSteps.of(layer, self._shape) for layer in layers]
 
     @property
     def layer_types(self) -> list[str | None]:
@@ -152,7 +161,8 @@ class DirectForward:
         else:
             rotary = {None: base.rotary_emb(hidden, position_ids)}
         layers = self.native_layers
-        if layers is not None and layers.takes(meta, hidden.shape[1]):
+        if layers is not None and not (self._lora is not None and self._lora.active) \
+                and layers.takes(meta, hidden.shape[1]):
             flat = hidden[0].contiguous()
             layers(flat, rotary, meta)
             return base.norm(flat[None])[0]
