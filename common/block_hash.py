@@ -95,6 +95,12 @@ def _append_chain(hashes: list[int], parent: int, tokens: Sequence[int], start: 
 ADAPTER_MARK = "\x00lora\x00"   # no tenant salt holds a NUL
 
 
+def adapter_id(name: str, digest: str) -> str:
+    """What a request's LoRA adapter folds into its cache salt: its name and its weights' digest
+    ("" for the base model)."""
+    return f"{name}@{digest}" if name else ""
+
+
 def adapter_salt(cache_salt: str, adapter_id: str) -> str:
     """The cache salt of a request served by LoRA adapter `adapter_id` (its name and weights'
     digest): the salt with the adapter appended, so an adapter's blocks never hash like the

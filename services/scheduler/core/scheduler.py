@@ -164,7 +164,8 @@ class SchedulerCore:
         if rejection is not None:
             return self._count_rejection(spec.request_id, rejection)
         worker = route(spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
-                       cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens, spec.cache_salt)
+                       cached_prefix_tokens or {}, self._config.prefix_wait_min_tokens, spec.cache_salt,
+                       spec.lora_name)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)
