@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.block_hash import ROOT_HASH, adapter_salt, extend_chain, parent_of, partial_block_hash, salted_key
+from common.block_hash import ROOT_HASH, adapter_id, adapter_salt, extend_chain, parent_of, partial_block_hash, salted_key
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool, PartialBlock
 from services.worker.engine.kv_policy import BlockBudget, block_budget, policy_error
@@ -191,11 +191,6 @@ class Sequences:
         self.pool.cache_full_blocks(seq.seq_id, first, hashes[first:full], parent_of(hashes, first), seq.tokens,
                                     seq.cache_salt)
         seq.num_registered_blocks = full
-
-
-def adapter_id(name: str, digest: str) -> str:
-    """What a request's adapter folds into its cache salt: its name and its weights' digest."""
-    return f"{name}@{digest}" if name else ""
 
 
 def _append_sampled(seq: SequenceState, result: t.SeqResult, emitted: list[SampledToken]) -> None:
