@@ -44,6 +44,11 @@ class GenerationSpec:
     # A submission of work a scheduler admitted before (continuation.py): not refused
     # or charged again by the tenant's limits.
     resubmitted: bool = False
+    # The LoRA adapter serving it (lora_catalog.py; "": the base model): its name, where workers
+    # that do not know it load it from, its weights' digest. cache_salt carries it too.
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_digest: str = ""
 
 
 @dataclass(frozen=True)

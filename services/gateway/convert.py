@@ -76,6 +76,7 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         authenticated=spec.tenant_limits is not None,
         quota=tenant_quota_to_proto(spec.tenant_limits) if spec.tenant_limits is not None else None,
         resubmitted=spec.resubmitted,
+        lora_name=spec.lora_name, lora_path=spec.lora_path, lora_digest=spec.lora_digest,
     )
 
 

@@ -25,6 +25,7 @@ from services.gateway.drain import Drain
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
+from services.gateway.lora_catalog import LoraCatalog
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.settings import GatewaySettings
 from services.gateway.spec import Limits, TextInput, build_spec
@@ -42,6 +43,13 @@ class GatewayState:
     service: GenerationService
     metrics: GatewayMetrics
     drain: Drain = field(default_factory=Drain)   # SIGTERM: refuse new generations, finish the rest
+    loras: LoraCatalog | None = None              # the LoRA adapters served (None: built from settings)
+
+    def __post_init__(self) -> None:
+        if self.loras is None:
+            settings = self.settings
+            self.loras = LoraCatalog.from_modules(settings.model_id, settings.lora_modules, settings.lora_root,
+                                                  settings.lora_runtime_updates)
 
     @cached_property
     def tokenizer_size(self) -> int:

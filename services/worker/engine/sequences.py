@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from common.block_hash import ROOT_HASH, adapter_id, adapter_salt, extend_chain, parent_of, partial_block_hash, salted_key
+from common.peft_config import AdapterError
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool, PartialBlock
 from services.worker.engine.kv_policy import BlockBudget, block_budget, policy_error
-from services.worker.engine.lora.peft_adapter import AdapterError, LoraAdapter
+from services.worker.engine.lora.peft_adapter import LoraAdapter
 from services.worker.engine.lora.registry import AdapterRef, LoraRegistry
 from services.worker.engine.prompt_logits import PromptKey, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest

@@ -8,24 +8,16 @@ rsLoRA, as peft computes it.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
+from common.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest, read_config, scale_of
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")
-_REFUSED_TRUE = ("use_dora", "fan_in_fan_out")
-
-
-class AdapterError(ValueError):
-    """An adapter that cannot be served; the message names the file or field."""
 
 
 @dataclass(frozen=True)
@@ -46,47 +38,6 @@ class LoraAdapter:
     def nbytes(self) -> int:
         return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
                    for w in self.weights.values())
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def read_config(directory: Path) -> dict:
-    path = directory / CONFIG_FILE
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise AdapterError(f"{CONFIG_FILE}: cannot read it ({type(error).__name__})") from None
-    if not isinstance(config, dict):
-        raise AdapterError(f"{CONFIG_FILE}: expected a JSON object")
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterError(f"{CONFIG_FILE}: peft_type {config.get('peft_type')!r} is not LORA")
-    for field in _REFUSED_TRUE:
-        if config.get(field):
-            raise AdapterError(f"{CONFIG_FILE}: {field}=true is not supported")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"{CONFIG_FILE}: bias={config.get('bias')!r} is not supported (only 'none')")
-    if config.get("modules_to_save"):
-        raise AdapterError(f"{CONFIG_FILE}: modules_to_save is not supported")
-    for field in ("rank_pattern", "alpha_pattern"):
-        if config.get(field):
-            raise AdapterError(f"{CONFIG_FILE}: {field} is not supported")
-    rank, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(rank, int) or rank < 1:
-        raise AdapterError(f"{CONFIG_FILE}: r must be a positive integer")
-    if not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise AdapterError(f"{CONFIG_FILE}: lora_alpha must be a positive number")
-    return config
-
-
-def scale_of(config: dict) -> float:
-    rank, alpha = config["r"], float(config["lora_alpha"])
-    return alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
 
 
 def load_adapter(name: str, directory: Path, module_shapes: dict[str, tuple[int, int]], max_rank: int,

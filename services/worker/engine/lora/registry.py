@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from common.lora_paths import AdapterPathError, check_name, resolve_under_root
-from services.worker.engine.lora.peft_adapter import AdapterError, LoraAdapter, load_adapter
+from common.peft_config import AdapterError
+from services.worker.engine.lora.peft_adapter import LoraAdapter, load_adapter
 
 log = logging.getLogger(__name__)
 
