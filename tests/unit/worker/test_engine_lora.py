@@ -121,3 +121,13 @@ def test_an_unknown_adapter_fails_its_sequence_alone(kind: str, adapters) -> Non
     out = engine.step(StepBatch(new_sequences=new, work=[WorkItem("bad", 64), WorkItem("good", 64)]))
     errors = {result.seq_id: result.error for result in out.results}
     assert errors["bad"] and not errors["good"]
+
+
+def test_the_plain_paths_serve_adapters_too(kind: str, reference: torch.nn.Module, adapters) -> None:
+    """transformers' forward over plain linears (no direct forward, no packs, no C kernels)."""
+    engine = _engine(kind, adapters, direct_forward="off", cpu_packed_weights=False, cpu_native_kernels="off")
+    assert engine.direct_forward == "transformers"
+    models = {"": reference, **{name: merged for name, (_, merged) in adapters.items()}}
+    requests = {f"p{i}": (prompt_of(8 + i, i), name) for i, name in enumerate(["", "qv", "all", "qv"])}
+    tokens, scored, _ = _run(engine, requests, params=SamplingParams(prompt_logprobs=True, logprobs=True), chunk=5)
+    _check(requests, tokens, scored, models)
