@@ -161,3 +161,21 @@ def test_tenants_file_lora_adapters(tmp_path: Path) -> None:
     path.write_text(json.dumps({"tenants": {"alice": {"lora_adapters": ["ok", "../bad"]}}}))
     with pytest.raises(SettingsError, match="tenant 'alice' field 'lora_adapters'"):
         load_tenants("alice=sk-a", str(path))
+
+
+async def test_unloading_lets_a_running_request_finish(keyed: httpx.AsyncClient, root: Path,
+                                                       fake: FakeScheduler) -> None:
+    import asyncio
+
+    fake.token_delay_s = 0.05
+    ops = bearer("sk-ops")
+    write_adapter(root / "busy", b"busy weights")
+    assert (await keyed.post("/v1/load_lora_adapter", json={"lora_name": "busy", "lora_path": "busy"},
+                             headers=ops)).status_code == 200
+    running = asyncio.ensure_future(keyed.post("/v1/chat/completions", json={**CHAT, "model": "busy"},
+                                               headers=ops))
+    while not fake.requests:
+        await asyncio.sleep(0.01)
+    assert (await keyed.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}, headers=ops)).status_code == 200
+    finished = await running
+    assert finished.status_code == 200 and finished.json()["choices"][0]["finish_reason"] in ("stop", "length")
