@@ -45,3 +45,18 @@ def test_routing_prefers_the_prefix_then_a_worker_holding_the_adapter_then_the_l
     assert route((1, 2), "", [first, second], sessions, {}, 0, adapter="qv") is first
     assert route((1, 2), "", [first, second], sessions, {}, 0) is second          # the base: the load
     assert route((1, 2), "", [first, second], sessions, {"w1": 8}, 0, adapter="qv") is second
+
+
+def test_fairness_charges_adapter_tokens_like_any_other() -> None:
+    from services.scheduler.core import CoreConfig, Policy
+
+    from tests.unit.scheduler.fake_worker import FakeEngine
+    from tests.unit.scheduler.harness import Harness
+
+    h = Harness(CoreConfig(policy=Policy.VTC, max_batch_size=4), FakeEngine(num_blocks=256))
+    h.submit(tuple(range(16)), max_tokens=4, client_id="base")
+    h.submit(tuple(range(100, 116)), max_tokens=4, client_id="lora", lora_name="qv", lora_digest="ab")
+    for _ in range(10):
+        h.step()
+    counters = {c.client_id: (c.counter, c.served_tokens) for c in h.core._vtc.snapshot()}  # test-only peek
+    assert counters["base"] == counters["lora"] and counters["lora"][1] > 0
