@@ -1,6 +1,6 @@
 """The gathered LoRA update on CUDA (the same torch code as on CPU): a mixed batch of the base
-model and two adapters in bfloat16 on the device, its greedy tokens those of the merged models
-run there, decode graphs serving the base-only steps. Skipped without a CUDA device."""
+model and two adapters in float32 on the device, its greedy tokens those of the merged models
+run on the CPU (decode graphs are left for steps without adapter rows). Skipped without a CUDA device."""
 
 from __future__ import annotations
 
