@@ -13,6 +13,7 @@ import torch
 
 from common.types import SamplingParams
 from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.lora import layers
 from services.worker.engine.lora.registry import LoraConfig
 from tests.fixtures.tiny_lora import save_random_adapter
 from tests.fixtures.tiny_model import build_model
@@ -89,8 +90,12 @@ def test_an_adapter_alone_equals_its_merged_model(kind: str, reference: torch.nn
     assert _reference(reference, prompt_of(13, 1))[1] != _reference(adapters["qv"][1], prompt_of(13, 1))[1]
 
 
-def test_mixed_batches_equal_their_solo_outputs(kind: str, reference: torch.nn.Module, adapters) -> None:
-    """Base and adapter sequences 8 at a time, prefills chunked so decodes and chunks mix."""
+@pytest.mark.parametrize("stacked_rows", [256, 0], ids=["stacked", "grouped"])
+def test_mixed_batches_equal_their_solo_outputs(kind: str, reference: torch.nn.Module, adapters,
+                                                stacked_rows: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Base and adapter sequences 8 at a time, prefills chunked so decodes and chunks mix; through
+    the stacked update (lora/stacked.py) and the grouped one."""
+    monkeypatch.setattr(layers, "STACKED_MAX_ROWS", stacked_rows)
     engine = _engine(kind, adapters)
     models = {"": reference, **{name: merged for name, (_, merged) in adapters.items()}}
     names = ["", "qv", "all", "qv", "", "all", "qv", ""]

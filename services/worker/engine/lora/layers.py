@@ -16,27 +16,48 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.worker.engine.lora.peft_adapter import PROJECTIONS, LoraAdapter
+from services.worker.engine.lora.stacked import Stack, stacked_update
 
 Rows = slice | torch.Tensor
 
 
-@dataclass(frozen=True)
+STACKED_MAX_ROWS = 256     # steps up to this many rows with several adapters take the stacked update
+
+
+@dataclass
 class LoraRows:
     groups: tuple[tuple[LoraAdapter, Rows], ...]     # each adapter of the step and its rows
+    slots: list[int]                                 # per row: its adapter's index in `adapters`, -1 the base
+    device: torch.device
+    masks: dict[tuple, torch.Tensor] = field(default_factory=dict)   # the stacked update's, per layout
+
+    @property
+    def adapters(self) -> tuple[LoraAdapter, ...]:
+        return tuple(adapter for adapter, _ in self.groups)
+
+    @property
+    def stacked(self) -> bool:
+        """Whether the step takes the stacked update (stacked.py): several adapters over few rows."""
+        return len(self.groups) > 1 and len(self.slots) <= STACKED_MAX_ROWS
 
     @classmethod
     def of(cls, runs: Sequence[tuple[LoraAdapter | None, int, int]], device: torch.device) -> LoraRows | None:
         """The grouping of runs (adapter or None for the base, first row, row count) in row
         order; None when no run has an adapter."""
         by_adapter: dict[int, tuple[LoraAdapter, list[int]]] = {}
+        slots: list[int] = []
         for adapter, start, count in runs:
             if adapter is not None and count:
+                index = list(by_adapter).index(id(adapter)) if id(adapter) in by_adapter else len(by_adapter)
                 by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
+                slots.extend([index] * count)
+            else:
+                slots.extend([-1] * count)
         if not by_adapter:
             return None
         groups = []
@@ -44,7 +65,7 @@ class LoraRows:
             contiguous = rows[-1] - rows[0] + 1 == len(rows)
             groups.append((adapter, slice(rows[0], rows[-1] + 1) if contiguous
                            else torch.tensor(rows, dtype=torch.long, device=device)))
-        return cls(tuple(groups))
+        return cls(tuple(groups), slots, device)
 
 
 class LoraStep:
@@ -75,6 +96,7 @@ class LoraLinear(torch.nn.Module):
         self.name = name
         self.in_features, self.out_features = base.in_features, base.out_features
         self._step = step
+        self._stack: Stack | None = None      # the stacked weights of the last adapter set (stacked.py)
 
     @property
     def weight(self) -> torch.Tensor | None:
@@ -92,6 +114,9 @@ class LoraLinear(torch.nn.Module):
         if not out.is_contiguous():
             out = out.contiguous()
         flat_in, flat_out = x.reshape(-1, self.in_features), out.view(-1, self.out_features)
+        if rows.stacked:
+            self._stack = stacked_update(self.name, rows, self._stack, flat_in, flat_out)
+            return out
         for adapter, selected in rows.groups:
             weights = adapter.weights.get(self.name)
             if weights is None:
