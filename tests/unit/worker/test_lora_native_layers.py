@@ -1,12 +1,14 @@
-"""LoRA beside the C decode layers (native_layers.py) and the coded linears: a decode step
-without adapter rows still runs the C layers, a step with any adapter row runs the Python
-layers (whose projections add the adapters' updates), and both equal the merged models."""
+"""LoRA in the C decode layers (native_layers.py, native_lora.py) on coded weights: decode steps
+with adapter rows, alone or mixed with the base model and other adapters, stay in the one C
+call (each row's adapter update added after each projection) and give the merged models'
+greedy tokens, as the Python layers do."""
 
 from __future__ import annotations
 
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 
 from common.types import SamplingParams
@@ -15,40 +17,62 @@ from services.worker.engine.lora.registry import LoraConfig
 from tests.fixtures.tiny_lora import save_random_adapter
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, generate, prompt_of
-from tests.unit.worker.test_native_layers import CountingLayers
 from tests.unit.worker.test_weight_codes import snap_to_codes
 
-NEW_TOKENS = 6
+NEW_TOKENS = 8
+EVERY = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def test_adapter_steps_leave_the_c_layers_and_stay_exact(tmp_path: Path) -> None:
+class CountingLayers:
+    """Wraps the C layers and counts the steps with adapter rows they ran."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.steps = inner, 0
+        self.serves_loras = inner.serves_loras
+
+    def takes(self, meta, rows: int) -> bool:
+        return self.inner.takes(meta, rows)
+
+    def __call__(self, hidden, rotary, meta, lora=None) -> None:
+        self.steps += lora is not None
+        self.inner(hidden, rotary, meta, lora)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, dict]:
+    root = tmp_path_factory.mktemp("native-loras")
     coded = build_model(CONFIGS["gemma3"]())
     assert snap_to_codes(coded) > 0
-    merged = save_random_adapter(tmp_path / "qv", CONFIGS["gemma3"](), seed=3, base=coded)
-    engine = Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="layers",
-                                 lora=LoraConfig(modules={"qv": str(tmp_path / "qv")})), model=copy.deepcopy(coded))
+    merged = {"": coded,
+              "qv": save_random_adapter(root / "qv", CONFIGS["gemma3"](), seed=3, base=coded),
+              "all": save_random_adapter(root / "all", CONFIGS["gemma3"](), seed=4, r=4, use_rslora=True,
+                                         target_modules=EVERY, base=coded)}
+    return coded, root, merged
+
+
+def _engine(coded: torch.nn.Module, root: Path) -> tuple[Engine, CountingLayers]:
+    engine = Engine(EngineConfig(model_dir="", num_blocks=256, block_size=4, model_key="layers",
+                                 lora=LoraConfig(modules={"qv": str(root / "qv"), "all": str(root / "all")})),
+                    model=copy.deepcopy(coded))
     assert engine.direct_forward == "direct (C decode layers)" and engine.coded_linears > 0
     counting = CountingLayers(engine.forward.direct.native_layers)
     engine.forward.direct.native_layers = counting
-    prompts = {"base": (prompt_of(9, 1), ""), "lora": (prompt_of(11, 2), "qv")}
-    tokens = {}
-    for seq_id, (prompt, adapter) in prompts.items():      # each alone: decodes of one kind
-        before = counting.steps
-        tokens[seq_id] = _run(engine, seq_id, prompt, adapter)
-        ran_c_layers = counting.steps - before
-        assert ran_c_layers > 0 if not adapter else ran_c_layers == 0
-    assert tokens["base"] == generate(coded, prompts["base"][0], NEW_TOKENS)
-    assert tokens["lora"] == generate(merged, prompts["lora"][0], NEW_TOKENS)
+    return engine, counting
 
 
-def _run(engine: Engine, seq_id: str, prompt: list[int], adapter: str) -> list[int]:
-    new = [NewSequence(seq_id, tuple(prompt), (), SamplingParams(), lora_name=adapter)]
-    tokens: list[int] = []
-    while len(tokens) < NEW_TOKENS:
-        out = engine.step(StepBatch(new_sequences=new, work=[WorkItem(seq_id, 1024)]))
+@pytest.mark.parametrize("names", [["qv"], ["all"], ["", "qv", "all", "qv", ""]], ids=["qv", "all", "mixed"])
+def test_adapter_decodes_run_in_the_c_layers_and_stay_exact(setup, names: list[str]) -> None:
+    coded, root, merged = setup
+    engine, counting = _engine(coded, root)
+    requests = {f"s{i}": (prompt_of(9 + i, i), name) for i, name in enumerate(names)}
+    new = [NewSequence(s, tuple(p), (), SamplingParams(), lora_name=name) for s, (p, name) in requests.items()]
+    tokens = {s: [] for s in requests}
+    while live := [s for s in requests if len(tokens[s]) < NEW_TOKENS]:
+        out = engine.step(StepBatch(new_sequences=new, work=[WorkItem(s, 1024) for s in live]))
         new = []
-        (result,) = out.results
-        assert not result.error
-        tokens.extend(result.token_ids)
-    engine.step(StepBatch(free_seq_ids=[seq_id]))
-    return tokens
+        for result in out.results:
+            assert not result.error
+            tokens[result.seq_id].extend(result.token_ids)
+    assert counting.steps >= NEW_TOKENS - 1           # every decode-only step ran in C
+    for seq_id, (prompt, name) in requests.items():
+        assert tokens[seq_id][:NEW_TOKENS] == generate(merged[name], prompt, NEW_TOKENS), seq_id

@@ -25,6 +25,7 @@ class LoraWeights:
     a: torch.Tensor          # [r, in]
     b: torch.Tensor          # [out, r]
     scale: float
+    b_t: torch.Tensor        # [r, out], contiguous: what the C decode layers read (native_lora.py)
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class LoraAdapter:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.a.numel() * w.a.element_size() + w.b.numel() * w.b.element_size()
+        return sum(2 * w.b.numel() * w.b.element_size() + w.a.numel() * w.a.element_size()
                    for w in self.weights.values())
 
 
@@ -83,5 +84,5 @@ def _checked(module: str, pair: dict[str, torch.Tensor], module_shapes: dict[str
                            f"expected ({rank}, {in_features}) and ({out_features}, {rank})")
     if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
         raise AdapterError(f"{WEIGHTS_FILE}: {module!r} holds non-finite weights")
-    return LoraWeights(a.to(device=device, dtype=dtype).contiguous(), b.to(device=device, dtype=dtype).contiguous(),
-                       scale)
+    b = b.to(device=device, dtype=dtype).contiguous()
+    return LoraWeights(a.to(device=device, dtype=dtype).contiguous(), b, scale, b.t().contiguous())
