@@ -126,8 +126,8 @@ class Sequences:
             return
         try:
             seq.adapter = self.loras.acquire(seq.seq_id, ref)
-        except AdapterError as error:
-            seq.adapter_error = str(error)
+        except (AdapterError, OSError) as error:
+            seq.adapter_error = str(error) if isinstance(error, AdapterError) else "its files cannot be read"
             log.warning("LoRA adapter not served: %s", error, extra={"seq_id": seq.seq_id})
 
     def _budget(self, new: t.NewSequence) -> BlockBudget | None:

@@ -67,6 +67,8 @@ def test_paths_outside_lora_root_are_refused(root: Path, tmp_path: Path) -> None
     for path in (str(outside), "../outside", "link-out", str(root / ".." / "outside")):
         with pytest.raises(AdapterError, match="lora_path"):
             loras.acquire("s", AdapterRef("evil", path))
+    with pytest.raises(AdapterError, match="lora_name"):
+        loras.acquire("s", AdapterRef("../a", "a"))
     assert loras.resident() == []
     off = LoraRegistry(LoraConfig(modules={"a": str(root / "a")}), {}, torch.device("cpu"), torch.float32)
     with pytest.raises(AdapterError, match="LORA_ROOT is not set"):

@@ -106,11 +106,9 @@ class LoraRegistry:
         return adapter
 
     def _directory(self, ref: AdapterRef) -> Path:
-        check_name(ref.name)
-        configured = self.config.modules.get(ref.name)
-        if configured is not None:
-            return Path(configured)
         try:
-            return resolve_under_root(ref.path, self.config.root)
+            check_name(ref.name)
+            configured = self.config.modules.get(ref.name)
+            return Path(configured) if configured is not None else resolve_under_root(ref.path, self.config.root)
         except AdapterPathError as error:
             raise AdapterError(str(error)) from None
