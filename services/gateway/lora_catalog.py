@@ -27,6 +27,7 @@ from common.lora_paths import AdapterPathError, check_name, resolve_under_root
 from services.gateway.backend import GenerationSpec
 from services.gateway.tenants import Tenant
 from common.peft_config import WEIGHTS_FILE, AdapterError, file_digest, read_config
+from common.settings import SettingsError
 
 DIGEST_CHARS = 16     # of the sha256 carried with each request
 
@@ -58,7 +59,7 @@ class LoraCatalog:
             try:
                 catalog._add(name, Path(path), "")
             except (AdapterError, AdapterPathError) as error:
-                raise AdapterError(f"LORA_MODULES adapter {name!r}: {error}") from None
+                raise SettingsError(f"LORA_MODULES adapter {name!r}: {error}") from None
         return catalog
 
     @property

@@ -179,3 +179,15 @@ async def test_unloading_lets_a_running_request_finish(keyed: httpx.AsyncClient,
     assert (await keyed.post("/v1/unload_lora_adapter", json={"lora_name": "busy"}, headers=ops)).status_code == 200
     finished = await running
     assert finished.status_code == 200 and finished.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_bad_lora_module_stops_the_gateway_naming_it(tmp_path: Path) -> None:
+    from common.settings import SettingsError
+    from services.gateway.lora_catalog import LoraCatalog
+
+    with pytest.raises(SettingsError, match="LORA_MODULES adapter 'gone'"):
+        LoraCatalog.from_modules("base", {"gone": str(tmp_path / "missing")})
+    bad = write_adapter(tmp_path / "dora")
+    (bad / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8, "use_dora": True}))
+    with pytest.raises(SettingsError, match="use_dora=true is not supported"):
+        LoraCatalog.from_modules("base", {"dora": str(bad)})
