@@ -191,3 +191,15 @@ def test_a_bad_lora_module_stops_the_gateway_naming_it(tmp_path: Path) -> None:
     (bad / "adapter_config.json").write_text(json.dumps({"r": 8, "lora_alpha": 8, "use_dora": True}))
     with pytest.raises(SettingsError, match="use_dora=true is not supported"):
         LoraCatalog.from_modules("base", {"dora": str(bad)})
+
+
+async def test_one_adapter_of_two_tenants_keeps_their_caches_apart(keyed: httpx.AsyncClient,
+                                                                   fake: FakeScheduler) -> None:
+    """The attack: a tenant allowed the same adapter as another probes its cached prompts. The
+    adapter joins the tenant's salt, never replaces it."""
+    for key in ("sk-alice", "sk-ops"):
+        assert (await keyed.post("/v1/chat/completions", json={**CHAT, "model": "qv"},
+                                 headers=bearer(key))).status_code == 200
+    alice, ops = (sent.spec for sent in fake.requests)
+    assert alice.lora_name == ops.lora_name == "qv" and alice.cache_salt != ops.cache_salt
+    assert alice.cache_salt.startswith("alice")
