@@ -90,3 +90,23 @@ def _append_chain(hashes: list[int], parent: int, tokens: Sequence[int], start: 
         parent = block_hash(parent, tokens[begin:begin + block_size], model_key)
         hashes.append(parent)
     return hashes
+
+
+ADAPTER_MARK = "\x00lora\x00"   # no tenant salt holds a NUL
+
+
+def adapter_id(name: str, digest: str) -> str:
+    """What a request's LoRA adapter folds into its cache salt: its name and its weights' digest
+    ("" for the base model)."""
+    return f"{name}@{digest}" if name else ""
+
+
+def adapter_salt(cache_salt: str, adapter_id: str) -> str:
+    """The cache salt of a request served by LoRA adapter `adapter_id` (its name and weights'
+    digest): the salt with the adapter appended, so an adapter's blocks never hash like the
+    base model's or another adapter's. Idempotent: a salt that already ends with this
+    adapter's mark is returned as is (the gateway folds, the scheduler and workers check)."""
+    if not adapter_id:
+        return cache_salt
+    suffix = ADAPTER_MARK + adapter_id
+    return cache_salt if cache_salt.endswith(suffix) else cache_salt + suffix

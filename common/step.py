@@ -72,6 +72,11 @@ class NewSequence:
     sampling: SamplingParams = SamplingParams()
     cache_salt: str = ""    # mixed into its block hashes: other salts never share its cached blocks
     kv_policy: KvPolicy = KvPolicy()
+    # A LoRA adapter serving it (empty: the base model): its name, the directory it loads from
+    # when the worker does not know the name (inside the worker's LORA_ROOT) and its weights' digest.
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_digest: str = ""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,9 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
                                               cache_salt=n.cache_salt,
                                               kv_policy=worker_pb2.KvPolicy(
                                                   kind=n.kv_policy.kind, budget_tokens=n.kv_policy.budget_tokens,
-                                                  sink_tokens=n.kv_policy.sink_tokens))
+                                                  sink_tokens=n.kv_policy.sink_tokens),
+                                              lora_name=n.lora_name, lora_path=n.lora_path,
+                                              lora_digest=n.lora_digest)
                        for n in batch.new_sequences],
         work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
               for w in batch.work],
@@ -50,7 +52,8 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
                         output_token_ids=tuple(s.output_token_ids), sampling=sampling_from_proto(s.sampling),
                         cache_salt=s.cache_salt,
                         kv_policy=KvPolicy(kind=s.kv_policy.kind or "full", budget_tokens=s.kv_policy.budget_tokens,
-                                           sink_tokens=s.kv_policy.sink_tokens))
+                                           sink_tokens=s.kv_policy.sink_tokens),
+                        lora_name=s.lora_name, lora_path=s.lora_path, lora_digest=s.lora_digest)
             for s in message.new_sequences),
         work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
                    for w in message.work),

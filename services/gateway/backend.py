@@ -50,6 +50,11 @@ class GenerationSpec:
     attachment: bytes = b""
     # Not a new request: re-reads the detached request of this id from its first event.
     attach: bool = False
+    # The LoRA adapter serving it (lora_catalog.py; "": the base model): its name, where workers
+    # that do not know it load it from, its weights' digest. cache_salt carries it too.
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_digest: str = ""
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         resubmitted=spec.resubmitted,
         detached=spec.detached,
         attachment=spec.attachment,
+        lora_name=spec.lora_name, lora_path=spec.lora_path, lora_digest=spec.lora_digest,
     )
 
 

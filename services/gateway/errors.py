@@ -52,6 +52,11 @@ def not_found(path: str) -> ApiError:
     return ApiError(404, f"No route for {path}.", NOT_FOUND, None, "not_found")
 
 
+def model_not_found(model: str) -> ApiError:
+    """vLLM's answer to a `model` it does not serve (a LoRA adapter the caller may not use too)."""
+    return ApiError(404, f"The model `{model[:200]}` does not exist.", NOT_FOUND, "model", "model_not_found")
+
+
 def method_not_allowed(method: str, path: str) -> ApiError:
     return ApiError(405, f"Method {method} is not allowed for {path}.", INVALID_REQUEST, None,
                     "method_not_allowed")

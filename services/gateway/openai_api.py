@@ -23,8 +23,9 @@ from services.gateway.chat_template import (
     with_special_tokens,
 )
 from services.gateway.echo import Echo, echoed, prompt_texts
-from services.gateway.errors import bad_request, from_backend
+from services.gateway.errors import bad_request, from_backend, model_not_found
 from services.gateway.generation import TextDelta, merge_streams
+from services.gateway.lora_catalog import UnknownModel, with_adapter
 from services.gateway.openai_format import (
     ChatFormat,
     ChoiceResult,
@@ -96,26 +97,38 @@ def _scoring_prompts(choices: list[Choice], alternatives: int | None) -> list[Ch
     return [dataclasses.replace(choice, spec=scoring(choice.spec, alternatives)) for choice in choices]
 
 
-def _request_info(request: Request, state: GatewayState) -> RequestInfo:
+def _request_info(request: Request, state: GatewayState, model: str | None = None) -> RequestInfo:
+    """The request's identity and the model it asked for: the base model, or a LoRA adapter the
+    caller may use (any other `model` is a 404, an adapter the tenant may not use included)."""
     request_id = getattr(request.state, "request_id", "")
+    tenant = getattr(request.state, "tenant", None)
+    try:
+        adapter = state.loras.resolve(model, tenant)
+    except UnknownModel:
+        raise model_not_found(str(model)) from None
     return RequestInfo(request_id=request_id,
                        supplied=bool(getattr(request.state, "request_id_supplied", False)),
-                       tenant=getattr(request.state, "tenant", None), created=int(time.time()),
-                       model=state.settings.model_id)
+                       tenant=tenant, created=int(time.time()),
+                       model=adapter.name if adapter is not None else state.settings.model_id, adapter=adapter)
 
 
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
+    """The base model, then the LoRA adapters the caller may use, each with the base as parent."""
     state = _state(request)
-    card = ModelCard(id=state.settings.model_id, created=int(time.time()),
-                     max_model_len=(await state.limits()).max_model_len)
-    return ModelList(data=[card])
+    base_id = state.settings.model_id
+    max_model_len = (await state.limits()).max_model_len
+    cards = [ModelCard(id=base_id, created=int(time.time()), max_model_len=max_model_len, root=base_id)]
+    cards += [ModelCard(id=entry.name, created=entry.created, max_model_len=max_model_len, root=entry.name,
+                        parent=base_id)
+              for entry in state.loras.visible(getattr(request.state, "tenant", None))]
+    return ModelList(data=cards)
 
 
 @router.post("/completions", responses=_ERRORS)
 async def completions(body: CompletionBody, request: Request) -> Response:
     state = _state(request)
-    info = _request_info(request, state)
+    info = _request_info(request, state, body.model)
     reject_unsupported(body.model_extra)
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
@@ -123,7 +136,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     fields = completion_fields(body)
     if body.echo and body.max_tokens == 0:
         fields = dataclasses.replace(fields, max_tokens=1)   # scores the prompt only (echo.py)
-    choices = await _choices(state, prompts, fields, check_n(body.n), info.tenant)
+    choices = await _choices(state, prompts, fields, check_n(body.n), info)
     if body.echo:
         choices = _echo_choices(state, body, prompts, choices)
     choices = _scoring_prompts(choices, prompt_alternatives)
@@ -137,7 +150,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
 @router.post("/chat/completions", responses=_ERRORS)
 async def chat_completions(body: ChatCompletionBody, request: Request) -> Response:
     state = _state(request)
-    info = _request_info(request, state)
+    info = _request_info(request, state, body.model)
     reject_unsupported(body.model_extra)
     if body.top_logprobs and not body.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true.", "top_logprobs")
@@ -148,7 +161,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     if body.add_special_tokens:
         prompt_ids = with_special_tokens(state.tokenizer, prompt_ids)
     fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
-    choices = _scoring_prompts(await _choices(state, [prompt_ids], fields, check_n(body.n), info.tenant),
+    choices = _scoring_prompts(await _choices(state, [prompt_ids], fields, check_n(body.n), info),
                                prompt_alternatives)
     formatter = ChatFormat(state, f"chatcmpl-{info.request_id}", info, bool(body.logprobs),
                            prompt_logprobs=prompt_alternatives)
@@ -215,15 +228,15 @@ async def _completion_prompts(state: GatewayState, prompt: Any, add_special_toke
 
 
 async def _choices(state: GatewayState, prompts: Sequence[list[int]], fields: RequestFields,
-                   n: int, tenant: Tenant | None) -> list[Choice]:
+                   n: int, info: RequestInfo) -> list[Choice]:
     if n * len(prompts) > MAX_CHOICES:
         raise bad_request(f"n times the number of prompts must be at most {MAX_CHOICES}, "
                           f"got {n * len(prompts)}.", "n")
     limits = await state.limits()
-    caller = state.caller(tenant)
+    caller = state.caller(info.tenant)
     choices: list[Choice] = []
     for prompt_index, prompt_ids in enumerate(prompts):
-        spec = build_spec(fields, prompt_ids, limits, caller)
+        spec = with_adapter(build_spec(fields, prompt_ids, limits, caller), info.adapter)
         for sample in range(n):
             choices.append(Choice(len(choices), prompt_index, _nth_sample(spec, sample)))
     return choices

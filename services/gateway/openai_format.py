@@ -14,6 +14,7 @@ from services.gateway.backend import TokenOutput
 from services.gateway.detokenizer import token_bytes
 from services.gateway.generation import TextDelta
 from services.gateway.prompt_scores import prompt_logprobs_json
+from services.gateway.lora_catalog import AdapterEntry
 from services.gateway.state import GatewayState
 from services.gateway.tenants import Tenant
 from services.gateway.tool_parsers import ToolCall
@@ -37,6 +38,7 @@ class RequestInfo:
     tenant: Tenant | None
     created: int
     model: str
+    adapter: AdapterEntry | None = None    # the LoRA adapter `model` names (None: the base model)
 
 
 def finite(value: float) -> float | None:

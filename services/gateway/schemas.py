@@ -173,6 +173,8 @@ class ModelCard(_Body):
     created: int
     owned_by: str = "fairserve"
     max_model_len: int | None = None
+    root: str | None = None
+    parent: str | None = None       # a LoRA adapter's base model (vLLM's field); None for the base
 
 
 class ModelList(_Body):

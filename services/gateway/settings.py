@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.internal_auth import InternalAuth
+from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
 from common.settings import EnvReader, SettingsError
 from services.gateway.identity import AUTO_SCOPE, CACHE_SCOPES, cache_scope_for
@@ -60,6 +61,11 @@ class GatewaySettings:
     # many responses (in progress or kept) a tenant may have.
     responses_ttl_s: float = 3600.0
     responses_max_per_tenant: int = 100
+    # LoRA adapters (lora_catalog.py): LORA_MODULES name -> directory, LORA_ROOT (where runtime
+    # loads may read), LORA_RUNTIME_UPDATES (POST /v1/load_lora_adapter and /v1/unload_lora_adapter).
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    lora_root: str = ""
+    lora_runtime_updates: bool = False
 
     @property
     def model_id(self) -> str:
@@ -124,8 +130,21 @@ class GatewaySettings:
             internal=internal,
             drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
             tool_call_parser=read.choice("TOOL_CALL_PARSER", cls.tool_call_parser, tuple(PARSERS)),
+            lora_modules=_lora_modules(read.str("LORA_MODULES", "")),
+            lora_root=read.str("LORA_ROOT", ""),
+            lora_runtime_updates=read.bool("LORA_RUNTIME_UPDATES", False),
         )
+        if settings.lora_runtime_updates and not settings.lora_root:
+            raise SettingsError("LORA_RUNTIME_UPDATES=true needs LORA_ROOT: the directory runtime adapter "
+                                "paths must lie in")
         if settings.metrics_port and settings.metrics_port in (settings.port, settings.grpc_port):
             raise SettingsError(f"METRICS_PORT={settings.metrics_port} is invalid: it must differ "
                                 "from GATEWAY_PORT and GATEWAY_GRPC_PORT")
         return settings
+
+
+def _lora_modules(value: str) -> dict[str, str]:
+    try:
+        return parse_lora_modules(value)
+    except AdapterPathError as error:
+        raise SettingsError(str(error)) from None

@@ -27,6 +27,7 @@ from services.gateway.drain import Drain
 from services.gateway.errors import bad_request, client_gone
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
+from services.gateway.lora_catalog import LoraCatalog
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.responses.store import ResponseStore
 from services.gateway.settings import GatewaySettings
@@ -50,12 +51,19 @@ class GatewayState:
     quotas: TenantQuotas = field(default_factory=lambda: TenantQuotas(()))  # the service's too
     # The generations filling /v1/responses (responses/runner.py), kept until they end.
     response_tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    loras: LoraCatalog | None = None              # the LoRA adapters served (None: built from settings)
 
     @cached_property
     def responses(self) -> ResponseStore:
         """The responses kept for /v1/responses (responses/store.py)."""
         return ResponseStore(self.settings.responses_ttl_s, self.settings.responses_max_per_tenant,
                              time.monotonic)
+
+    def __post_init__(self) -> None:
+        if self.loras is None:
+            settings = self.settings
+            self.loras = LoraCatalog.from_modules(settings.model_id, settings.lora_modules, settings.lora_root,
+                                                  settings.lora_runtime_updates)
 
     @cached_property
     def tokenizer_size(self) -> int:

@@ -18,8 +18,12 @@ gives tenants' limits:
       alice: {weight: 2, max_priority: 5, max_queued: 8, requests_per_s: 10, burst: 20,
               tokens_per_minute: 100000, max_request_s: 600}
       ops: {admin: true}
+      bob: {lora_adapters: [sql-helper, support]}   # the LoRA adapters bob may name
 
 A field given as null has no limit; a field left out takes the defaults' value.
+`lora_adapters` (per tenant or in defaults) lists the LoRA adapters a tenant's requests may
+name, `"*"` for every one; unset, none (an admin tenant may use every one). Any other
+adapter is a 404 to that tenant, as if it did not exist.
 
 Every error names the variable, and the tenant and field when there is one;
 no error message ever shows a key.
@@ -33,6 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from common.lora_paths import NAME_PATTERN
 from common.settings import SettingsError
 from services.gateway.tenants import (
     DERIVED_PREFIX,
@@ -45,7 +50,7 @@ from services.gateway.tenants import (
 INT32_MAX = 2**31 - 1
 FIELDS = ("weight", "max_priority", "max_in_flight", "max_queued", "requests_per_s", "burst",
           "tokens_per_minute", "max_request_s")
-ROLE_FIELDS = ("admin",)   # a tenant's role, not a limit: read by parse_admins
+ROLE_FIELDS = ("admin", "lora_adapters")   # not limits: read by parse_admins and parse_adapters
 MAX_TOKENS_PER_MINUTE = 2**53
 
 
@@ -85,7 +90,33 @@ def load_tenants(api_keys: str, tenants_file: str = "", secret: bytes = b"",
     for name in limits:
         if name not in known:
             raise SettingsError(f"TENANTS_FILE: tenant {name!r} has no key in API_KEYS")
-    return TenantRegistry(keys, limits, defaults, admins | parse_admins(document))
+    default_adapters, adapters = parse_adapters(document)
+    return TenantRegistry(keys, limits, defaults, admins | parse_admins(document), adapters, default_adapters)
+
+
+def parse_adapters(document: Any) -> tuple[frozenset[str] | None, dict[str, frozenset[str] | None]]:
+    """(the defaults' allowed LoRA adapters, {tenant: its own}) of a tenants file's document:
+    a list of adapter names, or "*" (None: every adapter)."""
+    if not isinstance(document, Mapping):
+        return frozenset(), {}
+    defaults = document.get("defaults")
+    default = frozenset()
+    if isinstance(defaults, Mapping) and "lora_adapters" in defaults:
+        default = _adapters(defaults["lora_adapters"], "defaults")
+    own: dict[str, frozenset[str] | None] = {}
+    for name, entry in (document.get("tenants") or {}).items():
+        if isinstance(entry, Mapping) and "lora_adapters" in entry:
+            own[name] = _adapters(entry["lora_adapters"], f"tenant {name!r}")
+    return default, own
+
+
+def _adapters(value: Any, where: str) -> frozenset[str] | None:
+    if value == "*":
+        return None
+    if not isinstance(value, list) or not all(isinstance(item, str) and NAME_PATTERN.match(item) for item in value):
+        raise SettingsError(f"TENANTS_FILE: {where} field 'lora_adapters' must be a list of adapter names "
+                            "or \"*\"")
+    return frozenset(value)
 
 
 def _all_keys(api_keys: str, admin_keys: str, secret: bytes,

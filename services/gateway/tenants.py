@@ -65,6 +65,12 @@ class Tenant:
     name: str
     limits: TenantLimits = TenantLimits()
     admin: bool = False
+    # The LoRA adapters its requests may name (TENANTS_FILE `lora_adapters`); None: every one
+    # (an admin, or `"*"`). Any other adapter is a 404, as if it did not exist.
+    lora_adapters: frozenset[str] | None = frozenset()
+
+    def may_use_adapter(self, name: str) -> bool:
+        return self.admin or self.lora_adapters is None or name in self.lora_adapters
 
 
 def derived_name(key: bytes, secret: bytes = b"") -> str:
@@ -85,15 +91,19 @@ class TenantRegistry:
     def __init__(self, keys: Iterable[tuple[bytes, str]] = (),
                  limits: Mapping[str, TenantLimits] | None = None,
                  default_limits: TenantLimits = TenantLimits(),
-                 admins: Iterable[str] = ()) -> None:
+                 admins: Iterable[str] = (),
+                 adapters: Mapping[str, frozenset[str] | None] | None = None,
+                 default_adapters: frozenset[str] | None = frozenset()) -> None:
         limits = dict(limits or {})
         admins = frozenset(admins)
+        adapters = dict(adapters or {})
         self._keys: tuple[tuple[bytes, Tenant], ...] = ()
         tenants: dict[str, Tenant] = {}
         entries = []
         for key, name in keys:
             tenant = tenants.setdefault(
-                name, Tenant(name, limits.get(name, default_limits), admin=name in admins))
+                name, Tenant(name, limits.get(name, default_limits), admin=name in admins,
+                             lora_adapters=adapters.get(name, default_adapters)))
             entries.append((_digest(key), tenant))
         self._keys = tuple(entries)
         self._tenants = tenants

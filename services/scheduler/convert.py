@@ -9,6 +9,7 @@ from typing import TypeVar
 import grpc
 from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
 
+from common.block_hash import adapter_id, adapter_salt
 from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
 from common.grpc_server import REJECTION_KEY
 # The Step messages are the worker's contract too: one translation for both services.
@@ -57,12 +58,15 @@ def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSp
         priority=message.priority,
         user=message.user,
         weight=message.weight if message.weight > 0 else 1.0,
-        cache_salt=message.cache_salt,
+        # An adapter's requests never share cached blocks with the base model's or another
+        # adapter's, whatever salt the gateway sent (adapter_salt is idempotent).
+        cache_salt=adapter_salt(message.cache_salt, adapter_id(message.lora_name, message.lora_digest)),
         resume_token_ids=tuple(message.resume_token_ids),
         kv_policy=message.kv_policy,
         authenticated=message.authenticated,
         quota=tenant_quota_from_proto(message.quota) if message.HasField("quota") else None,
         resubmitted=message.resubmitted,
+        lora_name=message.lora_name, lora_path=message.lora_path, lora_digest=message.lora_digest,
     )
 
 

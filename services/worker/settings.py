@@ -9,11 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.internal_auth import InternalAuth
+from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
 from common.settings import EnvReader, SettingsError
 from common.worker_auth import worker_token_from_env
 from services.scheduler.registration import MAX_WORKER_ID_LENGTH
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.lora.registry import LoraConfig
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -92,11 +94,22 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
         ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
         grammar_tokenizer=read.choice("GRAMMAR_TOKENIZER", "first_use", GRAMMAR_TOKENIZER_MODES),
+        lora=LoraConfig(modules=_lora_modules(read.str("LORA_MODULES", "")),
+                        max_loras=read.int("MAX_LORAS", 4, minimum=1, maximum=1024),
+                        max_rank=read.int("MAX_LORA_RANK", 64, minimum=1, maximum=1024),
+                        root=read.str("LORA_ROOT", "")),
     )
     if config.ngram_min > config.ngram_max:
         raise SettingsError(f"SPECULATIVE_NGRAM_MIN={config.ngram_min} is invalid: "
                             f"must be at most SPECULATIVE_NGRAM_MAX={config.ngram_max}")
     return config
+
+
+def _lora_modules(value: str) -> dict[str, str]:
+    try:
+        return parse_lora_modules(value)
+    except AdapterPathError as error:
+        raise SettingsError(str(error)) from None
 
 
 @dataclass(frozen=True)

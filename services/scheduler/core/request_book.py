@@ -92,7 +92,9 @@ class RequestBook:
         self.by_seq[seq_id] = request
         return NewSequence(seq_id=seq_id, prompt_token_ids=request.prompt,
                            output_token_ids=tuple(request.output), sampling=worker_sampling(request),
-                           cache_salt=request.spec.cache_salt, kv_policy=request.kv_policy)
+                           cache_salt=request.spec.cache_salt, kv_policy=request.kv_policy,
+                           lora_name=request.spec.lora_name, lora_path=request.spec.lora_path,
+                           lora_digest=request.spec.lora_digest)
 
     def activate(self, worker: WorkerState, request: RequestState) -> None:
         """prefilling -> active, once it has sampled a token (no-op when active)."""

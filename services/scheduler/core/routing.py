@@ -51,10 +51,11 @@ class SessionMap:
 
 
 def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
-                  cached_prefix_tokens: Mapping[str, int]) -> WorkerState | None:
+                  cached_prefix_tokens: Mapping[str, int], adapter: str = "") -> WorkerState | None:
     """The session's worker if it is still there; otherwise the worker holding
-    the longest cached prefix, ties going to the least loaded, then to the one
-    with the most never-used blocks (so cold prompts spread over idle workers
+    the longest cached prefix, ties going to one that served `adapter` lately (a LoRA
+    adapter's requests: it likely holds the adapter), then to the least loaded, then to
+    the one with the most never-used blocks (so cold prompts spread over idle workers
     instead of all landing on the first). A draining worker is never chosen."""
     workers = [worker for worker in workers if not worker.draining]
     if not workers:
@@ -63,7 +64,8 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
         for worker in workers:
             if worker.worker_id == session_worker:
                 return worker
-    return min(workers, key=lambda w: (-cached_prefix_tokens.get(w.worker_id, 0), w.load,
+    return min(workers, key=lambda w: (-cached_prefix_tokens.get(w.worker_id, 0),
+                                        bool(adapter) and adapter not in w.adapters, w.load,
                                         w.reserved_kv_tokens, -w.pool.free_blocks, w.worker_id))
 
 
@@ -84,10 +86,15 @@ def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
 
 
 def route(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[WorkerState], sessions: SessionMap,
-          cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "") -> WorkerState | None:
+          cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "",
+          adapter: str = "") -> WorkerState | None:
     """The worker for a new request (None: no worker): its session's, else the
     one holding or about to hold the longest prefix of `prompt` under its
-    `cache_salt` (the index's hints are looked up with it), else the least loaded."""
+    `cache_salt` (the index's hints are looked up with it), else one holding its LoRA
+    `adapter`, else the least loaded. The chosen worker notes the adapter."""
     session_worker = sessions.get(session_id) if session_id else None
     hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens, cache_salt)
-    return choose_worker(workers, session_worker, hints)
+    worker = choose_worker(workers, session_worker, hints, adapter)
+    if worker is not None:
+        worker.note_adapter(adapter)
+    return worker

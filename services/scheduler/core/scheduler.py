@@ -220,7 +220,8 @@ class SchedulerCore:
         """Routes a request that passed the early gates to a serving worker and queues it
         there, or rejects it. `quota_admitted`: its tenant's quota holds it already (parked)."""
         worker = route(spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
-                       cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt)
+                       cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt,
+                       spec.lora_name)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)

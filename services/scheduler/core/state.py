@@ -12,6 +12,8 @@ from common.types import SamplingParams, TokenLogprob
 from services.scheduler.core.types import Gate, PoolStats, RequestSpec, StepOutput, StepBatch, WorkerSpec
 from services.scheduler.core.vtc import sane_weight
 
+MAX_NOTED_ADAPTERS = 64
+
 
 class Phase(StrEnum):
     PENDING = "pending"        # waiting for admission (new, or back after a preemption)
@@ -185,6 +187,17 @@ class WorkerState:
     last_batch_size: int = 0
     # Leaving on purpose (drain.py): nothing new is routed to it.
     draining: bool = False
+    # LoRA adapters this worker was last sent requests of, most recent last: it likely holds
+    # them resident (routing prefers it for their requests). At most MAX_NOTED_ADAPTERS.
+    adapters: dict[str, None] = field(default_factory=dict)
+
+    def note_adapter(self, name: str) -> None:
+        if not name:
+            return
+        self.adapters.pop(name, None)
+        self.adapters[name] = None
+        while len(self.adapters) > MAX_NOTED_ADAPTERS:
+            del self.adapters[next(iter(self.adapters))]
 
     @property
     def worker_id(self) -> str:

@@ -111,6 +111,11 @@ class RequestSpec:
     # Work a scheduler admitted before, sent again after the gateway lost its scheduler:
     # never refused by its tenant's limits, its prompt and resumed tokens not charged again.
     resubmitted: bool = False
+    # The LoRA adapter serving it ("": the base model), where a worker that does not know the
+    # name loads it from, and its weights' digest. cache_salt carries the adapter too.
+    lora_name: str = ""
+    lora_path: str = ""
+    lora_digest: str = ""
 
 
 @dataclass(frozen=True)

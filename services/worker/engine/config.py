@@ -3,7 +3,9 @@ from the environment."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from services.worker.engine.lora.registry import LoraConfig
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class EngineConfig:
     ngram_min: int = 2                 # speculation: shortest suffix looked up earlier in the sequence
     ngram_max: int = 4                 # speculation: longest suffix looked up
     grammar_tokenizer: str = "first_use"   # structured output's tokenizer: first_use (built when the first constrained sequence registers) | start
+    lora: LoraConfig = field(default_factory=LoraConfig)   # LoRA adapters (lora/registry.py); off unless LORA_MODULES or LORA_ROOT
 
 
 def require_choice(what: str, value: str, choices: tuple[str, ...]) -> None:

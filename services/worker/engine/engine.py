@@ -37,6 +37,7 @@ from services.worker.engine.isolation import StepIsolation
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.kv_policy import KvEvictor
 from services.worker.engine.kv_rotation import KeyRotation
+from services.worker.engine.lora.registry import LoraRegistry
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
 from services.worker.engine.prefill_kernels import load_prefill_kernel
@@ -92,7 +93,11 @@ class Engine:
         self.sampling = StepSampler(prepared, Sampler(eos_token_ids=prepared.eos_token_ids), self.prompt_logits,
                                     self.block_size)
         self.prompt_scorer = PromptScorer(prepared.lm_head, prepared.softcap)
-        self.sequences = Sequences(self.pool, self.block_size, config.model_key)
+        self.loras = (LoraRegistry(config.lora, prepared.lora_shapes or {}, self.device, self.dtype)
+                      if prepared.lora_step is not None else None)
+        if self.loras is not None:
+            self.loras.preload()
+        self.sequences = Sequences(self.pool, self.block_size, config.model_key, self.loras)
         vocab_size = int(self.model_config.vocab_size)
         # Structured output: the grammar tokenizer builds in the background (seconds on 262k tokens,
         # ~225 MB resident), at start or when the first constrained sequence registers

@@ -15,6 +15,7 @@ from services.worker.engine.attention import StepMetadata
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows, GroupRows
 from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.lora.layers import LoraRows
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
 from services.worker.engine.sliding_blocks import SlidingBlocks
@@ -43,6 +44,19 @@ class Forward:
         self.decode_kernel = decode_kernel
         self.sliding = sliding
         self.graphs: DecodeGraphs | None = None   # set once captured graphs can call hidden_states
+        self.lora = prepared.lora_step
+
+    def _lora_rows(self, order: list[Planned]) -> LoraRows | None:
+        """The step's rows grouped by adapter (rows come in plan order, `rows` each). A sequence
+        whose adapter could not be loaded raises: the step's isolation fails it alone."""
+        runs, row = [], 0
+        for plan in order:
+            seq = plan.seq
+            if seq.lora_name and seq.adapter is None:
+                raise RuntimeError(f"LoRA adapter {seq.lora_name!r} not served: {seq.adapter_error}")
+            runs.append((seq.adapter, row, plan.rows))
+            row += plan.rows
+        return LoraRows.of(runs, self.device)
 
     def sampling_hidden_states(self, planned: list[Planned], score: ScoreRows | None = None
                                ) -> tuple[list[Planned], torch.Tensor]:
@@ -56,7 +70,11 @@ class Forward:
             return order, rows
         inputs = build_step_inputs(order, self.pool, self.kv, self.cache_layer, self.device,
                                    varlen=self.varlen, decode_kernel=self.decode_kernel, sliding=self.sliding)
-        hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
+        if self.lora is not None:
+            with self.lora.serving(self._lora_rows(order)):
+                hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
+        else:
+            hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
         for meta in (inputs.meta, inputs.meta.sliding):
             if meta is not None and meta.scores is not None:
                 meta.scores.commit()     # each group's layers add to the same block scores
@@ -80,6 +98,8 @@ class Forward:
         not decode-only, no bucket fits, or graphs turned off)."""
         if self.graphs is None or not all(p.rows == 1 and p.samples for p in order):
             return None
+        if any(p.seq.lora_name for p in order):
+            return None     # graphs hold the base projections only: adapter rows run eagerly
         if any(reports_attention(p) for p in order):
             return None     # h2o reports its attention (h2o_scores.py): no graph replay
         tables = [self.pool.table(p.seq.seq_id) for p in order]

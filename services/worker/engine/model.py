@@ -21,6 +21,7 @@ from services.worker.engine.cpu.native_build import default_cache_dir as default
 from services.worker.engine.cpu.screen_loader import ScreenLoader
 from services.worker.engine.cpu.speedups import Speedups, apply_speedups
 from services.worker.engine.device import resolve_device, resolve_dtype
+from services.worker.engine.lora.layers import LoraStep, wrap_projections
 
 
 @dataclass
@@ -36,6 +37,8 @@ class PreparedModel:
     softcap: float | None               # final logit soft-capping, if the model has it
     mask_by_type: dict | None           # the attention mask argument: a None per layer type, or None
     eos_token_ids: list[int]
+    lora_step: LoraStep | None = None   # with LoRA on: the step's adapter rows, read by every projection
+    lora_shapes: dict[str, tuple[int, int]] | None = None   # each wrapped projection: (in, out)
 
     @property
     def lm_head(self) -> torch.nn.Module:
@@ -63,6 +66,7 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
     kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
     speedups = apply_speedups(base, model.get_output_embeddings(), config, device, dtype, kernel_cache_dir)
     softcap = getattr(model_config, "final_logit_softcapping", None)
+    lora_step, lora_shapes = _serve_loras(config, model, speedups)
     # The tied embedding and LM head from the head's codes: the float32 matrix only builds the screen.
     head_weight = serve_tied_weight_from_codes(model, speedups.lm_head)
     if device.type == "cpu":
@@ -77,7 +81,21 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
         model=model, model_config=model_config, base=base, device=device, dtype=dtype,
         kernel_cache_dir=kernel_cache_dir, speedups=speedups, screen=screen, softcap=softcap,
         mask_by_type={kind: None for kind in set(layer_types)} if layer_types else None,
-        eos_token_ids=_eos_token_ids(model))
+        eos_token_ids=_eos_token_ids(model), lora_step=lora_step, lora_shapes=lora_shapes)
+
+
+def _serve_loras(config: EngineConfig, model: torch.nn.Module, speedups: Speedups
+                 ) -> tuple[LoraStep | None, dict[str, tuple[int, int]] | None]:
+    """With LoRA on (LORA_MODULES or LORA_ROOT), every attention and MLP projection wrapped, after
+    the speed-ups, around what they made of it (lora/layers.py); the direct forward re-reads them.
+    The C decode layers keep the unwrapped projections: they serve steps without adapter rows."""
+    if not config.lora.enabled:
+        return None, None
+    step = LoraStep()
+    shapes = wrap_projections(model, step)
+    if speedups.direct is not None:
+        speedups.direct.serve_loras(step)
+    return step, shapes
 
 
 def _load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:

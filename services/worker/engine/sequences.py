@@ -16,10 +16,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from common.block_hash import ROOT_HASH, extend_chain, parent_of, partial_block_hash, salted_key
+from common.block_hash import ROOT_HASH, adapter_id, adapter_salt, extend_chain, parent_of, partial_block_hash, salted_key
+from common.peft_config import AdapterError
 from services.worker.engine import types as t
 from services.worker.engine.block_pool import BlockPool, PartialBlock
 from services.worker.engine.kv_policy import BlockBudget, block_budget, policy_error
+from services.worker.engine.lora.peft_adapter import LoraAdapter
+from services.worker.engine.lora.registry import AdapterRef, LoraRegistry
 from services.worker.engine.prompt_logits import PromptKey, prompt_key
 from services.worker.engine.sampler import SampledToken, SampleRequest
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
@@ -45,6 +48,9 @@ class SequenceState:
     budget: BlockBudget | None = None   # a lossy KV policy's (kv_policy.py); None: keeps everything
     evicted: int = 0                    # tokens its KV policy dropped from the cache
     block_scores: list[float] = field(default_factory=list)   # h2o: attention accumulated per table entry
+    lora_name: str = ""                 # its LoRA adapter's name ("" = the base model)
+    adapter: LoraAdapter | None = None  # that adapter's weights, held while the sequence lives
+    adapter_error: str = ""             # why its adapter could not be loaded (its forward then fails)
 
     @property
     def cache_len(self) -> int:
@@ -69,10 +75,12 @@ class SequenceState:
 
 
 class Sequences:
-    def __init__(self, pool: BlockPool, block_size: int, model_key: str) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, model_key: str,
+                 loras: LoraRegistry | None = None) -> None:
         self.pool = pool
         self.block_size = block_size
         self.model_key = model_key
+        self.loras = loras
         self._by_id: dict[str, SequenceState] = {}
 
     def __len__(self) -> int:
@@ -86,6 +94,8 @@ class Sequences:
 
     def free(self, seq_id: str) -> None:
         seq = self._by_id.pop(seq_id, None)
+        if self.loras is not None:
+            self.loras.release(seq_id)
         self.pool.free(seq_id, self._partial_block(seq) if seq is not None else None)
 
     def free_all(self) -> int:
@@ -101,9 +111,24 @@ class Sequences:
         request = SampleRequest(params=new.sampling, prompt_token_ids=list(new.prompt_token_ids),
                                 output_token_ids=list(new.output_token_ids),
                                 num_sampled=len(new.output_token_ids))
-        self._by_id[new.seq_id] = SequenceState(new.seq_id, tokens, request, cache_salt=new.cache_salt,
-                                                hash_key=salted_key(self.model_key, new.cache_salt),
-                                                budget=self._budget(new))
+        # An adapter's blocks hash apart from the base model's and every other adapter's, whatever
+        # salt the sequence came with (adapter_salt is idempotent: the gateway folds it already).
+        salt = adapter_salt(new.cache_salt, adapter_id(new.lora_name, new.lora_digest))
+        seq = SequenceState(new.seq_id, tokens, request, cache_salt=salt, hash_key=salted_key(self.model_key, salt),
+                            budget=self._budget(new), lora_name=new.lora_name)
+        if new.lora_name:
+            self._hold_adapter(seq, AdapterRef(new.lora_name, new.lora_path, new.lora_digest))
+        self._by_id[new.seq_id] = seq
+
+    def _hold_adapter(self, seq: SequenceState, ref: AdapterRef) -> None:
+        if self.loras is None:
+            seq.adapter_error = "this worker serves no LoRA adapters (LORA_MODULES and LORA_ROOT unset)"
+            return
+        try:
+            seq.adapter = self.loras.acquire(seq.seq_id, ref)
+        except (AdapterError, OSError) as error:
+            seq.adapter_error = str(error) if isinstance(error, AdapterError) else "its files cannot be read"
+            log.warning("LoRA adapter not served: %s", error, extra={"seq_id": seq.seq_id})
 
     def _budget(self, new: t.NewSequence) -> BlockBudget | None:
         error = policy_error(new.kv_policy)

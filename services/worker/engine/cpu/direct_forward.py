@@ -35,6 +35,7 @@ import torch
 from services.worker.engine.attention import StepMetadata, paged_attention_forward
 from services.worker.engine.cpu.native_layers import NativeDecodeLayers
 from services.worker.engine.cpu.native_ops import NativeElementwise
+from services.worker.engine.lora.layers import LoraStep
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 ROPE_TOLERANCE = 1e-5      # native RoPE against transformers', relative to the probe's largest output
@@ -109,6 +110,19 @@ class DirectForward:
         self._layer_types: list[str | None] = list(types) if shape.rotary_per_type else [None] * len(layers)
         self._steps = [_LayerSteps.of(layer, shape) for layer in layers]
         self.native_layers: NativeDecodeLayers | None = None     # decode steps' layers in one C call
+        self._lora: LoraStep | None = None
+
+    def serve_loras(self, step: LoraStep) -> None:
+        """Re-reads the layers' projections (now LoRA wrappers, lora/layers.py); the C decode layers
+        add the adapters' updates themselves (native_lora.py), given the projections' names."""
+        self._lora = step
+        layers = list(self._base.layers[:self._base.config.num_hidden_layers])
+        self._steps = [_LayerSteps.of(layer, self._shape) for layer in layers]
+        if self.native_layers is not None:
+            self.native_layers.serve_loras([(layer.self_attn.q_proj.name, layer.self_attn.k_proj.name,
+                                             layer.self_attn.v_proj.name, layer.self_attn.o_proj.name,
+                                             layer.mlp.gate_proj.name, layer.mlp.up_proj.name,
+                                             layer.mlp.down_proj.name) for layer in layers])
 
     @property
     def layer_types(self) -> list[str | None]:
@@ -152,9 +166,13 @@ class DirectForward:
         else:
             rotary = {None: base.rotary_emb(hidden, position_ids)}
         layers = self.native_layers
-        if layers is not None and layers.takes(meta, hidden.shape[1]):
+        lora = self._lora.rows if self._lora is not None else None
+        if layers is not None and (lora is None or layers.serves_loras) and layers.takes(meta, hidden.shape[1]):
             flat = hidden[0].contiguous()
-            layers(flat, rotary, meta)
+            if lora is None:
+                layers(flat, rotary, meta)
+            else:
+                layers(flat, rotary, meta, lora)
             return base.norm(flat[None])[0]
         for steps, layer_type in zip(self._steps, self._layer_types):
             hidden = self._layer(steps, hidden, rotary[layer_type], meta)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -25,8 +25,12 @@ from services.worker.engine.cpu.fused_mlp import FusedGatedMLP
 from services.worker.engine.cpu.fused_norms import FusedRMSNorm
 from services.worker.engine.cpu.native_build import NativeBuildError, load_library
 from services.worker.engine.cpu.native_decode import MIN_SPLIT_CONTEXT, VECTOR_WIDTH, NativeDecodeAttention
+from services.worker.engine.cpu.native_lora import LoraTables
 from services.worker.engine.cpu.native_ops import ACTIVATIONS, NativeElementwise
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
+
+if TYPE_CHECKING:
+    from services.worker.engine.lora.layers import LoraRows
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,8 @@ class _Layer(ctypes.Structure):
                 + [(name, ctypes.c_void_p) for name in (*NORMS, "k_cache", "v_cache", "cos", "sin",
                                                         "slots", "block_tables")]
                 + [(name, ctypes.c_int64) for name in ("table_width", "window", "splits")]
-                + [("scaling", ctypes.c_float)])
+                + [("scaling", ctypes.c_float)]
+                + [("lora", ctypes.c_void_p)])
 
 
 class _Step(ctypes.Structure):
@@ -54,7 +59,8 @@ class _Step(ctypes.Structure):
                 + [("eps", ctypes.c_float)]
                 + [("ctx_lens", ctypes.c_void_p)]
                 + [(name, ctypes.c_int64) for name in ("block_size", "activation", "num_threads")]
-                + [(name, ctypes.c_void_p) for name in SCRATCH])
+                + [(name, ctypes.c_void_p) for name in SCRATCH]
+                + [(name, ctypes.c_void_p) for name in ("lora_slots", "lora_low")])
 
 
 class _Kernels(ctypes.Structure):
@@ -145,6 +151,17 @@ class NativeDecodeLayers:
                             attn_out=q_width, gate=shape["intermediate"], up=shape["intermediate"],
                             act=shape["intermediate"], projected=shape["hidden"])
         self._attention_bound = False
+        self._lora_names: list[tuple[str, ...]] | None = None   # each layer's projections' module names
+        self._lora_tables: LoraTables | None = None
+
+    def serve_loras(self, names: list[tuple[str, ...]]) -> None:
+        """Adapter rows too, from now on: `names` are each layer's projections' module names
+        (q, k, v, o, gate, up, down), under which adapters hold their weights."""
+        self._lora_names = names
+
+    @property
+    def serves_loras(self) -> bool:
+        return self._lora_names is not None
 
     @classmethod
     def create(cls, base: torch.nn.Module, layer_types: list[str | None], native: NativeElementwise | None,
@@ -195,8 +212,9 @@ class NativeDecodeLayers:
         return True
 
     def __call__(self, hidden: torch.Tensor, rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
-                 meta: StepMetadata) -> None:
-        """hidden [rows, hidden] (contiguous float32) through every layer, in place."""
+                 meta: StepMetadata, lora: LoraRows | None = None) -> None:
+        """hidden [rows, hidden] (contiguous float32) through every layer, in place; with `lora`
+        (serves_loras only) each row's adapter update added after each projection."""
         rows = hidden.shape[0]
         shape = self._shape
         longest = meta.decode_ctx_range[1]
@@ -222,16 +240,36 @@ class NativeDecodeLayers:
             structure.window = window or 0
             structure.splits = _splits(rows, shape["kv_heads"], threads, longest if window is None
                                        else min(longest, window))
+        lora_slots, lora_low = self._lora_step(lora)
         scratch = torch.empty(rows * sum(self._widths.values()))
         pointers, offset = {}, 0
         for name in SCRATCH:
             pointers[name] = scratch.data_ptr() + offset * scratch.element_size()
             offset += rows * self._widths[name]
         step = _Step(rows=rows, eps=self._eps, ctx_lens=ctx_lens.data_ptr(), block_size=meta.block_size,
-                     activation=self._activation, num_threads=threads, **shape, **pointers)
+                     activation=self._activation, num_threads=threads, **shape, **pointers,
+                     lora_slots=lora_slots.data_ptr() if lora_slots is not None else None,
+                     lora_low=lora_low.data_ptr() if lora_low is not None else None)
         if self._function(hidden.data_ptr(), ctypes.addressof(self._layers), len(self._layers),
                           ctypes.byref(step), ctypes.byref(self._kernels)):
             raise MemoryError("native decode layers: a kernel failed (attention scratch memory)")
+
+
+    def _lora_step(self, lora: LoraRows | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Points every layer at the LoRA tables of `lora`'s adapters (None: at none); the rows'
+        slots and the rank scratch, kept alive by the caller through the C call."""
+        if lora is None:
+            for structure in self._layers:
+                structure.lora = None
+            return None, None
+        if self._lora_names is None:
+            raise RuntimeError("the C decode layers were not given the LoRA projections' names")
+        if self._lora_tables is None or not self._lora_tables.matches(lora):
+            self._lora_tables = LoraTables(self._lora_names, lora)
+        tables = self._lora_tables
+        for structure, layer_tables in zip(self._layers, tables.layers):
+            structure.lora = ctypes.addressof(layer_tables)
+        return tables.slots(lora), torch.empty(tables.max_rank)
 
 
 def _splits(seqs: int, kv_heads: int, threads: int, attended: int) -> int:

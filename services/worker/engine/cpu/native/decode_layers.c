@@ -16,6 +16,10 @@
  *   hidden = hidden + that
  *   mlp = down(act(gate(normed)) * up(normed)) with normed = rms_norm(hidden, pre_mlp_norm)
  *   hidden = hidden + post_mlp_norm(mlp)
+ *
+ * LoRA (services/worker/engine/lora/): with `lora_slots` set, each projection's output then gets
+ * its row's adapter update, scale * (x . A^T) . B^T, row by row from that adapter's own A and B
+ * (a gathered BGMV: rank * (in + out) multiply-adds a row), for the projections it targets.
  */
 
 #include <stdint.h>
@@ -52,6 +56,16 @@ typedef struct {
 } coded_t;
 
 typedef struct {
+    const float *const *a;           /* [adapters]: [rank, in] each; NULL: the adapter leaves it alone */
+    const float *const *b_t;         /* [adapters]: [rank, out] each */
+    const int64_t *ranks;            /* [adapters] */
+    const float *scales;             /* [adapters] */
+} lora_t;
+
+enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
+#define LORA_ACCUMULATORS 8
+
+typedef struct {
     coded_t q, k, v, o, gate, up, down;
     const float *input_norm, *q_norm, *k_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm;
     float *k_cache, *v_cache;        /* [slots, kv_heads, head_dim] */
@@ -62,6 +76,7 @@ typedef struct {
     int64_t window;                  /* 0: full attention */
     int64_t splits;                  /* context splits the attention kernel takes */
     float scaling;
+    const lora_t *lora;              /* [PROJECTIONS] for a step with adapter rows, else NULL */
 } layer_t;
 
 typedef struct {
@@ -73,12 +88,51 @@ typedef struct {
      * q [.., heads * head_dim], k and v [.., kv_heads * head_dim], gate, up, act [.., intermediate],
      * projected [.., hidden] */
     float *normed, *q, *k, *v, *attn_out, *gate, *up, *act, *projected;
+    const int64_t *lora_slots;       /* [rows]: each row's adapter (an index into lora_t's arrays), -1 the
+                                      * base model; NULL: no adapter rows */
+    float *lora_low;                 /* scratch [max rank] */
 } step_t;
 
 static int linear(const kernels_t *kernels, const coded_t *weight, const float *x, float *out, int64_t rows,
                   int64_t in, int64_t out_features, int64_t threads) {
     return kernels->coded_linear(x, weight->codes, weight->scales, weight->offsets, weight->group, weight->bits,
                                  NULL, out, rows, in, out_features, threads);
+}
+
+static float dot(const float *x, const float *y, int64_t n) {
+    float part[LORA_ACCUMULATORS] = {0};
+    int64_t i = 0;
+    for (; i + LORA_ACCUMULATORS <= n; i += LORA_ACCUMULATORS)
+        for (int j = 0; j < LORA_ACCUMULATORS; j++) part[j] += x[i + j] * y[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < LORA_ACCUMULATORS; j++) sum += part[j];
+    for (; i < n; i++) sum += x[i] * y[i];
+    return sum;
+}
+
+/* out[r] += scale * (x[r] . A^T) . B^T for each row r with an adapter that targets this projection. */
+static void lora_add(const step_t *s, const lora_t *lora, const float *x, float *out, int64_t in,
+                     int64_t out_features) {
+    if (s->lora_slots == NULL || lora == NULL) return;
+    for (int64_t r = 0; r < s->rows; r++) {
+        const int64_t slot = s->lora_slots[r];
+        if (slot < 0 || lora->a[slot] == NULL) continue;
+        const float *a = lora->a[slot], *b_t = lora->b_t[slot], *row = x + r * in;
+        const int64_t rank = lora->ranks[slot];
+        float *low = s->lora_low, *target = out + r * out_features;
+        for (int64_t k = 0; k < rank; k++) low[k] = dot(row, a + k * in, in) * lora->scales[slot];
+        for (int64_t k = 0; k < rank; k++) {
+            const float c = low[k], *b = b_t + k * out_features;
+            for (int64_t j = 0; j < out_features; j++) target[j] += c * b[j];
+        }
+    }
+}
+
+static int projection(const kernels_t *kn, const layer_t *l, const step_t *s, int which, const coded_t *weight,
+                      const float *x, float *out, int64_t in, int64_t out_features) {
+    int failed = linear(kn, weight, x, out, s->rows, in, out_features, s->num_threads);
+    if (l->lora != NULL) lora_add(s, &l->lora[which], x, out, in, out_features);
+    return failed;
 }
 
 static void add_into(float *hidden, const float *other, int64_t count) {
@@ -91,9 +145,9 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
     int failed = 0;
 
     kn->rms_norm(hidden, l->input_norm, s->normed, rows, h, s->eps, threads);
-    failed |= linear(kn, &l->q, s->normed, s->q, rows, h, q_width, threads);
-    failed |= linear(kn, &l->k, s->normed, s->k, rows, h, kv_width, threads);
-    failed |= linear(kn, &l->v, s->normed, s->v, rows, h, kv_width, threads);
+    failed |= projection(kn, l, s, Q, &l->q, s->normed, s->q, h, q_width);
+    failed |= projection(kn, l, s, K, &l->k, s->normed, s->k, h, kv_width);
+    failed |= projection(kn, l, s, V, &l->v, s->normed, s->v, h, kv_width);
     kn->rms_norm(s->q, l->q_norm, s->q, rows * s->heads, hd, s->eps, threads);
     kn->rms_norm(s->k, l->k_norm, s->k, rows * s->kv_heads, hd, s->eps, threads);
     kn->rope(s->q, s->heads, s->k, s->kv_heads, l->cos, l->sin, rows, hd, threads);
@@ -104,15 +158,15 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
     failed |= kn->attention(s->q, l->k_cache, l->v_cache, l->block_tables, s->ctx_lens, s->attn_out, rows, s->heads,
                             s->kv_heads, hd, hd, l->table_width, s->block_size, l->window, l->scaling, l->splits,
                             threads);
-    failed |= linear(kn, &l->o, s->attn_out, s->projected, rows, q_width, h, threads);
+    failed |= projection(kn, l, s, O, &l->o, s->attn_out, s->projected, q_width, h);
     kn->rms_norm(s->projected, l->post_attention_norm, s->projected, rows, h, s->eps, threads);
     add_into(hidden, s->projected, rows * h);
 
     kn->rms_norm(hidden, l->pre_mlp_norm, s->normed, rows, h, s->eps, threads);
-    failed |= linear(kn, &l->gate, s->normed, s->gate, rows, h, inter, threads);
-    failed |= linear(kn, &l->up, s->normed, s->up, rows, h, inter, threads);
+    failed |= projection(kn, l, s, GATE, &l->gate, s->normed, s->gate, h, inter);
+    failed |= projection(kn, l, s, UP, &l->up, s->normed, s->up, h, inter);
     kn->act_mul(s->gate, inter, s->up, inter, s->act, rows, inter, s->activation, threads);
-    failed |= linear(kn, &l->down, s->act, s->projected, rows, inter, h, threads);
+    failed |= projection(kn, l, s, DOWN, &l->down, s->act, s->projected, inter, h);
     kn->rms_norm(s->projected, l->post_mlp_norm, s->projected, rows, h, s->eps, threads);
     add_into(hidden, s->projected, rows * h);
     return failed;
