@@ -30,6 +30,11 @@ class LoadResult:
     tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind[:120]] = self.error_kinds.get(kind[:120], 0) + 1
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -46,12 +51,12 @@ async def _stream(stub, request, result: LoadResult, window: tuple[float, float]
         now = time.monotonic()
         if event.tokens and first:
             first = False
-            if window[0] <= started < window[1]:
+            if window[0] <= now < window[1]:
                 result.ttfts_s.append(now - started)
         if window[0] <= now < window[1]:
             result.tokens += len(event.tokens)
         if event.HasField("finish") and event.finish.finish_reason == "error":
-            result.errors += 1
+            result.error(event.finish.message)
 
 
 async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
@@ -71,8 +76,12 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
                 client_id=f"tenant-{index % tenants}")
             try:
                 await _stream(stub, request, result, window)
-            except Exception:   # noqa: BLE001  (a refused or broken stream counts, the loop goes on)
-                result.errors += 1
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:   # noqa: BLE001  (a refused or broken stream counts, the loop goes on)
+                code = getattr(error, "code", None)
+                if time.monotonic() < window[1]:   # not the end of the run cancelling it
+                    result.error(f"{code().name}: {error.details()}" if callable(code) else repr(error))
                 await asyncio.sleep(0.05)
 
     tasks = [asyncio.create_task(loop(index)) for index in range(concurrency)]
@@ -87,7 +96,9 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
 
 
 def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
-    config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch)
+    profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
+    config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
+                         profile=profile)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * costs.decode_batch, args))
         gaps, busy = stack.worker_steps()
@@ -104,7 +115,8 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "device_busy": round(busy, 3),
             "ttft_ms_p50": round(1000 * percentile(load.ttfts_s, 0.5), 1),
             "ttft_ms_p99": round(1000 * percentile(load.ttfts_s, 0.99), 1),
-            "errors": load.errors, "slowdown": args.slowdown}
+            "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
+            "slowdown": args.slowdown}
 
 
 async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) -> LoadResult:
@@ -162,6 +174,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
+    parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
     parser.add_argument("--quick", action="store_true", help="1 and 2 workers, 2 s, small batches")
     args = parser.parse_args(argv)
     if args.quick:
@@ -178,7 +191,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     counts = sorted({1, *(int(n) for n in args.workers.split(","))})
     rows = []
     for count in counts:
+        began = time.monotonic()
         rows.append(measure(count, args, costs))
+        rows[-1]["row_wall_s"] = round(time.monotonic() - began, 1)
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     rows = with_ideal(rows)
     print(table(rows))

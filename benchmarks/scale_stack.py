@@ -33,6 +33,7 @@ class StackConfig:
     costs: StepCosts
     tokens: bool = False     # INTERNAL_TOKEN and WORKER_TOKEN on every process
     max_batch: int = 64
+    profile: str | None = None   # write the scheduler's cProfile stats here
 
 
 class Stack:
@@ -63,7 +64,8 @@ class Stack:
 
     def __enter__(self) -> Stack:
         self._start("services.kvcache.main")
-        self.scheduler = self._start("services.scheduler.main")
+        profile = ("cProfile", "-o", self.config.profile, "-m") if self.config.profile else ()
+        self.scheduler = self._start(*profile, "services.scheduler.main")
         costs = self.config.costs
         costs_path = Path(self._dir.name) / "costs.json"
         costs_path.write_text(json.dumps(costs.__dict__))
