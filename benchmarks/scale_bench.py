@@ -25,6 +25,9 @@ from benchmarks.scale_stack import Stack, StackConfig
 from benchmarks.sim_engine import StepCosts
 
 
+STREAMS_PER_CONNECTION = 256
+
+
 @dataclass
 class LoadResult:
     tokens: int = 0
@@ -63,12 +66,13 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
                 max_tokens: int, tenants: int = 4) -> LoadResult:
     """`concurrency` closed loops of Generate; tokens and TTFTs counted in the measured window."""
     from fairserve.v1 import scheduler_pb2
-    stub, rng, result = stack.scheduler_stub(), random.Random(0), LoadResult()
+    rng, result = random.Random(0), LoadResult()
     start = time.monotonic()
     window = (start + warmup_s, start + warmup_s + seconds)
     counter = iter(range(1 << 62))
 
     async def loop(index: int) -> None:
+        stub = stack.scheduler_stub(index // STREAMS_PER_CONNECTION)
         while time.monotonic() < window[1]:
             request = scheduler_pb2.GenerateRequest(
                 request_id=f"scale-{index}-{next(counter)}", max_tokens=max_tokens, ignore_eos=True,
@@ -98,7 +102,7 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
 def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
-                         profile=profile)
+                         profile=profile, log_dir=args.logs)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * costs.decode_batch, args))
         gaps, busy = stack.worker_steps()
@@ -175,6 +179,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
     parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
+    parser.add_argument("--logs", help="keep the processes' logs in this folder")
     parser.add_argument("--quick", action="store_true", help="1 and 2 workers, 2 s, small batches")
     args = parser.parse_args(argv)
     if args.quick:

@@ -34,6 +34,7 @@ class StackConfig:
     tokens: bool = False     # INTERNAL_TOKEN and WORKER_TOKEN on every process
     max_batch: int = 64
     profile: str | None = None   # write the scheduler's cProfile stats here
+    log_dir: str | None = None   # keep the processes' logs here (default: a temporary folder)
 
 
 class Stack:
@@ -47,20 +48,31 @@ class Stack:
         self.env.update(KVCACHE_PORT=str(kv_port), KVCACHE_METRICS_PORT="0", KVCACHE_ADDR=f"127.0.0.1:{kv_port}",
                         SCHEDULER_PORT=str(self.port), SCHEDULER_METRICS_PORT="0",
                         MAX_BATCH_SIZE=str(config.max_batch), MAX_ACTIVE_KV_TOKENS=str(1 << 30),
-                        MAX_QUEUE_LEN=str(1 << 20), QUEUE_TIMEOUT_S="600", SPECULATIVE_TOKENS="0")
+                        MAX_QUEUE_LEN=str(1 << 20), QUEUE_TIMEOUT_S="600", SPECULATIVE_TOKENS="0",
+                        # the simulated workers share two busy cores: a late heartbeat is not a dead worker
+                        WORKER_HEARTBEAT_TIMEOUT_S="60")
         self._stats_path = Path(self._dir.name) / "workers.json"
+        self.log_dir = config.log_dir or self._dir.name
         self.processes: list[subprocess.Popen] = []
         self._mark = (0.0, 0)
         self.window = [0.0, 0.0]
         self.steps_in_window = 0
         self.scheduler_cpu_in_window = 0.0
-        self._channel = None
+        self._channels: list = []
 
     def _start(self, *module: str) -> subprocess.Popen:
+        """A process whose log goes to a file of its own (a pipe nobody reads would stall it)."""
+        name = next(part for part in module if part.startswith(("services.", "benchmarks."))).split(".")[1]
+        log = (Path(self.log_dir) / f"{len(self.processes)}-{name}.log").open("w")
         process = subprocess.Popen([sys.executable, "-m", *module], env=self.env,
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.DEVNULL, stderr=log, text=True)
+        log.close()
         self.processes.append(process)
         return process
+
+    def log_tail(self, process: subprocess.Popen, chars: int = 2000) -> str:
+        index = self.processes.index(process)
+        return "".join(path.read_text()[-chars:] for path in Path(self.log_dir).glob(f"{index}-*.log"))
 
     def __enter__(self) -> Stack:
         self._start("services.kvcache.main")
@@ -74,13 +86,18 @@ class Stack:
                                "--stats-out", str(self._stats_path))
         return self
 
-    def scheduler_stub(self):
+    def scheduler_stub(self, channel: int = 0):
+        """A stub on the load's `channel`-th connection (streams spread over a few connections)."""
+        import grpc
         from fairserve.v1 import scheduler_pb2_grpc
-        from common.grpc_server import internal_channel
+        from common.grpc_server import CHANNEL_OPTIONS
         from common.internal_auth import InternalAuth
-        if self._channel is None:
-            self._channel = internal_channel(f"127.0.0.1:{self.port}", InternalAuth.from_env(self.env))
-        return scheduler_pb2_grpc.SchedulerStub(self._channel)
+        from common.internal_auth import token_interceptors
+        while len(self._channels) <= channel:   # a connection each (plaintext: the benchmark sets no TLS)
+            self._channels.append(grpc.aio.insecure_channel(
+                f"127.0.0.1:{self.port}", options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)],
+                interceptors=token_interceptors(InternalAuth.from_env(self.env).token)))
+        return scheduler_pb2_grpc.SchedulerStub(self._channels[channel])
 
     async def _stats(self):
         from fairserve.v1 import common_pb2
@@ -91,7 +108,7 @@ class Stack:
         while time.monotonic() < deadline:
             for process in self.processes:
                 if process.poll() is not None:
-                    raise RuntimeError(f"a benchmark process exited: {process.args}: {process.stderr.read()[-2000:]}")
+                    raise RuntimeError(f"a benchmark process exited: {process.args}: {self.log_tail(process)}")
             try:
                 if len((await self._stats()).workers) >= self.config.workers:
                     return
