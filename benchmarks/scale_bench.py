@@ -102,7 +102,7 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
 def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
-                         profile=profile, log_dir=args.logs)
+                         profile=profile, log_dir=args.logs, log_level=args.log_level)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * costs.decode_batch, args))
         gaps, busy = stack.worker_steps()
@@ -180,6 +180,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
     parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
     parser.add_argument("--logs", help="keep the processes' logs in this folder")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--quick", action="store_true", help="1 and 2 workers, 2 s, small batches")
     args = parser.parse_args(argv)
     if args.quick:

@@ -35,13 +35,14 @@ class StackConfig:
     max_batch: int = 64
     profile: str | None = None   # write the scheduler's cProfile stats here
     log_dir: str | None = None   # keep the processes' logs here (default: a temporary folder)
+    log_level: str = "warning"
 
 
 class Stack:
     def __init__(self, config: StackConfig) -> None:
         self.config = config
         self._dir = tempfile.TemporaryDirectory(prefix="scale-bench-")
-        self.env = {**os.environ, "LOG_LEVEL": "warning"}
+        self.env = {**os.environ, "LOG_LEVEL": config.log_level}
         if config.tokens:
             self.env.update(INTERNAL_TOKEN=secrets.token_hex(16), WORKER_TOKEN=secrets.token_hex(16))
         kv_port, self.port = free_port(), free_port()
