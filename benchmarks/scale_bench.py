@@ -104,7 +104,7 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
                          profile=profile, log_dir=args.logs, log_level=args.log_level)
     with Stack(config) as stack:
-        load = asyncio.run(_measured(stack, workers * costs.decode_batch, args))
+        load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
         gaps, busy = stack.worker_steps()
     seconds = args.seconds
     steps = stack.steps_in_window
@@ -175,6 +175,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slowdown", type=float, default=1.0,
                         help="every simulated step this many times as long (a slower device)")
     parser.add_argument("--costs", help="JSON step costs instead of the H200 model (sim_engine.StepCosts)")
+    parser.add_argument("--per-worker", type=int, default=0,
+                        help="concurrent requests per worker (default: a full decode batch)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
