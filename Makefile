@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := gen/.stamp
 
-.PHONY: run test install proto prepare-model bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,12 @@ unit: install
 
 integration: install
 	$(PY) -m pytest -q tests/integration
+
+# How many workers one scheduler keeps busy: the real scheduler and kvcache with simulated workers
+# (an H200 step-time model; docs/scaling.md), JSON rows and a plot; ARGS="--quick" checks it in seconds.
+bench-scale: install
+	$(PY) -m benchmarks.scale_bench --workers 1,16,64 --seconds 20 --out docs/scale_bench.json \
+		--plot docs/scale_bench.png $(ARGS)
 
 bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench --rounds 3

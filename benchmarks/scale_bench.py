@@ -1,0 +1,218 @@
+"""How many workers one scheduler keeps busy (docs/scaling.md): for each worker count, the real
+kvcache index and scheduler as processes of their own, that many simulated workers
+(sim_workers.py: the real worker server over a step-time model) in one more, and a closed-loop
+load driven through the scheduler's Generate that saturates the ideal (a full decode batch per
+worker). A row per count: output tok/s against the ideal (the one-worker row's rate times the
+count), efficiency, the scheduler's CPU per step and per token, the workers' idle gap between a
+step's end and the next step's start (p50/p99), and TTFT p50/p99.
+
+    python -m benchmarks.scale_bench --workers 1,16,64 --seconds 20 --out FILE [--plot PNG]
+    python -m benchmarks.scale_bench --quick        # seconds, 1 and 2 workers (the unit test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from benchmarks.scale_stack import Stack, StackConfig
+from benchmarks.sim_engine import StepCosts
+
+
+STREAMS_PER_CONNECTION = 256
+
+
+@dataclass
+class LoadResult:
+    tokens: int = 0
+    ttfts_s: list[float] = field(default_factory=list)
+    errors: int = 0
+    error_kinds: dict[str, int] = field(default_factory=dict)
+
+    def error(self, kind: str) -> None:
+        self.errors += 1
+        self.error_kinds[kind[:120]] = self.error_kinds.get(kind[:120], 0) + 1
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+async def _stream(stub, request, result: LoadResult, window: tuple[float, float]) -> None:
+    started = time.monotonic()
+    first = True
+    async for event in stub.Generate(request):
+        now = time.monotonic()
+        if event.tokens and first:
+            first = False
+            if window[0] <= now < window[1]:
+                result.ttfts_s.append(now - started)
+        if window[0] <= now < window[1]:
+            result.tokens += len(event.tokens)
+        if event.HasField("finish") and event.finish.finish_reason == "error":
+            result.error(event.finish.message)
+
+
+async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
+                max_tokens: int, tenants: int = 4) -> LoadResult:
+    """`concurrency` closed loops of Generate; tokens and TTFTs counted in the measured window."""
+    from fairserve.v1 import scheduler_pb2
+    rng, result = random.Random(0), LoadResult()
+    start = time.monotonic()
+    window = (start + warmup_s, start + warmup_s + seconds)
+    counter = iter(range(1 << 62))
+
+    async def loop(index: int) -> None:
+        stub = stack.scheduler_stub(index // STREAMS_PER_CONNECTION)
+        while time.monotonic() < window[1]:
+            request = scheduler_pb2.GenerateRequest(
+                request_id=f"scale-{index}-{next(counter)}", max_tokens=max_tokens, ignore_eos=True,
+                prompt_token_ids=[rng.randrange(3, 30000) for _ in range(prompt_tokens)],
+                client_id=f"tenant-{index % tenants}")
+            try:
+                await _stream(stub, request, result, window)
+            except asyncio.CancelledError:
+                raise
+            except Exception as error:   # noqa: BLE001  (a refused or broken stream counts, the loop goes on)
+                code = getattr(error, "code", None)
+                if time.monotonic() < window[1]:   # not the end of the run cancelling it
+                    result.error(f"{code().name}: {error.details()}" if callable(code) else repr(error))
+                await asyncio.sleep(0.05)
+
+    tasks = [asyncio.create_task(loop(index)) for index in range(concurrency)]
+    await asyncio.sleep(window[0] - time.monotonic())
+    await stack.mark()
+    await asyncio.sleep(max(0.0, window[1] - time.monotonic()))
+    await stack.mark_end()
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return result
+
+
+def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
+    profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
+    config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
+                         profile=profile, log_dir=args.logs, log_level=args.log_level)
+    with Stack(config) as stack:
+        load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
+        gaps, busy = stack.worker_steps()
+    seconds = args.seconds
+    steps = stack.steps_in_window
+    cpu = stack.scheduler_cpu_in_window
+    tok_s = load.tokens / seconds
+    return {"workers": workers, "output_tok_s": round(tok_s, 1), "scheduler_cpu_util": round(cpu / seconds, 3),
+            "scheduler_cpu_ms_per_step": round(1000.0 * cpu / steps, 3) if steps else None,
+            "scheduler_cpu_us_per_token": round(1e6 * cpu / load.tokens, 2) if load.tokens else None,
+            "steps_per_s": round(steps / seconds, 1),
+            "dispatch_gap_ms_p50": round(percentile(gaps, 0.5), 2),
+            "dispatch_gap_ms_p99": round(percentile(gaps, 0.99), 2),
+            "device_busy": round(busy, 3),
+            "ttft_ms_p50": round(1000 * percentile(load.ttfts_s, 0.5), 1),
+            "ttft_ms_p99": round(1000 * percentile(load.ttfts_s, 0.99), 1),
+            "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
+            "slowdown": args.slowdown}
+
+
+async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) -> LoadResult:
+    await stack.wait_registered()
+    return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens)
+
+
+def with_ideal(rows: list[dict]) -> list[dict]:
+    """Each row's ideal: the one-worker row's rate times its count."""
+    one = next(row for row in rows if row["workers"] == 1)["output_tok_s"]
+    for row in rows:
+        row["ideal_tok_s"] = round(one * row["workers"], 1)
+        row["efficiency"] = round(row["output_tok_s"] / row["ideal_tok_s"], 3) if one else 0.0
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| workers | tok/s | ideal | efficiency | sched CPU | ms CPU/step | us CPU/token | gap p50/p99 ms "
+             "| TTFT p50/p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['workers']} | {r['output_tok_s']:.0f} | {r['ideal_tok_s']:.0f} | {r['efficiency']:.2f} "
+                     f"| {r['scheduler_cpu_util']:.2f} | {r['scheduler_cpu_ms_per_step']} "
+                     f"| {r['scheduler_cpu_us_per_token']} | {r['dispatch_gap_ms_p50']:.1f}/"
+                     f"{r['dispatch_gap_ms_p99']:.1f} | {r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    counts = [r["workers"] for r in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.plot(counts, [r["ideal_tok_s"] for r in rows], "k--", label="ideal")
+    left.plot(counts, [r["output_tok_s"] for r in rows], "o-", label="measured")
+    left.set(xlabel="simulated workers", ylabel="output tok/s", title="throughput")
+    left.legend()
+    right.plot(counts, [r["efficiency"] for r in rows], "o-")
+    right.axhline(0.9, color="grey", linestyle=":")
+    right.set(xlabel="simulated workers", ylabel="efficiency", ylim=(0, 1.05), title="efficiency")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workers", default="1,16,64", help="comma-separated worker counts")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--out", help="JSON rows here")
+    parser.add_argument("--plot", help="a PNG of throughput and efficiency here")
+    parser.add_argument("--slowdown", type=float, default=1.0,
+                        help="every simulated step this many times as long (a slower device)")
+    parser.add_argument("--costs", help="JSON step costs instead of the H200 model (sim_engine.StepCosts)")
+    parser.add_argument("--per-worker", type=int, default=0,
+                        help="concurrent requests per worker (default: a full decode batch)")
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
+    parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
+    parser.add_argument("--logs", help="keep the processes' logs in this folder")
+    parser.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--quick", action="store_true", help="1 and 2 workers, 2 s, small batches")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.workers, args.seconds, args.warmup, args.tokens = "1,2", 2.0, 1.0, True
+        args.prompt_tokens, args.max_tokens = 16, 16
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse(argv)
+    costs = (StepCosts.from_json(args.costs) if args.costs else StepCosts()).scaled(args.slowdown)
+    if args.quick:
+        costs = StepCosts(costs.decode_ms, 4, costs.prefill_tok_s)
+    counts = sorted({1, *(int(n) for n in args.workers.split(","))})
+    rows = []
+    for count in counts:
+        began = time.monotonic()
+        rows.append(measure(count, args, costs))
+        rows[-1]["row_wall_s"] = round(time.monotonic() - began, 1)
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+    rows = with_ideal(rows)
+    print(table(rows))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows, "costs": costs.__dict__, "command": sys.argv,
+                                              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
+                                             indent=1))
+    if args.plot:
+        plot(rows, args.plot)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""The processes of one scale-benchmark row: the real kvcache index and scheduler, and the
+simulated workers (sim_workers.py), on free local ports; the scheduler's CPU and steps read
+between two marks; the workers' step gaps read back when they stop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.cpu_time import process_cpu_seconds
+from benchmarks.sim_engine import StepCosts
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class StackConfig:
+    workers: int
+    costs: StepCosts
+    tokens: bool = False     # INTERNAL_TOKEN and WORKER_TOKEN on every process
+    max_batch: int = 64
+    profile: str | None = None   # write the scheduler's cProfile stats here
+    log_dir: str | None = None   # keep the processes' logs here (default: a temporary folder)
+    log_level: str = "warning"
+
+
+class Stack:
+    def __init__(self, config: StackConfig) -> None:
+        self.config = config
+        self._dir = tempfile.TemporaryDirectory(prefix="scale-bench-")
+        self.env = {**os.environ, "LOG_LEVEL": config.log_level}
+        if config.tokens:
+            self.env.update(INTERNAL_TOKEN=secrets.token_hex(16), WORKER_TOKEN=secrets.token_hex(16))
+        kv_port, self.port = free_port(), free_port()
+        self.env.update(KVCACHE_PORT=str(kv_port), KVCACHE_METRICS_PORT="0", KVCACHE_ADDR=f"127.0.0.1:{kv_port}",
+                        SCHEDULER_PORT=str(self.port), SCHEDULER_METRICS_PORT="0",
+                        MAX_BATCH_SIZE=str(config.max_batch), MAX_ACTIVE_KV_TOKENS=str(1 << 30),
+                        MAX_QUEUE_LEN=str(1 << 20), QUEUE_TIMEOUT_S="600", SPECULATIVE_TOKENS="0",
+                        # the simulated workers share two busy cores: a late heartbeat is not a dead worker
+                        WORKER_HEARTBEAT_TIMEOUT_S="60")
+        self._stats_path = Path(self._dir.name) / "workers.json"
+        self.log_dir = config.log_dir or self._dir.name
+        self.processes: list[subprocess.Popen] = []
+        self._mark = (0.0, 0)
+        self.window = [0.0, 0.0]
+        self.steps_in_window = 0
+        self.scheduler_cpu_in_window = 0.0
+        self._channels: list = []
+
+    def _start(self, *module: str) -> subprocess.Popen:
+        """A process whose log goes to a file of its own (a pipe nobody reads would stall it)."""
+        name = next(part for part in module if part.startswith(("services.", "benchmarks."))).split(".")[1]
+        log = (Path(self.log_dir) / f"{len(self.processes)}-{name}.log").open("w")
+        process = subprocess.Popen([sys.executable, "-m", *module], env=self.env,
+                                   stdout=subprocess.DEVNULL, stderr=log, text=True)
+        log.close()
+        self.processes.append(process)
+        return process
+
+    def log_tail(self, process: subprocess.Popen, chars: int = 2000) -> str:
+        index = self.processes.index(process)
+        return "".join(path.read_text()[-chars:] for path in Path(self.log_dir).glob(f"{index}-*.log"))
+
+    def __enter__(self) -> Stack:
+        self._start("services.kvcache.main")
+        profile = ("cProfile", "-o", self.config.profile, "-m") if self.config.profile else ()
+        self.scheduler = self._start(*profile, "services.scheduler.main")
+        costs = self.config.costs
+        costs_path = Path(self._dir.name) / "costs.json"
+        costs_path.write_text(json.dumps(costs.__dict__))
+        self.sim = self._start("benchmarks.sim_workers", "--count", str(self.config.workers),
+                               "--scheduler", f"127.0.0.1:{self.port}", "--costs", str(costs_path),
+                               "--stats-out", str(self._stats_path))
+        return self
+
+    def scheduler_stub(self, channel: int = 0):
+        """A stub on the load's `channel`-th connection (streams spread over a few connections)."""
+        import grpc
+        from fairserve.v1 import scheduler_pb2_grpc
+        from common.grpc_server import CHANNEL_OPTIONS
+        from common.internal_auth import InternalAuth
+        from common.internal_auth import token_interceptors
+        while len(self._channels) <= channel:   # a connection each (plaintext: the benchmark sets no TLS)
+            self._channels.append(grpc.aio.insecure_channel(
+                f"127.0.0.1:{self.port}", options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)],
+                interceptors=token_interceptors(InternalAuth.from_env(self.env).token)))
+        return scheduler_pb2_grpc.SchedulerStub(self._channels[channel])
+
+    async def _stats(self):
+        from fairserve.v1 import common_pb2
+        return await self.scheduler_stub().Stats(common_pb2.StatsRequest(), timeout=10)
+
+    async def wait_registered(self, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for process in self.processes:
+                if process.poll() is not None:
+                    raise RuntimeError(f"a benchmark process exited: {process.args}: {self.log_tail(process)}")
+            try:
+                if len((await self._stats()).workers) >= self.config.workers:
+                    return
+            except Exception:   # noqa: BLE001  (not serving yet)
+                pass
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"{self.config.workers} simulated workers did not register in {timeout_s} s")
+
+    async def mark(self) -> None:
+        """The window's start: the scheduler's CPU and its workers' steps so far."""
+        self.window = [time.monotonic(), 0.0]
+        self._mark = (process_cpu_seconds(self.scheduler.pid), await self._steps())
+
+    async def mark_end(self) -> None:
+        self.window[1] = time.monotonic()
+        cpu, steps = process_cpu_seconds(self.scheduler.pid), await self._steps()
+        self.scheduler_cpu_in_window = cpu - self._mark[0]
+        self.steps_in_window = steps - self._mark[1]
+
+    async def _steps(self) -> int:
+        return sum(worker.steps for worker in (await self._stats()).workers)
+
+    def worker_steps(self) -> tuple[list[float], float]:
+        """Once the simulated workers have stopped: the idle gaps (ms) before the steps that
+        started in the window, and the fraction of the window their devices were busy."""
+        self.sim.send_signal(signal.SIGTERM)
+        self.sim.wait(timeout=30)
+        start, end = self.window
+        steps = [step for step in json.loads(self._stats_path.read_text())["steps"] if start <= step[0] < end]
+        busy = sum(duration for _, _, duration in steps) / (self.config.workers * (end - start))
+        return [gap * 1000.0 for _, gap, _ in steps], busy
+
+    def __exit__(self, *exc: object) -> None:
+        for process in reversed(self.processes):
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        self._dir.cleanup()

@@ -1,0 +1,144 @@
+"""A simulated engine for the scale benchmark: the worker's step contract (common/step.py) kept
+exactly (frees, new sequences, chunked prefill, one sampled token when a sequence's known tokens
+are all computed, the pool's blocks and its errors), with the forward replaced by a model of its
+time. Serving it with the real WorkerService (sim_workers.py) gives a worker that speaks the real
+protocol at the cost of a GPU worker's step, with no model and almost no CPU.
+
+The default cost model is an H200 serving an 8B model (docs/scaling.md): a decode step of ~20 ms
+for up to 64 sequences, prefill at ~15k tokens/s. `StepCosts.from_json` takes measured costs
+instead (e.g. the real engine's, from benchmarks.engine_bench)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from common.step import PoolStats, SeqResult, StepBatch, StepError, StepOutput
+from services.worker.engine.types import EngineInfo, StaleEpoch
+
+SIM_VOCAB = 32000
+SIM_EOS = 2
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """A step's modelled time: `decode_ms` for each `decode_batch` decodes (or part of it),
+    plus prefill tokens at `prefill_tok_s`."""
+
+    decode_ms: float = 20.0
+    decode_batch: int = 64
+    prefill_tok_s: float = 15000.0
+
+    def step_s(self, decodes: int, prefill_tokens: int) -> float:
+        decode = math.ceil(decodes / self.decode_batch) * self.decode_ms / 1000.0
+        return decode + prefill_tokens / self.prefill_tok_s
+
+    def scaled(self, factor: float) -> StepCosts:
+        """Every step `factor` times as long (a slower simulated device)."""
+        return StepCosts(self.decode_ms * factor, self.decode_batch, self.prefill_tok_s / factor)
+
+    @staticmethod
+    def from_json(path: str | Path) -> StepCosts:
+        """{"decode_ms": .., "decode_batch": .., "prefill_tok_s": ..}, e.g. measured on the real engine."""
+        data = json.loads(Path(path).read_text())
+        return StepCosts(float(data["decode_ms"]), int(data["decode_batch"]), float(data["prefill_tok_s"]))
+
+
+@dataclass
+class _Seq:
+    known: int          # prompt and output tokens
+    computed: int = 0
+
+
+def sim_token(position: int) -> int:
+    """A deterministic token for a position (never EOS: the benchmark's requests ignore it anyway)."""
+    return 3 + (position * 7919) % (SIM_VOCAB - 3)
+
+
+class SimEngine:
+    """What WorkerService calls on an engine, with no forward: `step` returns at once and leaves
+    its modelled duration in `pending_s` for the engine thread to wait out (sim_workers.py)."""
+
+    def __init__(self, costs: StepCosts = StepCosts(), num_blocks: int = 48000, block_size: int = 16,
+                 max_model_len: int = 8192) -> None:
+        self.costs = costs
+        self.block_size = block_size
+        self.info = EngineInfo(model_name="simulated", block_size=block_size, num_blocks=num_blocks,
+                               device="simulated", dtype="bfloat16", max_model_len=max_model_len,
+                               eos_token_ids=[SIM_EOS], vocab_size=SIM_VOCAB)
+        self.epoch = 0
+        self.pending_s = 0.0
+        self._seqs: dict[str, _Seq] = {}
+        self._used_blocks = 0
+
+    def adopt_epoch(self, epoch: int) -> int:
+        if epoch < self.epoch:
+            raise StaleEpoch(f"step of epoch {epoch}, the worker serves epoch {self.epoch}")
+        if epoch == self.epoch:
+            return 0
+        self.epoch, freed = epoch, len(self._seqs)
+        self._seqs.clear()
+        self._used_blocks = 0
+        return freed
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def step(self, batch: StepBatch) -> StepOutput:
+        for seq_id in batch.free_seq_ids:
+            seq = self._seqs.pop(seq_id, None)
+            if seq is not None:
+                self._used_blocks -= self._blocks(seq.computed)
+        for new in batch.new_sequences:
+            self._seqs[new.seq_id] = _Seq(len(new.prompt_token_ids) + len(new.output_token_ids))
+        results, decodes, prefill, seen = [], 0, 0, set()
+        for item in batch.work:
+            result, computed = self._work(item.seq_id, item.num_tokens, seen)
+            results.append(result)
+            if computed == 1 and result.sampled:
+                decodes += 1
+            else:
+                prefill += computed
+        self.pending_s = self.costs.step_s(decodes, prefill)
+        return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=self.pending_s * 1000.0,
+                          step_id=batch.step_id, batch_tokens=decodes + prefill, prompt_tokens=prefill)
+
+    def _work(self, seq_id: str, num_tokens: int, seen: set[str]) -> tuple[SeqResult, int]:
+        seq = self._seqs.get(seq_id)
+        error = (StepError.UNKNOWN_SEQUENCE if seq is None else StepError.DUPLICATE_WORK if seq_id in seen
+                 else StepError.INVALID_NUM_TOKENS if num_tokens <= 0
+                 else StepError.NOTHING_TO_COMPUTE if seq.computed >= seq.known
+                 else StepError.EXCEEDS_MAX_MODEL_LEN if seq.known >= self.info.max_model_len else None)
+        seen.add(seq_id)
+        if error is not None or seq is None:
+            return SeqResult(seq_id=seq_id, error=error or StepError.UNKNOWN_SEQUENCE), 0
+        count = min(num_tokens, seq.known - seq.computed)
+        grow = self._blocks(seq.computed + count + 1) - self._blocks(seq.computed)
+        if self._used_blocks + grow > self.info.num_blocks:
+            return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, error=StepError.OUT_OF_BLOCKS), 0
+        self._used_blocks += self._blocks(seq.computed + count) - self._blocks(seq.computed)
+        seq.computed += count
+        if seq.computed < seq.known:
+            return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed), count
+        token = sim_token(seq.known)
+        seq.known += 1
+        return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, sampled=True, token_id=token), count
+
+    def drain_events(self) -> list:
+        return []    # no prefix cache: nothing to publish to the index
+
+    def running_sequences(self) -> int:
+        return len(self._seqs)
+
+    def pool_stats(self) -> PoolStats:
+        total = self.info.num_blocks
+        return PoolStats(total_blocks=total, free_blocks=total - self._used_blocks, cached_blocks=0,
+                         used_blocks=self._used_blocks)
+
+    def snapshot_chains(self) -> list:
+        return []
+
+    def snapshot_partials(self) -> list:
+        return []

@@ -1,0 +1,120 @@
+"""Many simulated workers in one process: each is the real WorkerService (services/worker/server.py)
+over a SimEngine (sim_engine.py), on a gRPC server of its own, registering and heartbeating with
+the scheduler through the real `keep_registered`, the worker token included when one is set
+(WORKER_TOKEN / INTERNAL_TOKEN, as a real worker reads them).
+
+The engine thread is replaced by `SimEngineThread`: a step's bookkeeping runs on the event loop,
+then the step's modelled time is waited out against the worker's own clock (a step queued behind
+another starts when that one ends, as on a device), so loop lag is not added to the model.
+
+    python -m benchmarks.sim_workers --count 64 --scheduler 127.0.0.1:50051 [--slowdown 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import json
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+from fairserve.v1 import worker_pb2, worker_pb2_grpc
+from prometheus_client import CollectorRegistry
+
+from benchmarks.sim_engine import SimEngine, StepCosts
+from common.grpc_server import GrpcServer, internal_channel
+from common.internal_auth import InternalAuth
+from common.shutdown import stop_requests
+from common.worker_auth import worker_token_from_env, worker_token_interceptors
+from services.worker.metrics import WorkerMetrics
+from services.worker.server import EngineThread, WorkerService, keep_registered
+
+log = logging.getLogger("sim_workers")
+T = TypeVar("T")
+
+
+class SimEngineThread(EngineThread):
+    """Runs the simulated engine's calls inline, then waits out the step's modelled time."""
+
+    def __init__(self, engine: SimEngine) -> None:
+        super().__init__(engine)   # type: ignore[arg-type]   (the engine's duck type)
+        self._sim = engine
+        self._free_at = 0.0
+        # Per step: its start (time.monotonic, the same clock in every process), the device's idle
+        # time before it (from the previous step's end) and its modelled duration.
+        self.steps: list[tuple[float, float, float]] = []
+
+    async def run(self, function: Callable[[], T]) -> T:
+        result = function()
+        pending, self._sim.pending_s = self._sim.pending_s, 0.0
+        if pending > 0:
+            now = time.monotonic()
+            start = max(now, self._free_at)
+            self.steps.append((start, max(0.0, now - self._free_at) if self._free_at else 0.0, pending))
+            self._free_at = start + pending
+            await asyncio.sleep(self._free_at - now)
+        return result
+
+
+class SimWorker:
+    def __init__(self, index: int, costs: StepCosts, host: str, internal: InternalAuth) -> None:
+        self.worker_id = f"sim-{index}"
+        self.thread = SimEngineThread(SimEngine(costs))
+        metrics = WorkerMetrics(CollectorRegistry(), self.worker_id, self.thread.engine.pool_stats(),
+                                {"device": "simulated"})
+        self.service = WorkerService(self.thread, self.worker_id, metrics)
+        self.server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, self.service)],
+                                 [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
+                                 host, 0, internal)
+
+
+def write_stats(workers: list[SimWorker], path: str) -> None:
+    """Every worker's steps: [start, idle gap before it, modelled duration] in seconds."""
+    steps = [[round(value, 6) for value in step] for worker in workers for step in worker.thread.steps]
+    Path(path).write_text(json.dumps({"steps": steps, "workers": len(workers)}))
+
+
+async def serve(count: int, scheduler: str, costs: StepCosts, host: str = "127.0.0.1",
+                env: dict[str, str] | None = None, stats_out: str | None = None) -> None:
+    env = dict(os.environ if env is None else env)
+    internal = InternalAuth.from_env(env)
+    token = worker_token_from_env(env, internal.token)
+    workers = [SimWorker(index, costs, host, internal) for index in range(count)]
+    for worker in workers:
+        await worker.server.start()
+        await worker.server.set_serving(True)
+    channel = internal_channel(scheduler, internal, worker_token_interceptors(token))
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(keep_registered(channel, w.worker_id, f"{host}:{w.server.port}", w.service,
+                                                 1.0, stop)) for w in workers]
+    log.warning("simulated workers serving", extra={"count": count, "scheduler": scheduler})
+    stops = stop_requests()
+    await stops.graceful.wait()
+    stop.set()
+    if stats_out:
+        write_stats(workers, stats_out)
+    await asyncio.gather(*tasks, return_exceptions=True)
+    for worker in workers:
+        await worker.server.stop(0.2)
+    await channel.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--count", type=int, default=1)
+    parser.add_argument("--scheduler", default="127.0.0.1:50051")
+    parser.add_argument("--slowdown", type=float, default=1.0, help="every step this many times as long")
+    parser.add_argument("--stats-out", help="write the steps' idle gaps here (JSON) on SIGTERM")
+    parser.add_argument("--costs", help="JSON step costs (sim_engine.StepCosts.from_json)")
+    args = parser.parse_args(argv)
+    costs = (StepCosts.from_json(args.costs) if args.costs else StepCosts()).scaled(args.slowdown)
+    logging.basicConfig(level=logging.WARNING)
+    asyncio.run(serve(args.count, args.scheduler, costs, stats_out=args.stats_out))
+
+
+if __name__ == "__main__":
+    main()

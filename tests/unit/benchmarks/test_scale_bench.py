@@ -1,0 +1,55 @@
+"""The scale benchmark's parts: the simulated engine keeps the step contract (chunked prefill, one
+sampled token per finished chunk, errors, frees, epochs), and `--quick` runs the real scheduler and
+kvcache with two simulated workers registering under WORKER_TOKEN and writes its rows."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.scale_bench import main, with_ideal
+from benchmarks.sim_engine import SimEngine, StepCosts
+from common.step import NewSequence, StepBatch, StepError, WorkItem
+from services.worker.engine.types import StaleEpoch
+
+
+def test_sim_engine_prefills_in_chunks_then_decodes() -> None:
+    engine = SimEngine(StepCosts(decode_ms=20, decode_batch=2, prefill_tok_s=1000))
+    first = engine.step(StepBatch(new_sequences=(NewSequence("a", tuple(range(10))),),
+                                  work=(WorkItem("a", 6),)))
+    assert not first.results[0].sampled and first.results[0].num_computed_tokens == 6
+    assert engine.pending_s == pytest.approx(0.006)
+    second = engine.step(StepBatch(work=(WorkItem("a", 6),)))
+    assert second.results[0].sampled and second.results[0].num_computed_tokens == 10
+    decode = engine.step(StepBatch(work=(WorkItem("a", 1), WorkItem("a", 1), WorkItem("b", 1))))
+    assert [r.error for r in decode.results] == [StepError.NONE, StepError.DUPLICATE_WORK,
+                                                StepError.UNKNOWN_SEQUENCE]
+    assert engine.pending_s == pytest.approx(0.020)
+    engine.step(StepBatch(free_seq_ids=("a",)))
+    assert engine.running_sequences() == 0 and engine.pool_stats().used_blocks == 0
+
+
+def test_sim_engine_refuses_an_older_epoch_and_frees_on_a_newer() -> None:
+    engine = SimEngine()
+    engine.adopt_epoch(2)
+    engine.step(StepBatch(new_sequences=(NewSequence("a", (1, 2, 3)),), epoch=2))
+    assert engine.adopt_epoch(3) == 1 and engine.running_sequences() == 0
+    with pytest.raises(StaleEpoch):
+        engine.adopt_epoch(1)
+
+
+def test_ideal_is_one_workers_rate_times_the_count() -> None:
+    rows = with_ideal([{"workers": 1, "output_tok_s": 100.0}, {"workers": 4, "output_tok_s": 360.0}])
+    assert rows[1]["ideal_tok_s"] == 400.0 and rows[1]["efficiency"] == 0.9
+
+
+def test_quick_mode_measures_real_scheduler_with_simulated_workers(tmp_path: Path) -> None:
+    out = tmp_path / "rows.json"
+    main(["--quick", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["workers"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["output_tok_s"] > 0 and row["errors"] == 0
+        assert {"ideal_tok_s", "efficiency", "scheduler_cpu_ms_per_step", "ttft_ms_p99"} <= row.keys()
