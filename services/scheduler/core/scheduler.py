@@ -16,7 +16,7 @@ the VTC), prefix_share (followers wait for a leader's blocks), slot_fairness
 (who gives up a slot, who is preempted first), room (blocks to grow, victims
 to make room), speculation (the draft allowance), stopping (finish reasons).
 So does the bookkeeping: request_book (the moves between a worker's lists),
-step_builder (one step's budgets), in_flight (steps sent, not yet applied),
+step_planner (what goes into a step), step_builder (one step's budgets), in_flight (steps sent, not yet applied),
 failover (requests of a gone worker), recovery (requests waiting for a worker
 while none serves), counters (totals and stats).
 """
@@ -27,7 +27,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import replace
 from itertools import count
 
-from common.sequence_ids import sequence_id
 from common.types import TokenLogprob, Usage
 
 from services.scheduler.core import gates
@@ -35,20 +34,18 @@ from services.scheduler.core.counters import CoreCounters, core_stats
 from services.scheduler.core.drain import DrainOutcome, drain
 from services.scheduler.core.failover import Failover, Stranded
 from services.scheduler.core.in_flight import dispatch, retire
-from services.scheduler.core.policy import VirtualTokenCounter, effective_policy, pick_next
-from services.scheduler.core.prefix_share import blocked_by_leaders
+from services.scheduler.core.policy import VirtualTokenCounter
 from services.scheduler.core.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.recovery import Parked, WorkerRecovery
 from services.scheduler.core.request_book import RequestBook
-from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.routing import SessionMap, route, session_key
-from services.scheduler.core.slot_fairness import preemption_victim, slot_victim
-from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
-from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState, blocks_for
+from services.scheduler.core.slot_fairness import preemption_victim
+from services.scheduler.core.state import InFlightStep, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
+from services.scheduler.core.step_planner import StepPlanner
 from services.scheduler.core.stopping import take_tokens
 from services.scheduler.core.types import (
-    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats, PrefillMode, Rejection,
+    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats, Rejection,
     RequestSpec, RequestUpdate, SeqResult, StepBatch, StepError, StepOutput, SubmitResult, WorkerSpec,
 )
 
@@ -76,6 +73,7 @@ class SchedulerCore:
         self._seen_worker = False   # recovery waits for a worker once there has been one
         self._arrivals = count()
         self._step_ids = count(1)
+        self._planner = StepPlanner(config, self._vtc, self._book, self._counts, clock, new_id)
 
     @property
     def config(self) -> CoreConfig:
@@ -276,16 +274,7 @@ class SchedulerCore:
         frees, releasing_blocks = worker.take_frees()
         plan = StepBuilder(next(self._step_ids), worker.available_blocks() + releasing_blocks,
                            self._config.max_batch_tokens, frees)
-        prefill_turn = self._prefill_turn(worker)
-        if prefill_turn is None:
-            self._plan_decodes(worker, plan)
-            self._plan_prefill(worker, plan)
-        elif prefill_turn:
-            self._plan_prefill(worker, plan)
-            if not plan.has_work:
-                self._plan_decodes(worker, plan)
-        else:
-            self._plan_decodes(worker, plan)
+        self._planner.fill(worker, plan)
         worker.last_step_was_prefill = plan.has_prefill and not plan.has_decode
         step = plan.build(worker.in_flight[-1].plan.step_id if worker.in_flight else 0, worker.spec.epoch)
         if step is not None:
@@ -331,124 +320,6 @@ class SchedulerCore:
     def _count_rejection(self, request_id: str, rejection: Rejection) -> SubmitResult:
         self._counts.count_rejection(rejection.gate)
         return SubmitResult(request_id=request_id, rejection=rejection)
-
-    # ---- planning ----
-
-    def _prefill_turn(self, worker: WorkerState) -> bool | None:
-        """None: prefill and decodes share the step. Otherwise whether this
-        step of the alternating mode is the prefill one."""
-        if self._config.prefill_mode is PrefillMode.MIXED:
-            return None
-        if not worker.active or not (worker.prefilling or worker.pending):
-            return None
-        return not worker.last_step_was_prefill
-
-    def _plan_decodes(self, worker: WorkerState, plan: StepBuilder) -> None:
-        config = self._config
-        drafting = speculating(config.speculative_tokens, config.speculative_max_batch, len(worker.active))
-        for request in sorted(worker.active, key=lambda r: r.running_key):
-            if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
-                continue  # preempted while this step was being planned
-            if request.outputs_if_drafts_kept >= request.max_tokens:
-                continue  # its last tokens are (or, as drafts, may be) sampled in a step in flight
-            if plan.token_budget < 1:
-                return
-            needed = blocks_to_grow(request.num_computed, 1, worker.spec.block_size, request.kv_cap_tokens)
-            if self._make_room(worker, plan, request, needed):
-                assert request.seq_id is not None
-                allowed = drafting and drafts_allowed(request.kv_cap_tokens, request.sampling.is_greedy,
-                                                      config.speculative_sampled)
-                drafts, extra = self._draft_allowance(worker, plan, request, needed) if allowed else (0, 0)
-                plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
-
-    def _draft_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
-                         needed: int) -> tuple[int, int]:
-        """(draft tokens, extra blocks) for a decode that takes `needed` blocks for its own token."""
-        return draft_allowance(
-            speculative_tokens=self._config.speculative_tokens,
-            outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
-            token_budget=plan.token_budget, num_computed=request.num_computed,
-            held_blocks=worker.blocks_held(request) + needed, spare_blocks=plan.available_blocks - needed,
-            block_size=worker.spec.block_size)
-
-    def _plan_prefill(self, worker: WorkerState, plan: StepBuilder) -> None:
-        for request in sorted(worker.prefilling, key=lambda r: r.running_key):
-            if request.phase is not Phase.PREFILLING:
-                continue
-            if plan.token_budget < 1:
-                return
-            self._plan_chunk(worker, plan, request)
-        self._plan_admissions(worker, plan)
-
-    def _plan_chunk(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
-        # Once its last chunk is in flight, the next "chunk" is its first decode.
-        wanted = min(request.worker_tokens - request.num_computed,
-                     self._config.prefill_chunk_size, plan.token_budget)
-        if wanted <= 0 or not request.wants_more:
-            return
-        block_size, cap = worker.spec.block_size, request.kv_cap_tokens
-        num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted, cap)
-        if num_tokens == 0:
-            if not self._make_room(worker, plan, request, blocks_to_grow(request.num_computed, 1, block_size, cap)):
-                return
-            num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted, cap)
-        assert request.seq_id is not None
-        plan.add(request.seq_id, num_tokens, blocks_to_grow(request.num_computed, num_tokens, block_size, cap),
-                 is_decode=False)
-
-    def _plan_admissions(self, worker: WorkerState, plan: StepBuilder) -> None:
-        config = self._config
-        if worker.refused_allocation:
-            return
-        block_size, min_shared = worker.spec.block_size, config.prefix_wait_min_tokens
-        blocked = blocked_by_leaders(worker.pending, worker.prefilling, block_size, min_shared)
-        while worker.pending and plan.token_budget >= 1:
-            candidates = [r for r in worker.pending if r.request_id not in blocked] if blocked else worker.pending
-            request = pick_next(candidates, effective_policy(config.policy, worker.pending, worker.running),
-                                self._vtc)
-            if request is None:
-                return
-            if len(worker.running) >= config.max_batch_size and not self._free_a_slot(worker, plan, request):
-                return
-            gate = gates.holding_gate(worker.reserved_kv_tokens, request.kv_reservation,
-                                      config.max_active_kv_tokens, request.cache_tokens(request.known_tokens),
-                                      block_size,
-                                      plan.available_blocks)
-            if gate is not None:
-                self._counts.count_hold(request, gate)
-                return  # nothing behind it overtakes it
-            self._admit(worker, plan, request)
-            blocked |= blocked_by_leaders(worker.pending, [request], block_size, min_shared)
-
-    def _free_a_slot(self, worker: WorkerState, plan: StepBuilder, candidate: RequestState) -> bool:
-        """Preempts the running request that gives its batch slot to `candidate`;
-        False when none does."""
-        admitted_now = {new.seq_id for new in plan.new_sequences}
-        policy = effective_policy(self._config.policy, worker.pending, worker.running)
-        victim = slot_victim(candidate, worker.running, worker.pending, admitted_now,
-                             policy, self._config.max_batch_size)
-        if victim is None:
-            return False
-        self._book.preempt(worker, victim, plan)
-        return True
-
-    def _admit(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
-        seq_id = sequence_id(request.request_id, self._new_id())
-        plan.new_sequences.append(self._book.admit(worker, request, seq_id, now=self._clock()))
-        num_tokens = min(request.known_tokens, self._config.prefill_chunk_size, plan.token_budget)
-        plan.add(seq_id, num_tokens, blocks_for(request.cache_tokens(num_tokens), worker.spec.block_size),
-                 is_decode=False)
-
-    def _make_room(self, worker: WorkerState, plan: StepBuilder, requester: RequestState,
-                   needed_blocks: int) -> bool:
-        """Preempts until `needed_blocks` are available; False when the
-        requester itself had to go."""
-        victims, keeps_place = victims_for_room(
-            worker.running, requester, needed_blocks - plan.available_blocks,
-            freed_blocks=lambda r: worker.blocks_held(r) + plan.planned_blocks(r.seq_id or ""))
-        for victim in victims:
-            self._book.preempt(worker, victim, plan)
-        return keeps_place
 
     # ---- results ----
 
