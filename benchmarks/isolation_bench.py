@@ -8,7 +8,8 @@ tokens, alone and under the flood.
 
 Starts the stack with only API_KEYS set (alice and bob; every other setting at its default),
 unless --url names a running one. alice streams greedy /v1/completions (EOS ignored) one after
-another, first alone, then while `--flood-threads` threads of bob post `--flood-kb` KB texts to
+another, first alone, then while `--flood-threads` clients of bob (processes of their own,
+`--flood-nice`) post `--flood-kb` KB texts to
 /tokenize back to back (the issue's attack: past the context, refused by length now), then while
 they post texts that fit the context (about max_model_len tokens each: tokenized in full, the
 most tokenizing one request can ask for). With --gateway-only the gateway runs alone in a process
@@ -26,16 +27,17 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import multiprocessing
 import os
 import random
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -89,18 +91,26 @@ def stream_gaps(client: httpx.Client, max_tokens: int, seed: int) -> list[float]
     return [(later - earlier) * 1000.0 for earlier, later in zip(arrivals, arrivals[1:])]
 
 
-def flood(url: str, key: str, text: str, stop: threading.Event, phase: Phase) -> None:
-    """Posts `text` to /tokenize until stopped, counting the answers."""
-    with httpx.Client(base_url=url, timeout=120, headers={"authorization": f"Bearer {key}"}) as client:
+def flood(url: str, key: str, text: str, stop: Any, answers: Any, nice: int) -> None:
+    """Posts `text` to /tokenize until stopped (in a process of its own: the victim's client
+    shares no GIL with it), then puts its answers and their seconds on `answers`."""
+    if nice:
+        os.nice(nice)
+    body = json.dumps({"prompt": text}).encode()
+    counts: collections.Counter[str] = collections.Counter()
+    seconds: list[float] = []
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    with httpx.Client(base_url=url, timeout=120, headers=headers) as client:
         while not stop.is_set():
             started = time.perf_counter()
             try:
-                reply = client.post("/tokenize", json={"prompt": text})
+                reply = client.post("/tokenize", content=body)
                 code = reply.json().get("error", {}).get("code", "") if reply.status_code != 200 else ""
-                phase.floods[f"{reply.status_code} {code}".strip()] += 1
+                counts[f"{reply.status_code} {code}".strip()] += 1
             except httpx.HTTPError as error:
-                phase.floods[type(error).__name__] += 1
-            phase.flood_s.append(time.perf_counter() - started)
+                counts[type(error).__name__] += 1
+            seconds.append(time.perf_counter() - started)
+    answers.put((dict(counts), seconds))
 
 
 def fitting_kb(url: str, key: str) -> int:
@@ -114,30 +124,35 @@ def fitting_kb(url: str, key: str) -> int:
 
 def run_phase(url: str, args: argparse.Namespace, name: str, flood_kb: int = 0) -> Phase:
     phase = Phase(name)
-    stop = threading.Event()
-    threads = [threading.Thread(target=flood, args=(url, args.flood_key, flood_text(flood_kb, i),
-                                                    stop, phase), daemon=True)
-               for i in range(args.flood_threads if flood_kb else 0)]
-    for thread in threads:
-        thread.start()
+    spawn = multiprocessing.get_context("spawn")
+    stop, answers = spawn.Event(), spawn.Queue()
+    floods = [spawn.Process(target=flood, args=(url, args.flood_key, flood_text(flood_kb, i), stop, answers,
+                                                args.flood_nice), daemon=True)
+              for i in range(args.flood_threads if flood_kb else 0)]
+    for process in floods:
+        process.start()
     try:
-        if threads:
-            time.sleep(1.0)   # the flood is under way before the victim starts
+        if floods:
+            time.sleep(2.0)   # the flood is under way before the victim starts
         with httpx.Client(base_url=url, timeout=300,
                           headers={"authorization": f"Bearer {args.key}"}) as client:
             for index in range(args.streams):
                 phase.gaps_ms.extend(stream_gaps(client, args.max_tokens, index))
     finally:
         stop.set()
-        for thread in threads:
-            thread.join(timeout=120)
+        for _ in floods:
+            counts, seconds = answers.get(timeout=120)
+            phase.floods.update(counts)
+            phase.flood_s.extend(seconds)
+        for process in floods:
+            process.join(timeout=30)
     return phase
 
 
 def render(phases: list[Phase], args: argparse.Namespace, model: str) -> str:
     alone = phases[0]
     lines = [f"{cpu_name()}, {model}: alice streams {args.streams} x {args.max_tokens} tokens; bob "
-             f"floods /tokenize from {args.flood_threads} threads", "",
+             f"floods /tokenize from {args.flood_threads} processes (nice {args.flood_nice})", "",
              "| phase | longest gap ms | median gap ms | longest / alone | target met | bob's /tokenize answers |",
              "|---|---:|---:|---:|---|---|"]
     for phase in phases:
@@ -212,7 +227,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--flood-key", default=BOB_KEY, help="the flooder's API key (with --url)")
     parser.add_argument("--streams", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--flood-threads", type=int, default=2)
+    parser.add_argument("--flood-threads", type=int, default=2, help="flooding clients (each a process)")
+    parser.add_argument("--flood-nice", type=int, default=0,
+                        help="niceness of the flooding clients (19: as if they ran on another machine)")
     parser.add_argument("--flood-kb", type=int, default=750)
     parser.add_argument("--gateway-only", action="store_true",
                         help="the gateway alone over a fake scheduler (a token every 20 ms)")
