@@ -1,12 +1,28 @@
 """Worker process: loads the model, serves Step/Info/Stats, registers with
-the scheduler and publishes KV block events to the index."""
+the scheduler and publishes KV block events to the index.
+
+Run as a program, it bounds how long its OpenMP threads spin at a barrier
+before they sleep (GOMP_SPINCOUNT, 20,000 rounds unless the environment sets
+it; libgomp's default is 300,000). libgomp reads the variable once, when torch
+loads it, so it is set here, before anything imports torch. A team that spins
+long collapses when another process takes one of its cores: each barrier then
+waits out the other's time slice (on 2 vCPUs, a tenant flooding the gateway
+stretched another's longest gap between tokens from 45 ms to 1.4 s; with the
+bound, 0.2 s; docs/benchmarks.md, Isolation). OMP_WAIT_POLICY=PASSIVE (no
+spinning) protects as well but costs about a third of batch-1 decode speed.
+"""
 
 from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    # Before anything imports torch, and with it libgomp (the module docstring).
+    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
 
 import asyncio
 import dataclasses
 import logging
-import os
 from functools import partial
 from pathlib import Path
 
@@ -53,7 +69,8 @@ async def serve(settings: WorkerSettings) -> None:
                                     "coded_linears": engine.coded_linears,
                                     "prefill_linear_kernel": engine.prefill_linear_kernel,
                                     "fused_mlps": engine.fused_mlps, "forward": engine.direct_forward,
-                                    **labels})
+                                    "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
+                                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), **labels})
     metrics = WorkerMetrics(CollectorRegistry(), settings.worker_id, engine.pool_stats(), labels)
     metrics_port = serve_metrics(settings.metrics_port, metrics.registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr, auth=settings.internal)
