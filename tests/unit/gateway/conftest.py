@@ -49,3 +49,18 @@ def server(make_app: Callable[..., Any], fake: FakeScheduler) -> Iterator[Server
     """The app served on a free port, for clients that need a real server (openai, streams)."""
     with ServerThread(make_app(fake)) as running:
         yield running
+
+
+@pytest.fixture
+def serve(make_app: Callable[..., Any]) -> Iterator[Callable[..., ServerThread]]:
+    """Starts apps on free ports (a fake scheduler and settings each), all stopped at the end."""
+    servers: list[ServerThread] = []
+
+    def start(fake: FakeScheduler, **settings: Any) -> ServerThread:
+        server = ServerThread(make_app(fake, **settings)).__enter__()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.__exit__()

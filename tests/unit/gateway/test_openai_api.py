@@ -3,7 +3,7 @@ app served by uvicorn with a fake scheduler."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -17,20 +17,6 @@ from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
 MODEL = "google/gemma-3-270m"
-
-
-@pytest.fixture
-def serve(make_app: Callable[..., Any]) -> Iterator[Callable[..., ServerThread]]:
-    servers: list[ServerThread] = []
-
-    def start(fake: FakeScheduler, **settings: Any) -> ServerThread:
-        server = ServerThread(make_app(fake, **settings)).__enter__()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.__exit__()
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -19,20 +19,6 @@ from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
 ALICE, MALLORY = "sk-alice-secret", "sk-mallory-secret"
-
-
-@pytest.fixture
-def serve(make_app: Callable[..., Any]) -> Iterator[Callable[..., ServerThread]]:
-    servers: list[ServerThread] = []
-
-    def start(fake: FakeScheduler, **settings: Any) -> ServerThread:
-        server = ServerThread(make_app(fake, **settings)).__enter__()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.__exit__()
 
 
 @pytest.fixture

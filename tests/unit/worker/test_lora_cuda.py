@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
-from tests.fixtures.tiny_lora import save_random_adapter
+from tests.fixtures.tiny_lora import greedy_mixed, save_random_adapter
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, prompt_of
 
@@ -31,14 +30,7 @@ def test_mixed_adapters_on_cuda_match_their_merged_models(tmp_path: Path) -> Non
                                      modules={"a": str(tmp_path / "a"), "b": str(tmp_path / "b")})),
                     model=build_model(copy.deepcopy(config)))
     requests = {f"s{i}": (prompt_of(9 + i, i), name) for i, name in enumerate(["", "a", "b", "a", ""])}
-    new = [NewSequence(s, tuple(p), (), SamplingParams(), lora_name=name) for s, (p, name) in requests.items()]
-    tokens = {s: [] for s in requests}
-    while live := [s for s in requests if len(tokens[s]) < NEW_TOKENS]:
-        out = engine.step(StepBatch(new_sequences=new, work=[WorkItem(s, 1024) for s in live]))
-        new = []
-        for result in out.results:
-            assert not result.error
-            tokens[result.seq_id].extend(result.token_ids)
+    tokens = greedy_mixed(engine, requests, NEW_TOKENS)
     for seq_id, (prompt, name) in requests.items():
         ids = torch.tensor([prompt])
         expected = merged[name].generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,

@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine import Engine, EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
-from tests.fixtures.tiny_lora import save_random_adapter
+from tests.fixtures.tiny_lora import greedy_mixed, save_random_adapter
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, generate, prompt_of
 from tests.unit.worker.test_weight_codes import snap_to_codes
@@ -65,14 +64,7 @@ def test_adapter_decodes_run_in_the_c_layers_and_stay_exact(setup, names: list[s
     coded, root, merged = setup
     engine, counting = _engine(coded, root)
     requests = {f"s{i}": (prompt_of(9 + i, i), name) for i, name in enumerate(names)}
-    new = [NewSequence(s, tuple(p), (), SamplingParams(), lora_name=name) for s, (p, name) in requests.items()]
-    tokens = {s: [] for s in requests}
-    while live := [s for s in requests if len(tokens[s]) < NEW_TOKENS]:
-        out = engine.step(StepBatch(new_sequences=new, work=[WorkItem(s, 1024) for s in live]))
-        new = []
-        for result in out.results:
-            assert not result.error
-            tokens[result.seq_id].extend(result.token_ids)
+    tokens = greedy_mixed(engine, requests, NEW_TOKENS)
     assert counting.steps >= NEW_TOKENS - 1           # every decode-only step ran in C
     for seq_id, (prompt, name) in requests.items():
         assert tokens[seq_id][:NEW_TOKENS] == generate(merged[name], prompt, NEW_TOKENS), seq_id
