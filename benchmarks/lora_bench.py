@@ -1,8 +1,9 @@
 """Multi-LoRA serving in-process: W1-shaped batches (C fresh ~274-token prompts, 64 greedy new
 tokens each, the scheduler's loop: every decode each step, then prefill chunks under a 2048-token
 budget) with every sequence on one of N random r=8 adapters (q_proj, v_proj), N = 1, 4, 16,
-against the same batches on the base model, on one engine (LoRA on, MAX_LORAS=16: all resident
-after the first round). Rounds alternate the configurations; medians of the rounds.
+against batches of the same shape on the base model, on one engine (LoRA on, MAX_LORAS=16: all resident
+after the first round). Rounds alternate the configurations, in an order that rotates, each run
+on prompts of its own; medians of the rounds.
 
     python -m benchmarks.lora_bench                  # default model, concurrency 8 and 32
     python -m benchmarks.lora_bench --quick          # tiny model: checks the script
@@ -116,8 +117,13 @@ def main(argv: list[str] | None = None) -> None:
             rates: dict[str, list[float]] = {label: [] for label, _ in configs}
             serve(engine, w1_prompts(model_dir, concurrency, 999, args.quick, vocab), names, 4, 2048, "warm")
             for round_index in range(args.rounds):
-                prompts = w1_prompts(model_dir, concurrency, round_index, args.quick, vocab)
-                for label, adapters in configs:   # the same prompts for each configuration in a round
+                # Fresh prompts for every run (the same prompts again would find an earlier run's
+                # blocks cached under the same adapter: 4 adapters reuse 1 adapter's a0 blocks, 16
+                # reuse 4's), and the configurations' order rotates from round to round.
+                order = configs[round_index % len(configs):] + configs[:round_index % len(configs)]
+                for index, (label, adapters) in enumerate(order):
+                    prompts = w1_prompts(model_dir, concurrency, round_index * len(configs) + index,
+                                         args.quick, vocab)
                     rates[label].append(serve(engine, prompts, adapters, args.new_tokens, 2048,
                                               f"c{concurrency}-{round_index}-{label}"))
             base = statistics.median(rates["base only"])
