@@ -10,7 +10,7 @@ streams and 5xx replies per fault (a markdown table and a JSON file) and the
 exit code is 1 when any of these is not clean.
 
     python -m benchmarks.chaos                  # default model, 12 streams x 128 tokens
-    python -m benchmarks.chaos --quick          # tiny model, 4 streams x 40 tokens
+    python -m benchmarks.chaos --quick          # tiny model, 4 streams x 100 tokens
     python -m benchmarks.chaos --workers 1 --faults worker   # one round, one fault
 """
 
@@ -59,7 +59,7 @@ class ChaosSettings:
 
     @classmethod
     def quick_mode(cls, **overrides: Any) -> "ChaosSettings":
-        return cls(**{"quick": True, "streams": 4, "tokens": 40, "kill_after": 6, "faults": QUICK_FAULTS,
+        return cls(**{"quick": True, "streams": 4, "tokens": 100, "kill_after": 6, "faults": QUICK_FAULTS,
                       **overrides})
 
 
@@ -200,7 +200,7 @@ def tiny_model(scratch: Path) -> Path:
 
 def parse_args(argv: list[str] | None) -> ChaosSettings:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 4 streams of 40 tokens")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 4 streams of 100 tokens")
     parser.add_argument("--streams", type=int)
     parser.add_argument("--tokens", type=int)
     parser.add_argument("--kill-after", type=int, help="chunks every stream has before the kill")

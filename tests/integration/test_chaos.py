@@ -1,6 +1,7 @@
 """The chaos suite's quick mode (tiny model, two workers and then one, 4 streams
-of 40 tokens): a worker, the scheduler, the KV index service, the gateway
-(background /v1/responses streams the client resumes) and Redis (when
+of 100 tokens, long enough that every kill comes mid-stream): a worker, the
+scheduler, the KV index service, the gateway (background /v1/responses streams
+the client resumes) and Redis (when
 redis-server is installed; two workers) each killed with SIGKILL mid-stream and
 started again lose no stream, change no stream's text, repeat no token and give
 no 5xx."""
@@ -27,7 +28,7 @@ def test_a_fault_loses_changes_and_repeats_nothing(reports: dict[str, FaultRepor
     if fault == "redis" and shutil.which("redis-server") is None:
         pytest.skip("redis-server not installed")
     report = reports[fault]
-    assert report.streams == 4 and all(count < 40 for count in report.chunks_at_kill), report
+    assert report.streams == 4 and all(count < 100 for count in report.chunks_at_kill), report
     assert (report.accepted, report.completed) == (4, 4), report.details
     assert (report.lost, report.differed, report.duplicated, report.server_errors) == (0, 0, 0, 0), \
         report.details
