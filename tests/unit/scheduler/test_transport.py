@@ -83,7 +83,7 @@ async def _wait_for_stats(stack: Stack, condition: Callable[[scheduler_pb2.Sched
                           timeout_s: float = 3.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not condition(await stack.stats()):
-        assert asyncio.get_running_loop().time() < deadline, "stats never got there"
+        assert asyncio.get_running_loop().time() < deadline, f"stats never got there: {await stack.stats()}"
         await asyncio.sleep(0.01)
 
 
@@ -118,9 +118,12 @@ async def test_rejections_carry_the_right_status(make_stack) -> None:
     assert never_fit.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "4096" in never_fit.value.details()
     worker.servicer.running.clear()  # steps hang: one request runs, one waits
+    # One at a time: "c" must leave the queue before "d" takes its one place, and "d"
+    # must hold it before "e" comes (else "e" queues and waits out its deadline).
     running = stack.stub.Generate(_request("c"), timeout=10)
+    await _wait_for_stats(stack, lambda s: s.pending == 0 and s.prefilling + s.active == 1)
     waiting = stack.stub.Generate(_request("d"), timeout=10)
-    await _wait_for_stats(stack, lambda s: s.pending == 1)
+    await _wait_for_stats(stack, lambda s: s.pending == 1 and s.prefilling + s.active == 1)
     with pytest.raises(grpc.aio.AioRpcError) as queue_full:
         await anext(aiter(stack.stub.Generate(_request("e"), timeout=5)))
     assert queue_full.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
