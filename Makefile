@@ -8,30 +8,34 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
-GEN_STAMP := gen/.stamp
+GEN_STAMP := fairserve/v1/.stamp
 
-.PHONY: run test install proto prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
 
-$(STAMP): requirements.txt requirements-runtime.txt
+$(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -r requirements.txt
-	$(PY) scripts/link_paths.py
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP) $(GEN_STAMP)
 
 $(GEN_STAMP): $(PROTOS) scripts/gen_protos.py $(STAMP)
-	$(PY) scripts/gen_protos.py gen
+	$(PY) scripts/gen_protos.py
 	touch $(GEN_STAMP)
 
 proto: $(GEN_STAMP)
+
+# docs/config.md from the settings schemas (a test fails when it is stale).
+config-docs: install
+	$(PY) -m fairserve.cli.reference > docs/config.md
 
 prepare-model: install
 	$(PY) -m common.model_store
 
 run: install prepare-model
-	$(PY) -m scripts.run_stack
+	$(VENV)/bin/fairserve run
 
 test: install prepare-model
 	$(PY) -m pytest -q tests

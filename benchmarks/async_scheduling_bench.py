@@ -31,7 +31,7 @@ from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from loadsim.drive import drive_closed_loop
 from loadsim.stats import summarize
 from loadsim.workload import parse_workload
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 
 WORKLOAD = parse_workload({
     "templates": [{"name": "short", "prompts": ["Hello there, how are you today?", "Once upon a time",

@@ -32,7 +32,7 @@ import httpx
 from benchmarks.chaos_faults import Fault, RedisProcess, faults_for
 from benchmarks.chaos_report import FaultReport, StreamResult, exit_code, fault_report, markdown_table
 from benchmarks.chaos_responses import response_bodies, stream_response
-from scripts.stack import ROOT, Stack, StackPorts
+from fairserve.launcher.stack import ROOT, Stack, StackPorts
 
 QUICK_ENV = {
     "KV_CACHE_BLOCK_SIZE": "4", "KV_CACHE_NUM_BLOCKS": "512", "MAX_BATCH_SIZE": "8",

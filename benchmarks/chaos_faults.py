@@ -1,5 +1,5 @@
 """The chaos suite's faults: how each target is killed (SIGKILL), started
-again and waited for, on a scripts.stack.Stack with one or two workers (with
+again and waited for, on a fairserve.launcher.stack.Stack with one or two workers (with
 one, a fault's name says so); and a redis-server that can be killed and
 started again on the same port."""
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from scripts.stack import Stack, free_port
+from fairserve.launcher.stack import Stack, free_port
 
 READY_S = 120.0
 

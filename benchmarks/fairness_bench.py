@@ -33,7 +33,7 @@ import httpx
 
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 
 WORDS = ("river", "stone", "market", "signal", "garden", "engine", "harbor", "lantern", "orbit",
          "canvas", "meadow", "copper", "thunder", "velvet", "summit", "anchor")

@@ -247,7 +247,7 @@ def _report(outcomes: list[Outcome], seconds: float, streams: list[StreamResult]
 # ---- command line ----
 
 def _tiny_stack(log_dir: Path, api_key: str) -> Any:
-    from scripts.stack import Stack, StackPorts
+    from fairserve.launcher.stack import Stack, StackPorts
     from tests.fixtures.tiny_model import save_tiny_model
 
     model_dir = save_tiny_model(log_dir / "tiny-model")

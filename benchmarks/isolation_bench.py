@@ -43,7 +43,7 @@ import httpx
 
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 
 ALICE_KEY = "sk-bench-alice-0123456789"
 BOB_KEY = "sk-bench-bob-0123456789"
@@ -188,7 +188,7 @@ def serve_fake_gateway(port: int, max_model_len: int) -> None:
 
 
 def start_fake_gateway(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str]:
-    from scripts.stack import free_port
+    from fairserve.launcher.stack import free_port
 
     port = free_port()
     process = subprocess.Popen([sys.executable, "-m", "benchmarks.isolation_bench", "--serve-fake-gateway",

@@ -42,7 +42,7 @@ import httpx
 
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 
 WORDS = ("river", "lantern", "copper", "meadow", "signal", "harbor", "orchard", "granite", "violet",
          "engine", "compass", "thunder", "willow", "marble", "falcon", "canyon", "ember", "glacier",

@@ -37,7 +37,7 @@ from loadsim import default_texts
 from loadsim.drive import drive_closed_loop
 from loadsim.stats import Summary, summarize
 from loadsim.workload import Workload, parse_workload
-from scripts.stack import Stack, StackPorts, free_port
+from fairserve.launcher.stack import Stack, StackPorts, free_port
 
 SERVERS = ("fairserve", "transformers")
 

@@ -29,7 +29,7 @@ import jsonschema
 
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 
 RECORD = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},

@@ -11,6 +11,8 @@ import time
 
 from common.tracing import trace_id_for_log
 
+LOG_LEVELS = ("debug", "info", "warning", "error")   # LOG_LEVEL's choices
+
 request_id_var: contextvars.ContextVar[str | None] = contextvars.ContextVar("request_id", default=None)
 
 _RESERVED = set(vars(logging.LogRecord("", 0, "", 0, "", (), None))) | {"message", "asctime"}

@@ -23,7 +23,7 @@ SCHEDULER = "scheduler"
 WORKER = "worker"
 KVCACHE = "kvcache"
 SERVICES = (GATEWAY, SCHEDULER, WORKER, KVCACHE)
-SUPERVISOR = "supervisor"               # `make run`'s launcher (scripts/supervisor.py), no service
+SUPERVISOR = "supervisor"               # `make run`'s launcher (fairserve/launcher/supervisor.py), no service
 EXPORTERS = (*SERVICES, SUPERVISOR)     # everything with a metrics endpoint
 
 HISTOGRAM_SERIES_SUFFIXES = ("_bucket", "_sum", "_count")

@@ -86,3 +86,8 @@ class EnvReader:
             raise SettingsError(f"{name}={number} is invalid: must be at least {minimum}")
         if maximum is not None and number > maximum:
             raise SettingsError(f"{name}={number} is invalid: must be at most {maximum}")
+
+
+def split_list(value: str) -> tuple[str, ...]:
+    """A comma-separated setting's items, blanks dropped."""
+    return tuple(item.strip() for item in value.split(",") if item.strip())

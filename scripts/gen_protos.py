@@ -1,4 +1,5 @@
-"""Generates the Python gRPC stubs from proto/ into the given directory."""
+"""Generates the Python gRPC stubs from proto/ into the given directory (default: the checkout,
+as fairserve/v1/; setup.py runs it when the package is built)."""
 
 from __future__ import annotations
 
@@ -31,4 +32,4 @@ def generate(out_dir: Path) -> None:
 
 
 if __name__ == "__main__":
-    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "gen")
+    generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)

@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from scripts.stack import Stack, StackPorts, free_port
+from fairserve.launcher.stack import Stack, StackPorts, free_port
 
 SYSTEMS = ("fairserve", "vllm", "llama.cpp", "transformers")
 START_TIMEOUT_S = 900.0

@@ -69,7 +69,10 @@ from services.gateway.validation import SamplingInput
 
 log = logging.getLogger(__name__)
 router = APIRouter()
-DASHBOARD_DIR = Path(__file__).resolve().parents[2] / "dashboard"
+# The checkout's dashboard/, or the copy an installed package carries (setup.py: fairserve.dashboard).
+_CHECKOUT_DASHBOARD = Path(__file__).resolve().parents[2] / "dashboard"
+DASHBOARD_DIR = (_CHECKOUT_DASHBOARD if _CHECKOUT_DASHBOARD.is_dir()
+                 else Path(__file__).resolve().parents[2] / "fairserve" / "dashboard")
 STATS_PART_TIMEOUT_S = 3.0
 # FastAPI's own OpenTelemetry would continue a client's traceparent and record
 # request data; the gateway's spans are request_span.py's and tracing's own.

@@ -9,14 +9,13 @@ from pathlib import Path
 from common.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
-from common.settings import EnvReader, SettingsError
-from services.gateway.identity import AUTO_SCOPE, CACHE_SCOPES, cache_scope_for
+from common.settings import SettingsError
+from services.gateway.settings_schema import GatewaySchema
+from services.gateway.identity import AUTO_SCOPE, cache_scope_for
 from services.gateway.tenant_config import load_tenants, read_api_keys
 from services.gateway.tenants import TenantRegistry
-from services.gateway.tool_parsers import PARSERS
 
 ONE_MIB = 1024 * 1024
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass(frozen=True)
@@ -80,59 +79,48 @@ class GatewaySettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> GatewaySettings:
-        read = EnvReader(env)
+        values = GatewaySchema.read(env)
         internal = InternalAuth.from_env(env, serves=False)
-        api_keys, keys_source = read_api_keys(read.str("API_KEYS", ""), read.str("API_KEYS_FILE", ""))
+        api_keys, keys_source = read_api_keys(values.api_keys, values.api_keys_file)
         settings = cls(
-            host=read.str("GATEWAY_HOST", cls.host),
-            port=read.port("GATEWAY_PORT", cls.port),
-            grpc_port=read.port("GATEWAY_GRPC_PORT", cls.grpc_port),
-            scheduler_addr=read.str("SCHEDULER_ADDR", cls.scheduler_addr),
-            kvcache_addr=read.str("KVCACHE_ADDR", cls.kvcache_addr),
-            model_name=read.str("MODEL_NAME", cls.model_name),
-            model_cache_dir=Path(read.str("MODEL_CACHE_DIR", str(default_cache_dir()))).expanduser(),
+            host=values.gateway_host,
+            port=values.gateway_port,
+            grpc_port=values.gateway_grpc_port,
+            scheduler_addr=values.scheduler_addr,
+            kvcache_addr=values.kvcache_addr,
+            model_name=values.model_name,
+            model_cache_dir=Path(values.model_cache_dir or default_cache_dir()).expanduser(),
             # Bare keys' tenant names are keyed with the internal token, so
             # replicas sharing it name them alike.
-            tenants=load_tenants(api_keys, read.str("TENANTS_FILE", ""), internal.token,
-                                 read.str("ADMIN_KEYS", ""), source=keys_source),
-            metrics_port=read.port("METRICS_PORT", cls.metrics_port),
-            prefix_cache_scope=read.choice("PREFIX_CACHE_SCOPE", cls.prefix_cache_scope,
-                                           (AUTO_SCOPE, *CACHE_SCOPES)),
-            max_request_bytes=read.int("MAX_REQUEST_BYTES", cls.max_request_bytes, minimum=1024),
-            default_max_tokens=read.int("DEFAULT_MAX_TOKENS", cls.default_max_tokens, minimum=1),
-            max_model_len=read.int("MAX_MODEL_LEN", cls.max_model_len, minimum=0),
-            max_tokens_limit=read.int("MAX_TOKENS_LIMIT", cls.max_tokens_limit, minimum=0),
-            log_level=read.choice("LOG_LEVEL", cls.log_level, LOG_LEVELS),
-            max_connections=read.int("GATEWAY_MAX_CONNECTIONS", cls.max_connections, minimum=1),
-            max_pending_connections=read.int("GATEWAY_MAX_PENDING_CONNECTIONS",
-                                             cls.max_pending_connections, minimum=1),
-            max_pending_per_address=read.int("GATEWAY_MAX_PENDING_PER_ADDRESS",
-                                             cls.max_pending_per_address, minimum=1),
-            header_timeout_s=read.float("GATEWAY_HEADER_TIMEOUT_S", cls.header_timeout_s,
-                                        minimum=0.1),
-            keep_alive_s=read.int("GATEWAY_KEEP_ALIVE_S", cls.keep_alive_s, minimum=1),
-            body_timeout_s=read.float("GATEWAY_BODY_TIMEOUT_S", cls.body_timeout_s, minimum=0.1),
-            max_header_bytes=read.int("GATEWAY_MAX_HEADER_BYTES", cls.max_header_bytes,
-                                      minimum=1024),
-            grpc_max_message_bytes=read.int("GATEWAY_GRPC_MAX_MESSAGE_BYTES",
-                                            cls.grpc_max_message_bytes, minimum=1024,
-                                            maximum=64 * ONE_MIB),
-            grpc_max_connections=read.int("GATEWAY_GRPC_MAX_CONNECTIONS", cls.grpc_max_connections,
-                                          minimum=1),
-            grpc_max_streams_per_connection=read.int("GATEWAY_GRPC_MAX_STREAMS_PER_CONNECTION",
-                                                     cls.grpc_max_streams_per_connection, minimum=1),
-            grpc_max_concurrent_rpcs=read.int("GATEWAY_GRPC_MAX_CONCURRENT_RPCS",
-                                              cls.grpc_max_concurrent_rpcs, minimum=1),
-            scheduler_recovery_s=read.float("SCHEDULER_RECOVERY_S", cls.scheduler_recovery_s, minimum=0.0),
-            responses_ttl_s=read.float("RESPONSES_TTL_S", cls.responses_ttl_s, minimum=1.0),
-            responses_max_per_tenant=read.int("RESPONSES_MAX_PER_TENANT", cls.responses_max_per_tenant,
-                                              minimum=1),
+            tenants=load_tenants(api_keys, values.tenants_file, internal.token,
+                                 values.admin_keys, source=keys_source),
+            metrics_port=values.metrics_port,
+            prefix_cache_scope=values.prefix_cache_scope,
+            max_request_bytes=values.max_request_bytes,
+            default_max_tokens=values.default_max_tokens,
+            max_model_len=values.max_model_len,
+            max_tokens_limit=values.max_tokens_limit,
+            log_level=values.log_level,
+            max_connections=values.gateway_max_connections,
+            max_pending_connections=values.gateway_max_pending_connections,
+            max_pending_per_address=values.gateway_max_pending_per_address,
+            header_timeout_s=values.gateway_header_timeout_s,
+            keep_alive_s=values.gateway_keep_alive_s,
+            body_timeout_s=values.gateway_body_timeout_s,
+            max_header_bytes=values.gateway_max_header_bytes,
+            grpc_max_message_bytes=values.gateway_grpc_max_message_bytes,
+            grpc_max_connections=values.gateway_grpc_max_connections,
+            grpc_max_streams_per_connection=values.gateway_grpc_max_streams_per_connection,
+            grpc_max_concurrent_rpcs=values.gateway_grpc_max_concurrent_rpcs,
+            scheduler_recovery_s=values.scheduler_recovery_s,
+            responses_ttl_s=values.responses_ttl_s,
+            responses_max_per_tenant=values.responses_max_per_tenant,
             internal=internal,
-            drain_timeout_s=read.float("DRAIN_TIMEOUT_S", cls.drain_timeout_s, minimum=0.0),
-            tool_call_parser=read.choice("TOOL_CALL_PARSER", cls.tool_call_parser, tuple(PARSERS)),
-            lora_modules=_lora_modules(read.str("LORA_MODULES", "")),
-            lora_root=read.str("LORA_ROOT", ""),
-            lora_runtime_updates=read.bool("LORA_RUNTIME_UPDATES", False),
+            drain_timeout_s=values.drain_timeout_s,
+            tool_call_parser=values.tool_call_parser,
+            lora_modules=_lora_modules(values.lora_modules),
+            lora_root=values.lora_root,
+            lora_runtime_updates=values.lora_runtime_updates,
         )
         if settings.lora_runtime_updates and not settings.lora_root:
             raise SettingsError("LORA_RUNTIME_UPDATES=true needs LORA_ROOT: the directory runtime adapter "

@@ -11,9 +11,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from common.internal_auth import InternalAuth
-from common.settings import EnvReader, SettingsError
-
-BACKENDS = ("memory", "redis")
+from common.settings import SettingsError
+from services.kvcache.settings_schema import KvCacheSchema
 
 
 @dataclass(frozen=True)
@@ -33,21 +32,20 @@ class KvCacheSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "KvCacheSettings":
-        read = EnvReader(env)
+        values = KvCacheSchema.read(env)
         settings = cls(
-            host=read.str("KVCACHE_HOST", cls.host),
-            port=read.port("KVCACHE_PORT", cls.port),
-            metrics_port=read.port("KVCACHE_METRICS_PORT", cls.metrics_port),
-            backend=read.choice("KV_INDEX_BACKEND", cls.backend, BACKENDS),
-            redis_url=read.str("REDIS_URL", cls.redis_url),
-            redis_prefix=read.str("KV_INDEX_REDIS_PREFIX", cls.redis_prefix),
-            redis_password=read_redis_password(read),
-            redis_socket_timeout_s=read.float("REDIS_SOCKET_TIMEOUT_S", cls.redis_socket_timeout_s,
-                                              minimum=0.001),
-            block_size=read.int("KV_CACHE_BLOCK_SIZE", cls.block_size, minimum=1, maximum=4096),
-            model_key=read.str("MODEL_KEY", cls.model_key),
-            log_level=read.choice("LOG_LEVEL", cls.log_level,
-                                  ("debug", "info", "warning", "error", "critical")),
+            host=values.kvcache_host,
+            port=values.kvcache_port,
+            metrics_port=values.kvcache_metrics_port,
+            backend=values.kv_index_backend,
+            redis_url=values.redis_url,
+            redis_prefix=values.kv_index_redis_prefix,
+            redis_password=read_redis_password(values.kv_index_redis_password,
+                                               values.kv_index_redis_password_file),
+            redis_socket_timeout_s=values.redis_socket_timeout_s,
+            block_size=values.kv_cache_block_size,
+            model_key=values.model_key,
+            log_level=values.log_level,
             internal=InternalAuth.from_env(env),
         )
         if settings.redis_password and urlsplit(settings.redis_url).password:
@@ -56,11 +54,9 @@ class KvCacheSettings:
         return settings
 
 
-def read_redis_password(read: EnvReader) -> str:
-    """KV_INDEX_REDIS_PASSWORD, or the first line of KV_INDEX_REDIS_PASSWORD_FILE
-    (a Secret mounted as a file); "" when neither is set."""
-    inline = read.str("KV_INDEX_REDIS_PASSWORD", "")
-    path = read.str("KV_INDEX_REDIS_PASSWORD_FILE", "")
+def read_redis_password(inline: str, path: str) -> str:
+    """KV_INDEX_REDIS_PASSWORD (`inline`), or the first line of KV_INDEX_REDIS_PASSWORD_FILE
+    (`path`, a Secret mounted as a file); "" when neither is set."""
     if inline and path:
         raise SettingsError("KV_INDEX_REDIS_PASSWORD and KV_INDEX_REDIS_PASSWORD_FILE are both "
                             "set: use one")

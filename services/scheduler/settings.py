@@ -6,15 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.internal_auth import InternalAuth
-from common.step import KV_POLICIES, KvPolicy
+from common.step import KvPolicy
 
-from common.settings import EnvReader
+from services.scheduler.settings_schema import SchedulerSchema
 from common.worker_auth import worker_token_from_env
 
-from services.scheduler.address_check import ADDRESS_CHECKS
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 
-STEP_TRANSPORTS = ("stream", "unary")   # services/scheduler/step_link.py
 
 
 _CORE = CoreConfig()    # the scheduling defaults live with the core
@@ -60,45 +58,42 @@ class SchedulerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SchedulerSettings:
-        read = EnvReader(env)
+        values = SchedulerSchema.read(env)
         internal = InternalAuth.from_env(env)
         return cls(
-            host=read.str("SCHEDULER_HOST", cls.host),
-            port=read.port("SCHEDULER_PORT", cls.port),
-            metrics_port=read.port("SCHEDULER_METRICS_PORT", cls.metrics_port),
-            policy=Policy(read.choice("SCHEDULING_POLICY", cls.policy.value, [p.value for p in Policy])),
-            max_batch_size=read.int("MAX_BATCH_SIZE", cls.max_batch_size, minimum=1),
-            max_batch_tokens=read.int("MAX_BATCH_TOKENS", cls.max_batch_tokens, minimum=1),
-            max_active_kv_tokens=read.int("MAX_ACTIVE_KV_TOKENS", cls.max_active_kv_tokens, minimum=1),
-            prefill_chunk_size=read.int("PREFILL_CHUNK_SIZE", cls.prefill_chunk_size, minimum=1),
-            prefill_mode=PrefillMode(read.choice("PREFILL_MODE", cls.prefill_mode.value,
-                                                 [m.value for m in PrefillMode])),
-            max_queue_len=read.int("MAX_QUEUE_LEN", cls.max_queue_len, minimum=1),
-            queue_timeout_s=read.float("QUEUE_TIMEOUT_S", cls.queue_timeout_s, minimum=0.001),
-            kvcache_addr=read.str("KVCACHE_ADDR", cls.kvcache_addr),
-            worker_heartbeat_timeout_s=read.float("WORKER_HEARTBEAT_TIMEOUT_S",
-                                                  cls.worker_heartbeat_timeout_s, minimum=0.001),
-            vtc_input_weight=read.float("VTC_INPUT_WEIGHT", cls.vtc_input_weight, minimum=0.0),
-            vtc_output_weight=read.float("VTC_OUTPUT_WEIGHT", cls.vtc_output_weight, minimum=0.0),
-            prefix_wait_min_tokens=read.int("PREFIX_WAIT_MIN_TOKENS", cls.prefix_wait_min_tokens, minimum=0),
-            async_scheduling=read.bool("ASYNC_SCHEDULING", cls.async_scheduling),
-            speculative_tokens=read.int("SPECULATIVE_TOKENS", cls.speculative_tokens, minimum=0, maximum=64),
-            speculative_max_batch=read.int("SPECULATIVE_MAX_BATCH", cls.speculative_max_batch, minimum=0),
-            speculative_sampled=read.bool("SPECULATIVE_SAMPLED", cls.speculative_sampled),
-            max_migrations=read.int("MAX_MIGRATIONS", cls.max_migrations, minimum=0),
-            worker_recovery_s=read.float("WORKER_RECOVERY_S", cls.worker_recovery_s, minimum=0.0),
-            detached_ttl_s=read.float("DETACHED_TTL_S", cls.detached_ttl_s, minimum=1.0),
-            step_timeout_s=read.float("STEP_TIMEOUT_S", cls.step_timeout_s, minimum=0.0),
-            step_transport=read.choice("STEP_TRANSPORT", cls.step_transport, list(STEP_TRANSPORTS)),
-            kv_policy=read.choice("KV_POLICY", cls.kv_policy, list(KV_POLICIES)),
-            kv_budget_tokens=read.int("KV_BUDGET_TOKENS", cls.kv_budget_tokens, minimum=1),
-            kv_sink_tokens=read.int("KV_SINK_TOKENS", cls.kv_sink_tokens, minimum=0),
-            max_tokens_limit=read.int("MAX_TOKENS_LIMIT", cls.max_tokens_limit, minimum=0),
-            log_level=read.choice("LOG_LEVEL", cls.log_level, ["debug", "info", "warning", "error"]),
+            host=values.scheduler_host,
+            port=values.scheduler_port,
+            metrics_port=values.scheduler_metrics_port,
+            policy=Policy(values.scheduling_policy),
+            max_batch_size=values.max_batch_size,
+            max_batch_tokens=values.max_batch_tokens,
+            max_active_kv_tokens=values.max_active_kv_tokens,
+            prefill_chunk_size=values.prefill_chunk_size,
+            prefill_mode=PrefillMode(values.prefill_mode),
+            max_queue_len=values.max_queue_len,
+            queue_timeout_s=values.queue_timeout_s,
+            kvcache_addr=values.kvcache_addr,
+            worker_heartbeat_timeout_s=values.worker_heartbeat_timeout_s,
+            vtc_input_weight=values.vtc_input_weight,
+            vtc_output_weight=values.vtc_output_weight,
+            prefix_wait_min_tokens=values.prefix_wait_min_tokens,
+            async_scheduling=values.async_scheduling,
+            speculative_tokens=values.speculative_tokens,
+            speculative_max_batch=values.speculative_max_batch,
+            speculative_sampled=values.speculative_sampled,
+            max_migrations=values.max_migrations,
+            worker_recovery_s=values.worker_recovery_s,
+            detached_ttl_s=values.detached_ttl_s,
+            step_timeout_s=values.step_timeout_s,
+            step_transport=values.step_transport,
+            kv_policy=values.kv_policy,
+            kv_budget_tokens=values.kv_budget_tokens,
+            kv_sink_tokens=values.kv_sink_tokens,
+            max_tokens_limit=values.max_tokens_limit,
+            log_level=values.log_level,
             internal=internal,
             worker_token=worker_token_from_env(env, internal.token),
-            registration_address_check=read.choice("REGISTRATION_ADDRESS_CHECK", cls.registration_address_check,
-                                                   list(ADDRESS_CHECKS)),
+            registration_address_check=values.registration_address_check,
         )
 
     def core_config(self) -> CoreConfig:

@@ -18,7 +18,8 @@ from typing import Any
 import grpc
 from fairserve.v1 import worker_pb2, worker_pb2_grpc
 
-from services.scheduler.settings import STEP_TRANSPORTS
+
+STEP_TRANSPORTS = ("stream", "unary")   # STEP_TRANSPORT: one StepStream call, or a Step call each
 
 
 class StepFailed(Exception):

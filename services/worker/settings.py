@@ -11,28 +11,13 @@ from dataclasses import dataclass, field
 from common.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
-from common.settings import EnvReader, SettingsError
+from common.settings import SettingsError
+from services.worker.settings_schema import WorkerSchema
 from common.worker_auth import worker_token_from_env
 from services.scheduler.registration import MAX_WORKER_ID_LENGTH
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
 
-DEVICES = ("auto", "cpu", "cuda", "mps")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine/eviction.py
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")   # services/worker/engine/prefill_kernels.py
-CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
-LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
-LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen_loader.py
-LM_HEAD_SCREEN_ACTIVATIONS = ("auto", "int16", "int8")  # services/worker/engine/cpu/codes_screen_int8.py
-DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/native_decode.py
-CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
-DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
-CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/weight_codes.py
-CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
-CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/coded_wide.py
-CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine/cpu/prefill_gemm.py
-GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/grammar.py
 
 
 def default_advertise_host(bind_host: str) -> str:
@@ -58,46 +43,46 @@ def default_worker_id() -> str:
 def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
     """The engine's settings from their variables. The model directory is left empty:
     the worker resolves it from MODEL_NAME at start (dataclasses.replace)."""
-    read = EnvReader(env)
+    values = WorkerSchema.read(env)
     config = EngineConfig(
         model_dir="",
-        device=read.choice("DEVICE", "auto", DEVICES),
-        dtype=read.choice("DTYPE", "auto", DTYPES),
-        block_size=read.int("KV_CACHE_BLOCK_SIZE", 16, minimum=1, maximum=1024),
-        num_blocks=read.int("KV_CACHE_NUM_BLOCKS", 0, minimum=0),
-        kv_memory_fraction=read.float("KV_CACHE_MEMORY_FRACTION", 0.0, minimum=0.0, maximum=0.95),
-        kv_hybrid=read.bool("KV_CACHE_HYBRID", True),
-        sliding_blocks=read.int("KV_CACHE_SLIDING_BLOCKS", 0, minimum=0),
-        eviction_policy=read.choice("EVICTION_POLICY", "lru", EVICTION_POLICIES),
-        enable_prefix_caching=read.bool("ENABLE_PREFIX_CACHING", True),
-        prompt_logits_cache_size=read.int("PROMPT_LOGITS_CACHE_SIZE", 32, minimum=0, maximum=100_000),
-        max_model_len=read.int("MAX_MODEL_LEN", 0, minimum=0),
-        model_key=read.str("MODEL_KEY", ""),
-        torch_threads=read.int("TORCH_THREADS", 0, minimum=0),
-        use_cuda_graphs=read.bool("USE_CUDA_GRAPHS", True),
-        cuda_graph_max_batch=read.int("CUDA_GRAPH_MAX_BATCH", 64, minimum=1, maximum=1024),
-        cuda_graph_max_context=read.int("CUDA_GRAPH_MAX_CONTEXT", 8192, minimum=1),
-        attention_backend=read.choice("ATTENTION_BACKEND", "auto", ATTENTION_BACKENDS),
-        decode_attention=read.choice("DECODE_ATTENTION", "auto", DECODE_ATTENTION_MODES),
-        cpu_native_kernels=read.choice("CPU_NATIVE_KERNELS", "auto", CPU_NATIVE_KERNELS_MODES),
-        direct_forward=read.choice("DIRECT_FORWARD", "auto", DIRECT_FORWARD_MODES),
-        cpu_gemm_cache_entries=read.int("CPU_GEMM_CACHE_ENTRIES", 32, minimum=0, maximum=65536),
-        cpu_weight_codes=read.choice("CPU_WEIGHT_CODES", "auto", CPU_WEIGHT_CODES_MODES),
-        cpu_linear_kernel=read.choice("CPU_LINEAR_KERNEL", "auto", CPU_LINEAR_KERNELS),
-        cpu_compute=read.choice("CPU_COMPUTE", "float32", CPU_COMPUTE_MODES),
-        cpu_prefill_weights=read.choice("CPU_PREFILL_WEIGHTS", "auto", CPU_PREFILL_WEIGHTS_MODES),
-        cpu_prefill_gemm=read.choice("CPU_PREFILL_GEMM", "auto", CPU_PREFILL_GEMM_MODES),
-        lm_head_screen=read.choice("LM_HEAD_SCREEN", "auto", LM_HEAD_SCREEN_MODES),
-        lm_head_screen_max_rows=read.int("LM_HEAD_SCREEN_MAX_ROWS", 0, minimum=0, maximum=1024),
-        lm_head_screen_weights=read.choice("LM_HEAD_SCREEN_WEIGHTS", "auto", LM_HEAD_SCREEN_WEIGHTS),
-        lm_head_screen_activations=read.choice("LM_HEAD_SCREEN_ACTIVATIONS", "auto", LM_HEAD_SCREEN_ACTIVATIONS),
-        ngram_min=read.int("SPECULATIVE_NGRAM_MIN", 2, minimum=1, maximum=16),
-        ngram_max=read.int("SPECULATIVE_NGRAM_MAX", 4, minimum=1, maximum=16),
-        grammar_tokenizer=read.choice("GRAMMAR_TOKENIZER", "first_use", GRAMMAR_TOKENIZER_MODES),
-        lora=LoraConfig(modules=_lora_modules(read.str("LORA_MODULES", "")),
-                        max_loras=read.int("MAX_LORAS", 4, minimum=1, maximum=1024),
-                        max_rank=read.int("MAX_LORA_RANK", 64, minimum=1, maximum=1024),
-                        root=read.str("LORA_ROOT", "")),
+        device=values.device,
+        dtype=values.dtype,
+        block_size=values.kv_cache_block_size,
+        num_blocks=values.kv_cache_num_blocks,
+        kv_memory_fraction=values.kv_cache_memory_fraction,
+        kv_hybrid=values.kv_cache_hybrid,
+        sliding_blocks=values.kv_cache_sliding_blocks,
+        eviction_policy=values.eviction_policy,
+        enable_prefix_caching=values.enable_prefix_caching,
+        prompt_logits_cache_size=values.prompt_logits_cache_size,
+        max_model_len=values.max_model_len,
+        model_key=values.model_key,
+        torch_threads=values.torch_threads,
+        use_cuda_graphs=values.use_cuda_graphs,
+        cuda_graph_max_batch=values.cuda_graph_max_batch,
+        cuda_graph_max_context=values.cuda_graph_max_context,
+        attention_backend=values.attention_backend,
+        decode_attention=values.decode_attention,
+        cpu_native_kernels=values.cpu_native_kernels,
+        direct_forward=values.direct_forward,
+        cpu_gemm_cache_entries=values.cpu_gemm_cache_entries,
+        cpu_weight_codes=values.cpu_weight_codes,
+        cpu_linear_kernel=values.cpu_linear_kernel,
+        cpu_compute=values.cpu_compute,
+        cpu_prefill_weights=values.cpu_prefill_weights,
+        cpu_prefill_gemm=values.cpu_prefill_gemm,
+        lm_head_screen=values.lm_head_screen,
+        lm_head_screen_max_rows=values.lm_head_screen_max_rows,
+        lm_head_screen_weights=values.lm_head_screen_weights,
+        lm_head_screen_activations=values.lm_head_screen_activations,
+        ngram_min=values.speculative_ngram_min,
+        ngram_max=values.speculative_ngram_max,
+        grammar_tokenizer=values.grammar_tokenizer,
+        lora=LoraConfig(modules=_lora_modules(values.lora_modules),
+                        max_loras=values.max_loras,
+                        max_rank=values.max_lora_rank,
+                        root=values.lora_root),
     )
     if config.ngram_min > config.ngram_max:
         raise SettingsError(f"SPECULATIVE_NGRAM_MIN={config.ngram_min} is invalid: "
@@ -133,24 +118,24 @@ class WorkerSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
-        read = EnvReader(env)
-        host = read.str("WORKER_HOST", "127.0.0.1")
+        values = WorkerSchema.read(env)
+        host = values.worker_host
         internal = InternalAuth.from_env(env)
         return cls(
             host=host,
-            port=read.port("WORKER_PORT", 50061),
-            advertise_host=read.str("WORKER_ADVERTISE_HOST", default_advertise_host(host)),
-            worker_id=read.str("WORKER_ID", default_worker_id()),
-            metrics_port=read.port("WORKER_METRICS_PORT", 9102),
-            model_name=read.str("MODEL_NAME", ""),
-            model_cache_dir=read.str("MODEL_CACHE_DIR", str(default_cache_dir())),
-            scheduler_addr=read.str("SCHEDULER_ADDR", "127.0.0.1:50051"),
-            kvcache_addr=read.str("KVCACHE_ADDR", "127.0.0.1:50071"),
-            heartbeat_interval_s=read.float("WORKER_HEARTBEAT_INTERVAL_S", 2.0, minimum=0.1),
-            kv_publish_interval_s=read.float("KV_PUBLISH_INTERVAL_S", 0.05, minimum=0.001),
-            log_level=read.str("LOG_LEVEL", "info"),
+            port=values.worker_port,
+            advertise_host=(values.worker_advertise_host or default_advertise_host(host)),
+            worker_id=values.worker_id or default_worker_id(),
+            metrics_port=values.worker_metrics_port,
+            model_name=values.model_name,
+            model_cache_dir=values.model_cache_dir or str(default_cache_dir()),
+            scheduler_addr=values.scheduler_addr,
+            kvcache_addr=values.kvcache_addr,
+            heartbeat_interval_s=values.worker_heartbeat_interval_s,
+            kv_publish_interval_s=values.kv_publish_interval_s,
+            log_level=values.log_level,
             engine=engine_config_from_env(env),
             internal=internal,
-            drain_timeout_s=read.float("DRAIN_TIMEOUT_S", 30.0, minimum=0.0),
+            drain_timeout_s=values.drain_timeout_s,
             worker_token=worker_token_from_env(env, internal.token),
         )

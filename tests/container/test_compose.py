@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from scripts.stack import free_ports
+from fairserve.launcher.stack import free_ports
 from tests.container.compose_stack import ROOT, ComposeStack, find_runtime, make_image_command, run, wait_for
 from tests.container.prometheus import dashboard_expressions, query, target_counts, up_by_job
 

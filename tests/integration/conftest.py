@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 from tests.fixtures.tiny_model import save_tiny_model
 
 TINY_ENV = {

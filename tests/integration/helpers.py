@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 
-from scripts.stack import ROOT
+from fairserve.launcher.stack import ROOT
 
 
 def sse_events(response: httpx.Response) -> list[dict[str, Any]]:
@@ -30,9 +30,9 @@ def stream_generate(base_url: str, body: dict[str, Any], timeout: float = 120) -
 
 
 def start_launcher(env: dict[str, str], timeout_s: float = 180) -> tuple[subprocess.Popen[str], str]:
-    """`make run`'s launcher (scripts.run_stack) with `env`, and its banner once it has
+    """`make run`'s launcher (fairserve.launcher.run_stack) with `env`, and its banner once it has
     printed it (every service started); the caller stops the launcher."""
-    launcher = subprocess.Popen([sys.executable, "-m", "scripts.run_stack"], cwd=ROOT, env=env,
+    launcher = subprocess.Popen([sys.executable, "-m", "fairserve.launcher.run_stack"], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = ""
     deadline = time.monotonic() + timeout_s

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 from tests.integration.test_prefix_cache import BLOCK_SIZE, Probe, random_ids
 

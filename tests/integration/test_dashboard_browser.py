@@ -30,7 +30,7 @@ import httpx
 import pytest
 
 from services.gateway.latency_tracker import LatencyTracker, RequestRecord
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 from tests.integration.helpers import stream_generate
 

@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.grpc_server import check_health
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.helpers import stream_generate
 
 

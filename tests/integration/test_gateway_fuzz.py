@@ -19,7 +19,7 @@ from schemathesis.checks import not_a_server_error
 
 from benchmarks.fuzz_gateway import ERROR_FIELDS, run_fuzz
 from benchmarks.fuzz_grpc import run_grpc_fuzz
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 
 API_KEY = "sk-fuzz-integration"

@@ -24,7 +24,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 from common.grpc_server import check_health, insecure_channel, internal_channel
 from common.internal_auth import InternalAuth
 from common.worker_auth import worker_token_interceptors
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.fixtures.tls import SERVER_NAME, make_authority
 from tests.integration.conftest import start_stack
 from tests.integration.helpers import stream_generate

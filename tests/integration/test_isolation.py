@@ -1,5 +1,5 @@
 """Issue 38's attacks, played by a hostile tenant against a real stack (tiny model) with only
-API_KEYS set, and internal tokens as `make run` makes them (scripts/local_tokens.py). Each
+API_KEYS set, and internal tokens as `make run` makes them (fairserve/launcher/local_tokens.py). Each
 attack worked before; each test shows it fail now:
 
 - prompt theft through the prefix cache: bob's copy of alice's prompt reads 0 cached tokens,
@@ -35,8 +35,8 @@ from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb
 
 from common.grpc_server import insecure_channel, internal_channel
 from common.worker_auth import worker_token_interceptors
-from scripts.local_tokens import local_tokens
-from scripts.stack import Stack
+from fairserve.launcher.local_tokens import local_tokens
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 from tests.integration.helpers import sse_events
 from tests.integration.test_cache_salt import API_KEYS, KEYS, complete, guesses_of

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 
 NEW_TOKENS = 300     # the pool holds 128 tokens

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from loadsim.__main__ import main
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 
 SHARED_PREFIX = "You answer questions about the fairserve test suite, briefly and politely. " * 4
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).with_name("locust")

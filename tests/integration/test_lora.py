@@ -16,7 +16,7 @@ import pytest
 import torch
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.fixtures.tiny_lora import save_random_adapter
 from tests.integration.conftest import start_stack
 

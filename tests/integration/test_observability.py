@@ -17,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from common import prometheus_names as names
 from tests.fixtures.grafana import exported_series_names, grafana_metric_names
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.helpers import sse_events
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.fixtures.redis_server import running_redis
 from tests.integration.conftest import TINY_ENV, start_stack
 from tests.integration.helpers import stream_generate

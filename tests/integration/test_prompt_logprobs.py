@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 
 PROMPT = ("Once upon a time there was a small village by the sea where the fishermen told stories "
           "of a lighthouse that never went dark, and the children listened every night.")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.stack import Stack, StackPorts
 from tests.integration.helpers import stream_generate
 from tests.integration.test_foundation import reference_greedy
 

@@ -12,7 +12,7 @@ import httpx
 import psutil
 import pytest
 
-from scripts.stack import free_ports
+from fairserve.launcher.stack import free_ports
 from tests.integration.conftest import TINY_ENV
 from tests.integration.helpers import start_launcher
 

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 from tests.integration.test_scheduler_stack import Prompts, generate_body, until, wait_drained
 

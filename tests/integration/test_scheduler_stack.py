@@ -28,7 +28,7 @@ import httpx
 import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2_grpc
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import TINY_ENV, start_stack
 
 CHUNK = int(TINY_ENV["PREFILL_CHUNK_SIZE"])

@@ -17,7 +17,7 @@ import pytest
 from common.convert import constraint_to_proto
 from common.types import Constraint, ConstraintKind
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 
 NAME = {"type": "string", "maxLength": 8}
 SCHEMAS: dict[str, dict[str, Any]] = {

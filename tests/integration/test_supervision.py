@@ -15,7 +15,7 @@ import httpx
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
-from scripts.stack import free_ports
+from fairserve.launcher.stack import free_ports
 from tests.integration.conftest import TINY_ENV
 from tests.integration.helpers import start_launcher
 

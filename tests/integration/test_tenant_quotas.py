@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from scripts.stack import Stack, free_ports
+from fairserve.launcher.stack import Stack, free_ports
 from tests.integration.conftest import start_stack
 
 KEYS = {"a": "key-a", "t": "key-t", "heavy": "key-heavy", "b": "key-b"}

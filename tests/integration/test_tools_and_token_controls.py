@@ -14,7 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.fixtures.tiny_model import save_tiny_model
 from tests.fixtures.tool_template import TOOL_CHAT_TEMPLATE
 from tests.integration.conftest import start_stack

@@ -20,7 +20,7 @@ import httpx
 import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack
 from tests.integration.helpers import sse_events
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from scripts.stack import Stack
+from fairserve.launcher.stack import Stack
 from tests.container.prometheus import query
 from tests.unit.gateway.fakes import free_port
 

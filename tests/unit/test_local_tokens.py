@@ -1,4 +1,4 @@
-"""`make run`'s generated tokens (scripts/local_tokens.py): made once in a
+"""`make run`'s generated tokens (fairserve/launcher/local_tokens.py): made once in a
 private file and reused; a token the user gives wins; a file others could read
 is refused. And the launcher passes them, the worker token to the scheduler
 and workers only."""
@@ -13,8 +13,8 @@ import pytest
 
 from common.internal_auth import InternalAuth
 from common.settings import SettingsError
-from scripts.local_tokens import local_tokens, tokens_path
-from scripts.stack import Stack, StackPorts
+from fairserve.launcher.local_tokens import local_tokens, tokens_path
+from fairserve.launcher.stack import Stack, StackPorts
 
 USER_TOKEN = "user-given-internal-token-0123"
 
@@ -70,7 +70,7 @@ def test_the_worker_token_reaches_the_scheduler_and_workers_only(monkeypatch, tm
         def __init__(self, command: list[str], env: dict[str, str], **_: object) -> None:
             seen[command[-1]] = env
 
-    monkeypatch.setattr("scripts.stack.subprocess.Popen", Recorder)
+    monkeypatch.setattr("fairserve.launcher.stack.subprocess.Popen", Recorder)
     tokens = local_tokens({}, tmp_path / "tokens" / "local.json")
     stack = Stack(ports=StackPorts(), env=tokens, log_dir=tmp_path)
     for name, module in [("kvcache", "services.kvcache.main"), ("scheduler", "services.scheduler.main"),

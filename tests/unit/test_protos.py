@@ -1,4 +1,4 @@
-"""The generated stubs in gen/ must match what proto/ generates now."""
+"""The generated stubs in fairserve/v1/ must match what proto/ generates now."""
 
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ def _files(directory: Path) -> set[Path]:
 
 def test_generated_stubs_are_current(tmp_path: Path) -> None:
     generate(tmp_path)
-    current = ROOT / "gen"
-    assert _files(tmp_path) == _files(current), "stale stubs: run `make proto`"
-    for relative in _files(tmp_path):
-        assert filecmp.cmp(tmp_path / relative, current / relative, shallow=False), (
-            f"gen/{relative} is stale: run `make proto`")
+    fresh, current = tmp_path / "fairserve" / "v1", ROOT / "fairserve" / "v1"
+    assert _files(fresh) == _files(current), "stale stubs: run `make proto`"
+    for relative in _files(fresh):
+        assert filecmp.cmp(fresh / relative, current / relative, shallow=False), (
+            f"fairserve/v1/{relative} is stale: run `make proto`")
 
 
 def test_every_service_contract_is_versioned() -> None:

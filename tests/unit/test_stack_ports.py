@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from scripts.stack import StackPorts, free_ports
+from fairserve.launcher.stack import StackPorts, free_ports
 
 
 def test_a_stacks_ports_are_distinct() -> None:

@@ -9,7 +9,7 @@ import pytest
 from prometheus_client import generate_latest
 
 from common.settings import SettingsError
-from scripts.supervisor import Backoff, Supervisor, SupervisorMetrics, SupervisorSettings, describe_exit
+from fairserve.launcher.supervisor import Backoff, Supervisor, SupervisorMetrics, SupervisorSettings, describe_exit
 
 
 class FakeClock:
@@ -119,7 +119,7 @@ def test_the_launcher_stops_on_a_bad_supervisor_setting(monkeypatch: pytest.Monk
                                                         capsys: pytest.CaptureFixture[str],
                                                         tmp_path: Path) -> None:
     from scripts import run_stack
-    from scripts.stack import Stack
+    from fairserve.launcher.stack import Stack
 
     for name in ("INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE"):
         monkeypatch.delenv(name, raising=False)

@@ -43,7 +43,7 @@ def run_gateway(tokenizer_dir: Path,
     http_port, grpc_port = free_port(), free_port()
     env = {**os.environ, "GATEWAY_PORT": str(http_port), "GATEWAY_GRPC_PORT": str(grpc_port),
            "SCHEDULER_ADDR": f"127.0.0.1:{free_port()}", "KVCACHE_ADDR": f"127.0.0.1:{free_port()}",
-           "MODEL_NAME": str(tokenizer_dir), "PYTHONPATH": f"{ROOT}:{ROOT / 'gen'}", **extra_env}
+           "MODEL_NAME": str(tokenizer_dir), "PYTHONPATH": str(ROOT), **extra_env}
     process = subprocess.Popen([sys.executable, "-m", "services.gateway.main"], cwd=ROOT, env=env,
                                stderr=subprocess.PIPE, text=True)
     try:

@@ -20,8 +20,8 @@ from typing import NoReturn
 from prometheus_client import CollectorRegistry
 
 from common import prometheus_names as names
-from common.settings import EnvReader
-from scripts.stack import Stack
+from fairserve.launcher.settings_schema import RunSchema
+from fairserve.launcher.stack import Stack
 
 CHECK_INTERVAL_S = 0.2
 TAIL_LINES = 20
@@ -34,8 +34,8 @@ class SupervisorSettings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> SupervisorSettings:
-        read = EnvReader(env)
-        return cls(metrics_port=read.port("SUPERVISOR_METRICS_PORT", cls.metrics_port))
+        values = RunSchema.read(env)
+        return cls(metrics_port=values.supervisor_metrics_port)
 
 
 class Backoff:

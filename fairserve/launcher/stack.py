@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from common.internal_auth import InternalAuth
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]   # the source checkout's root (tests and benchmarks read it)
 # Held only by the scheduler and the workers (common/worker_auth.py): never passed to the others.
 WORKER_ONLY = ("WORKER_TOKEN", "WORKER_TOKEN_FILE")
 WORKER_ROLE_MODULES = ("services.scheduler.main", "services.worker.main")

@@ -12,11 +12,14 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from common.metrics import serve_metrics
+from common.model_store import default_cache_dir, default_model_dir, is_prepared, resolve_model_dir
 from common.internal_auth import read_token
 from common.settings import EnvReader, SettingsError
-from scripts.local_tokens import local_tokens, tokens_path
-from scripts.stack import ROOT, Stack, StackPorts
-from scripts.supervisor import Supervisor, SupervisorMetrics, SupervisorSettings
+from fairserve.launcher.local_tokens import local_tokens, tokens_path
+from fairserve.launcher.settings_schema import RunSchema
+from fairserve.launcher.stack import Stack, StackPorts
+from services.worker.settings_schema import WorkerSchema
+from fairserve.launcher.supervisor import Supervisor, SupervisorMetrics, SupervisorSettings
 
 
 def ports_from_env(env: Mapping[str, str]) -> StackPorts:
@@ -36,8 +39,8 @@ def ports_from_env(env: Mapping[str, str]) -> StackPorts:
 
 
 def main() -> int:
-    log_dir = Path(os.environ.get("LOG_DIR") or ROOT / ".cache" / "logs")
     try:
+        log_dir = Path(RunSchema.read(os.environ).log_dir or "~/.cache/fairserve/logs").expanduser()
         supervision = SupervisorSettings.from_env(os.environ)
         # INTERNAL_TOKEN, WORKER_TOKEN and GRPC_TLS_* reach the services through the
         # environment; the user's are checked first, so that a bad one stops the start
@@ -71,6 +74,7 @@ def main() -> int:
     print("starting kvcache, scheduler, worker and gateway (logs in "
           f"{stack.log_dir}; internal calls: {auth!r}{generated}) ...", flush=True)
     try:
+        prepare_model(os.environ)
         stack.start(timeout_s=600)
         print_banner(stack, metrics_port)
         Supervisor(stack, metrics).run()   # until Ctrl-C or SIGTERM
@@ -79,6 +83,16 @@ def main() -> int:
         return 0
     finally:
         stack.stop()
+
+
+def prepare_model(env: Mapping[str, str]) -> None:
+    """The model the services load, converted once into the cache before they start (the
+    default model: about a minute and a half the first time, then nothing)."""
+    values = WorkerSchema.read(env)
+    cache = Path(values.model_cache_dir or default_cache_dir()).expanduser()
+    if not values.model_name and not is_prepared(default_model_dir(cache)):
+        print(f"preparing the default model in {cache} (once) ...", flush=True)
+    resolve_model_dir(values.model_name, cache)
 
 
 def print_banner(stack: Stack, metrics_port: int) -> None:

@@ -1,0 +1,205 @@
+"""The scheduler's settings.
+
+One field per environment variable (the name in capitals): its type, default, bounds and meaning.
+`SchedulerSettings` builds the running settings from it; `fairserve scheduler --help`, `fairserve config`
+and docs/config.md are generated from it (common/settings_schema.py).
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field
+
+from common.logs import LOG_LEVELS
+from common.step import KV_POLICIES
+from services.scheduler.address_check import ADDRESS_CHECKS
+from services.scheduler.core.types import Policy, PrefillMode
+from services.scheduler.step_link import STEP_TRANSPORTS
+
+from common.shared_settings import InternalAuthFields, WorkerTokenFields, TracingFields
+
+
+class SchedulerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
+    service: ClassVar[str] = "scheduler"
+    advanced: ClassVar[frozenset[str]] = frozenset({
+        "async_scheduling",
+        "step_transport",
+        "speculative_tokens",
+        "speculative_max_batch",
+        "speculative_sampled",
+        "prefix_wait_min_tokens",
+        "vtc_input_weight",
+        "vtc_output_weight",
+        "prefill_mode",
+    })
+    secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | WorkerTokenFields.secrets
+
+    scheduler_host: str = Field('127.0.0.1',
+        description=(
+            "the scheduler's gRPC listen address"
+        ))
+    scheduler_port: int = Field(50051, ge=0, le=65535,
+        description=(
+            "the scheduler's gRPC port (gateways and workers dial it)"
+        ))
+    scheduler_metrics_port: int = Field(9101, ge=0, le=65535,
+        description=(
+            'Prometheus `/metrics` (0 picks a free port)'
+        ))
+    max_batch_size: int = Field(32, ge=1,
+        description=(
+            'sequences per forward'
+        ))
+    max_batch_tokens: int = Field(2048, ge=1,
+        description=(
+            'tokens per forward'
+        ))
+    max_active_kv_tokens: int = Field(262144, ge=1,
+        description=(
+            'prompt + max_tokens reserved by active requests'
+        ))
+    prefill_chunk_size: int = Field(512, ge=1,
+        description=(
+            'longest prefill chunk per step'
+        ))
+    max_queue_len: int = Field(1024, ge=1,
+        description=(
+            'waiting requests before 429'
+        ))
+    queue_timeout_s: float = Field(60.0, ge=0.001,
+        description=(
+            'soft hold before 503'
+        ))
+    kvcache_addr: str = Field('127.0.0.1:50071',
+        description=(
+            'where the KV index is'
+        ))
+    worker_heartbeat_timeout_s: float = Field(10.0, ge=0.001,
+        description=(
+            'silence before a worker leaves the rotation'
+        ))
+    vtc_input_weight: float = Field(1.0, ge=0.0,
+        description=(
+            'what VTC charges a client per prompt token'
+        ))
+    vtc_output_weight: float = Field(2.0, ge=0.0,
+        description=(
+            'what VTC charges a client per output token'
+        ))
+    prefix_wait_min_tokens: int = Field(64, ge=0,
+        description=(
+            'a new request sharing at least this many prompt tokens with one being prefilled goes to '
+            "that request's worker and waits until the shared blocks are computed, then skips them "
+            '(`n` > 1 choices, bursts over one system prompt); `0` disables'
+        ))
+    async_scheduling: bool = Field(True,
+        description=(
+            "plan and send each worker's next step while its current one runs, so the worker never "
+            'waits for a scheduling round trip; a request that stops on EOS computes one token that '
+            'is thrown away'
+        ))
+    speculative_tokens: int = Field(4, ge=0, le=64,
+        description=(
+            'n-gram speculative decoding: each decode may verify up to this many draft tokens that '
+            "the worker copies from earlier in the sequence (prompt lookup), all in the decode's "
+            'forward; the text is unchanged (greedy exactly, seeded draw for draw). By default only '
+            'greedy requests draft, while at most two decode on a worker (the two rows below): on W1 '
+            "one stream's TPOT went from ~17 to 9-11 ms and two streams' tokens/s up 15-18 %, while "
+            'at 4 streams drafts were even and at 8 they lost (`docs/benchmarks.md`, "Speculative '
+            'decoding"); 0 turns it off'
+        ))
+    speculative_max_batch: int = Field(2, ge=0,
+        description=(
+            'no drafts while more requests than this decode on a worker (every draft row is computed '
+            'whether kept or not, and with several streams those rows cost more than the kept tokens '
+            'save); 0: no limit'
+        ))
+    speculative_sampled: bool = Field(False,
+        description=(
+            'whether sampled requests (temperature > 0) get drafts too; a draw at a temperature keeps'
+            ' far fewer copied tokens than greedy decoding'
+        ))
+    max_migrations: int = Field(2, ge=0,
+        description=(
+            'a request running on a worker that fails is resumed on another at most this many times; '
+            'at the next failure it ends with an error (a request that crashes every worker it runs '
+            'on); moves of a draining worker do not count; `0`: never moved'
+        ))
+    worker_recovery_s: float = Field(60.0, ge=0.0,
+        description=(
+            'while no worker is left (after one has registered), running and queued requests, and new'
+            ' ones within the gates, wait this long for a worker to register, then resume by '
+            'recompute as on failover; past it they end with an error naming the setting; `/ready` '
+            'says how many wait; `0`: they end at once'
+        ))
+    detached_ttl_s: float = Field(3600.0, ge=1.0,
+        description=(
+            'how long the scheduler keeps an ended background `/v1/responses` request (its tokens and'
+            " the gateway's state of it) for a gateway to resume"
+        ))
+    step_timeout_s: float = Field(60.0, ge=0.0,
+        description=(
+            "a step's deadline, counted from when it is sent (with `ASYNC_SCHEDULING` that includes "
+            'the step it runs after): past it the worker is taken as failed, leaves the rotation and '
+            'its requests move to the other workers; `0`: no deadline'
+        ))
+    step_transport: Literal[STEP_TRANSPORTS] = Field('stream',
+        description=(
+            'how the scheduler sends a worker its steps: `stream`, every step over one long-lived '
+            '`StepStream` call (a message each way per step, about half the CPU of a call on both '
+            'sides); `unary`, a `Step` call each'
+        ))
+    kv_policy: Literal[KV_POLICIES] = Field('full',
+        description=(
+            "what a request's KV cache keeps once it holds `KV_BUDGET_TOKENS`, when the request names"
+            " no `kv_policy` (an extra body field, the gRPC text API's `TextRequest.kv_policy`, and "
+            "`GenerateRequest.kv_policy`): `full` everything (bounded by the model's context and the "
+            'pool), `window` the most recent tokens, `sink` the first `KV_SINK_TOKENS` plus the most '
+            'recent (StreamingLLM), `h2o` the most recent half of the budget plus the blocks with the'
+            ' most accumulated attention; lossy policies are block granular, give positions within '
+            "the cache so a sequence runs past the model's context and the pool, and share no cached "
+            "prefix (`docs/engine.md`); the gateway lets a request's prompt and output past the "
+            "model's context when its policy (its own `kv_policy`, else `KV_POLICY`, which the "
+            'scheduler reports with the model) is lossy, while `max_tokens` stays within '
+            '`MAX_TOKENS_LIMIT`'
+        ))
+    kv_budget_tokens: int = Field(1024, ge=1,
+        description=(
+            'tokens a lossy policy keeps per sequence, rounded up to whole blocks (at least the sinks'
+            ' and two more blocks)'
+        ))
+    kv_sink_tokens: int = Field(4, ge=0,
+        description=(
+            'the attention sinks `sink` keeps, rounded up to whole blocks'
+        ))
+    max_tokens_limit: int = Field(0, ge=0,
+        description=(
+            'the most `max_tokens` (`max_completion_tokens`, the gRPC `max_tokens`) any request may '
+            'ask for, under every KV policy, lossy ones included; above it the gateway answers 400 '
+            'naming the field and the limit before queuing, and the scheduler refuses '
+            '(`INVALID_ARGUMENT`, never clamps) any request that reaches it above its own; set the '
+            "scheduler's at least as high as the gateways'"
+        ))
+    log_level: Literal[LOG_LEVELS] = Field('info',
+        description=(
+            'JSON logs on stderr'
+        ))
+    registration_address_check: Literal[ADDRESS_CHECKS] = Field('peer',
+        description=(
+            '`peer`: a worker registers only an address of the host it calls from (names are '
+            "resolved; both on the scheduler's host also matches) and a live worker id never moves to"
+            ' another address (`PERMISSION_DENIED`, `ALREADY_EXISTS`); `off` for workers behind NAT '
+            'or a proxy (docs/deploy.md)'
+        ))
+    scheduling_policy: Literal[tuple(Policy)] = Field('auto',
+        description=(
+            '`fcfs`, `vtc`, or `auto`: `vtc` once a request on the worker carries a tenant the '
+            'gateway authenticated (`API_KEYS` set; `GenerateRequest.authenticated`), `fcfs` '
+            'otherwise, so keys alone make the scheduling fair in compose and Kubernetes too (one '
+            "tenant's `n: 8` long generations no longer hold up another's short request)"
+        ))
+    prefill_mode: Literal[tuple(PrefillMode)] = Field('mixed',
+        description=(
+            '`mixed` (chunks ride with decodes) or `alternating`'
+        ))
