@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -29,10 +30,14 @@ def stream_generate(base_url: str, body: dict[str, Any], timeout: float = 120) -
         return sse_events(response)
 
 
-def start_launcher(env: dict[str, str], timeout_s: float = 180) -> tuple[subprocess.Popen[str], str]:
-    """`make run`'s launcher (fairserve.launcher.run_stack) with `env`, and its banner once it has
-    printed it (every service started); the caller stops the launcher."""
-    launcher = subprocess.Popen([sys.executable, "-m", "fairserve.launcher.run_stack"], cwd=ROOT, env=env,
+def start_launcher(env: dict[str, str], timeout_s: float = 180, cwd: Path = ROOT,
+                   args: tuple[str, ...] = ()) -> tuple[subprocess.Popen[str], str]:
+    """`make run`'s launcher (`fairserve run`, the installed command, or its module where the
+    package is not installed) with `env` and `args`, and its banner once it has printed it
+    (every service started); the caller stops the launcher."""
+    script = Path(sys.executable).parent / "fairserve"
+    command = [str(script), "run"] if script.exists() else [sys.executable, "-m", "fairserve.cli.main", "run"]
+    launcher = subprocess.Popen([*command, *args], cwd=cwd, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = ""
     deadline = time.monotonic() + timeout_s

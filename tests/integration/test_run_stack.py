@@ -25,7 +25,9 @@ def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> Non
     gateway = int(ports["GATEWAY_PORT"])
     env = {**os.environ, **TINY_ENV, "MODEL_NAME": str(tiny_model_dir), "LOG_DIR": str(tmp_path),
            "LOCAL_TOKENS_FILE": str(tmp_path / "tokens" / "local.json"), **ports}
-    launcher, banner = start_launcher(env)
+    empty = tmp_path / "empty"
+    empty.mkdir()     # `fairserve run` from any directory, its settings as flags
+    launcher, banner = start_launcher(env, cwd=empty, args=("--max-batch-size", "4"))
     try:
         assert f"127.0.0.1:{gateway}" in banner and "curl -N" in banner
         children = psutil.Process(launcher.pid).children(recursive=True)
