@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := fairserve/v1/.stamp
 
-.PHONY: run test install proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -150,6 +150,24 @@ image:
 	    --target $$service --build-arg VERSION=$(VERSION) --build-arg TORCH_INDEX_URL=$(TORCH_INDEX_URL) \
 	    $(BUILD_FLAGS) -t fairserve-$$service:$(VERSION)$(TAG_SUFFIX) -t fairserve-$$service:latest$(TAG_SUFFIX) . || exit 1; \
 	done
+
+# Compose on one host (docs/deploy.md): `make compose-up` makes the secrets deploy/compose.yaml
+# mounts the first time (`make secrets`: random tokens, an empty gateway.env; an existing file is
+# never changed), checks them, then brings the stack up with docker compose or podman-compose:
+#   make compose-up ARGS="--scale worker=3"     make compose-down
+COMPOSE ?= $(shell if docker info >/dev/null 2>&1 && docker compose version >/dev/null 2>&1; \
+	then echo docker compose; else command -v podman-compose 2>/dev/null; fi)
+secrets:
+	$(PYTHON) scripts/compose_secrets.py make
+
+compose-up: secrets
+	@$(PYTHON) scripts/compose_secrets.py check
+	@test -n "$(COMPOSE)" || { echo "make compose-up: neither docker compose nor podman-compose is installed" >&2; exit 1; }
+	$(COMPOSE) -p fairserve -f deploy/compose.yaml up -d $(ARGS)
+
+compose-down:
+	@test -n "$(COMPOSE)" || { echo "make compose-down: neither docker compose nor podman-compose is installed" >&2; exit 1; }
+	$(COMPOSE) -p fairserve -f deploy/compose.yaml down
 
 clean:
 	rm -rf gen $(VENV)
