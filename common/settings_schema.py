@@ -153,4 +153,6 @@ def _describe(schema: type[SettingsSchema], error: ValidationError, env: Mapping
         why = "expected true or false"
     else:
         why = first["msg"]
+    if kind in ("greater_than_equal", "less_than_equal"):
+        return f"{name}={shown} is invalid: {why}"          # a number: shown as written
     return f"{name}={shown!r} is invalid: {why}"

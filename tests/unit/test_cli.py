@@ -106,7 +106,7 @@ def test_config_prints_effective_values_and_never_a_secret(capsys, monkeypatch) 
 def test_bad_values_and_unknown_flags_are_errors_naming_the_setting(capsys, monkeypatch) -> None:
     code, _, err = _run(capsys, "worker", "--kv-cache-num-blocks", "-1")
     assert code == 2
-    assert "KV_CACHE_NUM_BLOCKS='-1' is invalid: must be at least 0 (flag --kv-cache-num-blocks)" in err
+    assert "KV_CACHE_NUM_BLOCKS=-1 is invalid: must be at least 0 (flag --kv-cache-num-blocks)" in err
     code, _, err = _run(capsys, "scheduler", "--scheduling-policy", "fastest")
     assert code == 2 and "SCHEDULING_POLICY='fastest' is invalid: expected one of fcfs, vtc, auto" in err
     monkeypatch.setenv("MAX_QUEUE_LEN", "many")

@@ -242,7 +242,7 @@ def test_every_internal_server_is_built_with_the_settings_auth() -> None:
 
 def test_the_launcher_passes_the_settings_through_and_stops_on_a_bad_one(monkeypatch, capsys,
                                                                          tmp_path: Path) -> None:
-    from scripts import run_stack
+    from fairserve.launcher import run_stack
     from fairserve.launcher.stack import Stack, StackPorts
 
     monkeypatch.setenv("INTERNAL_TOKEN", TOKEN)

@@ -85,7 +85,7 @@ def test_the_worker_token_reaches_the_scheduler_and_workers_only(monkeypatch, tm
 
 
 def test_the_launcher_generates_its_tokens(monkeypatch, capsys, tmp_path: Path) -> None:
-    from scripts import run_stack
+    from fairserve.launcher import run_stack
 
     for name in ("INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE", "WORKER_TOKEN", "WORKER_TOKEN_FILE", "LOCAL_TOKENS_FILE"):
         monkeypatch.delenv(name, raising=False)

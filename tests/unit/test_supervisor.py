@@ -118,7 +118,7 @@ def test_settings_and_exit_descriptions() -> None:
 def test_the_launcher_stops_on_a_bad_supervisor_setting(monkeypatch: pytest.MonkeyPatch,
                                                         capsys: pytest.CaptureFixture[str],
                                                         tmp_path: Path) -> None:
-    from scripts import run_stack
+    from fairserve.launcher import run_stack
     from fairserve.launcher.stack import Stack
 
     for name in ("INTERNAL_TOKEN", "INTERNAL_TOKEN_FILE"):
