@@ -56,7 +56,7 @@ bench-engine: install prepare-model
 	$(PY) -m benchmarks.engine_bench --rounds 3
 
 # Where a concurrency-32 W1 run's step time goes (engine in-process, timers per part, the GEMMs
-# against oneDNN's float32 rate on the same shapes; docs/engine.md); ARGS="--served" adds the
+# against oneDNN's float32 rate on the same shapes; docs/engine/profile.md); ARGS="--served" adds the
 # worker's wait between steps in a served run, ARGS="--quick" checks it on the tiny model.
 bench-profile: install prepare-model
 	$(PY) -m benchmarks.step_profile $(ARGS)
@@ -79,7 +79,7 @@ bench-bf16: install prepare-model
 bench-memory: install prepare-model
 	$(PY) -m benchmarks.memory_modes_bench $(ARGS)
 
-# The grammar engines (xgrammar, llguidance) on the default model's vocabulary (docs/engine.md);
+# The grammar engines (xgrammar, llguidance) on the default model's vocabulary (docs/engine/structured-output.md);
 # installs xgrammar first (requirements-bench.txt, not part of `make install`).
 bench-grammar: install prepare-model
 	$(PIP) install -q -r requirements-bench.txt

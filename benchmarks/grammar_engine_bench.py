@@ -13,7 +13,7 @@ next-token mask per token at batch 1 and batch 8, while the matchers walk throug
 drawn from seeded random logits under the mask (the way a constrained decode walks). Batch 8
 is timed with xgrammar's parallel batch call and llguidance's row-by-row fill (its parallel
 executor was 20x slower on 2 vCPUs). Also the time to apply an 8-row mask to
-[8, vocab] float32 logits. Prints markdown tables (docs/engine.md).
+[8, vocab] float32 logits. Prints markdown tables (docs/engine/structured-output.md).
 """
 
 from __future__ import annotations

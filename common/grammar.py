@@ -1,6 +1,6 @@
 """A structured-output Constraint as the grammar engine's grammar, and its check.
 
-The engine is llguidance (chosen by measurement, docs/engine.md): it imports without torch, so
+The engine is llguidance (chosen by measurement, docs/engine/structured-output.md): it imports without torch, so
 the gateway checks every constraint with it before a request is queued, and the worker builds
 its matchers from the same grammar text. JSON comes out compact (no free whitespace between
 tokens, `,` and `:` as separators), so a constrained output cannot spend its budget on blanks.

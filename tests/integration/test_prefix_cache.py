@@ -108,7 +108,7 @@ def random_ids(rng: random.Random, length: int) -> list[int]:
 
 
 def reusable_tokens(prompt_len: int) -> int:
-    """The engine's rule for full blocks (docs/engine.md): whole cached blocks, keeping
+    """The engine's rule for full blocks (docs/engine/kv-cache.md): whole cached blocks, keeping
     at least the last prompt token to compute for its logits. When all of them are
     cached, the exact-match path may reuse the rest but that last token too."""
     return (prompt_len - 1) // BLOCK_SIZE * BLOCK_SIZE
