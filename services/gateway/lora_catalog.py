@@ -64,10 +64,6 @@ class LoraCatalog:
                 raise SettingsError(f"LORA_MODULES adapter {name!r}: {error}") from None
         return catalog
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._entries) or self.runtime_updates
-
     def visible(self, tenant: Tenant | None) -> list[AdapterEntry]:
         return [entry for entry in self._entries.values() if tenant is None or tenant.may_use_adapter(entry.name)]
 
