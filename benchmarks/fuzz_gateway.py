@@ -163,7 +163,7 @@ def send_raw(case: FuzzCase, host: str, port: int, timeout_s: float = 5.0) -> Ou
 
 
 def well_formed_stream(base_url: str, max_tokens: int, api_key: str = "") -> StreamResult:
-    body = {"model": "m", "messages": [{"role": "user", "content": "Tell me about the sea."}],
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}],   # no model: the base
             "max_tokens": max_tokens, "temperature": 0.7, "seed": 5, "stream": True,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
     events: list[str] = []

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from common.settings import SettingsError
 from fairserve.cli import schemas as registry
 from fairserve.cli.flags import add_setting_flags, config_file_values, flag_of, layered, variables_of
-from fairserve.cli.version import package_version
+from common.version import package_version
 
 EPILOG = ("Precedence: flags, then environment variables, then --config, then defaults. "
           "Every setting is documented in docs/config.md.")

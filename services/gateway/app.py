@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware import Middleware
 
 from common.types import Usage
+from common.version import package_version
 from services.gateway import lora_api, openai_api, tokenize_api
 from services.gateway.responses import api as responses_api
 from services.gateway.backend import BackendError, SchedulerBackend
@@ -35,6 +36,7 @@ from services.gateway.errors import (
     unavailable,
 )
 from services.gateway.generation import GenerationService, TextDelta
+from services.gateway.lora_catalog import with_adapter
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.request_span import RequestSpanMiddleware
 from services.gateway.middleware import (
@@ -197,6 +199,12 @@ async def health(request: Request) -> dict[str, Any]:
     return {"status": "ok", "degraded": gateway_state(request).dependencies.degraded_now()}
 
 
+@router.get("/version")
+async def version() -> dict[str, str]:
+    """vLLM's /version: the fairserve package's version (behind API keys when they are set)."""
+    return {"version": package_version()}
+
+
 @router.get("/ready", responses={503: {"description": "not ready, with the reason"}})
 async def ready(request: Request) -> Response:
     if gateway_state(request).drain.draining:
@@ -279,7 +287,8 @@ async def generate(body: GenerateBody, request: Request) -> Response:
     state = gateway_state(request)
     request_id, supplied, tenant = request_identity(request)
     reject_unsupported(body.model_extra)
-    spec = await state.text_spec(generate_input(body), tenant)
+    adapter = state.adapter_for(body.model, tenant)     # a served name, an adapter, else 404
+    spec = with_adapter(await state.text_spec(generate_input(body), tenant), adapter)
     scheduler_id = scheduler_request_id(request_id, 0, supplied)
     try:
         if body.stream:

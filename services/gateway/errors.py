@@ -24,7 +24,7 @@ class ApiError(Exception):
     message: str
     type: str = INVALID_REQUEST
     param: str | None = None
-    code: str | None = None
+    code: str | int | None = None
     headers: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -35,7 +35,7 @@ class ApiError(Exception):
 
 
 def error_body(message: str, type_: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
+               code: str | int | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
@@ -53,8 +53,9 @@ def not_found(path: str) -> ApiError:
 
 
 def model_not_found(model: str) -> ApiError:
-    """vLLM's answer to a `model` it does not serve (a LoRA adapter the caller may not use too)."""
-    return ApiError(404, f"The model `{model[:200]}` does not exist.", NOT_FOUND, "model", "model_not_found")
+    """vLLM's answer to a `model` it does not serve, its type and numeric code included (a LoRA
+    adapter the caller may not use too: the same bytes, so the two cannot be told apart)."""
+    return ApiError(404, f"The model `{model[:200]}` does not exist.", "NotFoundError", "model", 404)
 
 
 def method_not_allowed(method: str, path: str) -> ApiError:

@@ -20,6 +20,7 @@ from services.gateway import convert
 from services.gateway.api_keys import metadata_key
 from services.gateway.backend import BackendError, GenerationSpec
 from services.gateway.errors import ApiError, bad_request, from_backend, unauthorized
+from services.gateway.lora_catalog import with_adapter
 from services.gateway.request_ids import client_request_id
 from services.gateway.settings import GatewaySettings
 from services.gateway.state import GatewayState, scheduler_request_id
@@ -29,6 +30,7 @@ SERVICE_NAME = "fairserve.v1.TextGeneration"
 _STATUS_CODES = {
     400: grpc.StatusCode.INVALID_ARGUMENT,
     401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,       # `model` names nothing the caller may use
     413: grpc.StatusCode.INVALID_ARGUMENT,
     429: grpc.StatusCode.RESOURCE_EXHAUSTED,
     503: grpc.StatusCode.UNAVAILABLE,
@@ -94,7 +96,8 @@ class TextGenerationServicer(gateway_pb2_grpc.TextGenerationServicer):
         if request is None:
             raise bad_request("The request is not a valid fairserve.v1.TextRequest.", None,
                               "invalid_message")
-        spec = await self._state.text_spec(convert.text_input_from_proto(request), tenant)
+        adapter = self._state.adapter_for(request.model, tenant)   # a served name, an adapter, else 404
+        spec = with_adapter(await self._state.text_spec(convert.text_input_from_proto(request), tenant), adapter)
         return spec, scheduler_request_id(trace_id, 0, supplied is not None), trace_id
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> Tenant | None:

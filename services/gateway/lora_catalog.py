@@ -7,10 +7,12 @@ inside LORA_ROOT only (common/lora_paths.py). Each adapter is known by its name 
 of its weights, which its requests carry: their cache salt holds both, so an adapter never
 reads the base model's KV, another adapter's, or its own from weights since replaced.
 
-`model` naming the base model (or nothing) is the base; an adapter's name is that adapter if
-the caller may use it (Tenant.may_use_adapter); anything else, an adapter the caller may not
-use included, is UnknownModel (a 404 naming the model). An adapter removed from the catalog
-is refused to new requests; the ones running finish (their workers hold its weights).
+`model` naming one of the base model's served names (SERVED_MODEL_NAME, served_names.py), or
+nothing, is the base; an adapter's name is that adapter if the caller may use it
+(Tenant.may_use_adapter); anything else, an adapter the caller may not use included, is
+UnknownModel (a 404 naming the model, the same whether the name exists or not). An adapter
+removed from the catalog is refused to new requests; the ones running finish (their workers
+hold its weights).
 Pure: no web imports.
 """
 
@@ -33,7 +35,7 @@ DIGEST_CHARS = 16     # of the sha256 carried with each request
 
 
 class UnknownModel(LookupError):
-    """`model` names neither the base model nor an adapter the caller may use."""
+    """`model` names neither a served name of the base model nor an adapter the caller may use."""
 
 
 @dataclass(frozen=True)
@@ -45,16 +47,16 @@ class AdapterEntry:
 
 
 class LoraCatalog:
-    def __init__(self, base_id: str, root: str = "", runtime_updates: bool = False) -> None:
-        self.base_id = base_id
+    def __init__(self, base_names: tuple[str, ...], root: str = "", runtime_updates: bool = False) -> None:
+        self.base_names = base_names     # the base model's served names, the canonical one first
         self.root = root
         self.runtime_updates = runtime_updates
         self._entries: dict[str, AdapterEntry] = {}
 
     @classmethod
-    def from_modules(cls, base_id: str, modules: Mapping[str, str], root: str = "",
+    def from_modules(cls, base_names: tuple[str, ...], modules: Mapping[str, str], root: str = "",
                      runtime_updates: bool = False) -> LoraCatalog:
-        catalog = cls(base_id, root, runtime_updates)
+        catalog = cls(base_names, root, runtime_updates)
         for name, path in modules.items():
             try:
                 catalog._add(name, Path(path), "")
@@ -62,17 +64,13 @@ class LoraCatalog:
                 raise SettingsError(f"LORA_MODULES adapter {name!r}: {error}") from None
         return catalog
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._entries) or self.runtime_updates
-
     def visible(self, tenant: Tenant | None) -> list[AdapterEntry]:
         return [entry for entry in self._entries.values() if tenant is None or tenant.may_use_adapter(entry.name)]
 
     def resolve(self, model: str | None, tenant: Tenant | None) -> AdapterEntry | None:
-        """The adapter `model` names (None: the base model); UnknownModel when it names nothing
-        the caller may use. Without adapters any `model` is the base, as before."""
-        if not model or model == self.base_id or not self.enabled:
+        """The adapter `model` names (None: the base model, named or left out); UnknownModel when
+        it names nothing the caller may use."""
+        if not model or model in self.base_names:
             return None
         entry = self._entries.get(model)
         if entry is None or (tenant is not None and not tenant.may_use_adapter(entry.name)):
@@ -83,7 +81,7 @@ class LoraCatalog:
         """Adds adapter `name` from `path` inside LORA_ROOT (runtime updates); AdapterPathError or
         AdapterError (a 400 naming the field) when it cannot be served."""
         check_name(name)
-        if name == self.base_id or name in self._entries:
+        if name in self.base_names or name in self._entries:
             raise AdapterPathError(f"lora_name: {name!r} is already served; unload it first")
         real = resolve_under_root(path, self.root)
         relative = str(real.relative_to(Path(self.root).resolve()))

@@ -77,7 +77,8 @@ async def serve(settings: GatewaySettings) -> None:
                                          "grpc_port": grpc_server.port,
                                          "metrics_port": settings.metrics_port or settings.port,
                                          "scheduler": settings.scheduler_addr,
-                                         "prefix_cache_scope": settings.cache_scope})
+                                         "prefix_cache_scope": settings.cache_scope,
+                                         "served_model_names": ",".join(settings.model_names)})
     if settings.tenants.enabled and settings.cache_scope == "global":
         log.warning("PREFIX_CACHE_SCOPE=global with API keys: tenants share cached prefixes, so one "
                     "can read another's prompts through cached_tokens and timings")

@@ -23,9 +23,9 @@ from services.gateway.chat_template import (
     with_special_tokens,
 )
 from services.gateway.echo import Echo, echoed, prompt_texts
-from services.gateway.errors import bad_request, from_backend, model_not_found
+from services.gateway.errors import bad_request, from_backend
 from services.gateway.generation import TextDelta, merge_streams
-from services.gateway.lora_catalog import UnknownModel, with_adapter
+from services.gateway.lora_catalog import with_adapter
 from services.gateway.openai_format import (
     ChatFormat,
     ChoiceResult,
@@ -98,14 +98,12 @@ def _scoring_prompts(choices: list[Choice], alternatives: int | None) -> list[Ch
 
 
 def _request_info(request: Request, state: GatewayState, model: str | None = None) -> RequestInfo:
-    """The request's identity and the model it asked for: the base model, or a LoRA adapter the
-    caller may use (any other `model` is a 404, an adapter the tenant may not use included)."""
+    """The request's identity and the model it asked for: the base model (by any served name, or
+    `model` left out; responses name it by the canonical one), or a LoRA adapter the caller may
+    use (any other `model` is a 404, an adapter the tenant may not use included)."""
     request_id = getattr(request.state, "request_id", "")
     tenant = getattr(request.state, "tenant", None)
-    try:
-        adapter = state.loras.resolve(model, tenant)
-    except UnknownModel:
-        raise model_not_found(str(model)) from None
+    adapter = state.adapter_for(model, tenant)
     return RequestInfo(request_id=request_id,
                        supplied=bool(getattr(request.state, "request_id_supplied", False)),
                        tenant=tenant, created=int(time.time()),
@@ -114,11 +112,14 @@ def _request_info(request: Request, state: GatewayState, model: str | None = Non
 
 @router.get("/models", response_model=ModelList)
 async def list_models(request: Request) -> ModelList:
-    """The base model, then the LoRA adapters the caller may use, each with the base as parent."""
+    """The base model under each of its served names (root: the canonical one, never a path),
+    then the LoRA adapters the caller may use, each with the canonical name as parent."""
     state = _state(request)
     base_id = state.settings.model_id
     max_model_len = (await state.limits()).max_model_len
-    cards = [ModelCard(id=base_id, created=int(time.time()), max_model_len=max_model_len, root=base_id)]
+    created = int(time.time())
+    cards = [ModelCard(id=name, created=created, max_model_len=max_model_len, root=base_id)
+             for name in state.settings.model_names]
     cards += [ModelCard(id=entry.name, created=entry.created, max_model_len=max_model_len, root=entry.name,
                         parent=base_id)
               for entry in state.loras.visible(getattr(request.state, "tenant", None))]

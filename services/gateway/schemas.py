@@ -40,6 +40,7 @@ class ExtraSamplingFields(_Body):
 
 
 class GenerateBody(ExtraSamplingFields):
+    model: str | None = Field(default=None, description="a served name or LoRA adapter; default: the base model")
     prompt: str
     max_tokens: int | None = Field(default=None, description="default: DEFAULT_MAX_TOKENS (128)")
     stream: bool = True

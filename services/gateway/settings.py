@@ -8,10 +8,11 @@ from pathlib import Path
 
 from common.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
-from common.model_store import DEFAULT_MODEL_ID, default_cache_dir
+from common.model_store import default_cache_dir
 from common.settings import SettingsError
 from services.gateway.settings_schema import GatewaySchema
 from services.gateway.identity import AUTO_SCOPE, cache_scope_for
+from services.gateway.served_names import default_served_name, served_names
 from services.gateway.tenant_config import load_tenants, read_api_keys
 from services.gateway.tenants import TenantRegistry
 
@@ -26,6 +27,9 @@ class GatewaySettings:
     scheduler_addr: str = "127.0.0.1:50051"
     kvcache_addr: str = "127.0.0.1:50071"
     model_name: str = ""
+    # SERVED_MODEL_NAME (served_names.py): what /v1/models lists and `model` must name; () is
+    # MODEL_NAME's last path component.
+    served_model_names: tuple[str, ...] = ()
     model_cache_dir: Path = field(default_factory=default_cache_dir)
     tenants: TenantRegistry = field(default_factory=TenantRegistry)  # API_KEYS(_FILE), ADMIN_KEYS, TENANTS_FILE
     metrics_port: int = 0           # /metrics on this port only; 0: on the public port
@@ -67,9 +71,14 @@ class GatewaySettings:
     lora_runtime_updates: bool = False
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names the base model is served under, the canonical one first."""
+        return self.served_model_names or (default_served_name(self.model_name),)
+
+    @property
     def model_id(self) -> str:
-        """The name clients see in /v1/models and in every response."""
-        return self.model_name or DEFAULT_MODEL_ID
+        """The canonical served name: responses' `model` and the metrics' `model_name` label."""
+        return self.model_names[0]
 
     @property
     def cache_scope(self) -> str:
@@ -89,6 +98,7 @@ class GatewaySettings:
             scheduler_addr=values.scheduler_addr,
             kvcache_addr=values.kvcache_addr,
             model_name=values.model_name,
+            served_model_names=served_names(values.served_model_name, values.model_name),
             model_cache_dir=Path(values.model_cache_dir or default_cache_dir()).expanduser(),
             # Bare keys' tenant names are keyed with the internal token, so
             # replicas sharing it name them alike.
@@ -122,6 +132,10 @@ class GatewaySettings:
             lora_root=values.lora_root,
             lora_runtime_updates=values.lora_runtime_updates,
         )
+        clash = set(settings.lora_modules) & set(settings.model_names)
+        if clash:
+            raise SettingsError(f"LORA_MODULES adapter {sorted(clash)[0]!r} has a name of the base model "
+                                "(SERVED_MODEL_NAME): give it another")
         if settings.lora_runtime_updates and not settings.lora_root:
             raise SettingsError("LORA_RUNTIME_UPDATES=true needs LORA_ROOT: the directory runtime adapter "
                                 "paths must lie in")

@@ -73,6 +73,13 @@ class GatewaySchema(InternalAuthFields, TracingFields):
         description=(
             'local Hugging Face model directory'
         ))
+    served_model_name: str = Field('',
+        description=(
+            'the names clients use for the model, comma-separated (vLLM\'s `--served-model-name`): '
+            'what `/v1/models` lists and what a request\'s `model` must match (any other name is a '
+            '404); the first is the name responses and metrics carry; empty: `MODEL_NAME`\'s last '
+            'path component (`gemma-3-270m` for the default model)'
+        ))
     metrics_port: int = Field(0, ge=0, le=65535,
         description=(
             "serve the gateway's `/metrics` on this port only (same host); the API port then answers "

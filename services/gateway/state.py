@@ -24,10 +24,10 @@ from services.gateway.chat_template import (
 )
 from services.gateway.dependencies import DependencyMonitor
 from services.gateway.drain import Drain
-from services.gateway.errors import bad_request, client_gone
+from services.gateway.errors import bad_request, client_gone, model_not_found
 from services.gateway.generation import GenerationService
 from services.gateway.identity import Caller
-from services.gateway.lora_catalog import LoraCatalog
+from services.gateway.lora_catalog import AdapterEntry, LoraCatalog, UnknownModel
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.responses.store import ResponseStore
 from services.gateway.settings import GatewaySettings
@@ -62,7 +62,7 @@ class GatewayState:
     def __post_init__(self) -> None:
         if self.loras is None:
             settings = self.settings
-            self.loras = LoraCatalog.from_modules(settings.model_id, settings.lora_modules, settings.lora_root,
+            self.loras = LoraCatalog.from_modules(settings.model_names, settings.lora_modules, settings.lora_root,
                                                   settings.lora_runtime_updates)
 
     @cached_property
@@ -91,6 +91,15 @@ class GatewayState:
                       max_tokens_limit=self.settings.max_tokens_limit or max_model_len,
                       vocab_size=model.vocab_size or self.tokenizer_size,
                       default_kv_policy=model.default_kv_policy)
+
+    def adapter_for(self, model: str | None, tenant: Tenant | None) -> AdapterEntry | None:
+        """The LoRA adapter a request's `model` names, None for the base model (a served name,
+        or `model` left out); any other name is vLLM's 404, an adapter the tenant may not use
+        included (lora_catalog.py)."""
+        try:
+            return self.loras.resolve(model, tenant)
+        except UnknownModel:
+            raise model_not_found(str(model)) from None
 
     def caller(self, tenant: Tenant | None) -> Caller:
         """Who a request comes from, as build_spec takes it."""

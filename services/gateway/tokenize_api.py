@@ -5,7 +5,8 @@ text of token ids.
 Each call spends one of its tenant's request rate (TENANTS_FILE's
 requests_per_s), as a generation does; a text longer than the context could
 hold is refused by its length before it is tokenized (prompt_bound.py), and
-the tokenizer works off the event loop without holding the GIL."""
+the tokenizer works off the event loop without holding the GIL. A `model` must name a served
+name or an adapter the caller may use (their tokenizer is the base model's), else vLLM's 404."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
     state = _state(request)
     charge_rate(state, request)
     reject_unsupported(body.model_extra)
+    state.adapter_for(body.model, getattr(request.state, "tenant", None))   # a name served to the caller, else 404
     if (body.prompt is None) == (body.messages is None):
         raise bad_request("Give either prompt or messages.", "prompt" if body.prompt else "messages")
     if body.prompt is not None:
@@ -62,6 +64,7 @@ async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
     state = _state(request)
     charge_rate(state, request)
     reject_unsupported(body.model_extra)
+    state.adapter_for(body.model, getattr(request.state, "tenant", None))
     size = state.tokenizer_size
     for token_id in body.tokens:
         if not 0 <= token_id < size:

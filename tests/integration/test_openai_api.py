@@ -30,6 +30,7 @@ from tests.integration.conftest import start_stack
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 API_KEY = "test-key-1"
+MODEL = "m"             # the lone gateway's first SERVED_MODEL_NAME
 LONG_RUN_TOKENS = 900  # enough to still be generating when the checks run
 
 
@@ -146,10 +147,28 @@ def model_id(client: openai.OpenAI) -> str:
 
 def test_models_lists_the_served_model(client: openai.OpenAI, tiny_model_dir: Path) -> None:
     models = client.models.list()
-    assert [model.id for model in models.data] == [str(tiny_model_dir)]
+    # SERVED_MODEL_NAME unset: MODEL_NAME's last path component, never the path.
+    assert [model.id for model in models.data] == [tiny_model_dir.name]
     card = models.data[0]
     assert card.object == "model" and card.owned_by == "fairserve"
     assert card.model_extra and card.model_extra["max_model_len"] == 1024
+    assert card.model_extra["root"] == tiny_model_dir.name and card.model_extra["parent"] is None
+
+
+def test_an_unknown_model_is_vllms_404_and_version_answers(tiny_stack: Stack, client: openai.OpenAI,
+                                                            tiny_model_dir: Path) -> None:
+    for path, body in (("/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+                       ("/v1/responses", {"input": "Hi"}), ("/generate", {"prompt": "Hi"})):
+        for model in ("nope", str(tiny_model_dir)):
+            reply = httpx.post(f"{tiny_stack.url}{path}", json={**body, "model": model}, timeout=30)
+            assert reply.status_code == 404 and reply.json() == {"error": {
+                "message": f"The model `{model}` does not exist.", "type": "NotFoundError", "param": "model",
+                "code": 404}}, (path, model, reply.text)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "Hi"}])
+    version = httpx.get(f"{tiny_stack.url}/version", timeout=10)
+    assert version.status_code == 200 and version.json() == {"version": "0.1.0"}
 
 
 def test_completion_stream_and_non_stream_agree(client: openai.OpenAI, model_id: str) -> None:
@@ -541,11 +560,12 @@ def test_429_queue_full_and_503_hold_timeout(limits_stack: Stack) -> None:
             assert "QUEUE_TIMEOUT_S=1" in error["message"] and "active_kv" in error["message"]
 
     # The openai client sees the same: RateLimitError with Retry-After.
+    model = served_name(limits_stack)
     with kv_blocker(limits_stack), concurrent.futures.ThreadPoolExecutor(1) as pool:
         held = pool.submit(httpx.post, url, json=HELD_BODY, timeout=30)
         assert wait_until(lambda: scheduler_stats(limits_stack)["pending"] == 1, 5)
         with pytest.raises(openai.RateLimitError) as raised:
-            make_client(limits_stack.url).completions.create(model="any", prompt="Hi",
+            make_client(limits_stack.url).completions.create(model=model, prompt="Hi",
                                                              max_tokens=200)
         assert raised.value.response.headers["retry-after"]
         assert held.result().status_code == 503
@@ -553,6 +573,10 @@ def test_429_queue_full_and_503_hold_timeout(limits_stack: Stack) -> None:
     assert wait_until(lambda: idle(limits_stack), 3), scheduler_stats(limits_stack)
     after = httpx.post(url, json=HELD_BODY, timeout=60)
     assert after.status_code == 200, after.text
+
+
+def served_name(stack: Stack) -> str:
+    return httpx.get(f"{stack.url}/v1/models", timeout=10).json()["data"][0]["id"]
 
 
 def test_disconnect_while_queued_cancels(limits_stack: Stack) -> None:
@@ -573,7 +597,7 @@ def test_disconnect_while_queued_cancels(limits_stack: Stack) -> None:
 def lone_gateway(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     log_dir = tmp_path_factory.mktemp("lone-gateway")
     stack = Stack(ports=StackPorts.free(0), env={
-        "MODEL_NAME": str(tiny_model_dir), "API_KEYS": f"{API_KEY},second-key",
+        "MODEL_NAME": str(tiny_model_dir), "SERVED_MODEL_NAME": f"{MODEL},alias", "API_KEYS": f"{API_KEY},second-key",
         "MAX_REQUEST_BYTES": "4096", "LOG_LEVEL": "warning",
         # Nothing listens here: the scheduler and the kvcache service are down.
         "SCHEDULER_ADDR": f"127.0.0.1:{free_port()}", "KVCACHE_ADDR": f"127.0.0.1:{free_port()}",
@@ -597,7 +621,7 @@ def _answers(url: str) -> bool:
 
 
 def test_401_without_or_with_a_wrong_key(lone_gateway: str) -> None:
-    body = {"model": "m", "prompt": "Hi", "max_tokens": 2}
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
     for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic abc"},
                     {"x-api-key": "nope"}, {"Authorization": b"Bearer \xff\xfe\x80"},
                     {"x-api-key": b"\xc3\xa9" * 8}, {"Authorization": f"Bearer {API_KEY}x"}):
@@ -613,13 +637,18 @@ def test_401_without_or_with_a_wrong_key(lone_gateway: str) -> None:
     # The right key gets past the check (and then finds no scheduler).
     with pytest.raises(openai.APIStatusError) as raised:
         make_client(lone_gateway, api_key="second-key").completions.create(
-            model="m", prompt="Hi", max_tokens=2)
+            model=MODEL, prompt="Hi", max_tokens=2)
     assert raised.value.status_code == 503
+    # Every SERVED_MODEL_NAME is accepted (then no scheduler); another name is vLLM's 404 first.
+    for model, status in (("alias", 503), ("nope", 404), ("tiny-gemma3", 404)):
+        reply = httpx.post(f"{lone_gateway}/v1/completions", json={**body, "model": model},
+                           headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10)
+        assert reply.status_code == status, (model, reply.text)
 
 
 def test_413_body_over_the_limit(lone_gateway: str) -> None:
     headers = {"Authorization": f"Bearer {API_KEY}"}
-    big = {"model": "m", "prompt": "x" * 5000}
+    big = {"model": MODEL, "prompt": "x" * 5000}
     reply = httpx.post(f"{lone_gateway}/v1/completions", json=big, headers=headers, timeout=10)
     assert reply.status_code == 413
     error = error_of(reply)
@@ -635,7 +664,7 @@ def test_413_body_over_the_limit(lone_gateway: str) -> None:
                          timeout=10)
     assert chunked.status_code == 413 and error_of(chunked)["code"] == "request_too_large"
     with pytest.raises(openai.APIStatusError) as raised:
-        make_client(lone_gateway, api_key=API_KEY).completions.create(model="m", prompt="z" * 5000)
+        make_client(lone_gateway, api_key=API_KEY).completions.create(model=MODEL, prompt="z" * 5000)
     assert raised.value.status_code == 413
 
 

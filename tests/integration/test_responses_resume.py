@@ -39,7 +39,7 @@ def test_a_background_stream_survives_its_gateway_and_resumes_exactly(tiny_model
     stack = start_stack(tmp_path, tiny_model_dir)
     try:
         client = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        undisturbed = client.responses.create(model="m", input=INPUT, temperature=0,
+        undisturbed = client.responses.create(model=tiny_model_dir.name, input=INPUT, temperature=0,
                                               max_output_tokens=TOKENS).output_text
         body = {"input": INPUT, "temperature": 0, "max_output_tokens": TOKENS, "background": True,
                 "stream": True}

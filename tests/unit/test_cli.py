@@ -138,7 +138,7 @@ def test_a_config_file_sits_under_the_environment_and_the_flags(capsys, monkeypa
 
 def test_version(capsys) -> None:
     code, out, _ = _run(capsys, "version")
-    assert code == 0 and out.startswith("fairserve ") and out.strip() != "fairserve unknown"
+    assert code == 0 and out.startswith("fairserve ") and out.strip() != "fairserve 0+unknown"
 
 
 def test_the_console_script_runs_from_any_directory(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ from services.gateway.chat_request import ChatRequest, call_reader, constrain_to
 from services.gateway.chat_template import chat_prompt_ids, turn_stop_token_ids
 from services.gateway.errors import ApiError, bad_request, from_backend, overloaded
 from services.gateway.generation import merge_streams
+from services.gateway.lora_catalog import with_adapter
 from services.gateway.openai_api import chat_fields
 from services.gateway.responses.body import ResponseCreateBody
 from services.gateway.responses.events import ResponseBuilder, conversation_of
@@ -68,6 +69,8 @@ async def _record(request: Request, response_id: str) -> ResponseRecord:
 async def create_response(body: ResponseCreateBody, request: Request) -> Response:
     state = _state(request)
     refuse_unimplemented(body.model_extra)
+    tenant = getattr(request.state, "tenant", None)
+    adapter = state.adapter_for(body.model, tenant)     # a served name, an adapter, else 404
     store_it = body.store is not False
     if body.background and not store_it:
         raise bad_request("background responses must be stored: send store true (or leave it out).",
@@ -78,9 +81,8 @@ async def create_response(body: ResponseCreateBody, request: Request) -> Respons
     chat = read_chat(chat_request, state.tokenizer)
     prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools, param="input")
     fields = constrain_tool_call(chat_fields(chat_request, turn_stop_token_ids(state.tokenizer)), chat)
-    tenant = getattr(request.state, "tenant", None)
-    spec = build_spec(fields, prompt_ids, await state.limits(), state.caller(tenant))
-    builder = _builder(body, state.settings.model_id)
+    spec = with_adapter(build_spec(fields, prompt_ids, await state.limits(), state.caller(tenant)), adapter)
+    builder = _builder(body, adapter.name if adapter is not None else state.settings.model_id)
     record = ResponseRecord(owner, builder, conversation, bool(body.background), store_it)
     if record.background:
         spec = dataclasses.replace(spec, detached=True,

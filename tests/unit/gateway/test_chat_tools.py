@@ -173,7 +173,7 @@ def api_tokenizer_text(fake: FakeScheduler) -> str:
 
 def test_a_call_comes_back_in_message_tool_calls(serve_reply: Any) -> None:
     api, fake = serve_reply(f"Checking.\n{CALL_TEXT}")
-    reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER, TIME])
+    reply = api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER, TIME])
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.content == "Checking."
@@ -188,7 +188,7 @@ def test_a_call_comes_back_in_message_tool_calls(serve_reply: Any) -> None:
 def test_streamed_calls_accumulate_in_the_clients_shapes(serve_reply: Any) -> None:
     two = f"{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'Rome')}"
     api, _fake = serve_reply(two)
-    chunks = list(api.chat.completions.create(model="m", messages=USER, tools=[WEATHER], n=2,
+    chunks = list(api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER], n=2,
                                               stream=True))
     for index in range(2):
         deltas = [chunk.choices[0] for chunk in chunks if chunk.choices and chunk.choices[0].index == index]
@@ -205,17 +205,17 @@ def test_streamed_calls_accumulate_in_the_clients_shapes(serve_reply: Any) -> No
         assert deltas[-1].finish_reason == "tool_calls"
         assert not "".join(delta.delta.content or "" for delta in deltas).strip()
     # The client's own accumulator reads the same stream.
-    with api.chat.completions.stream(model="m", messages=USER, tools=[WEATHER]) as stream:
+    with api.chat.completions.stream(model="gemma-3-270m", messages=USER, tools=[WEATHER]) as stream:
         final = stream.get_final_completion()
     assert [call.function.name for call in final.choices[0].message.tool_calls] == ["get_weather"] * 2
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(serve_reply: Any) -> None:
     api, _fake = serve_reply(f"{CALL_TEXT}\n{CALL_TEXT.replace('Paris', 'Rome')}")
-    reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+    reply = api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER],
                                         parallel_tool_calls=False)
     assert [json.loads(c.function.arguments)["city"] for c in reply.choices[0].message.tool_calls] == ["Paris"]
-    chunks = list(api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+    chunks = list(api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER],
                                               parallel_tool_calls=False, stream=True))
     pieces = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
     assert {call.index for call in pieces} == {0}
@@ -224,11 +224,11 @@ def test_parallel_tool_calls_false_keeps_the_first_call(serve_reply: Any) -> Non
 
 def test_tool_choice_none_and_no_call_leave_the_text_alone(serve_reply: Any) -> None:
     api, _fake = serve_reply(CALL_TEXT)
-    reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER], tool_choice="none")
+    reply = api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER], tool_choice="none")
     assert reply.choices[0].message.content == CALL_TEXT and not reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "stop"
     api, _fake = serve_reply("It is sunny.")
-    reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER])
+    reply = api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER])
     assert reply.choices[0].message.content == "It is sunny."
     assert reply.choices[0].finish_reason == "stop" and not reply.choices[0].message.tool_calls
 
@@ -303,7 +303,7 @@ def test_a_constrained_reply_cut_short_keeps_its_whole_calls(serve_reply: Any,
     text = '[{"name":"get_weather","arguments":{"city":"Oslo"}},{"name":"get_w'
     api, _fake = serve_reply(text)
     reply = api.chat.completions.create(  # the budget ends before the reply does
-        model="m", messages=USER, tools=[WEATHER], tool_choice="required",
+        model="gemma-3-270m", messages=USER, tools=[WEATHER], tool_choice="required",
         max_tokens=len(tokenizer.encode(text, add_special_tokens=False)))
     choice = reply.choices[0]
     assert choice.finish_reason == "length"
@@ -312,14 +312,14 @@ def test_a_constrained_reply_cut_short_keeps_its_whole_calls(serve_reply: Any,
 
 def test_a_constrained_reply_comes_back_as_calls(serve_reply: Any) -> None:
     api, _fake = serve_reply('[{"name":"get_weather","arguments":{"city":"Oslo","days":3}}]')
-    reply = api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+    reply = api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER],
                                         tool_choice="required")
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     [call] = choice.message.tool_calls
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
-    chunks = list(api.chat.completions.create(model="m", messages=USER, tools=[WEATHER],
+    chunks = list(api.chat.completions.create(model="gemma-3-270m", messages=USER, tools=[WEATHER],
                                               tool_choice="required", stream=True))
     streamed = [call for chunk in chunks if chunk.choices for call in chunk.choices[0].delta.tool_calls or ()]
     assert {call.index for call in streamed} == {0} and streamed[0].function.name == "get_weather"

@@ -74,7 +74,7 @@ async def test_non_streaming_and_n_choices_each_resume_their_own_tokens(
         assert plain.json()["usage"]["completion_tokens"] == len(reply_ids)
         fake.requests.clear()
         fake.lose_after = [2, 5]
-        reply = await http.post("/v1/completions", json={"model": "m", "prompt": "Hi", "n": 2,
+        reply = await http.post("/v1/completions", json={"model": "gemma-3-270m", "prompt": "Hi", "n": 2,
                                                          "temperature": 0, "max_tokens": 64})
     assert reply.status_code == 200, reply.text
     body = reply.json()

@@ -23,7 +23,7 @@ from services.gateway.main import drain_then_exit
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
 STREAM = {"prompt": "Hi", "raw": True, "max_tokens": 30, "stream": True}
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+CHAT = {"model": "gemma-3-270m", "messages": [{"role": "user", "content": "Hi"}]}
 
 
 def _data(lines: Any) -> list[dict[str, Any]]:
@@ -43,7 +43,7 @@ def test_a_draining_gateway_refuses_new_generations_and_finishes_the_streams_in_
             assert drain.in_flight == 1
             drain.begin()
             for path, body in (("/generate", STREAM), ("/v1/chat/completions", CHAT),
-                               ("/v1/completions", {"model": "m", "prompt": "Hi"})):
+                               ("/v1/completions", {"model": "gemma-3-270m", "prompt": "Hi"})):
                 refused = other.post(path, json=body)
                 assert refused.status_code == 503, (path, refused.text)
                 assert refused.headers["retry-after"] == str(RETRY_AFTER_S)

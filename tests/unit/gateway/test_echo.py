@@ -13,7 +13,7 @@ import pytest
 from services.gateway.chat_template import raw_prompt_ids
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
-MODEL = "google/gemma-3-270m"
+MODEL = "gemma-3-270m"   # the default served name (SERVED_MODEL_NAME unset)
 PROMPT = "The capital of France is"
 
 

@@ -168,3 +168,33 @@ def test_public_grpc_limits_from_settings() -> None:
                  "GATEWAY_GRPC_MAX_CONCURRENT_RPCS"):
         with pytest.raises(Exception, match=name):
             GatewaySettings.from_env({name: "0"})
+
+
+async def test_model_names_a_served_name_or_an_adapter_else_not_found(
+        text_api: Callable[..., Any], fake: FakeScheduler, tmp_path: Any) -> None:
+    """`model` as over HTTP: served names and "" are the base, an allowed adapter is served, and
+    bob probing alice's adapter gets exactly what a name that does not exist gets."""
+    import json
+
+    from tests.unit.gateway.test_lora_api import write_adapter
+    tenants_file = tmp_path / "tenants.json"
+    tenants_file.write_text(json.dumps({"tenants": {"alice": {"lora_adapters": ["secret-ft"]}}}))
+    stub = await text_api(served_model_names=("my-model", "alias"),
+                          tenants=load_tenants("alice=sk-a,bob=sk-b", str(tenants_file)),
+                          lora_modules={"secret-ft": str(write_adapter(tmp_path / "secret-ft"))})
+    alice, bob = (("authorization", "Bearer sk-a"),), (("authorization", "Bearer sk-b"),)
+    for model in ("my-model", "alias", ""):
+        await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", max_tokens=1, model=model), metadata=bob)
+    await stub.Generate(gateway_pb2.TextRequest(prompt="Hi", max_tokens=1, model="secret-ft"), metadata=alice)
+    assert [sent.spec.lora_name for sent in fake.requests] == ["", "", "", "secret-ft"]
+    refusals = []
+    for model in ("secret-ft", "secret-fu"):
+        request = gateway_pb2.TextRequest(prompt="Hi", model=model)
+        with pytest.raises(grpc.aio.AioRpcError) as unary:
+            await stub.Generate(request, metadata=bob)
+        with pytest.raises(grpc.aio.AioRpcError) as streamed:
+            await stub.GenerateStream(request, metadata=bob).read()
+        for refused in (unary, streamed):
+            assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+            refusals.append(refused.value.details().replace(model, "NAME"))
+    assert refusals == ["The model `NAME` does not exist."] * 4 and len(fake.requests) == 4

@@ -16,7 +16,7 @@ from services.gateway.tenant_config import load_tenants
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
-MODEL = "google/gemma-3-270m"
+MODEL = "gemma-3-270m"   # the default served name (SERVED_MODEL_NAME unset)
 
 
 @pytest.fixture

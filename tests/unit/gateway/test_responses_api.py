@@ -27,7 +27,7 @@ def api(serve: Callable[..., ServerThread], fake: FakeScheduler) -> openai.OpenA
 
 
 def test_create_returns_the_completed_response(api: openai.OpenAI, fake: FakeScheduler) -> None:
-    response = api.responses.create(model="m", input="Capital of France?", instructions="Be brief.",
+    response = api.responses.create(model="gemma-3-270m", input="Capital of France?", instructions="Be brief.",
                                     max_output_tokens=64, temperature=0)
     assert response.status == "completed" and response.output_text == REPLY_TEXT
     assert response.output[0].type == "message" and response.output[0].content[0].text == REPLY_TEXT
@@ -37,12 +37,12 @@ def test_create_returns_the_completed_response(api: openai.OpenAI, fake: FakeSch
 
 
 def test_max_output_tokens_makes_it_incomplete(api: openai.OpenAI) -> None:
-    response = api.responses.create(model="m", input="Hi", max_output_tokens=2)
+    response = api.responses.create(model="gemma-3-270m", input="Hi", max_output_tokens=2)
     assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
 
 
 def test_stream_gives_openais_events_in_order_each_numbered(api: openai.OpenAI) -> None:
-    with api.responses.stream(model="m", input=[{"role": "user", "content": "Hi"}]) as stream:
+    with api.responses.stream(model="gemma-3-270m", input=[{"role": "user", "content": "Hi"}]) as stream:
         events = list(stream)
         final = stream.get_final_response()
     types = [e.type for e in events]
@@ -60,7 +60,7 @@ def test_a_background_response_is_resumed_after_any_event(serve: Callable[..., S
                                                            reply_ids: list[int]) -> None:
     fake = FakeScheduler(reply_ids=reply_ids, token_delay_s=0.01)
     api = openai.OpenAI(base_url=f"{serve(fake).url}/v1", api_key="unused", max_retries=0, timeout=10)
-    created = api.responses.create(model="m", input="Hi", background=True)
+    created = api.responses.create(model="gemma-3-270m", input="Hi", background=True)
     assert created.status in ("queued", "in_progress") and created.background
     full = list(api.responses.retrieve(created.id, stream=True))
     later = list(api.responses.retrieve(created.id, stream=True, starting_after=5))
@@ -71,7 +71,7 @@ def test_a_background_response_is_resumed_after_any_event(serve: Callable[..., S
 def test_cancel_and_delete(serve: Callable[..., ServerThread], reply_ids: list[int]) -> None:
     fake = FakeScheduler(reply_ids=reply_ids * 20, token_delay_s=0.05)
     api = openai.OpenAI(base_url=f"{serve(fake).url}/v1", api_key="unused", max_retries=0, timeout=10)
-    created = api.responses.create(model="m", input="Hi", background=True, max_output_tokens=400)
+    created = api.responses.create(model="gemma-3-270m", input="Hi", background=True, max_output_tokens=400)
     assert api.responses.cancel(created.id).status == "cancelled"
     assert api.responses.retrieve(created.id).status == "cancelled"
     api.responses.delete(created.id)
@@ -80,22 +80,22 @@ def test_cancel_and_delete(serve: Callable[..., ServerThread], reply_ids: list[i
 
 
 def test_previous_response_id_continues_the_conversation(api: openai.OpenAI, fake: FakeScheduler) -> None:
-    first = api.responses.create(model="m", input="Hi", store=True)
-    second = api.responses.create(model="m", input="And again?", previous_response_id=first.id)
+    first = api.responses.create(model="gemma-3-270m", input="Hi", store=True)
+    second = api.responses.create(model="gemma-3-270m", input="And again?", previous_response_id=first.id)
     assert second.status == "completed"
     first_prompt, second_prompt = (r.spec.prompt_token_ids for r in fake.requests)
     assert second_prompt[:len(first_prompt)] == first_prompt      # its prefix: served from the cache
 
 
 def test_store_false_is_not_kept(api: openai.OpenAI) -> None:
-    response = api.responses.create(model="m", input="Hi", store=False)
+    response = api.responses.create(model="gemma-3-270m", input="Hi", store=False)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(response.id)
 
 
 def test_text_format_constrains_the_output(api: openai.OpenAI, fake: FakeScheduler) -> None:
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-    api.responses.create(model="m", input="Hi",
+    api.responses.create(model="gemma-3-270m", input="Hi",
                          text={"format": {"type": "json_schema", "name": "x", "schema": schema}})
     assert fake.requests[0].spec.sampling.constraint is not None
 
@@ -114,12 +114,12 @@ def test_another_tenant_cannot_read_resume_cancel_or_delete_a_response(
     url = serve(fake, tenants=load_tenants(f"alice={ALICE},mallory={MALLORY}")).url
     alice = openai.OpenAI(base_url=f"{url}/v1", api_key=ALICE, max_retries=0, timeout=10)
     mallory = openai.OpenAI(base_url=f"{url}/v1", api_key=MALLORY, max_retries=0, timeout=10)
-    created = alice.responses.create(model="m", input="Hi", background=True, max_output_tokens=200)
+    created = alice.responses.create(model="gemma-3-270m", input="Hi", background=True, max_output_tokens=200)
     attempts = [lambda: mallory.responses.retrieve(created.id),
                 lambda: list(mallory.responses.retrieve(created.id, stream=True, starting_after=0)),
                 lambda: mallory.responses.cancel(created.id),
                 lambda: mallory.responses.delete(created.id),
-                lambda: mallory.responses.create(model="m", input="Hi", previous_response_id=created.id)]
+                lambda: mallory.responses.create(model="gemma-3-270m", input="Hi", previous_response_id=created.id)]
     for attempt in attempts:
         with pytest.raises(openai.NotFoundError) as caught:
             attempt()
@@ -133,13 +133,13 @@ def test_responses_expire_and_count_against_the_tenant(serve: Callable[..., Serv
                                                        fake: FakeScheduler) -> None:
     url = serve(fake, responses_max_per_tenant=2, responses_ttl_s=1.0).url
     api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=10)
-    kept = [api.responses.create(model="m", input="Hi") for _ in range(2)]
+    kept = [api.responses.create(model="gemma-3-270m", input="Hi") for _ in range(2)]
     with pytest.raises(openai.RateLimitError):
-        api.responses.create(model="m", input="Hi")
+        api.responses.create(model="gemma-3-270m", input="Hi")
     time.sleep(1.2)
     with pytest.raises(openai.NotFoundError):
         api.responses.retrieve(kept[0].id)
-    assert api.responses.create(model="m", input="Hi").status == "completed"
+    assert api.responses.create(model="gemma-3-270m", input="Hi").status == "completed"
 
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The weather",
@@ -156,16 +156,16 @@ def test_function_tools_come_back_as_function_call_items(serve: Callable[..., Se
     api = openai.OpenAI(base_url=f"{serve(fake, default_max_tokens=2048).url}/v1", api_key="unused",
                         max_retries=0, timeout=60)
     if streamed:
-        with api.responses.stream(model="m", input="Weather in Paris?", tools=[WEATHER]) as stream:
+        with api.responses.stream(model="gemma-3-270m", input="Weather in Paris?", tools=[WEATHER]) as stream:
             types = [event.type for event in stream]
             response = stream.get_final_response()
         assert "response.function_call_arguments.delta" in types
         assert types.index("response.function_call_arguments.done") < types.index("response.completed")
     else:
-        response = api.responses.create(model="m", input="Weather in Paris?", tools=[WEATHER])
+        response = api.responses.create(model="gemma-3-270m", input="Weather in Paris?", tools=[WEATHER])
     calls = [item for item in response.output if item.type == "function_call"]
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
-    follow_up = api.responses.create(model="m", input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+    follow_up = api.responses.create(model="gemma-3-270m", input=[{"type": "function_call_output", "call_id": calls[0].call_id,
                                                         "output": "sunny"}],
                                      previous_response_id=response.id, tools=[WEATHER])
     assert follow_up.status == "completed"
@@ -180,7 +180,7 @@ def test_a_gateway_adopts_a_background_response_for_its_owner_only(serve: Callab
 
     class Keeper(FakeScheduler):
         async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
-            attachment = {"owner": "alice", "id": request_id, "created_at": 1, "model": "m",
+            attachment = {"owner": "alice", "id": request_id, "created_at": 1, "model": "gemma-3-270m",
                           "echo": {"background": True}, "conversation": [{"role": "user", "content": "Hi"}],
                           "store": True, "chat": {"messages": [{"role": "user", "content": "Hi"}]}}
             return GenerationSpec(prompt_token_ids=(5, 6, 7), max_tokens=64, client_id=client_id,

@@ -15,7 +15,7 @@ def test_defaults() -> None:
     assert settings.kvcache_addr == "127.0.0.1:50071"
     assert not settings.tenants.enabled and settings.max_request_bytes == 1024 * 1024
     assert settings.default_max_tokens == 128 and settings.max_model_len == 0
-    assert settings.model_id == "google/gemma-3-270m"
+    assert settings.model_id == "gemma-3-270m" and settings.model_names == ("gemma-3-270m",)
     assert settings.tool_call_parser == "hermes"
 
 
@@ -25,7 +25,7 @@ def test_values_from_env() -> None:
         "MODEL_NAME": "/models/tiny", "MODEL_CACHE_DIR": "/tmp/cache", "LOG_LEVEL": "DEBUG"})
     assert settings.port == 9000
     assert settings.tenants.authenticate(b"b") is not None and len(settings.tenants.tenants) == 2
-    assert settings.max_request_bytes == 4096 and settings.model_id == "/models/tiny"
+    assert settings.max_request_bytes == 4096 and settings.model_id == "tiny"   # never the path
     assert settings.model_cache_dir == Path("/tmp/cache") and settings.log_level == "debug"
 
 

@@ -17,7 +17,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters":
 
 async def test_a_prompt_tokenizes_as_a_completion_sends_it(client: httpx.AsyncClient,
                                                            tokenizer: Any) -> None:
-    reply = await client.post("/tokenize", json={"model": "m", "prompt": "Hello world"})
+    reply = await client.post("/tokenize", json={"model": "gemma-3-270m", "prompt": "Hello world"})
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["tokens"] == raw_prompt_ids(tokenizer, "Hello world")
@@ -55,7 +55,7 @@ async def test_messages_tokenize_as_a_chat_request_sends_them(
 
 async def test_detokenize_gives_the_text_back(client: httpx.AsyncClient, tokenizer: Any) -> None:
     ids = raw_prompt_ids(tokenizer, "Zwei Äpfel, 東京 🙂")
-    reply = await client.post("/detokenize", json={"model": "m", "tokens": ids})
+    reply = await client.post("/detokenize", json={"model": "gemma-3-270m", "tokens": ids})
     assert reply.status_code == 200, reply.text
     assert reply.json() == {"prompt": "<bos>Zwei Äpfel, 東京 🙂"}
     assert (await client.post("/detokenize", json={"tokens": []})).json() == {"prompt": ""}

@@ -137,8 +137,9 @@ def test_refresh_asks_the_scheduler_at_most_once_per_interval_and_keeps_values_o
 
 
 async def test_the_gateway_metrics_endpoint_serves_them_for_its_model(make_app, reply_ids) -> None:
+    """The label is the first served name (SERVED_MODEL_NAME), never MODEL_NAME's path."""
     fake = FakeScheduler(reply_ids=reply_ids, cached_tokens=2)
-    app = make_app(fake, model_name=MODEL)
+    app = make_app(fake, model_name="/srv/models/model-a-f32", served_model_names=(MODEL, "alias"))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
         reply = await http.post("/generate", json={"prompt": "hello there", "max_tokens": 4})
         assert reply.status_code == 200, reply.text
@@ -147,3 +148,10 @@ async def test_the_gateway_metrics_endpoint_serves_them_for_its_model(make_app, 
     assert f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 1.0' in text
     assert f'vllm:prefix_cache_hits_total{{model_name="{MODEL}"}} 2.0' in text
     assert f'vllm:num_requests_waiting{{model_name="{MODEL}"}} 0.0' in text
+
+
+async def test_without_served_names_the_label_is_the_model_directorys_name(make_app, reply_ids) -> None:
+    app = make_app(FakeScheduler(reply_ids=reply_ids), model_name="/srv/models/tiny-chat/")
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
+        text = (await http.get("/metrics")).text
+    assert 'vllm:num_requests_waiting{model_name="tiny-chat"} 0.0' in text and "/srv/models" not in text
