@@ -27,6 +27,7 @@ def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> Non
            "LOCAL_TOKENS_FILE": str(tmp_path / "tokens" / "local.json"), **ports}
     empty = tmp_path / "empty"
     empty.mkdir()     # `fairserve run` from any directory, its settings as flags
+    env["SERVED_MODEL_NAME"] = "my-model"
     launcher, banner = start_launcher(env, cwd=empty, args=("--max-batch-size", "4"))
     try:
         assert f"127.0.0.1:{gateway}" in banner and "curl -N" in banner
@@ -35,6 +36,14 @@ def test_ctrl_c_stops_every_service(tiny_model_dir: Path, tmp_path: Path) -> Non
         reply = httpx.post(f"http://127.0.0.1:{gateway}/generate",
                            json={"prompt": "Hello", "max_tokens": 4, "stream": False}, timeout=60)
         assert reply.status_code == 200
+        url = f"http://127.0.0.1:{gateway}"
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["my-model"]
+        body = {"prompt": "Hello", "max_tokens": 2}
+        served = httpx.post(f"{url}/v1/completions", json={**body, "model": "my-model"}, timeout=60)
+        assert served.status_code == 200 and served.json()["model"] == "my-model"
+        missing = httpx.post(f"{url}/v1/completions", json={**body, "model": "nope"}, timeout=60)
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+        assert httpx.get(f"{url}/version").status_code == 200
 
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=30) == 0
