@@ -21,6 +21,8 @@ from common.settings import SettingsError
 from common.settings_schema import SettingsSchema, bounds, type_name
 
 HELP_WIDTH = 100
+# Short spellings users of other servers type (vLLM's `--model`), beside the setting's own flag.
+ALIASES = {"MODEL_NAME": ("--model",)}
 
 
 def flag_of(variable: str) -> str:
@@ -77,7 +79,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, schemas: list[type[Settin
                 kwargs["action"] = argparse.BooleanOptionalAction
             else:
                 kwargs["metavar"] = type_name(field).upper() if field.annotation in (int, float) else "VALUE"
-            target.add_argument(flag_of(variable), **kwargs)
+            target.add_argument(flag_of(variable), *ALIASES.get(variable, ()), **kwargs)
 
 
 def config_file_values(path: str, known: Mapping[str, object]) -> dict[str, str]:

@@ -10,7 +10,7 @@ from pydantic.fields import FieldInfo
 
 from common.settings_schema import SettingsSchema, bounds, type_name
 from fairserve.cli import schemas as registry
-from fairserve.cli.flags import flag_of
+from fairserve.cli.flags import ALIASES, flag_of
 
 HEADER = """# Configuration
 
@@ -43,9 +43,13 @@ def _kind(field: FieldInfo) -> str:
     return " ".join([kind, *[limit for limit in limits if limit]])
 
 
+def _flags(variable: str) -> str:
+    return ", ".join(f"`{flag}`" for flag in (flag_of(variable), *ALIASES.get(variable, ())))
+
+
 def _row(variable: str, field: FieldInfo) -> str:
     meaning = " ".join((field.description or "").split()).replace("|", "\\|")
-    return (f"| `{variable}` | `{flag_of(variable)}` | {_kind(field)} | {_default(field)} | "
+    return (f"| `{variable}` | {_flags(variable)} | {_kind(field)} | {_default(field)} | "
             f"{meaning} |")
 
 
@@ -87,7 +91,7 @@ def render() -> str:
               "| variable | flag | type | default | services | meaning |", "|---|---|---|---|---|---|"]
     for variable, (field, services) in _shared().items():
         meaning = " ".join((field.description or "").split()).replace("|", "\\|")
-        lines.append(f"| `{variable}` | `{flag_of(variable)}` | {_kind(field)} | {_default(field)} | "
+        lines.append(f"| `{variable}` | {_flags(variable)} | {_kind(field)} | {_default(field)} | "
                      f"{', '.join(services)} | {meaning} |")
     return "\n".join(lines).rstrip() + "\n"
 
