@@ -16,12 +16,14 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 
 from common.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
+from common.step_convert import pool_to_proto, step_batch_from_proto
 from services.worker.step_order import StepOrder
 from services.worker.step_spans import record_step_spans
 from services.worker.step_stream import replies_in_order
 from services.worker import convert
 from services.worker.engine.engine import Engine
-from services.worker.engine.types import BlockEvent, PoolStats, StaleEpoch, StepBatch, StepOutput
+from services.worker.engine.types import BlockEvent, StaleEpoch
+from common.step import PoolStats, StepBatch, StepOutput
 from services.worker.kv_events import CacheSnapshot
 from services.worker.metrics import WorkerMetrics
 
@@ -122,7 +124,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def _step(self, request: worker_pb2.StepRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
-        batch = convert.step_batch_from_proto(request)
+        batch = step_batch_from_proto(request)
         try:
             async with self._order.turn(request.step_id, request.after_step_id, request.epoch):
                 started_ns = time.time_ns()
@@ -198,7 +200,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         counters = self.counters
         unacknowledged = self._kv_events_unacknowledged() if self._kv_events_unacknowledged else 0
         return worker_pb2.WorkerStats(
-            pool=convert.pool_to_proto(pool), running_sequences=running, steps=counters.steps,
+            pool=pool_to_proto(pool), running_sequences=running, steps=counters.steps,
             last_forward_ms=counters.last_forward_ms, last_batch_tokens=counters.last_batch_tokens,
             total_prefill_tokens=counters.prompt_tokens,
             total_decode_tokens=counters.sampled_tokens, kv_events_unacknowledged=unacknowledged,

@@ -34,7 +34,8 @@ from services.worker.engine.eviction import make_eviction_policy
 from services.worker.engine.pool_aliases import PartialAliases
 from services.worker.engine.pool_invariants import PoolInvariants, TailKey
 from services.worker.engine.pool_snapshot import hash_chains
-from services.worker.engine.types import BlockEvent, PoolListener, PoolStats
+from services.worker.engine.types import BlockEvent, PoolListener
+from common.step import PoolStats
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine import types as t
+from common.step import PoolStats, SeqResult, StepBatch, StepOutput, WorkItem
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.cpu_linear import KernelPlan
@@ -136,7 +137,7 @@ class Engine:
     def info(self) -> t.EngineInfo:
         return self._info
 
-    def step(self, batch: t.StepBatch) -> t.StepOutput:
+    def step(self, batch: StepBatch) -> StepOutput:
         self.adopt_epoch(batch.epoch)
         for seq_id in batch.free_seq_ids:
             self.sequences.free(seq_id)
@@ -152,7 +153,7 @@ class Engine:
         # A sequence whose planning or forward raises fails alone (isolation.py).
         results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
         planned, logits_rows = totals.planned, totals.logits_rows
-        return t.StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
+        return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
                             batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
@@ -160,11 +161,11 @@ class Engine:
                             draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=totals.accepted,
                             screened_rows=logits_rows.screened, full_rows=logits_rows.full)
 
-    def _compute(self, work: list[t.WorkItem], totals: _StepTotals) -> list[t.SeqResult]:
+    def _compute(self, work: list[WorkItem], totals: _StepTotals) -> list[SeqResult]:
         """Plans, computes and commits `work`, adding to `totals`; an exception before the
         commit takes back the lossy policies' drops (drop_journal.py) and leaves the
         sequences for the isolation to roll back."""
-        results: list[t.SeqResult] = []
+        results: list[SeqResult] = []
         try:
             planned = self.planner.plan(work, results)
             if planned:
@@ -205,7 +206,7 @@ class Engine:
         """(parent_hash, partial_hash) of every whole prompt's partial last block the index may know."""
         return self.pool.cached_partials()
 
-    def pool_stats(self) -> t.PoolStats:
+    def pool_stats(self) -> PoolStats:
         """The pool's figures; under the hybrid layout, what an allocation can take (free
         plus cached) is capped at the sliding blocks that can be attached, since every block
         of a sequence shorter than the window needs one: the scheduler then admits what

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from common.block_hash import ROOT_HASH
 from services.worker.engine.eviction import EvictionPolicy
-from services.worker.engine.types import PoolStats
+from common.step import PoolStats
 
 
 TailKey = tuple[int, str, int]   # (parent hash, cache salt, first token): a tail index entry's
