@@ -225,10 +225,7 @@ async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: st
                                                                  "epoch": reply.epoch})
                 await service.adopt_epoch(reply.epoch)
             else:
-                pool = service.last_pool
-                reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
-                    worker_id=worker_id, free_blocks=pool.free_blocks, cached_blocks=pool.cached_blocks),
-                    timeout=5)
+                reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=worker_id), timeout=5)
                 registered = reply.known
                 if not registered:
                     continue   # the scheduler restarted, or dropped us: register at once
