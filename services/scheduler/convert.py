@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import grpc
-from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
+from fairserve.v1 import scheduler_pb2, worker_pb2
 
 from common.block_hash import adapter_id, adapter_salt
 from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
@@ -121,10 +121,6 @@ def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEven
 
 def queue_wait_ms(finish: Finish) -> float:
     return finish.queue_wait_s * 1000.0 if finish.queue_wait_s is not None else 0.0
-
-
-def cached_prefix_tokens(response: kvindex_pb2.LookupResponse) -> dict[str, int]:
-    return {match.worker_id: match.matched_tokens for match in response.matches}
 
 
 def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
