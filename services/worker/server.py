@@ -104,8 +104,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.last_pool = self._engine.pool_stats()
 
     def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
-        self._enter_epoch(batch.epoch)
-        output = self._engine.step(batch)
+        output = self._engine.step(batch)   # adopts or refuses the batch's epoch first
         events = self._engine.drain_events()
         if events and self._on_block_events is not None:
             self._on_block_events(events)
@@ -136,14 +135,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._log_step(batch, output)
         return convert.step_response_to_proto(request.step_id, output)
 
-    def _enter_epoch(self, epoch: int) -> None:
-        """On the engine's thread: a new scheduler registration frees what earlier
-        ones left (Engine.adopt_epoch; an older one raises StaleEpoch)."""
-        freed = self._engine.adopt_epoch(epoch)
-        if freed:
-            log.info("freed the sequences of an earlier scheduler registration",
-                     extra={"sequences": freed, "epoch": epoch})
-
     @property
     def epoch(self) -> int:
         """The scheduler registration the engine serves."""
@@ -153,7 +144,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """A registration's epoch: what earlier ones left is freed now, not at
         the first step of the new one (which may be long in coming)."""
         def adopt() -> PoolStats:
-            self._enter_epoch(epoch)
+            self._engine.adopt_epoch(epoch)
             events = self._engine.drain_events()
             if events and self._on_block_events is not None:
                 self._on_block_events(events)

@@ -13,6 +13,7 @@ planning (planning.py), the forward (forward.py) and sampling (sampling.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,6 +50,8 @@ from services.worker.engine.sampling import LogitsRows, StepSampler
 from services.worker.engine.sequences import Sequences
 from services.worker.engine.sizing import kv_layout, layer_kv_layout, max_model_len
 from services.worker.engine.sliding_blocks import SlidingBlocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -188,13 +191,18 @@ class Engine:
         """Serves the scheduler registration `epoch` (every step's StepBatch.epoch). A
         larger one than before frees every sequence held, planned under an earlier
         registration whose scheduler is gone (their blocks stay cached, so resuming
-        them is cheap), and returns how many; a smaller one raises StaleEpoch."""
+        them is cheap), and returns how many; a smaller one raises StaleEpoch. step() calls it
+        first: the one check of a step's epoch (the worker's StepOrder only orders by it)."""
         if epoch < self.epoch:
             raise t.StaleEpoch(f"a step of epoch {epoch}, older than this worker's {self.epoch}")
         if epoch == self.epoch:
             return 0
         self.epoch = epoch
-        return self.sequences.free_all()
+        freed = self.sequences.free_all()
+        if freed:
+            log.info("freed the sequences of an earlier scheduler registration",
+                     extra={"sequences": freed, "epoch": epoch})
+        return freed
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()
