@@ -33,9 +33,10 @@ from benchmarks.engine_bench import EngineRunner, make_prompts
 from benchmarks.longkv_bench import long_text, score
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from common.step import KvPolicy
+from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.cpu_linear import PackedLinear
 
 MODES = ("float32", "bfloat16")

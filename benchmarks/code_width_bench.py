@@ -23,7 +23,9 @@ import torch
 
 from benchmarks.engine_bench import EngineRunner, _model_dir, make_prompts
 from benchmarks.machine import cpu_name
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.weight_codes import load_coded_linear

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.machine import cpu_name
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cuda.decode_graphs import EagerCapture
 from services.worker.engine.cuda.varlen_attention import import_flash_attn
 

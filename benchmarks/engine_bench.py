@@ -31,7 +31,9 @@ import torch
 from benchmarks.machine import cpu_name
 from benchmarks.memory import resident_mb
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 
 BOS = 2
 

@@ -35,9 +35,10 @@ import torch
 
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from common.step import KvPolicy
+from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
 
 MODULES = ("collections", "itertools", "functools", "textwrap", "string", "json", "csv", "argparse",

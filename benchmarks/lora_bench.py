@@ -23,7 +23,9 @@ import torch
 from benchmarks.machine import cpu_name
 from benchmarks.step_profile.__main__ import w1_prompts
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.lora.registry import LoraConfig
 
 RANK = 8

@@ -34,7 +34,8 @@ from benchmarks.code_width_bench import _tokens
 from benchmarks.engine_bench import EngineRunner, _model_dir, make_prompts
 from benchmarks.machine import cpu_name
 from benchmarks.memory import resident_mb
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 
 MODES = {
     "default": {},

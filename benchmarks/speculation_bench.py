@@ -24,7 +24,9 @@ from benchmarks.engine_bench import make_prompts
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from loadsim import default_texts
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 
 
 def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:

@@ -38,7 +38,8 @@ from benchmarks.step_profile.gemm_peak import ReferenceGemms
 from benchmarks.step_profile.instrument import instrument, use_c_layers
 from benchmarks.step_profile.report import Peak, kind_table, run_table
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

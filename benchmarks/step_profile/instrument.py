@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from benchmarks.step_profile.clock import StepClock
-from services.worker.engine import Engine, StepBatch
+from services.worker.engine.engine import Engine
+from common.step import StepBatch
 from services.worker.engine import forward as forward_module
 from services.worker.engine.cpu import direct_forward as direct_module
 

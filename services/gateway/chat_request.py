@@ -25,7 +25,9 @@ from services.gateway.errors import bad_request
 from services.gateway.generation import TextDelta
 from services.gateway.schemas import ChatCompletionBody, ChatMessageBody, ToolBody
 from services.gateway.spec import RequestFields
-from services.gateway.tool_parsers import PARSERS, ConstrainedCallsParser, ToolCallParser
+from services.gateway.tool_parsers import PARSERS
+from services.gateway.tool_parsers.constrained import ConstrainedCallsParser
+from services.gateway.tool_parsers.base import ToolCallParser
 from services.gateway.tool_stream import with_tool_calls
 from services.gateway.validation import check_text
 

@@ -15,7 +15,7 @@ from common.convert import (
 )
 from common.grpc_server import REJECTION_KEY
 from common.types import Usage
-from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2, kvindex_pb2
+from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from services.gateway.backend import (
     BackendError,
     Finish,
@@ -33,6 +33,7 @@ from services.gateway.backend import (
 from services.gateway.spec import RequestFields, TextInput
 from services.gateway.tenants import TenantLimits
 from services.gateway.validation import SamplingInput
+from services.kvcache.kv_types import IndexStats
 
 DEFAULT_RETRY_AFTER_S = 1
 QUOTA_GATE = "quota"   # the scheduler's rejection gate for a tenant at one of its limits
@@ -152,15 +153,14 @@ def scheduler_stats_to_dict(message: scheduler_pb2.SchedulerStats) -> dict[str, 
     }
 
 
-def kvcache_stats_to_dict(message: kvindex_pb2.KvIndexStats) -> dict[str, Any]:
+def kvcache_stats_to_dict(stats: IndexStats) -> dict[str, Any]:
     """The "kvcache" part of /stats (docs/metrics.md)."""
     return {
-        "lookups": message.lookups, "hits": message.hits, "lookup_tokens": message.lookup_tokens,
-        "hit_tokens": message.hit_tokens,
-        "hit_rate": message.hit_tokens / message.lookup_tokens if message.lookup_tokens else 0.0,
-        "nodes": message.nodes, "events": message.events,
-        "resyncs": message.resyncs, "blocks_by_worker": dict(message.blocks_by_worker),
-        "backend": message.backend,
+        "lookups": stats.lookups, "hits": stats.hits, "lookup_tokens": stats.lookup_tokens,
+        "hit_tokens": stats.hit_tokens, "hit_rate": stats.hit_rate_tokens,
+        "nodes": stats.nodes, "events": stats.events,
+        "resyncs": stats.resyncs, "blocks_by_worker": dict(stats.blocks_by_worker),
+        "backend": stats.backend,
     }
 
 

@@ -17,7 +17,7 @@ from services.gateway.prompt_scores import prompt_logprobs_json
 from services.gateway.lora_catalog import AdapterEntry
 from services.gateway.state import GatewayState
 from services.gateway.tenants import Tenant
-from services.gateway.tool_parsers import ToolCall
+from services.gateway.tool_parsers.base import ToolCall
 
 
 @dataclass

@@ -1,5 +1,5 @@
-"""The gateway's gRPC client for the scheduler (and the kvcache service,
-which it only asks for its stats, as a probe too)."""
+"""The gateway's gRPC client for the scheduler (and the kvcache service, which it only asks for
+its stats, as a probe too, through the kvcache's own client: services/kvcache/client.py)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ from opentelemetry import trace
 from common.grpc_server import internal_channel, request_metadata
 from common.internal_auth import InternalAuth
 from common.tracing import traceparent_metadata, tracer
-from fairserve.v1 import common_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
+from services.kvcache.client import KvIndexClient
 from services.gateway.backend import (
     BackendError,
     GenerationEvent,
@@ -34,9 +35,8 @@ PROBE_TIMEOUT_S = 2.0
 class SchedulerClient:
     def __init__(self, scheduler_addr: str, kvcache_addr: str, auth: InternalAuth = InternalAuth()) -> None:
         self._scheduler_channel = internal_channel(scheduler_addr, auth)
-        self._kvcache_channel = internal_channel(kvcache_addr, auth)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
-        self._kvcache = kvindex_pb2_grpc.KvIndexStub(self._kvcache_channel)
+        self._kvcache = KvIndexClient.connect(kvcache_addr, PROBE_TIMEOUT_S, auth)
         self._model_info: ModelInfo | None = None  # once fully known, kept
         # Whether the scheduler has answered since the gateway started: only then is
         # a failed connection a lost scheduler worth waiting for (continuation.py).
@@ -106,10 +106,10 @@ class SchedulerClient:
 
     async def kvcache_stats(self) -> dict[str, Any]:
         try:
-            reply = await self._kvcache.Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+            stats = await self._kvcache.stats()
         except grpc.aio.AioRpcError as error:
             raise Unavailable(f"kvcache did not answer: {error.code().name}") from None
-        return convert.kvcache_stats_to_dict(reply)
+        return convert.kvcache_stats_to_dict(stats)
 
     async def readiness(self) -> Readiness:
         """Needs the scheduler and a healthy worker. The kvcache index is asked
@@ -144,4 +144,4 @@ class SchedulerClient:
 
     async def close(self) -> None:
         await self._scheduler_channel.close()
-        await self._kvcache_channel.close()
+        await self._kvcache.close()

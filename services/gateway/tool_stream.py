@@ -11,7 +11,7 @@ from contextlib import aclosing
 
 from services.gateway.chat_tools import new_call_id
 from services.gateway.generation import TextDelta
-from services.gateway.tool_parsers import ParseStep, ToolCall, ToolCallParser
+from services.gateway.tool_parsers.base import ParseStep, ToolCall, ToolCallParser
 
 
 async def with_tool_calls(merged: AsyncIterator[tuple[int, TextDelta]],

@@ -1,4 +1,7 @@
-"""An async client of the KvIndex service, for the scheduler and workers."""
+"""The one client of the KvIndex service, for the other services: the workers publish their
+block events and ask for resyncs, the scheduler looks prompts up to route them, the gateway
+asks for the index's stats. RPC failures are raised as they come (grpc.aio.AioRpcError): each
+caller decides what a failure means to it."""
 
 from __future__ import annotations
 
@@ -16,9 +19,13 @@ from services.kvcache.kv_types import (
 
 
 class KvIndexClient:
-    def __init__(self, channel: grpc.aio.Channel, timeout_s: float = 2.0) -> None:
+    """Every call has the client's deadline (`timeout_s`). `stub` stands in for the channel's
+    stub in tests."""
+
+    def __init__(self, channel: grpc.aio.Channel | None, timeout_s: float = 2.0,
+                 stub: kvindex_pb2_grpc.KvIndexStub | None = None) -> None:
         self._channel = channel
-        self._stub = kvindex_pb2_grpc.KvIndexStub(channel)
+        self._stub = stub if stub is not None else kvindex_pb2_grpc.KvIndexStub(channel)
         self._timeout_s = timeout_s
 
     @classmethod
@@ -50,4 +57,5 @@ class KvIndexClient:
         return convert.stats_from_proto(reply)
 
     async def close(self) -> None:
-        await self._channel.close()
+        if self._channel is not None:
+            await self._channel.close()

@@ -1,4 +1,5 @@
-"""proto <-> core values, at the scheduler's edges."""
+"""proto <-> core values, at the scheduler's edges (the Step messages, the worker's contract too,
+are common/step_convert.py's)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,15 @@ from collections.abc import Sequence
 from typing import TypeVar
 
 import grpc
-from fairserve.v1 import kvindex_pb2, scheduler_pb2, worker_pb2
+from fairserve.v1 import scheduler_pb2, worker_pb2
 
 from common.block_hash import adapter_id, adapter_salt
 from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
 from common.grpc_server import REJECTION_KEY
-# The Step messages are the worker's contract too: one translation for both services.
-from common.step_convert import step_batch_to_proto, step_output_from_proto  # noqa: F401
 
-from services.scheduler.core import (
-    CoreStats, Finish, Gate, Rejection, RequestSpec, RequestUpdate, WorkerSpec,
+from services.scheduler.core.types import (
+    CoreStats, Finish, Gate, Rejection, RequestSpec, RequestUpdate, WorkerSpec, TenantQuota,
 )
-from services.scheduler.core.types import TenantQuota
 from services.scheduler.registration import WorkerFigures
 
 N = TypeVar("N", int, float)
@@ -123,10 +121,6 @@ def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEven
 
 def queue_wait_ms(finish: Finish) -> float:
     return finish.queue_wait_s * 1000.0 if finish.queue_wait_s is not None else 0.0
-
-
-def cached_prefix_tokens(response: kvindex_pb2.LookupResponse) -> dict[str, int]:
-    return {match.worker_id: match.matched_tokens for match in response.matches}
 
 
 def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:

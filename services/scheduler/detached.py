@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-from services.scheduler.core import RequestUpdate
+from services.scheduler.core.types import RequestUpdate
 
 
 @dataclass(eq=False)

@@ -1,5 +1,6 @@
 """The scheduler's view of the KV index: prefix lookups for routing, each
-with a short deadline, and whether the index is answering (a gauge)."""
+with a short deadline, and whether the index is answering (a gauge). The calls go
+through the kvcache's own client (services/kvcache/client.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,9 @@ import logging
 from collections.abc import Callable, Sequence
 
 import grpc
-from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc
 
-from common.grpc_server import internal_channel, request_metadata
 from common.internal_auth import InternalAuth
-
-from services.scheduler import convert
+from services.kvcache.client import KvIndexClient
 
 log = logging.getLogger(__name__)
 
@@ -30,13 +28,12 @@ class KvIndexRouter:
     False when lookups pause and True when one answers again."""
 
     def __init__(self, address: str, clock: Callable[[], float],
-                 stub: kvindex_pb2_grpc.KvIndexStub | None = None, auth: InternalAuth = InternalAuth(),
+                 client: KvIndexClient | None = None, auth: InternalAuth = InternalAuth(),
                  on_availability: Callable[[bool], None] | None = None) -> None:
         self._address = address
         self._auth = auth
         self._clock = clock
-        self._channel: grpc.aio.Channel | None = None
-        self._stub = stub
+        self._client = client
         self._skip_until = 0.0
         self._missed_deadlines = 0
         self._on_availability = on_availability
@@ -48,9 +45,7 @@ class KvIndexRouter:
         if self._clock() < self._skip_until:
             return {}
         try:
-            reply = await self._lookup_stub().Lookup(
-                kvindex_pb2.LookupRequest(token_ids=token_ids, cache_salt=cache_salt), timeout=KV_LOOKUP_TIMEOUT_S,
-                metadata=request_metadata(request_id))
+            result = await self._lookup_client().lookup_tokens(token_ids, request_id, cache_salt)
         except grpc.aio.AioRpcError as error:
             self._on_failure(error.code())
             return {}
@@ -58,13 +53,12 @@ class KvIndexRouter:
         if not self.available:
             log.info("kv index lookups answer again", extra={"kvcache_addr": self._address})
             self._set_available(True)
-        return convert.cached_prefix_tokens(reply)
+        return {match.worker_id: match.matched_tokens for match in result.matches}
 
-    def _lookup_stub(self) -> kvindex_pb2_grpc.KvIndexStub:
-        if self._stub is None:
-            self._channel = internal_channel(self._address, self._auth)
-            self._stub = kvindex_pb2_grpc.KvIndexStub(self._channel)
-        return self._stub
+    def _lookup_client(self) -> KvIndexClient:
+        if self._client is None:   # made on first use, on the scheduler's loop
+            self._client = KvIndexClient.connect(self._address, KV_LOOKUP_TIMEOUT_S, self._auth)
+        return self._client
 
     def _on_failure(self, code: grpc.StatusCode) -> None:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -85,5 +79,5 @@ class KvIndexRouter:
             self._on_availability(available)
 
     async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
+        if self._client is not None:
+            await self._client.close()

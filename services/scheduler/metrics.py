@@ -23,8 +23,7 @@ from prometheus_client.registry import Collector
 
 from common import prometheus_names as names
 
-from services.scheduler.core import CoreStats, FinishReason, Gate
-from services.scheduler.core.types import ClientCounter
+from services.scheduler.core.types import CoreStats, FinishReason, Gate, ClientCounter
 
 # Every label value is exported from the start, at 0, so rates work at once.
 REJECTION_GATES = (Gate.QUEUE, Gate.QUOTA, Gate.NEVER_FIT, Gate.TIMEOUT, Gate.NO_WORKER, Gate.INVALID)

@@ -10,8 +10,8 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
-MAX_WORKER_ID_LENGTH = 128
-_WORKER_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+from common.worker_ids import MAX_WORKER_ID_LENGTH, WORKER_ID
+
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 _PORT = re.compile(r"[0-9]{1,5}")
 MAX_HOSTNAME_LENGTH = 253
@@ -46,7 +46,7 @@ def check_worker_id(worker_id: str) -> None:
     if len(worker_id) > MAX_WORKER_ID_LENGTH:
         raise RegistrationError(f"worker_id is too long: {len(worker_id)} characters, "
                                 f"at most {MAX_WORKER_ID_LENGTH}")
-    if not _WORKER_ID.fullmatch(worker_id):
+    if not WORKER_ID.fullmatch(worker_id):
         raise RegistrationError(f"worker_id {worker_id!r} is invalid: letters, digits, '.', '_' and '-' "
                                 "only, starting with a letter or digit")
 

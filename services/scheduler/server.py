@@ -16,19 +16,21 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
-from fairserve.v1 import worker_pb2_grpc
+from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from common.grpc_server import GrpcServer, internal_channel, request_id_from
 from common.internal_auth import InternalAuth
 from common.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
+from common.step_convert import step_batch_to_proto, step_output_from_proto
 from common.tracing import traceparent_from_metadata
 from common.worker_auth import worker_role_check
 
 from services.scheduler import convert
 from services.scheduler.address_check import HostFacts, check_peer_address
-from services.scheduler.core import Rejection, RequestUpdate, SchedulerCore, StepBatch
+from services.scheduler.core.types import Rejection, RequestUpdate
+from services.scheduler.core.scheduler import SchedulerCore
+from common.step import StepBatch
 from services.scheduler.detached import DetachedLog
 from services.scheduler.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
@@ -280,7 +282,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     self._metrics.observe_queue_waits(self._core.drain_queue_waits())
                     if plan is not None:
                         self._log_plan(worker_id, plan)
-                        request = convert.step_batch_to_proto(plan)
+                        request = step_batch_to_proto(plan)
                         request.trace_context.update(self._traces.planned(worker_id, plan))
                         call = await steps.send(request)
                         sent.append(_SentStep(call, time.perf_counter()))
@@ -298,7 +300,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     return
                 sent.popleft()
                 self._metrics.observe_step(worker_id, time.perf_counter() - oldest.sent_at)
-                output = convert.step_output_from_proto(reply)
+                output = step_output_from_proto(reply)
                 self._traces.applied(output)
                 self._deliver(self._core.apply_step(worker_id, output))
         except asyncio.CancelledError:

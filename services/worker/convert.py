@@ -7,10 +7,9 @@ import dataclasses
 
 from fairserve.v1 import worker_pb2
 
-from common.step_convert import pool_to_proto, step_batch_from_proto, step_output_to_proto
-from services.worker.engine.types import EngineInfo, StepOutput
-
-__all__ = ["info_to_proto", "pool_to_proto", "step_batch_from_proto", "step_response_to_proto"]
+from common.step import StepOutput
+from common.step_convert import step_output_to_proto
+from services.worker.engine.types import EngineInfo
 
 
 def step_response_to_proto(step_id: int, output: StepOutput) -> worker_pb2.StepResponse:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from common import prometheus_names as names
-from services.worker.engine.types import PoolStats, StepBatch, StepOutput
+from common.step import PoolStats, StepBatch, StepOutput
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import Engine

@@ -16,12 +16,14 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 
 from common.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
+from common.step_convert import pool_to_proto, step_batch_from_proto
 from services.worker.step_order import StepOrder
 from services.worker.step_spans import record_step_spans
 from services.worker.step_stream import replies_in_order
 from services.worker import convert
 from services.worker.engine.engine import Engine
-from services.worker.engine.types import BlockEvent, PoolStats, StaleEpoch, StepBatch, StepOutput
+from services.worker.engine.types import BlockEvent, StaleEpoch
+from common.step import PoolStats, StepBatch, StepOutput
 from services.worker.kv_events import CacheSnapshot
 from services.worker.metrics import WorkerMetrics
 
@@ -102,8 +104,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self.last_pool = self._engine.pool_stats()
 
     def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
-        self._enter_epoch(batch.epoch)
-        output = self._engine.step(batch)
+        output = self._engine.step(batch)   # adopts or refuses the batch's epoch first
         events = self._engine.drain_events()
         if events and self._on_block_events is not None:
             self._on_block_events(events)
@@ -122,7 +123,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
     async def _step(self, request: worker_pb2.StepRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
-        batch = convert.step_batch_from_proto(request)
+        batch = step_batch_from_proto(request)
         try:
             async with self._order.turn(request.step_id, request.after_step_id, request.epoch):
                 started_ns = time.time_ns()
@@ -134,14 +135,6 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._log_step(batch, output)
         return convert.step_response_to_proto(request.step_id, output)
 
-    def _enter_epoch(self, epoch: int) -> None:
-        """On the engine's thread: a new scheduler registration frees what earlier
-        ones left (Engine.adopt_epoch; an older one raises StaleEpoch)."""
-        freed = self._engine.adopt_epoch(epoch)
-        if freed:
-            log.info("freed the sequences of an earlier scheduler registration",
-                     extra={"sequences": freed, "epoch": epoch})
-
     @property
     def epoch(self) -> int:
         """The scheduler registration the engine serves."""
@@ -151,7 +144,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         """A registration's epoch: what earlier ones left is freed now, not at
         the first step of the new one (which may be long in coming)."""
         def adopt() -> PoolStats:
-            self._enter_epoch(epoch)
+            self._engine.adopt_epoch(epoch)
             events = self._engine.drain_events()
             if events and self._on_block_events is not None:
                 self._on_block_events(events)
@@ -198,7 +191,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         counters = self.counters
         unacknowledged = self._kv_events_unacknowledged() if self._kv_events_unacknowledged else 0
         return worker_pb2.WorkerStats(
-            pool=convert.pool_to_proto(pool), running_sequences=running, steps=counters.steps,
+            pool=pool_to_proto(pool), running_sequences=running, steps=counters.steps,
             last_forward_ms=counters.last_forward_ms, last_batch_tokens=counters.last_batch_tokens,
             total_prefill_tokens=counters.prompt_tokens,
             total_decode_tokens=counters.sampled_tokens, kv_events_unacknowledged=unacknowledged,
@@ -223,10 +216,7 @@ async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: st
                                                                  "epoch": reply.epoch})
                 await service.adopt_epoch(reply.epoch)
             else:
-                pool = service.last_pool
-                reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(
-                    worker_id=worker_id, free_blocks=pool.free_blocks, cached_blocks=pool.cached_blocks),
-                    timeout=5)
+                reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=worker_id), timeout=5)
                 registered = reply.known
                 if not registered:
                     continue   # the scheduler restarted, or dropped us: register at once

@@ -14,7 +14,7 @@ from common.model_store import default_cache_dir
 from common.settings import SettingsError
 from services.worker.settings_schema import WorkerSchema
 from common.worker_auth import worker_token_from_env
-from services.scheduler.registration import MAX_WORKER_ID_LENGTH
+from common.worker_ids import MAX_WORKER_ID_LENGTH
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
 

@@ -4,13 +4,10 @@ with a ToolCallParser subclass, registered here."""
 
 from __future__ import annotations
 
-from services.gateway.tool_parsers.base import ParsedCall, ParseStep, ToolCall, ToolCallParser
-from services.gateway.tool_parsers.constrained import ConstrainedCallsParser
+from services.gateway.tool_parsers.base import ToolCallParser
 from services.gateway.tool_parsers.hermes import HermesToolParser
 
 PARSERS: dict[str, type[ToolCallParser]] = {
     "hermes": HermesToolParser,
 }
 
-__all__ = ["PARSERS", "ConstrainedCallsParser", "HermesToolParser", "ParseStep", "ParsedCall",
-           "ToolCall", "ToolCallParser"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from services.scheduler.core.state import InFlightStep, RequestState
-from services.scheduler.core.types import StepBatch
+from common.step import StepBatch
 
 
 def dispatch(step: StepBatch, by_seq: Mapping[str, RequestState]) -> frozenset[str]:

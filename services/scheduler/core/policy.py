@@ -24,8 +24,6 @@ from services.scheduler.core.state import RequestState
 from services.scheduler.core.types import Policy
 from services.scheduler.core.vtc import VirtualTokenCounter
 
-__all__ = ["VirtualTokenCounter", "WaitingClients", "effective_policy", "pick_next"]
-
 
 class WaitingClients:
     """Requests waiting for admission per client and per user within it, kept

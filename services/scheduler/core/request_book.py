@@ -24,11 +24,13 @@ from dataclasses import replace
 from common.types import SamplingParams, Usage
 
 from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.policy import VirtualTokenCounter, WaitingClients
+from services.scheduler.core.vtc import VirtualTokenCounter
+from services.scheduler.core.policy import WaitingClients
 from services.scheduler.core.quotas import TenantQuotas
 from services.scheduler.core.state import Phase, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
-from services.scheduler.core.types import Finish, FinishReason, Gate, NewSequence, Rejection, RequestUpdate
+from services.scheduler.core.types import Finish, FinishReason, Gate, Rejection, RequestUpdate
+from common.step import NewSequence
 
 # Past this many clients with a VTC counter, the idle ones are forgotten (down to
 # half); likewise past this many users with a counter within one client.

@@ -34,7 +34,7 @@ from services.scheduler.core.counters import CoreCounters, core_stats
 from services.scheduler.core.drain import DrainOutcome, drain
 from services.scheduler.core.failover import Failover, Stranded
 from services.scheduler.core.in_flight import dispatch, retire
-from services.scheduler.core.policy import VirtualTokenCounter
+from services.scheduler.core.vtc import VirtualTokenCounter
 from services.scheduler.core.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.recovery import Parked, WorkerRecovery
 from services.scheduler.core.request_book import RequestBook
@@ -45,9 +45,10 @@ from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.step_planner import StepPlanner
 from services.scheduler.core.stopping import take_tokens
 from services.scheduler.core.types import (
-    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, PoolStats, Rejection,
-    RequestSpec, RequestUpdate, SeqResult, StepBatch, StepError, StepOutput, SubmitResult, WorkerSpec,
+    CoreConfig, CoreStats, ExpireOutcome, Finish, FinishReason, Gate, Rejection, RequestSpec,
+    RequestUpdate, SubmitResult, WorkerSpec,
 )
+from common.step import PoolStats, SeqResult, StepBatch, StepError, StepOutput
 
 ANONYMOUS_CLIENT = "anonymous"
 

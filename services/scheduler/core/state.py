@@ -6,10 +6,10 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from common.step import KvPolicy
+from common.step import KvPolicy, PoolStats, StepOutput, StepBatch
 from common.types import SamplingParams, TokenLogprob
 
-from services.scheduler.core.types import Gate, PoolStats, RequestSpec, StepOutput, StepBatch, WorkerSpec
+from services.scheduler.core.types import Gate, RequestSpec, WorkerSpec
 from services.scheduler.core.vtc import sane_weight
 
 MAX_NOTED_ADAPTERS = 64

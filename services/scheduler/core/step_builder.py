@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from services.scheduler.core.types import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem
 
 
 class _Planned(NamedTuple):

@@ -20,7 +20,8 @@ from common.sequence_ids import sequence_id
 
 from services.scheduler.core import gates
 from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.policy import VirtualTokenCounter, effective_policy, pick_next
+from services.scheduler.core.vtc import VirtualTokenCounter
+from services.scheduler.core.policy import effective_policy, pick_next
 from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room

@@ -5,9 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from common.step import (  # noqa: F401  (the step contract, re-exported for the core)
-    KvPolicy, NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem,
-)
+from common.step import KvPolicy
 from common.types import SamplingParams, TokenLogprob, Usage
 
 

@@ -5,22 +5,7 @@ its own; services/worker/server.py puts the transport on top of it.
 
 The core (the step: sequences, planning, the forward, sampling, the KV pool) is
 at this level; the device speed-ups are apart, in cpu/ and cuda/.
+
+Each name has one address: import it from the module that defines it (Engine from
+engine.py, EngineConfig from config.py, the step contract from common/step.py).
 """
-
-from services.worker.engine.config import EngineConfig
-from services.worker.engine.engine import Engine
-from services.worker.engine.types import (
-    BlockEvent,
-    EngineInfo,
-    NewSequence,
-    PoolStats,
-    SeqResult,
-    StepBatch,
-    StepOutput,
-    WorkItem,
-)
-
-__all__ = [
-    "BlockEvent", "Engine", "EngineConfig", "EngineInfo", "NewSequence", "PoolStats",
-    "SeqResult", "StepBatch", "StepOutput", "WorkItem",
-]

@@ -30,11 +30,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from common.block_hash import ROOT_HASH
-from services.worker.engine.eviction import make_eviction_policy
-from services.worker.engine.pool_aliases import PartialAliases
-from services.worker.engine.pool_invariants import PoolInvariants, TailKey
+from common.step import PoolStats
+from services.worker.engine.pool_invariants import check_invariants
 from services.worker.engine.pool_snapshot import hash_chains
-from services.worker.engine.types import BlockEvent, PoolListener, PoolStats
+from services.worker.engine.pool_state import PoolState
+from services.worker.engine.types import BlockEvent, PoolListener
 
 
 @dataclass(frozen=True)
@@ -47,9 +47,11 @@ class PartialBlock:
     cache_salt: str = ""        # its sequence's: only sequences with the same salt copy from it
 
 
-class BlockPool(PoolInvariants, PartialAliases):
+class BlockPool:
     """Block ownership, reference counts and the prefix cache. Pure bookkeeping:
-    it never touches tensors, so it is cheap to test exhaustively."""
+    it never touches tensors, so it is cheap to test exhaustively. Its state is one
+    PoolState (pool_state.py), with the published aliases in it (pool_aliases.py); the
+    invariant checker reads that state (pool_invariants.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  eviction_policy: str = "lru") -> None:
@@ -58,21 +60,7 @@ class BlockPool(PoolInvariants, PartialAliases):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._refcount = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
-        self._parent_hash: list[int] = [ROOT_HASH] * num_blocks
-        self._block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks   # full hash or partial
-        self._block_salt: list[str] = [""] * num_blocks                        # of a block with tokens
-        self._by_hash: dict[int, int] = {}
-        self._partials: set[int] = set()
-        self._tails: dict[TailKey, dict[int, None]] = {}            # (parent hash, salt, first token) -> blocks
-        self._held: dict[int, int] = {}                             # block -> holds (eviction skips it)
-        self._alias_of: dict[int, int] = {}                         # partial block -> its published alias
-        self._alias_blocks: dict[int, dict[int, None]] = {}         # alias -> partial blocks carrying it
-        self._aliases_under: dict[int, set[int]] = {}               # parent hash (not the root) -> aliases
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))   # pop() hands out low ids first
-        self._evictable = make_eviction_policy(eviction_policy, num_blocks)   # cached blocks
-        self._tables: dict[str, list[int]] = {}
+        self._state = PoolState.empty(num_blocks, block_size, eviction_policy)
         self._events: list[BlockEvent] = []
         self.evictions = 0
         self.prefix_hit_tokens = 0
@@ -85,14 +73,14 @@ class BlockPool(PoolInvariants, PartialAliases):
         return -(-num_tokens // self.block_size)
 
     def table(self, seq_id: str) -> list[int]:
-        return self._tables.get(seq_id, [])
+        return self._state.tables.get(seq_id, [])
 
     def has_sequence(self, seq_id: str) -> bool:
-        return seq_id in self._tables
+        return seq_id in self._state.tables
 
     def num_allocatable(self) -> int:
-        held_cached = sum(1 for block in self._held if block in self._evictable)
-        return len(self._free) + len(self._evictable) - held_cached
+        held_cached = sum(1 for block in self._state.held if block in self._state.evictable)
+        return len(self._state.free) + len(self._state.evictable) - held_cached
 
     def find_cached_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Blocks holding the longest cached prefix of `hashes` (a chain of full-block hashes)."""
@@ -100,7 +88,7 @@ class BlockPool(PoolInvariants, PartialAliases):
             return []
         blocks: list[int] = []
         for value in hashes:
-            block = self._by_hash.get(value)
+            block = self._state.by_hash.get(value)
             if block is None:
                 break
             blocks.append(block)
@@ -120,8 +108,8 @@ class BlockPool(PoolInvariants, PartialAliases):
         if not self.enable_prefix_caching or not tokens:
             return None
         best: tuple[int, int] | None = None
-        for block in self._tails.get((parent_hash, cache_salt, tokens[0]), ()):
-            block_tokens = self._block_tokens[block]
+        for block in self._state.tails.get((parent_hash, cache_salt, tokens[0]), ()):
+            block_tokens = self._state.block_tokens[block]
             assert block_tokens is not None
             matched = _common_prefix_len(block_tokens, tokens)
             if best is None or matched > best[1]:
@@ -133,10 +121,10 @@ class BlockPool(PoolInvariants, PartialAliases):
     def stats(self) -> PoolStats:
         # Partial blocks count as free: they hold no published prefix (the KV index
         # counts exactly the cached blocks) and are evicted like any cached block.
-        used = self.num_blocks - len(self._free) - len(self._evictable)
-        partial = len(self._partials)
-        return PoolStats(total_blocks=self.num_blocks, free_blocks=len(self._free) + partial,
-                         cached_blocks=len(self._evictable) - partial, used_blocks=used,
+        used = self.num_blocks - len(self._state.free) - len(self._state.evictable)
+        partial = len(self._state.partials)
+        return PoolStats(total_blocks=self.num_blocks, free_blocks=len(self._state.free) + partial,
+                         cached_blocks=len(self._state.evictable) - partial, used_blocks=used,
                          evictions=self.evictions, prefix_hit_tokens=self.prefix_hit_tokens,
                          prefix_query_tokens=self.prefix_query_tokens)
 
@@ -153,9 +141,9 @@ class BlockPool(PoolInvariants, PartialAliases):
         needed = self._new_blocks_needed(seq_id, num_tokens, cached_blocks)
         if needed is None:
             return False
-        table = self._tables.setdefault(seq_id, [])
+        table = self._state.tables.setdefault(seq_id, [])
         for block in cached_blocks:
-            self._evictable.record_reuse(block)
+            self._state.evictable.record_reuse(block)
             self._take(block)
             table.append(block)
         removed: list[int] = []
@@ -171,18 +159,18 @@ class BlockPool(PoolInvariants, PartialAliases):
 
     def hold(self, block: int) -> None:
         """Keeps `block` from being evicted until `release`; its state does not change."""
-        self._held[block] = self._held.get(block, 0) + 1
+        self._state.held[block] = self._state.held.get(block, 0) + 1
 
     def release(self, block: int) -> None:
-        count = self._held.pop(block)
+        count = self._state.held.pop(block)
         if count > 1:
-            self._held[block] = count - 1
+            self._state.held[block] = count - 1
 
     def free(self, seq_id: str, partial: PartialBlock | None = None) -> None:
         """Drops `seq_id`'s references; blocks with a prefix hash stay cached, and so does
         `partial` as a partial entry unless the block is shared or its tokens are already
         covered by another entry."""
-        table = self._tables.pop(seq_id, None)
+        table = self._state.tables.pop(seq_id, None)
         if table is None:
             return
         if partial is not None:
@@ -195,7 +183,7 @@ class BlockPool(PoolInvariants, PartialAliases):
     def shrink(self, seq_id: str, num_tokens: int) -> None:
         """Drops `seq_id`'s blocks past the ones covering `num_tokens` tokens (slots that
         were reserved for speculative tokens and then rejected)."""
-        table = self._tables.get(seq_id)
+        table = self._state.tables.get(seq_id)
         if not table:
             return
         keep = self.blocks_for(num_tokens)
@@ -210,17 +198,17 @@ class BlockPool(PoolInvariants, PartialAliases):
         cached): the new entries are referenced before the old ones are released."""
         for block in blocks:
             self._take(block)
-        old = self._tables.get(seq_id, [])
-        self._tables[seq_id] = list(blocks)
+        old = self._state.tables.get(seq_id, [])
+        self._state.tables[seq_id] = list(blocks)
         for block in reversed(old):
             self._unref(block)
         if self.listener is not None:
-            self.listener.table_changed(seq_id, self._tables[seq_id])
+            self.listener.table_changed(seq_id, self._state.tables[seq_id])
 
     def drop(self, seq_id: str, indices: Sequence[int]) -> None:
         """Takes the blocks at `indices` out of `seq_id`'s table (a lossy KV policy evicting
         them: kv_policy.py); the later ones move up."""
-        table = self._tables[seq_id]
+        table = self._state.tables[seq_id]
         gone = set(indices)
         for index in sorted(gone, reverse=True):
             self._unref(table[index])
@@ -229,13 +217,13 @@ class BlockPool(PoolInvariants, PartialAliases):
             self.listener.table_changed(seq_id, table)
 
     def _unref(self, block: int) -> None:
-        self._refcount[block] -= 1
-        if self._refcount[block] > 0:
+        self._state.refcount[block] -= 1
+        if self._state.refcount[block] > 0:
             return
-        if self._block_tokens[block] is None:
-            self._free.append(block)
+        if self._state.block_tokens[block] is None:
+            self._state.free.append(block)
         else:
-            self._evictable.add(block)
+            self._state.evictable.add(block)
 
     def record_prefix_query(self, query_tokens: int, hit_tokens: int) -> None:
         self.prefix_query_tokens += query_tokens
@@ -249,16 +237,16 @@ class BlockPool(PoolInvariants, PartialAliases):
         A hash some other block already holds leaves this block unregistered (a duplicate)."""
         if not self.enable_prefix_caching or not hashes:
             return
-        table = self._tables[seq_id]
+        table = self._state.tables[seq_id]
         size = self.block_size
         run: list[int] = []
         run_parent = parent_hash
         for offset, value in enumerate(hashes):
             index = first_block + offset
             block = table[index]
-            if self._block_hash[block] is None and value not in self._by_hash:
-                self._block_hash[block] = value
-                self._by_hash[value] = block
+            if self._state.block_hash[block] is None and value not in self._state.by_hash:
+                self._state.block_hash[block] = value
+                self._state.by_hash[value] = block
                 self._add_tail(block, parent_hash, tokens[index * size:(index + 1) * size], cache_salt)
                 if not run:
                     run_parent = parent_hash
@@ -273,16 +261,18 @@ class BlockPool(PoolInvariants, PartialAliases):
     def clear_cache(self) -> None:
         """Forgets every prefix hash and partial entry; unreferenced cached blocks become free.
         CLEARED withdraws every published alias too."""
-        for block in self._evictable:
-            self._free.append(block)
-        self._evictable.clear()
-        for blocks in list(self._tails.values()):
+        for block in self._state.evictable:
+            self._state.free.append(block)
+        self._state.evictable.clear()
+        for blocks in list(self._state.tails.values()):
             for block in list(blocks):
                 self._forget(block)
-        self._alias_of.clear()
-        self._alias_blocks.clear()
-        self._aliases_under.clear()
+        self._state.aliases.clear()
         self._events.append(BlockEvent.cleared())
+
+    def check_invariants(self) -> None:
+        """Raises PoolInvariantError when the bookkeeping is inconsistent (tests call it every step)."""
+        check_invariants(self._state, self.stats())
 
     def drain_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
@@ -290,37 +280,37 @@ class BlockPool(PoolInvariants, PartialAliases):
 
     def cached_chains(self) -> list[tuple[int, list[int]]]:
         """Every registered block as chains (parent_hash, [hashes in prefix order])."""
-        return hash_chains(self._by_hash, self._parent_hash)
+        return hash_chains(self._state.by_hash, self._state.parent_hash)
 
     def cached_partials(self) -> list[tuple[int, int]]:
         """Every published alias as (parent_hash, alias), once however many partial
         entries carry it; the parent is the root or a registered full block."""
-        return [(self._parent_hash[next(iter(blocks))], alias) for alias, blocks in self._alias_blocks.items()]
+        return [(self._state.parent_hash[block], alias) for alias, block in self._state.aliases.published()]
 
     # ---- internals -----------------------------------------------------------------------
 
     def _new_blocks_needed(self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int]) -> int | None:
-        table = self._tables.get(seq_id, [])
+        table = self._state.tables.get(seq_id, [])
         if cached_blocks and table:
             raise ValueError("cached blocks can only start an empty block table")
         have = len(table) + len(cached_blocks)
         needed = max(0, self.blocks_for(num_tokens) - have)
-        revived = sum(1 for block in cached_blocks if self._refcount[block] == 0)
+        revived = sum(1 for block in cached_blocks if self._state.refcount[block] == 0)
         if needed > self.num_allocatable() - revived:
             return None
         return needed
 
     def _take(self, block: int) -> None:
-        if self._refcount[block] == 0 and block in self._evictable:
-            self._evictable.remove(block)
-        self._refcount[block] += 1
+        if self._state.refcount[block] == 0 and block in self._state.evictable:
+            self._state.evictable.remove(block)
+        self._state.refcount[block] += 1
 
     def _pop_free_block(self, removed: list[int]) -> int:
-        if self._free:
-            return self._free.pop()
-        block = self._evictable.victim(self._held)
-        self._evictable.remove(block)
-        value = self._block_hash[block]
+        if self._state.free:
+            return self._state.free.pop()
+        block = self._state.evictable.victim(self._state.held)
+        self._state.evictable.remove(block)
+        value = self._state.block_hash[block]
         if value is not None:
             removed.append(value)
         self._forget(block, removed)
@@ -331,49 +321,48 @@ class BlockPool(PoolInvariants, PartialAliases):
         if not self.enable_prefix_caching or not 0 < len(partial.tokens) < self.block_size:
             return
         block = table[partial.block_index]
-        if self._refcount[block] != 1 or self._block_tokens[block] is not None:
+        if self._state.refcount[block] != 1 or self._state.block_tokens[block] is not None:
             return
         if self.find_cached_tail(partial.parent_hash, partial.tokens, partial.cache_salt) is not None:
             return
-        self._partials.add(block)
-        self._add_tail(block, partial.parent_hash, partial.tokens, partial.cache_salt)
-        if partial.alias_hash and (partial.parent_hash == ROOT_HASH or partial.parent_hash in self._by_hash):
-            self._add_alias(block, partial.alias_hash)
+        self._state.partials.add(block)
+        parent, alias = partial.parent_hash, partial.alias_hash
+        self._add_tail(block, parent, partial.tokens, partial.cache_salt)
+        if alias and (parent == ROOT_HASH or parent in self._state.by_hash):
+            if self._state.aliases.add(block, alias, parent):   # the first entry carrying it publishes it
+                self._events.append(BlockEvent.stored([], parent, partial_hash=alias))
 
     def _add_tail(self, block: int, parent_hash: int, tokens: Sequence[int], cache_salt: str) -> None:
-        self._block_tokens[block] = tuple(tokens)
-        self._parent_hash[block] = parent_hash
-        self._block_salt[block] = cache_salt
-        self._tails.setdefault((parent_hash, cache_salt, tokens[0]), {})[block] = None
+        self._state.block_tokens[block] = tuple(tokens)
+        self._state.parent_hash[block] = parent_hash
+        self._state.block_salt[block] = cache_salt
+        self._state.tails.setdefault((parent_hash, cache_salt, tokens[0]), {})[block] = None
 
     def _forget(self, block: int, removed: list[int] | None = None) -> None:
         """Drops `block`'s hash or partial entry (its refcount and state are the caller's).
         Aliases this withdraws (its own, or those published under its hash) go to `removed`."""
-        tokens = self._block_tokens[block]
+        tokens = self._state.block_tokens[block]
         assert tokens is not None
-        key = (self._parent_hash[block], self._block_salt[block], tokens[0])
-        del self._tails[key][block]
-        if not self._tails[key]:
-            del self._tails[key]
+        key = (self._state.parent_hash[block], self._state.block_salt[block], tokens[0])
+        del self._state.tails[key][block]
+        if not self._state.tails[key]:
+            del self._state.tails[key]
         withdrawn: list[int] = []
-        value = self._block_hash[block]
+        value = self._state.block_hash[block]
         if value is not None:
-            del self._by_hash[value]
-            for alias in self._aliases_under.pop(value, ()):   # the entries stay, unpublished
-                for aliased in self._alias_blocks.pop(alias):
-                    del self._alias_of[aliased]
-                withdrawn.append(alias)
-        alias = self._drop_alias(block)
+            del self._state.by_hash[value]
+            withdrawn.extend(self._state.aliases.withdraw_under(value))   # the entries stay, unpublished
+        alias = self._state.aliases.drop(block, self._state.parent_hash[block])
         if alias is not None:
             withdrawn.append(alias)
         if removed is not None:
             removed.extend(withdrawn)
-        self._partials.discard(block)
-        self._evictable.forget(block)
-        self._block_hash[block] = None
-        self._block_tokens[block] = None
-        self._block_salt[block] = ""
-        self._parent_hash[block] = ROOT_HASH
+        self._state.partials.discard(block)
+        self._state.evictable.forget(block)
+        self._state.block_hash[block] = None
+        self._state.block_tokens[block] = None
+        self._state.block_salt[block] = ""
+        self._state.parent_hash[block] = ROOT_HASH
 
 
 def _common_prefix_len(left: Sequence[int], right: Sequence[int]) -> int:

@@ -13,6 +13,7 @@ planning (planning.py), the forward (forward.py) and sampling (sampling.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine import types as t
+from common.step import PoolStats, SeqResult, StepBatch, StepOutput, WorkItem
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.cpu_linear import KernelPlan
@@ -48,6 +50,8 @@ from services.worker.engine.sampling import LogitsRows, StepSampler
 from services.worker.engine.sequences import Sequences
 from services.worker.engine.sizing import kv_layout, layer_kv_layout, max_model_len
 from services.worker.engine.sliding_blocks import SlidingBlocks
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -136,7 +140,7 @@ class Engine:
     def info(self) -> t.EngineInfo:
         return self._info
 
-    def step(self, batch: t.StepBatch) -> t.StepOutput:
+    def step(self, batch: StepBatch) -> StepOutput:
         self.adopt_epoch(batch.epoch)
         for seq_id in batch.free_seq_ids:
             self.sequences.free(seq_id)
@@ -152,7 +156,7 @@ class Engine:
         # A sequence whose planning or forward raises fails alone (isolation.py).
         results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
         planned, logits_rows = totals.planned, totals.logits_rows
-        return t.StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
+        return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
                             batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
@@ -160,11 +164,11 @@ class Engine:
                             draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=totals.accepted,
                             screened_rows=logits_rows.screened, full_rows=logits_rows.full)
 
-    def _compute(self, work: list[t.WorkItem], totals: _StepTotals) -> list[t.SeqResult]:
+    def _compute(self, work: list[WorkItem], totals: _StepTotals) -> list[SeqResult]:
         """Plans, computes and commits `work`, adding to `totals`; an exception before the
         commit takes back the lossy policies' drops (drop_journal.py) and leaves the
         sequences for the isolation to roll back."""
-        results: list[t.SeqResult] = []
+        results: list[SeqResult] = []
         try:
             planned = self.planner.plan(work, results)
             if planned:
@@ -187,13 +191,18 @@ class Engine:
         """Serves the scheduler registration `epoch` (every step's StepBatch.epoch). A
         larger one than before frees every sequence held, planned under an earlier
         registration whose scheduler is gone (their blocks stay cached, so resuming
-        them is cheap), and returns how many; a smaller one raises StaleEpoch."""
+        them is cheap), and returns how many; a smaller one raises StaleEpoch. step() calls it
+        first: the one check of a step's epoch (the worker's StepOrder only orders by it)."""
         if epoch < self.epoch:
             raise t.StaleEpoch(f"a step of epoch {epoch}, older than this worker's {self.epoch}")
         if epoch == self.epoch:
             return 0
         self.epoch = epoch
-        return self.sequences.free_all()
+        freed = self.sequences.free_all()
+        if freed:
+            log.info("freed the sequences of an earlier scheduler registration",
+                     extra={"sequences": freed, "epoch": epoch})
+        return freed
 
     def drain_events(self) -> list[t.BlockEvent]:
         return self.pool.drain_events()
@@ -205,7 +214,7 @@ class Engine:
         """(parent_hash, partial_hash) of every whole prompt's partial last block the index may know."""
         return self.pool.cached_partials()
 
-    def pool_stats(self) -> t.PoolStats:
+    def pool_stats(self) -> PoolStats:
         """The pool's figures; under the hybrid layout, what an allocation can take (free
         plus cached) is capped at the sliding blocks that can be attached, since every block
         of a sequence shorter than the window needs one: the scheduler then admits what

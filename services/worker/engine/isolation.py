@@ -22,13 +22,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common.sequence_ids import request_id_of
-from services.worker.engine import types as t
+from common.step import SeqResult, StepError, WorkItem
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.sequences import Sequences, SequenceState
 
 log = logging.getLogger(__name__)
 
-Compute = Callable[[list[t.WorkItem]], list[t.SeqResult]]
+Compute = Callable[[list[WorkItem]], list[SeqResult]]
 
 
 @dataclass(frozen=True)
@@ -56,17 +56,17 @@ class StepIsolation:
         self.pool = pool
         self._first_error: BaseException | None = None
 
-    def run(self, work: list[t.WorkItem], compute: Compute) -> list[t.SeqResult]:
+    def run(self, work: list[WorkItem], compute: Compute) -> list[SeqResult]:
         """compute(work)'s results, with the items that fail alone as INTERNAL;
         raises the first error when no item could be computed."""
         self._first_error = None
         results = self._attempt(work, compute)
         error, self._first_error = self._first_error, None
-        if error is not None and not any(result.error == t.StepError.NONE for result in results):
+        if error is not None and not any(result.error == StepError.NONE for result in results):
             raise error
         return results
 
-    def _attempt(self, work: list[t.WorkItem], compute: Compute) -> list[t.SeqResult]:
+    def _attempt(self, work: list[WorkItem], compute: Compute) -> list[SeqResult]:
         mark = self._mark(work)
         try:
             return compute(work)
@@ -78,11 +78,11 @@ class StepIsolation:
                 return [self._failed(work[0], error)]
             return self._halves(work, compute)
 
-    def _halves(self, work: list[t.WorkItem], compute: Compute) -> list[t.SeqResult]:
+    def _halves(self, work: list[WorkItem], compute: Compute) -> list[SeqResult]:
         """The work again in two halves, in order. A repeated item (DUPLICATE_WORK) stays
         out of them, so that halves cannot compute a sequence twice."""
         seen: set[str] = set()
-        unique: list[t.WorkItem] = []
+        unique: list[WorkItem] = []
         for item in work:
             if item.seq_id not in seen:
                 seen.add(item.seq_id)
@@ -94,20 +94,20 @@ class StepIsolation:
         for item in work:
             if item.seq_id in seen:
                 seq = self.sequences.get(item.seq_id)
-                results.append(t.SeqResult(item.seq_id, seq.num_computed if seq is not None else 0,
-                                           error=t.StepError.DUPLICATE_WORK))
+                results.append(SeqResult(item.seq_id, seq.num_computed if seq is not None else 0,
+                                           error=StepError.DUPLICATE_WORK))
             else:
                 seen.add(item.seq_id)
                 results.append(next(computed))
         return results
 
-    def _failed(self, item: t.WorkItem, error: Exception) -> t.SeqResult:
+    def _failed(self, item: WorkItem, error: Exception) -> SeqResult:
         seq = self.sequences.get(item.seq_id)
         log.warning("a sequence failed alone in a step", exc_info=error, extra={
             "request_id": request_id_of(item.seq_id), "seq_id": item.seq_id, "error": repr(error)})
-        return t.SeqResult(item.seq_id, seq.num_computed if seq is not None else 0, error=t.StepError.INTERNAL)
+        return SeqResult(item.seq_id, seq.num_computed if seq is not None else 0, error=StepError.INTERNAL)
 
-    def _mark(self, work: list[t.WorkItem]) -> _Mark:
+    def _mark(self, work: list[WorkItem]) -> _Mark:
         marks = []
         for item in work:
             seq = self.sequences.get(item.seq_id)

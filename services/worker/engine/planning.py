@@ -21,7 +21,7 @@ import torch
 
 from common.block_hash import parent_of
 from common.types import TokenLogprob
-from services.worker.engine import types as t
+from common.step import SeqResult, StepError, WorkItem
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
 from services.worker.engine.kv_policy import KvEvictor
@@ -86,7 +86,7 @@ class StepPlanner:
         self.limits = limits
         self.block_size = limits.block_size
 
-    def plan(self, work: list[t.WorkItem], results: list[t.SeqResult]) -> list[Planned]:
+    def plan(self, work: list[WorkItem], results: list[SeqResult]) -> list[Planned]:
         """The plans of `work`, in order; appends every item's result (or error) to `results`."""
         planned: list[Planned] = []
         seen: set[str] = set()
@@ -96,29 +96,29 @@ class StepPlanner:
             seen.add(item.seq_id)
             if error:
                 computed = seq.num_computed if seq is not None else 0
-                results.append(t.SeqResult(item.seq_id, computed, error=error))
+                results.append(SeqResult(item.seq_id, computed, error=error))
                 continue
             assert seq is not None
             plan = self._plan_one(seq, item.num_tokens, len(results), item.draft_tokens)
             if plan is None:
-                results.append(t.SeqResult(item.seq_id, seq.num_computed, error=t.StepError.OUT_OF_BLOCKS))
+                results.append(SeqResult(item.seq_id, seq.num_computed, error=StepError.OUT_OF_BLOCKS))
                 continue
-            results.append(t.SeqResult(item.seq_id, plan.end, plan.cached_tokens))
+            results.append(SeqResult(item.seq_id, plan.end, plan.cached_tokens))
             planned.append(plan)
         return planned
 
-    def _work_error(self, item: t.WorkItem, seq: SequenceState | None, seen: set[str]) -> t.StepError:
+    def _work_error(self, item: WorkItem, seq: SequenceState | None, seen: set[str]) -> StepError:
         if seq is None:
-            return t.StepError.UNKNOWN_SEQUENCE
+            return StepError.UNKNOWN_SEQUENCE
         if item.seq_id in seen:
-            return t.StepError.DUPLICATE_WORK
+            return StepError.DUPLICATE_WORK
         if item.num_tokens <= 0:
-            return t.StepError.INVALID_NUM_TOKENS
+            return StepError.INVALID_NUM_TOKENS
         if seq.num_computed >= len(seq.tokens):
-            return t.StepError.NOTHING_TO_COMPUTE
+            return StepError.NOTHING_TO_COMPUTE
         if len(seq.tokens) > self.limits.max_model_len and not seq.lossy:
-            return t.StepError.EXCEEDS_MAX_MODEL_LEN
-        return t.StepError.NONE
+            return StepError.EXCEEDS_MAX_MODEL_LEN
+        return StepError.NONE
 
     def _plan_one(self, seq: SequenceState, budget: int, result_index: int,
                   draft_tokens: int = 0) -> Planned | None:

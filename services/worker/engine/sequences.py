@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from common.block_hash import ROOT_HASH, adapter_id, adapter_salt, extend_chain, parent_of, partial_block_hash, salted_key
 from common.peft_config import AdapterError
-from services.worker.engine import types as t
+from common.step import NewSequence, SeqResult
 from services.worker.engine.block_pool import BlockPool, PartialBlock
 from services.worker.engine.kv_policy import BlockBudget, block_budget, policy_error
 from services.worker.engine.lora.peft_adapter import LoraAdapter
@@ -105,7 +105,7 @@ class Sequences:
             self.free(seq_id)
         return len(seq_ids)
 
-    def register(self, new: t.NewSequence) -> None:
+    def register(self, new: NewSequence) -> None:
         self.free(new.seq_id)     # re-registering a sequence starts it over
         tokens = list(new.prompt_token_ids) + list(new.output_token_ids)
         request = SampleRequest(params=new.sampling, prompt_token_ids=list(new.prompt_token_ids),
@@ -130,7 +130,7 @@ class Sequences:
             seq.adapter_error = str(error) if isinstance(error, AdapterError) else "its files cannot be read"
             log.warning("LoRA adapter not served: %s", error, extra={"seq_id": seq.seq_id})
 
-    def _budget(self, new: t.NewSequence) -> BlockBudget | None:
+    def _budget(self, new: NewSequence) -> BlockBudget | None:
         error = policy_error(new.kv_policy)
         if error:   # the scheduler checks policies; one it let through is served in full
             log.warning("KV policy not served: %s", error, extra={"seq_id": new.seq_id})
@@ -153,7 +153,7 @@ class Sequences:
         return PartialBlock(full, tuple(seq.tokens[start:seq.num_computed]), parent, alias, seq.cache_salt)
 
     def commit(self, planned: list[Planned], sampled: list[tuple[Planned, list[SampledToken]]],
-               results: list[t.SeqResult]) -> int:
+               results: list[SeqResult]) -> int:
         """Applies the step to the sequences and results; returns the drafts accepted."""
         accepted = 0
         emitted_by_plan: dict[int, list[SampledToken]] = {}
@@ -194,7 +194,7 @@ class Sequences:
         seq.num_registered_blocks = full
 
 
-def _append_sampled(seq: SequenceState, result: t.SeqResult, emitted: list[SampledToken]) -> None:
+def _append_sampled(seq: SequenceState, result: SeqResult, emitted: list[SampledToken]) -> None:
     """The tokens a step sampled for `seq`, appended to it and reported in `result`."""
     token_ids = [token.token_id for token in emitted]
     if seq.grammar is not None:

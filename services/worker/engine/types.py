@@ -1,16 +1,11 @@
-"""Plain values in and out of Engine.step: the step contract shared with the scheduler
-(common/step.py) and the engine's own block events and info; the worker's convert.py maps them to
-protobuf."""
+"""The engine's own plain values: block events, engine info, pool listeners (the step contract
+in and out of Engine.step is common/step.py); the worker's convert.py maps them to protobuf."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
-
-from common.step import (  # noqa: F401  (the engine's step contract, re-exported)
-    NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkItem,
-)
 
 
 class StaleEpoch(ValueError):

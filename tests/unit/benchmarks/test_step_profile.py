@@ -10,7 +10,7 @@ from benchmarks.step_profile.gemm_peak import ReferenceGemms
 from benchmarks.step_profile.instrument import GEMMS, classify
 from benchmarks.step_profile.report import Peak, kind_table, run_table
 from benchmarks.step_profile.served import ServedSteps, read_histogram
-from services.worker.engine import StepBatch, WorkItem
+from common.step import StepBatch, WorkItem
 
 
 class FakeTime:

@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
-from services.gateway.tool_parsers import ConstrainedCallsParser, HermesToolParser, ParseStep
+from services.gateway.tool_parsers.constrained import ConstrainedCallsParser
+from services.gateway.tool_parsers.hermes import HermesToolParser
+from services.gateway.tool_parsers.base import ParseStep
 
 CALL_TEXT = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>'
 

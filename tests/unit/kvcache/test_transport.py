@@ -27,6 +27,8 @@ from services.kvcache.kv_types import (
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.server import SERVICE_NAME, build_server
 from services.kvcache.service import KvIndexService
+from services.gateway.scheduler_client import SchedulerClient
+from services.scheduler.kv_router import KvIndexRouter
 
 ROOT = Path(__file__).resolve().parents[3]
 BLOCK = 4
@@ -92,6 +94,24 @@ async def test_publish_lookup_stats_over_grpc(client: KvIndexClient) -> None:
     assert stats.lookup_tokens == 14 + 17 + 8
     assert stats.blocks_by_worker == {"worker-0": 3}
     assert stats.events == 1 and stats.resyncs == 1 and stats.nodes == 1
+
+
+async def test_the_scheduler_and_the_gateway_ask_through_the_same_client(
+        server: GrpcServer, client: KvIndexClient) -> None:
+    publisher = KvEventPublisher("worker-0", client.publish, lambda: [prompt_chain()])
+    assert await publisher.flush()
+    address = f"127.0.0.1:{server.port}"
+    router = KvIndexRouter(address, lambda: 0.0)
+    gateway = SchedulerClient("127.0.0.1:1", address)   # no scheduler: only its kvcache probe
+    try:
+        assert await router.cached_prefix_tokens(PROMPT) == {"worker-0": len(PROMPT)}
+        shown = await gateway.kvcache_stats()
+    finally:
+        await router.close()
+        await gateway.close()
+    assert shown == {"lookups": 1, "hits": 1, "lookup_tokens": len(PROMPT), "hit_tokens": len(PROMPT),
+                     "hit_rate": 1.0, "nodes": 1, "events": 0, "resyncs": 1,
+                     "blocks_by_worker": {"worker-0": 3}, "backend": "memory"}
 
 
 async def test_gap_over_grpc_answers_resync_needed(client: KvIndexClient) -> None:

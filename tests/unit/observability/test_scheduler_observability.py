@@ -10,7 +10,8 @@ from prometheus_client import generate_latest
 
 from common.sequence_ids import request_id_of, sequence_id
 from services.scheduler import convert
-from services.scheduler.core import CoreConfig, PoolStats, RequestUpdate, StepOutput
+from services.scheduler.core.types import CoreConfig, RequestUpdate
+from common.step import PoolStats, StepOutput
 from services.scheduler.metrics import SchedulerMetrics
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness

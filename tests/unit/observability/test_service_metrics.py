@@ -10,7 +10,7 @@ from tests.fixtures.grafana import exported_series_names
 from services.gateway.metrics import GatewayMetrics
 from services.kvcache.kv_types import IndexStats
 from services.kvcache.metrics import KvCacheMetrics
-from services.worker.engine.types import PoolStats, StepBatch, StepOutput
+from common.step import PoolStats, StepBatch, StepOutput
 from services.worker.metrics import WorkerMetrics
 
 

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 from common.types import TokenLogprob
 
-from services.scheduler.core import (
-    PoolStats, SeqResult, StepBatch, StepError, StepOutput, WorkerSpec,
-)
+from common.step import PoolStats, SeqResult, StepBatch, StepError, StepOutput
+from services.scheduler.core.types import WorkerSpec
 
 EOS_TOKEN_ID = 1
 VOCAB_SIZE = 1000

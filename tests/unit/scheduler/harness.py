@@ -8,10 +8,11 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from common.types import TokenLogprob
-from services.scheduler.core import (
-    CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SchedulerCore, StepBatch,
-    SubmitResult, TokenOut,
+from services.scheduler.core.types import (
+    CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SubmitResult, TokenOut,
 )
+from services.scheduler.core.scheduler import SchedulerCore
+from common.step import StepBatch
 
 from tests.unit.scheduler.fake_worker import FakeEngine
 

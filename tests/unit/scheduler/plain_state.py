@@ -4,7 +4,8 @@ policy modules directly (no SchedulerCore, no engine)."""
 from __future__ import annotations
 
 from services.scheduler.core.state import Phase, RequestState, WorkerState
-from services.scheduler.core.types import PoolStats, RequestSpec, WorkerSpec
+from common.step import PoolStats
+from services.scheduler.core.types import RequestSpec, WorkerSpec
 
 
 def make_request(arrival: int, *, priority: int = 0, client: str = "a", prompt: tuple[int, ...] = (1, 2, 3, 4),

@@ -3,10 +3,9 @@ preemptions."""
 
 from __future__ import annotations
 
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
-from services.scheduler.core import CoreConfig, FinishReason, Policy, PrefillMode
+from services.scheduler.core.types import CoreConfig, FinishReason, Policy, PrefillMode
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

@@ -6,7 +6,8 @@ from collections import Counter
 
 import pytest
 
-from services.scheduler.core import CoreConfig, FinishReason, StepOutput, StepBatch
+from services.scheduler.core.types import CoreConfig, FinishReason
+from common.step import StepOutput, StepBatch
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, hashed_next_token, reference_output
 from tests.unit.scheduler.harness import Harness

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from common.types import SamplingParams
 
-from services.scheduler.core import CoreConfig, FinishReason, Gate
+from services.scheduler.core.types import CoreConfig, FinishReason, Gate
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

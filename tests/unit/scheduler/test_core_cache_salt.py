@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.scheduler.core import CoreConfig
+from services.scheduler.core.types import CoreConfig
 from services.scheduler.core.prefix_share import blocked_by_leaders, shared_prefix_tokens
 from services.scheduler.core.state import Phase, RequestState
 

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from common.sequence_ids import request_id_of
 
-from services.scheduler.core import CoreConfig, FinishReason, Gate
+from services.scheduler.core.types import CoreConfig, FinishReason, Gate
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

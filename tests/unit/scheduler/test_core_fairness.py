@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.scheduler.core import CoreConfig, Policy
+from services.scheduler.core.types import CoreConfig, Policy
 
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness

@@ -10,7 +10,7 @@ import pytest
 
 from common.settings import SettingsError
 from common.step import KvPolicy
-from services.scheduler.core import CoreConfig, FinishReason, Gate
+from services.scheduler.core.types import CoreConfig, FinishReason, Gate
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit
 from services.scheduler.settings import SchedulerSettings
 

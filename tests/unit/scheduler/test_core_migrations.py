@@ -3,10 +3,10 @@ crashes them) moves at most that many times, then ends with an error."""
 
 from __future__ import annotations
 
-from services.scheduler.core import CoreConfig, FinishReason
+from services.scheduler.core.types import CoreConfig, FinishReason
 from services.scheduler.core.counters import CoreCounters
 from services.scheduler.core.failover import Failover
-from services.scheduler.core.policy import VirtualTokenCounter
+from services.scheduler.core.vtc import VirtualTokenCounter
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.routing import SessionMap
 

@@ -3,10 +3,9 @@ wait for the shared blocks, then skip them."""
 
 from __future__ import annotations
 
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
-from services.scheduler.core import CoreConfig
+from services.scheduler.core.types import CoreConfig
 from services.scheduler.core.prefix_share import common_prefix_len
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output

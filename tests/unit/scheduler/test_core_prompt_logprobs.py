@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from common.types import SamplingParams, TokenLogprob
-from services.scheduler.core import CoreConfig
-from services.scheduler.core.types import SeqResult, StepBatch, StepOutput
+from services.scheduler.core.types import CoreConfig
+from common.step import SeqResult, StepBatch, StepOutput
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

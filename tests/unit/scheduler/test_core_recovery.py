@@ -5,8 +5,7 @@ the setting (core/recovery.py)."""
 
 from __future__ import annotations
 
-from services.scheduler.core import CoreConfig, FinishReason, Gate
-from services.scheduler.core.types import RequestSpec, TenantQuota
+from services.scheduler.core.types import CoreConfig, FinishReason, Gate, RequestSpec, TenantQuota
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

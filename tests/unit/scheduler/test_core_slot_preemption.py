@@ -3,7 +3,7 @@ holding less than its fair share; the preempted request resumes unchanged."""
 
 from __future__ import annotations
 
-from services.scheduler.core import CoreConfig, Policy
+from services.scheduler.core.types import CoreConfig, Policy
 
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from common.types import SamplingParams
-from services.scheduler.core import CoreConfig, FinishReason
+from services.scheduler.core.types import CoreConfig, FinishReason
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, hashed_next_token, reference_output
 from tests.unit.scheduler.harness import Harness

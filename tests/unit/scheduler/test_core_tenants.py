@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 
 import pytest
 
-from services.scheduler.core import CoreConfig, Policy
+from services.scheduler.core.types import CoreConfig, Policy
 
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness

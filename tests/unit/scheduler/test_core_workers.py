@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core import CoreConfig, FinishReason, Gate
+from services.scheduler.core.types import CoreConfig, FinishReason, Gate
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from common.types import Usage
-from services.scheduler.core import Finish, FinishReason, RequestUpdate
+from services.scheduler.core.types import Finish, FinishReason, RequestUpdate
 from services.scheduler.detached import DetachedLog
 
 

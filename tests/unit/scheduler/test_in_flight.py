@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.scheduler.core.in_flight import dispatch, retire
 from services.scheduler.core.state import InFlightStep, Phase
-from services.scheduler.core.types import StepBatch, WorkItem
+from common.step import StepBatch, WorkItem
 
 from tests.unit.scheduler.plain_state import make_request
 

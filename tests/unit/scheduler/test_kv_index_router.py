@@ -8,6 +8,7 @@ import asyncio
 import grpc
 from fairserve.v1 import kvindex_pb2
 
+from services.kvcache.client import KvIndexClient
 from services.scheduler.kv_router import KV_MISSED_DEADLINES_BEFORE_PAUSE, KV_RETRY_AFTER_S, KvIndexRouter
 
 
@@ -42,7 +43,7 @@ def lookup(router: KvIndexRouter) -> dict[str, int]:
 
 def test_one_slow_lookup_does_not_pause_the_index() -> None:
     index, clock = ScriptedIndex(), FakeClock()
-    router = KvIndexRouter("unused", clock, stub=index)
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index))
     index.failures = [grpc.StatusCode.DEADLINE_EXCEEDED]
     assert lookup(router) == {}
     assert lookup(router) == {"w0": 4}
@@ -51,7 +52,7 @@ def test_one_slow_lookup_does_not_pause_the_index() -> None:
 
 def test_repeated_timeouts_pause_the_index_then_it_is_asked_again() -> None:
     index, clock = ScriptedIndex(), FakeClock()
-    router = KvIndexRouter("unused", clock, stub=index)
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index))
     index.failures = [grpc.StatusCode.DEADLINE_EXCEEDED] * KV_MISSED_DEADLINES_BEFORE_PAUSE
     for _ in range(KV_MISSED_DEADLINES_BEFORE_PAUSE):
         assert lookup(router) == {}
@@ -62,7 +63,7 @@ def test_repeated_timeouts_pause_the_index_then_it_is_asked_again() -> None:
 
 def test_an_answer_resets_the_count_of_missed_deadlines() -> None:
     index, clock = ScriptedIndex(), FakeClock()
-    router = KvIndexRouter("unused", clock, stub=index)
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index))
     for _ in range(3):
         index.failures = [grpc.StatusCode.DEADLINE_EXCEEDED] * (KV_MISSED_DEADLINES_BEFORE_PAUSE - 1)
         for _ in range(KV_MISSED_DEADLINES_BEFORE_PAUSE - 1):
@@ -72,7 +73,7 @@ def test_an_answer_resets_the_count_of_missed_deadlines() -> None:
 
 def test_an_unreachable_index_is_paused_at_once() -> None:
     index, clock = ScriptedIndex(), FakeClock()
-    router = KvIndexRouter("unused", clock, stub=index)
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index))
     index.failures = [grpc.StatusCode.UNAVAILABLE]
     assert lookup(router) == {}
     clock.now += KV_RETRY_AFTER_S - 0.1
@@ -84,7 +85,7 @@ def test_an_unreachable_index_is_paused_at_once() -> None:
 def test_availability_goes_down_with_the_pause_and_up_with_the_next_answer() -> None:
     index, clock = ScriptedIndex(), FakeClock()
     heard: list[bool] = []
-    router = KvIndexRouter("unused", clock, stub=index, on_availability=heard.append)
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index), on_availability=heard.append)
     index.failures = [grpc.StatusCode.DEADLINE_EXCEEDED]
     lookup(router)
     assert router.available and heard == []           # one slow lookup is not an outage

@@ -48,7 +48,7 @@ def test_routing_prefers_the_prefix_then_a_worker_holding_the_adapter_then_the_l
 
 
 def test_fairness_charges_adapter_tokens_like_any_other() -> None:
-    from services.scheduler.core import CoreConfig, Policy
+    from services.scheduler.core.types import CoreConfig, Policy
 
     from tests.unit.scheduler.fake_worker import FakeEngine
     from tests.unit.scheduler.harness import Harness

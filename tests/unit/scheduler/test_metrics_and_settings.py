@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from common import prometheus_names as names
 from common.settings import SettingsError
 
-from services.scheduler.core import CoreConfig, Policy, PrefillMode
+from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from services.gateway.convert import scheduler_stats_to_dict
 from services.scheduler import convert
-from services.scheduler.core import CoreConfig, Policy
+from services.scheduler.core.types import CoreConfig, Policy
 
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness

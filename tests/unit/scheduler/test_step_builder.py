@@ -5,7 +5,7 @@ from __future__ import annotations
 from common.types import SamplingParams
 
 from services.scheduler.core.step_builder import StepBuilder
-from services.scheduler.core.types import NewSequence, WorkItem
+from common.step import NewSequence, WorkItem
 
 
 def test_add_and_drop_move_the_budgets_by_tokens_drafts_and_blocks() -> None:

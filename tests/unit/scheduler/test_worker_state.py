@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from services.scheduler.core.state import InFlightStep
-from services.scheduler.core.types import PoolStats, StepOutput, StepBatch, WorkItem
+from common.step import PoolStats, StepOutput, StepBatch, WorkItem
 
 from tests.unit.scheduler.plain_state import make_worker
 

@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, StepOutput, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, StepOutput, WorkItem
 from services.worker.engine.sampler import SampleRequest, Sampler
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import bf16_compute
 from services.worker.engine.cpu.bf16_compute import (CALIBRATION_ROWS, cpu_flags, first_win, pack_bfloat16,
                                                      require_bfloat16_cpu)

@@ -253,7 +253,7 @@ def test_clear_cache_forgets_partial_entries() -> None:
 def test_invariant_checker_catches_corruption() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
     pool.allocate("a", 4)
-    pool._refcount[pool.table("a")[0]] = 2
+    pool._state.refcount[pool.table("a")[0]] = 2
     with pytest.raises(PoolInvariantError):
         pool.check_invariants()
 
@@ -264,7 +264,7 @@ def test_invariant_checker_catches_a_stale_tail_entry() -> None:
     pool.free("a", _partial([1, 2, 3], 2))
     partial_block = pool.find_cached_tail(chain_hashes([1, 2], 2)[0], [3])
     assert partial_block is not None
-    pool._block_tokens[partial_block] = None
+    pool._state.block_tokens[partial_block] = None
     with pytest.raises(PoolInvariantError):
         pool.check_invariants()
 
@@ -501,8 +501,8 @@ def test_invariant_checker_catches_a_stale_alias() -> None:
     _fill(pool, "a", tokens)
     pool.free("a", _aliased(tokens, 11))
     pool.check_invariants()
-    (block,) = pool._alias_blocks[11]
-    pool._alias_of[block] = 12
+    (block,) = pool._state.aliases.blocks[11]
+    pool._state.aliases.of[block] = 12
     with pytest.raises(PoolInvariantError):
         pool.check_invariants()
 

@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem, StepError
 from services.worker.engine.device import resolve_device, resolve_dtype
-from services.worker.engine.types import StepError
 from tests.unit.worker.engine_helpers import Driver, generate, make_engine, prompt_of, reference_model
 
 

@@ -13,7 +13,9 @@ import copy
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cuda import decode_graphs
 from services.worker.engine.cuda.decode_graphs import (
     CudaGraphCapture,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.block_hash import chain_hashes
-from services.worker.engine import Engine
+from services.worker.engine.engine import Engine
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,

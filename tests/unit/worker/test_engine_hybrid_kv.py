@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.step import KvPolicy
+from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cuda import decode_graphs
 from services.worker.engine.kv_cache import SLIDING_GROUP
 from tests.unit.worker.engine_helpers import (Driver, RecordingSampler, assert_greedy_matches, make_engine,

@@ -11,7 +11,8 @@ from common.block_hash import prompt_hashes
 from services.kvcache.backend import MemoryBackend
 from services.kvcache.kv_types import LookupQuery, WorkerMatch
 from services.kvcache.publisher import KvEventPublisher
-from services.worker.engine import Engine, StepBatch
+from services.worker.engine.engine import Engine
+from common.step import StepBatch
 from services.worker.engine.types import REMOVED, STORED, BlockEvent
 from services.worker.kv_events import add_events, snapshot_source
 from tests.unit.worker.engine_helpers import Driver, make_engine, prompt_of

@@ -10,9 +10,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from common.step import KvPolicy
+from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
 from services.worker.engine.kv_rotation import _rotate_half
 from tests.unit.worker.engine_helpers import RecordingSampler, make_engine, prompt_of
 

@@ -8,10 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.step import KvPolicy
+from common.step import KvPolicy, NewSequence, StepBatch, WorkItem, StepError
 from common.types import SamplingParams
-from services.worker.engine import Engine, NewSequence, StepBatch, WorkItem
-from services.worker.engine.types import StepError
+from services.worker.engine.engine import Engine
 from tests.unit.worker.engine_helpers import RecordingSampler, make_engine, prompt_of
 
 BLOCK = 4

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cpu import screen_loader
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, screening_available
+from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
+from services.worker.engine.cpu.screen_fbgemm import screening_available
 from services.worker.engine.cpu.screen_loader import MIN_SCREENED_VOCAB
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.lora import layers
 from services.worker.engine.lora.registry import LoraConfig
 from tests.fixtures.tiny_lora import save_random_adapter

@@ -10,8 +10,8 @@ import torch
 
 from common.block_hash import ROOT_HASH, chain_hashes
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
-from services.worker.engine.types import REMOVED, STORED, StepError
+from common.step import NewSequence, StepBatch, WorkItem, StepError
+from services.worker.engine.types import REMOVED, STORED
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,

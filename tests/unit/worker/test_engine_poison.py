@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.engine import Engine, NewSequence, StepBatch, WorkItem
-from services.worker.engine.types import StepError
+from services.worker.engine.engine import Engine
+from common.step import NewSequence, StepBatch, WorkItem, StepError
 
 from tests.unit.worker.engine_helpers import Driver, make_engine, prompt_of
 

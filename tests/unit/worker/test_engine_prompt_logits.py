@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import Engine, NewSequence, StepBatch, WorkItem
+from services.worker.engine.engine import Engine
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.prompt_logits import PromptLogitsCache, prompt_key
 from tests.unit.worker.engine_helpers import (
     Driver,

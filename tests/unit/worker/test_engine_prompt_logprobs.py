@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem
 from tests.unit.worker.engine_helpers import Driver, make_engine, prompt_of
 
 ATOL = 1e-4

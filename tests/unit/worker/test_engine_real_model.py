@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.worker.engine import Engine, EngineConfig
-from services.worker.engine.cpu.lm_head_screen import screening_available
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.cpu.screen_fbgemm import screening_available
 from tests.unit.worker.engine_helpers import Driver
 
 PROMPTS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.speculation import NgramIndex, accepted_prefix
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, reference_model
 

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine import engine as engine_module
 from services.worker.engine.cpu.native_prefill import load_native_prefill
 from services.worker.engine.cuda import varlen_attention

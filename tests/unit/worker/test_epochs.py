@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry
 
 from common.grpc_server import GrpcServer, insecure_channel
 from common.types import SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.types import StaleEpoch
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import EngineThread, WorkerService, keep_registered

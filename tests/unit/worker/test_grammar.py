@@ -14,7 +14,7 @@ import torch
 
 from common.grammar import json_schema_constraint
 from common.types import Constraint, ConstraintKind, SamplingParams
-from services.worker.engine import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.grammar import Grammars, GrammarTokenizer
 from services.worker.engine.sampler import SampleRequest, Sampler
 from tests.fixtures.tiny_model import build_tokenizer
@@ -202,7 +202,8 @@ def test_engine_speculative_drafts_are_checked_against_the_grammar(hf_tokenizer,
 
 @pytest.mark.parametrize("mode", ["first_use", "start"])
 def test_the_tokenizer_is_built_at_start_or_when_the_first_constrained_sequence_registers(tmp_path, mode):
-    from services.worker.engine import Engine, EngineConfig
+    from services.worker.engine.engine import Engine
+    from services.worker.engine.config import EngineConfig
     from tests.fixtures.tiny_model import save_tiny_model
     save_tiny_model(tmp_path)
     engine = Engine(EngineConfig(model_dir=str(tmp_path), num_blocks=64, block_size=4, grammar_tokenizer=mode))

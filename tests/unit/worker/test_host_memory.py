@@ -53,7 +53,8 @@ def test_the_gemm_caches_are_capped_unless_the_environment_says_otherwise(monkey
 
 
 def test_a_cpu_engine_caps_the_gemm_caches_before_its_first_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.engine import Engine, EngineConfig
+    from services.worker.engine.engine import Engine
+    from services.worker.engine.config import EngineConfig
     from tests.fixtures.tiny_model import build_model, gemma3_config
 
     for name in host_memory.GEMM_CACHE_VARIABLES:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
 from services.worker.engine.cpu.native_build import COMPILE_FLAGS, EXTRA_SOURCES, SOURCES, default_cache_dir

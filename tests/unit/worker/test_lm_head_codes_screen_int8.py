@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from services.worker.engine import EngineConfig
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import codes_screen_int8
 from services.worker.engine.cpu.codes_screen_int8 import (INT8_GRID, check_rows, faster_activations,
                                                           int8_available, quantize_blocks)

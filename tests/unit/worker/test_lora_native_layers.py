@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
 from tests.fixtures.tiny_lora import greedy_mixed, save_random_adapter
 from tests.fixtures.tiny_model import build_model

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.weight_codes import PANEL, NativeCodedLinear, load_coded_linear, narrow_stride

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.native_layers import NativeDecodeLayers
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (

@@ -9,7 +9,8 @@ import copy
 import pytest
 import torch
 
-from services.worker.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import cpu_linear
 from services.worker.engine.cpu.coded_head import CodedEmbedding
 from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available

@@ -25,7 +25,8 @@ import torch
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.codes_screen_int8 import ACTIVATIONS
 from services.worker.engine.cpu.host_memory import release_freed_host_memory
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul, screening_available
+from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
+from services.worker.engine.cpu.screen_fbgemm import screening_available
 from services.worker.engine.cpu.screen_rows import RowSplit, split_by_rows
 from services.worker.engine.cpu.weight_codes import CodedWeight
 
