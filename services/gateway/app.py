@@ -21,9 +21,11 @@ from starlette.middleware import Middleware
 
 from common.types import Usage
 from common.version import package_version
-from services.gateway import lora_api, openai_api, tokenize_api
+from services.gateway.doors import lora_api
+from services.gateway.doors import openai_api
+from services.gateway.doors import tokenize_api
 from services.gateway.responses import api as responses_api
-from services.gateway.backend import BackendError, SchedulerBackend
+from services.gateway.requests.backend import BackendError, SchedulerBackend
 from services.gateway.drain import Drain, DrainMiddleware
 from services.gateway.errors import (
     INVALID_REQUEST,
@@ -35,10 +37,10 @@ from services.gateway.errors import (
     server_error,
     unavailable,
 )
-from services.gateway.generation import GenerationService, TextDelta
-from services.gateway.lora_catalog import with_adapter
-from services.gateway.metrics import GatewayMetrics
-from services.gateway.request_span import RequestSpanMiddleware
+from services.gateway.streaming.generation import GenerationService, TextDelta
+from services.gateway.models.lora_catalog import with_adapter
+from services.gateway.observability.metrics import GatewayMetrics
+from services.gateway.observability.request_span import RequestSpanMiddleware
 from services.gateway.middleware import (
     ApiKeyMiddleware,
     BodyLimitMiddleware,
@@ -46,28 +48,28 @@ from services.gateway.middleware import (
     JsonBodyMiddleware,
     RequestContextMiddleware,
 )
-from services.gateway.schemas import GenerateBody
+from services.gateway.requests.schemas import GenerateBody
 from services.gateway.settings import GatewaySettings
-from services.gateway.spec import RequestFields, TextInput
-from services.gateway.stats_view import (
+from services.gateway.requests.spec import RequestFields, TextInput
+from services.gateway.tenancy.stats_view import (
     dependencies_view,
     kvcache_view,
     scheduler_view,
     stats_scope,
 )
-from services.gateway.structured import body_constraint
-from services.gateway.sse import event_stream, sse_data
+from services.gateway.requests.structured import body_constraint
+from services.gateway.doors.sse import event_stream, sse_data
 from services.gateway.state import (
     GatewayState,
     prime,
     scheduler_request_id,
     until_disconnected,
 )
-from services.gateway.tenant_quota import TenantQuotas
-from services.gateway.tenant_trackers import TenantTrackers
-from services.gateway.tenants import Tenant
-from services.gateway.unsupported import reject_unsupported
-from services.gateway.validation import SamplingInput
+from services.gateway.tenancy.tenant_quota import TenantQuotas
+from services.gateway.tenancy.tenant_trackers import TenantTrackers
+from services.gateway.tenancy.tenants import Tenant
+from services.gateway.requests.unsupported import reject_unsupported
+from services.gateway.requests.validation import SamplingInput
 
 log = logging.getLogger(__name__)
 router = APIRouter()

@@ -16,7 +16,7 @@ from common.convert import (
 from common.grpc_server import REJECTION_KEY
 from common.types import Usage
 from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
-from services.gateway.backend import (
+from services.gateway.requests.backend import (
     BackendError,
     Finish,
     GenerationEvent,
@@ -30,9 +30,9 @@ from services.gateway.backend import (
     Unavailable,
     WorkerView,
 )
-from services.gateway.spec import RequestFields, TextInput
-from services.gateway.tenants import TenantLimits
-from services.gateway.validation import SamplingInput
+from services.gateway.requests.spec import RequestFields, TextInput
+from services.gateway.tenancy.tenants import TenantLimits
+from services.gateway.requests.validation import SamplingInput
 from services.kvcache.kv_types import IndexStats
 
 DEFAULT_RETRY_AFTER_S = 1

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from prometheus_client import Gauge
 
-from services.gateway.backend import Readiness, SchedulerBackend
+from services.gateway.requests.backend import Readiness, SchedulerBackend
 
 DEPENDENCIES = ("scheduler", "kvcache")
 MAX_AGE_S = 1.0

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.gateway.backend import InvalidGeneration, Overloaded, Unavailable
+from services.gateway.requests.backend import InvalidGeneration, Overloaded, Unavailable
 
 INVALID_REQUEST = "invalid_request_error"
 AUTHENTICATION = "authentication_error"

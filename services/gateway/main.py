@@ -19,13 +19,13 @@ from common.model_store import resolve_model_dir
 from common.shutdown import StopRequests, stop_requests
 from services.gateway.app import create_app, create_metrics_app
 from services.gateway.drain import Drain
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer
-from services.gateway.grpc_api import add_to_server as add_text_api
-from services.gateway.grpc_api import public_grpc_limits
+from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer
+from services.gateway.doors.grpc_api import add_to_server as add_text_api
+from services.gateway.doors.grpc_api import public_grpc_limits
 from services.gateway.http_limits import uvicorn_limits
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.streaming.scheduler_client import SchedulerClient
 from services.gateway.settings import GatewaySettings
-from services.gateway.text_tokenizer import TextTokenizer
+from services.gateway.text.text_tokenizer import TextTokenizer
 
 log = logging.getLogger(__name__)
 GRACEFUL_SHUTDOWN_S = 5

@@ -18,7 +18,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from common.logs import request_id_var
 from common.tracing import forget_trace
-from services.gateway.api_keys import presented_key
+from services.gateway.tenancy.api_keys import presented_key
 from services.gateway.errors import (
     ApiError,
     bad_request,
@@ -27,9 +27,9 @@ from services.gateway.errors import (
     unauthorized,
     unavailable,
 )
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.observability.metrics import GatewayMetrics
 from services.gateway.request_ids import client_request_id
-from services.gateway.tenants import TenantRegistry
+from services.gateway.tenancy.tenants import TenantRegistry
 
 log = logging.getLogger("services.gateway.access")
 REQUEST_ID_HEADER = b"x-request-id"

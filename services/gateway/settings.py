@@ -11,10 +11,10 @@ from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
 from common.settings import SettingsError
 from services.gateway.settings_schema import GatewaySchema
-from services.gateway.identity import AUTO_SCOPE, cache_scope_for
-from services.gateway.served_names import default_served_name, served_names
-from services.gateway.tenant_config import load_tenants, read_api_keys
-from services.gateway.tenants import TenantRegistry
+from services.gateway.tenancy.identity import AUTO_SCOPE, cache_scope_for
+from services.gateway.models.served_names import default_served_name, served_names
+from services.gateway.tenancy.tenant_config import load_tenants, read_api_keys
+from services.gateway.tenancy.tenants import TenantRegistry
 
 ONE_MIB = 1024 * 1024
 

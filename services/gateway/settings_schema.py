@@ -12,7 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from common.logs import LOG_LEVELS
-from services.gateway.identity import AUTO_SCOPE, CACHE_SCOPES
+from services.gateway.tenancy.identity import AUTO_SCOPE, CACHE_SCOPES
 from services.gateway.tool_parsers import PARSERS
 
 from common.shared_settings import InternalAuthFields, TracingFields

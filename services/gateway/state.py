@@ -15,8 +15,8 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from common.tracing import tracer
-from services.gateway.backend import GenerationSpec, SchedulerBackend
-from services.gateway.chat_template import (
+from services.gateway.requests.backend import GenerationSpec, SchedulerBackend
+from services.gateway.text.chat_template import (
     ChatTemplateError,
     raw_prompt_ids,
     turn_stop_token_ids,
@@ -25,17 +25,17 @@ from services.gateway.chat_template import (
 from services.gateway.dependencies import DependencyMonitor
 from services.gateway.drain import Drain
 from services.gateway.errors import bad_request, client_gone, model_not_found
-from services.gateway.generation import GenerationService
-from services.gateway.identity import Caller
-from services.gateway.lora_catalog import AdapterEntry, LoraCatalog, UnknownModel
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.streaming.generation import GenerationService
+from services.gateway.tenancy.identity import Caller
+from services.gateway.models.lora_catalog import AdapterEntry, LoraCatalog, UnknownModel
+from services.gateway.observability.metrics import GatewayMetrics
 from services.gateway.responses.store import ResponseStore
 from services.gateway.settings import GatewaySettings
-from services.gateway.prompt_bound import BoundedTokenizer, longest_token_chars
-from services.gateway.spec import Limits, TextInput, build_spec, prompt_context
-from services.gateway.tenant_quota import TenantQuotas
-from services.gateway.tenants import Tenant
-from services.gateway.validation import check_text
+from services.gateway.requests.prompt_bound import BoundedTokenizer, longest_token_chars
+from services.gateway.requests.spec import Limits, TextInput, build_spec, prompt_context
+from services.gateway.tenancy.tenant_quota import TenantQuotas
+from services.gateway.tenancy.tenants import Tenant
+from services.gateway.requests.validation import check_text
 
 T = TypeVar("T")
 

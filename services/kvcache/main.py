@@ -12,9 +12,9 @@ from prometheus_client import CollectorRegistry
 from common.logs import configure_logging
 from common.metrics import serve_metrics
 from common.shutdown import on_stop_signal
-from services.kvcache.backend import IndexBackend, MemoryBackend
+from services.kvcache.stores.backend import IndexBackend, MemoryBackend
 from services.kvcache.metrics import KvCacheMetrics
-from services.kvcache.redis_backend import RedisBackend
+from services.kvcache.stores.redis_backend import RedisBackend
 from services.kvcache.server import build_server
 from services.kvcache.service import KvIndexService
 from services.kvcache.settings import KvCacheSettings

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from common.block_hash import prompt_hashes, salted_key
-from services.kvcache.backend import IndexBackend
+from services.kvcache.stores.backend import IndexBackend
 from services.kvcache.kv_types import (
     IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
 )

@@ -19,7 +19,6 @@ import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from common.grpc_server import GrpcServer, internal_channel, request_id_from
-from common.internal_auth import InternalAuth
 from common.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
 from common.step_convert import step_batch_to_proto, step_output_from_proto

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from services.gateway.latency_tracker import LatencyTracker, RequestRecord
+from services.gateway.observability.latency_tracker import LatencyTracker, RequestRecord
 from fairserve.launcher.stack import Stack
 
 playwright_api = pytest.importorskip("playwright.sync_api")

@@ -22,21 +22,21 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from services.gateway.backend import GenerationSpec
-from services.gateway.chat_request import ChatRequest, call_reader, constrain_tool_call, read_chat
-from services.gateway.chat_template import chat_prompt_ids, turn_stop_token_ids
+from services.gateway.requests.backend import GenerationSpec
+from services.gateway.requests.chat_request import ChatRequest, call_reader, constrain_tool_call, read_chat
+from services.gateway.text.chat_template import chat_prompt_ids, turn_stop_token_ids
 from services.gateway.errors import ApiError, bad_request, from_backend, overloaded
-from services.gateway.generation import merge_streams
-from services.gateway.lora_catalog import with_adapter
-from services.gateway.openai_api import chat_fields
+from services.gateway.streaming.generation import merge_streams
+from services.gateway.models.lora_catalog import with_adapter
+from services.gateway.doors.openai_api import chat_fields
 from services.gateway.responses.body import ResponseCreateBody
 from services.gateway.responses.events import ResponseBuilder, conversation_of
 from services.gateway.responses.runner import start
 from services.gateway.responses.store import ResponseRecord, ResponseStore, TooManyResponses
 from services.gateway.responses.translate import chat_body, input_messages, refuse_unimplemented
-from services.gateway.schemas import ChatCompletionBody
-from services.gateway.spec import build_spec
-from services.gateway.sse import event_stream
+from services.gateway.requests.schemas import ChatCompletionBody
+from services.gateway.requests.spec import build_spec
+from services.gateway.doors.sse import event_stream
 from services.gateway.state import GatewayState, scheduler_request_id, until_disconnected
 
 router = APIRouter(prefix="/v1")

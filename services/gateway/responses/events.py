@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from common.types import Usage
-from services.gateway.generation import TextDelta
+from services.gateway.streaming.generation import TextDelta
 
 
 @dataclass

@@ -10,9 +10,9 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from services.gateway.backend import BackendError
+from services.gateway.requests.backend import BackendError
 from services.gateway.errors import from_backend
-from services.gateway.generation import TextDelta
+from services.gateway.streaming.generation import TextDelta
 from services.gateway.responses.store import ResponseRecord, ResponseStore
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ from typing import Any
 
 from services.gateway.errors import bad_request
 from services.gateway.responses.body import ResponseCreateBody
-from services.gateway.schemas import ChatCompletionBody
+from services.gateway.requests.schemas import ChatCompletionBody
 
 # Fields of OpenAI's create body that ask for nothing with these values.
 _NO_OPS: dict[str, tuple[Any, ...]] = {

@@ -23,10 +23,10 @@ from dataclasses import replace
 
 from common.types import SamplingParams, Usage
 
-from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.vtc import VirtualTokenCounter
-from services.scheduler.core.policy import WaitingClients
-from services.scheduler.core.quotas import TenantQuotas
+from services.scheduler.core.fairness.counters import CoreCounters
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
+from services.scheduler.core.fairness.policy import WaitingClients
+from services.scheduler.core.fairness.quotas import TenantQuotas
 from services.scheduler.core.state import Phase, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import Finish, FinishReason, Gate, Rejection, RequestUpdate

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from services.scheduler.core.slot_fairness import preemption_victim
+from services.scheduler.core.fairness.slot_fairness import preemption_victim
 from services.scheduler.core.state import RequestState, blocks_for
 
 

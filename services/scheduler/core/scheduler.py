@@ -30,16 +30,16 @@ from itertools import count
 from common.types import TokenLogprob, Usage
 
 from services.scheduler.core import gates
-from services.scheduler.core.counters import CoreCounters, core_stats
-from services.scheduler.core.drain import DrainOutcome, drain
-from services.scheduler.core.failover import Failover, Stranded
+from services.scheduler.core.fairness.counters import CoreCounters, core_stats
+from services.scheduler.core.faults.drain import DrainOutcome, drain
+from services.scheduler.core.faults.failover import Failover, Stranded
 from services.scheduler.core.in_flight import dispatch, retire
-from services.scheduler.core.vtc import VirtualTokenCounter
-from services.scheduler.core.quotas import TenantQuotas, TenantUsage
-from services.scheduler.core.recovery import Parked, WorkerRecovery
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
+from services.scheduler.core.fairness.quotas import TenantQuotas, TenantUsage
+from services.scheduler.core.faults.recovery import Parked, WorkerRecovery
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.routing import SessionMap, route, session_key
-from services.scheduler.core.slot_fairness import preemption_victim
+from services.scheduler.core.fairness.slot_fairness import preemption_victim
 from services.scheduler.core.state import InFlightStep, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.step_planner import StepPlanner

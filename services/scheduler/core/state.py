@@ -10,7 +10,7 @@ from common.step import KvPolicy, PoolStats, StepOutput, StepBatch
 from common.types import SamplingParams, TokenLogprob
 
 from services.scheduler.core.types import Gate, RequestSpec, WorkerSpec
-from services.scheduler.core.vtc import sane_weight
+from services.scheduler.core.fairness.vtc import sane_weight
 
 MAX_NOTED_ADAPTERS = 64
 

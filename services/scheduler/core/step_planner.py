@@ -19,13 +19,13 @@ from collections.abc import Callable
 from common.sequence_ids import sequence_id
 
 from services.scheduler.core import gates
-from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.vtc import VirtualTokenCounter
-from services.scheduler.core.policy import effective_policy, pick_next
+from services.scheduler.core.fairness.counters import CoreCounters
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
+from services.scheduler.core.fairness.policy import effective_policy, pick_next
 from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
-from services.scheduler.core.slot_fairness import slot_victim
+from services.scheduler.core.fairness.slot_fairness import slot_victim
 from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder

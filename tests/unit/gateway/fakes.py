@@ -13,7 +13,7 @@ from typing import Any
 import uvicorn
 
 from common.types import TokenLogprob, TopLogprob, Usage
-from services.gateway.backend import (
+from services.gateway.requests.backend import (
     BackendError,
     Finish,
     GenerationEvent,
@@ -225,7 +225,7 @@ class GrpcThread:
 
     async def _start(self) -> None:
         from common.grpc_server import GrpcServer
-        from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+        from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
 
         self._server = GrpcServer([(add_to_server, TextGenerationServicer(self._state))],
                                   [SERVICE_NAME], "127.0.0.1", 0,

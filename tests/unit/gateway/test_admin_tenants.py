@@ -11,9 +11,9 @@ import pytest
 
 from common.settings import SettingsError
 from services.gateway.settings import GatewaySettings
-from services.gateway.stats_view import stats_scope
-from services.gateway.tenant_config import load_tenants
-from services.gateway.tenants import Tenant, derived_name
+from services.gateway.tenancy.stats_view import stats_scope
+from services.gateway.tenancy.tenant_config import load_tenants
+from services.gateway.tenancy.tenants import Tenant, derived_name
 
 
 def test_admin_keys_are_api_keys_of_operator_tenants() -> None:

@@ -15,9 +15,9 @@ import pytest
 from common.grpc_server import GrpcServer, insecure_channel
 from common.types import TokenLogprob, TopLogprob
 from fairserve.v1 import gateway_pb2
-from services.gateway.backend import GenerationSpec
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
-from services.gateway.unsupported import UNSUPPORTED
+from services.gateway.requests.backend import GenerationSpec
+from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.requests.unsupported import UNSUPPORTED
 from tests.unit.gateway.fakes import FakeScheduler
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}

@@ -5,7 +5,7 @@ from typing import Any
 
 import pytest
 
-from services.gateway.chat_template import (
+from services.gateway.text.chat_template import (
     ChatMessage,
     ChatTemplateError,
     chat_prompt_ids,

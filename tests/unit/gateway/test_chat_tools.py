@@ -15,8 +15,8 @@ import openai
 import pytest
 
 from common.types import ConstraintKind
-from services.gateway.chat_template import ChatMessage, ToolCallRecord, chat_prompt_ids
-from services.gateway.chat_tools import (
+from services.gateway.text.chat_template import ChatMessage, ToolCallRecord, chat_prompt_ids
+from services.gateway.requests.chat_tools import (
     ToolChoice,
     ToolMode,
     call_schema,
@@ -24,7 +24,7 @@ from services.gateway.chat_tools import (
     resolve_tool_choice,
 )
 from services.gateway.errors import ApiError
-from services.gateway.schemas import ToolBody, ToolChoiceBody
+from services.gateway.requests.schemas import ToolBody, ToolChoiceBody
 from tests.fixtures.tool_template import TOOL_CHAT_TEMPLATE
 from tests.unit.gateway.fakes import EOS_ID, FakeScheduler, ServerThread
 

@@ -15,8 +15,8 @@ import pytest
 
 from common.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.backend import SchedulerLost, Unavailable
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.requests.backend import SchedulerLost, Unavailable
+from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler
 

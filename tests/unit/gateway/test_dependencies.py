@@ -17,9 +17,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from common import prometheus_names as names
 from common.grpc_server import GrpcServer
 from services.gateway.app import create_app
-from services.gateway.backend import Readiness
+from services.gateway.requests.backend import Readiness
 from services.gateway.dependencies import DependencyMonitor
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.streaming.scheduler_client import SchedulerClient
 from services.gateway.settings import GatewaySettings
 
 from tests.unit.gateway.fakes import FakeScheduler

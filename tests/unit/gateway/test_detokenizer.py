@@ -6,7 +6,7 @@ from typing import Any
 import pytest
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_bytes
+from services.gateway.text.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, token_bytes
 
 TEXTS = ["東京 🙂", "Zwei Äpfel kosten 3 € — naïve café", "Hello world! How are you?",
          "def add(a, b):\n    return a + b\n", "🙂🙂 emoji 東京東京"]

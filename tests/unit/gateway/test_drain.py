@@ -18,7 +18,7 @@ from common.shutdown import StopRequests
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.drain import RETRY_AFTER_S, Drain
 from services.gateway.errors import ApiError
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
 from services.gateway.main import drain_then_exit
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 

@@ -10,7 +10,7 @@ from typing import Any
 import openai
 import pytest
 
-from services.gateway.chat_template import raw_prompt_ids
+from services.gateway.text.chat_template import raw_prompt_ids
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
 MODEL = "gemma-3-270m"   # the default served name (SERVED_MODEL_NAME unset)

@@ -19,7 +19,7 @@ from benchmarks.fuzz_grpc import SERVER_FAILURES, run_grpc_fuzz
 from fairserve.v1 import common_pb2, gateway_pb2
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler, GrpcThread
 
 API_KEY = "sk-fuzz-key"

@@ -9,10 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
-from services.gateway.backend import InvalidGeneration, Overloaded, Unavailable
-from services.gateway.chat_template import raw_prompt_ids, user_turn_ids
-from services.gateway.tenant_config import load_tenants
-from services.gateway.tenants import derived_name
+from services.gateway.requests.backend import InvalidGeneration, Overloaded, Unavailable
+from services.gateway.text.chat_template import raw_prompt_ids, user_turn_ids
+from services.gateway.tenancy.tenant_config import load_tenants
+from services.gateway.tenancy.tenants import derived_name
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 

@@ -10,10 +10,10 @@ import pytest
 
 from common.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from services.gateway.backend import Overloaded
-from services.gateway.chat_template import raw_prompt_ids
-from services.gateway.tenant_config import load_tenants
-from services.gateway.grpc_api import (
+from services.gateway.requests.backend import Overloaded
+from services.gateway.text.chat_template import raw_prompt_ids
+from services.gateway.tenancy.tenant_config import load_tenants
+from services.gateway.doors.grpc_api import (
     SERVICE_NAME,
     TextGenerationServicer,
     add_to_server,

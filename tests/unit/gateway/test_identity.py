@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from services.gateway.errors import ApiError
-from services.gateway.identity import Caller, Identity, cache_scope_for, cap_priority, resolve_identity
+from services.gateway.tenancy.identity import Caller, Identity, cache_scope_for, cap_priority, resolve_identity
 from services.gateway.settings import GatewaySettings
-from services.gateway.tenants import TenantRegistry
-from services.gateway.tenants import Tenant, TenantLimits
+from services.gateway.tenancy.tenants import TenantRegistry
+from services.gateway.tenancy.tenants import Tenant, TenantLimits
 
 ACME = Tenant("acme", TenantLimits(weight=2.5, max_priority=3))
 

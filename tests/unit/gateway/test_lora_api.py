@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler
 
 KEYS = "alice=sk-alice,bob=sk-bob"
@@ -183,7 +183,7 @@ async def test_unloading_lets_a_running_request_finish(keyed: httpx.AsyncClient,
 
 def test_a_bad_lora_module_stops_the_gateway_naming_it(tmp_path: Path) -> None:
     from common.settings import SettingsError
-    from services.gateway.lora_catalog import LoraCatalog
+    from services.gateway.models.lora_catalog import LoraCatalog
 
     with pytest.raises(SettingsError, match="LORA_MODULES adapter 'gone'"):
         LoraCatalog.from_modules("base", {"gone": str(tmp_path / "missing")})

@@ -10,9 +10,9 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.backend import Overloaded, Unavailable
-from services.gateway.chat_template import ChatMessage, chat_prompt_ids, raw_prompt_ids
-from services.gateway.tenant_config import load_tenants
+from services.gateway.requests.backend import Overloaded, Unavailable
+from services.gateway.text.chat_template import ChatMessage, chat_prompt_ids, raw_prompt_ids
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 

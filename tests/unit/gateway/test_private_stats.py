@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from services.gateway.app import create_metrics_app
-from services.gateway.backend import SchedulerView, WorkerView
-from services.gateway.tenant_config import load_tenants
+from services.gateway.requests.backend import SchedulerView, WorkerView
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler
 
 ALICE_KEY, BOB_KEY, OPS_KEY = "sk-alice-0001", "sk-bob-0002", "sk-ops-0003"

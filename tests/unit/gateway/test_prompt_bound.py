@@ -18,8 +18,8 @@ import pytest
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from common.model_store import default_cache_dir
-from services.gateway.prompt_bound import BoundedTokenizer, check_prompt_chars, longest_token_chars
-from services.gateway.tenant_config import load_tenants
+from services.gateway.requests.prompt_bound import BoundedTokenizer, check_prompt_chars, longest_token_chars
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler
 
 GEMMA_DIR = default_cache_dir() / "gemma-3-270m-f32"
@@ -81,7 +81,7 @@ def test_no_text_that_fits_is_refused(tokenizer: Any) -> None:
 
 @pytest.mark.skipif(not (GEMMA_DIR / "tokenizer.json").is_file(), reason="default model not cached")
 def test_gemma_bound_holds_on_its_longest_tokens() -> None:
-    from services.gateway.text_tokenizer import TextTokenizer
+    from services.gateway.text.text_tokenizer import TextTokenizer
 
     gemma = TextTokenizer.from_dir(GEMMA_DIR)
     longest = longest_token_chars(gemma)
@@ -154,7 +154,7 @@ async def test_tokenize_and_detokenize_spend_the_tenants_rate(
 async def test_a_long_encode_does_not_hold_the_event_loop() -> None:
     """The issue's bound: two 750 KB encodes in threads leave the loop's longest
     pause under 300 ms (holding the GIL, each one took ~0.6 s)."""
-    from services.gateway.text_tokenizer import TextTokenizer
+    from services.gateway.text.text_tokenizer import TextTokenizer
 
     gemma = TextTokenizer.from_dir(GEMMA_DIR)
     text = ("Hello world, this is a flood of text. " * 20000)[:750_000]

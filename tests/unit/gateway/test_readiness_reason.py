@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.gateway.backend import SchedulerView
+from services.gateway.requests.backend import SchedulerView
 from services.gateway.convert import scheduler_view_from_proto
 
 from fairserve.v1 import scheduler_pb2

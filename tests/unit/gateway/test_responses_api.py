@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.conftest import REPLY_TEXT
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 
@@ -176,7 +176,7 @@ def test_a_gateway_adopts_a_background_response_for_its_owner_only(serve: Callab
                                                                    reply_ids: list[int]) -> None:
     # This gateway does not hold the response: it asks the scheduler, which (here, a careless
     # one) answers whoever asks; the gateway still shows it to the tenant in its attachment only.
-    from services.gateway.backend import GenerationSpec
+    from services.gateway.requests.backend import GenerationSpec
 
     class Keeper(FakeScheduler):
         async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:

@@ -8,7 +8,7 @@ import pytest
 
 from common.types import Usage
 from services.gateway.errors import ApiError
-from services.gateway.generation import TextDelta
+from services.gateway.streaming.generation import TextDelta
 from services.gateway.responses.events import ResponseBuilder
 from services.gateway.responses.store import ResponseRecord, ResponseStore, TooManyResponses
 from services.gateway.responses.translate import input_messages, refuse_unimplemented, response_format

@@ -14,7 +14,7 @@ from common.convert import sampling_from_proto
 from common.grpc_server import REJECTION_KEY, GrpcServer
 from common.types import SamplingParams
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from services.gateway.backend import (
+from services.gateway.requests.backend import (
     GenerationSpec,
     InvalidGeneration,
     ModelInfo,
@@ -22,7 +22,7 @@ from services.gateway.backend import (
     SchedulerLost,
     Unavailable,
 )
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.streaming.scheduler_client import SchedulerClient
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):

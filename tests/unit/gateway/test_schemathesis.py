@@ -11,7 +11,7 @@ from schemathesis.checks import not_a_server_error
 
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.fixtures.tiny_model import build_tokenizer
 from tests.unit.gateway.fakes import EOS_ID, FakeScheduler
 

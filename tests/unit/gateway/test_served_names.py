@@ -16,9 +16,9 @@ import pytest
 
 from common.settings import SettingsError
 from common.version import package_version
-from services.gateway.served_names import default_served_name, served_names
+from services.gateway.models.served_names import default_served_name, served_names
 from services.gateway.settings import GatewaySettings
-from services.gateway.tenant_config import load_tenants
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread
 from tests.unit.gateway.test_lora_api import bearer, write_adapter
 

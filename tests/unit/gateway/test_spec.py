@@ -14,15 +14,15 @@ import pytest
 from common.types import SamplingParams
 from fairserve.v1 import common_pb2, gateway_pb2
 from services.gateway.app import generate_input
-from services.gateway.backend import GenerationSpec
+from services.gateway.requests.backend import GenerationSpec
 from services.gateway.convert import generate_request_to_proto, text_input_from_proto
 from services.gateway.errors import ApiError
-from services.gateway.identity import Caller
-from services.gateway.openai_api import chat_fields, completion_fields
-from services.gateway.schemas import ChatCompletionBody, CompletionBody, GenerateBody
-from services.gateway.spec import Limits, RequestFields, TextInput, build_spec
-from services.gateway.tenants import Tenant, TenantLimits
-from services.gateway.validation import SamplingInput
+from services.gateway.tenancy.identity import Caller
+from services.gateway.doors.openai_api import chat_fields, completion_fields
+from services.gateway.requests.schemas import ChatCompletionBody, CompletionBody, GenerateBody
+from services.gateway.requests.spec import Limits, RequestFields, TextInput, build_spec
+from services.gateway.tenancy.tenants import Tenant, TenantLimits
+from services.gateway.requests.validation import SamplingInput
 from tests.unit.gateway.fakes import FakeScheduler
 
 LIMITS = Limits(default_max_tokens=128, max_model_len=512, vocab_size=384)

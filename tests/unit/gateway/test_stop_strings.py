@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.text.stop_strings import StopStringMatcher
 
 
 def run(stops: list[str], deltas: list[str]) -> tuple[str, bool]:

@@ -20,9 +20,9 @@ from common.grpc_server import GrpcServer, insecure_channel
 from common.types import Constraint, ConstraintKind, SamplingParams
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.errors import ApiError
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
-from services.gateway.spec import RequestFields, check_constraint
-from services.gateway.structured import ConstraintFields, read_constraint
+from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.requests.spec import RequestFields, check_constraint
+from services.gateway.requests.structured import ConstraintFields, read_constraint
 from tests.unit.gateway.fakes import FakeScheduler
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}

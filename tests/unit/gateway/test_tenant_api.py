@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from common.logs import JsonFormatter
-from services.gateway.api_keys import metadata_key, presented_key
-from services.gateway.tenant_config import load_tenants
-from services.gateway.tenants import derived_name
+from services.gateway.tenancy.api_keys import metadata_key, presented_key
+from services.gateway.tenancy.tenant_config import load_tenants
+from services.gateway.tenancy.tenants import derived_name
 from tests.unit.gateway.fakes import FakeScheduler
 
 SECRET_A = "sk-live-SECRET-alice"

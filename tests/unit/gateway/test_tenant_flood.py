@@ -16,9 +16,9 @@ import httpx
 
 from common.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.backend import GenerationEvent, GenerationSpec
-from services.gateway.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
-from services.gateway.tenant_config import load_tenants
+from services.gateway.requests.backend import GenerationEvent, GenerationSpec
+from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
+from services.gateway.tenancy.tenant_config import load_tenants
 from tests.unit.gateway.fakes import FakeScheduler
 
 KEYS = "queue-a=k-queue,flight-a=k-flight,rate-a=k-rate,b=k-b"

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from services.gateway.tenant_quota import QuotaExceeded, TenantQuotas
-from services.gateway.tenants import Tenant, TenantLimits
-from services.gateway.token_bucket import TokenBucket
+from services.gateway.tenancy.tenant_quota import QuotaExceeded, TenantQuotas
+from services.gateway.tenancy.tenants import Tenant, TenantLimits
+from services.gateway.tenancy.token_bucket import TokenBucket
 
 
 class Clock:

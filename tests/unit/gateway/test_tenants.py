@@ -10,8 +10,8 @@ import pytest
 
 from common.settings import SettingsError
 from services.gateway.settings import GatewaySettings
-from services.gateway.tenant_config import load_tenants, parse_api_keys, parse_tenants_document
-from services.gateway.tenants import (
+from services.gateway.tenancy.tenant_config import load_tenants, parse_api_keys, parse_tenants_document
+from services.gateway.tenancy.tenants import (
     DEFAULT_MAX_IN_FLIGHT,
     DEFAULT_NAME_SECRET,
     Tenant,

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.gateway.chat_template import ChatMessage, chat_prompt_ids, turn_stop_token_ids
-from services.gateway.text_tokenizer import TextTokenizer
+from services.gateway.text.chat_template import ChatMessage, chat_prompt_ids, turn_stop_token_ids
+from services.gateway.text.text_tokenizer import TextTokenizer
 
 ROOT = Path(__file__).resolve().parents[3]
 TEXTS = ["Hello world!", "  leading spaces and\ttabs\n\nnewlines", "Zwei Äpfel — naïve café, 東京 🙂",
@@ -102,7 +102,7 @@ def test_gateway_process_never_imports_torch(tiny_dir: Path) -> None:
             "from services.gateway import main\n"
             "from services.gateway.app import create_app\n"
             "from services.gateway.settings import GatewaySettings\n"
-            "from services.gateway.text_tokenizer import TextTokenizer\n"
+            "from services.gateway.text.text_tokenizer import TextTokenizer\n"
             f"tokenizer = TextTokenizer.from_dir(Path({str(tiny_dir)!r}))\n"
             "create_app(GatewaySettings(), object(), tokenizer)\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")

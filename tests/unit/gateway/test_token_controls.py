@@ -13,10 +13,10 @@ from fairserve.v1 import common_pb2, gateway_pb2
 from services.gateway.app import generate_input
 from services.gateway.convert import generate_request_to_proto, text_input_from_proto
 from services.gateway.errors import ApiError
-from services.gateway.openai_api import chat_fields, completion_fields
-from services.gateway.schemas import ChatCompletionBody, CompletionBody, GenerateBody
-from services.gateway.spec import Limits, build_spec
-from services.gateway.token_controls import (
+from services.gateway.doors.openai_api import chat_fields, completion_fields
+from services.gateway.requests.schemas import ChatCompletionBody, CompletionBody, GenerateBody
+from services.gateway.requests.spec import Limits, build_spec
+from services.gateway.requests.token_controls import (
     MAX_LOGIT_BIAS_ENTRIES,
     check_logit_bias,
     check_stop_token_ids,

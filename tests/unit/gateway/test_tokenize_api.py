@@ -8,7 +8,7 @@ from typing import Any
 import httpx
 import pytest
 
-from services.gateway.chat_template import ChatMessage, chat_prompt_ids, raw_prompt_ids
+from services.gateway.text.chat_template import ChatMessage, chat_prompt_ids, raw_prompt_ids
 from tests.unit.gateway.fakes import FakeScheduler
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -1,4 +1,4 @@
-"""The gateway's vLLM-compatible families (services/gateway/vllm_metrics.py):
+"""The gateway's vLLM-compatible families (services/gateway/observability/vllm_metrics.py):
 vLLM's names with the model_name label from the start, what one request adds
 to each, the engine gauges from the scheduler's Stats, and counters that only
 grow."""
@@ -12,7 +12,7 @@ import httpx
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.gateway.vllm_metrics import REFRESH_S, RequestTimes, VllmMetrics, engine_state
+from services.gateway.observability.vllm_metrics import REFRESH_S, RequestTimes, VllmMetrics, engine_state
 from tests.unit.gateway.fakes import FakeScheduler
 
 MODEL = "org/model-a"

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator
 import pytest
 
 from common.block_hash import chain_hashes
-from services.kvcache.backend import IndexBackend, MemoryBackend
+from services.kvcache.stores.backend import IndexBackend, MemoryBackend
 from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult,
     WorkerMatch,
 )
-from services.kvcache.redis_backend import RedisBackend
+from services.kvcache.stores.redis_backend import RedisBackend
 from services.kvcache.service import KvIndexService
 
 BLOCK = 4

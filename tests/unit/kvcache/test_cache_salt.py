@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from common.block_hash import prompt_hashes, salted_key
-from services.kvcache.backend import IndexBackend, MemoryBackend
+from services.kvcache.stores.backend import IndexBackend, MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import BlockStored, KvEvent, LookupResult, PublishBatch
-from services.kvcache.redis_backend import RedisBackend
+from services.kvcache.stores.redis_backend import RedisBackend
 from services.kvcache.server import build_server
 from services.kvcache.service import KvIndexService
 

@@ -17,12 +17,12 @@ import redis.asyncio as redis
 
 from common.block_hash import prompt_hashes
 from common.settings import SettingsError
-from services.kvcache.backend import MemoryBackend
+from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import BlockStored, LookupQuery, PublishBatch, PublishResult
 from services.kvcache.publisher import KvEventPublisher
-from services.kvcache.redis_backend import RedisBackend
-from services.kvcache.redis_guard import RedisPaused
+from services.kvcache.stores.redis_backend import RedisBackend
+from services.kvcache.stores.redis_guard import RedisPaused
 from services.kvcache.server import build_server
 from services.kvcache.service import KvIndexService
 from services.kvcache.settings import KvCacheSettings

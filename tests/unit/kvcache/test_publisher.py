@@ -6,7 +6,7 @@ import logging
 import pytest
 
 from common.block_hash import chain_hashes
-from services.kvcache.backend import MemoryBackend
+from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.kv_types import BlockStored, PublishBatch, PublishResult
 from services.kvcache.publisher import KvEventPublisher
 

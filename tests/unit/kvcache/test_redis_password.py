@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.kvcache.main import build_backend
-from services.kvcache.redis_backend import RedisBackend
+from services.kvcache.stores.redis_backend import RedisBackend
 from services.kvcache.settings import KvCacheSettings
 from tests.fixtures.redis_server import running_redis
 

@@ -19,7 +19,7 @@ from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc
 
 from common.block_hash import prompt_hashes
 from common.grpc_server import GrpcServer, check_health, insecure_channel
-from services.kvcache.backend import MemoryBackend
+from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import (
     BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult,
@@ -27,7 +27,7 @@ from services.kvcache.kv_types import (
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.server import SERVICE_NAME, build_server
 from services.kvcache.service import KvIndexService
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.streaming.scheduler_client import SchedulerClient
 from services.scheduler.kv_router import KvIndexRouter
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -11,7 +11,7 @@ import pytest
 
 from common.types import Usage
 from services.gateway.app import create_app
-from services.gateway.backend import (
+from services.gateway.requests.backend import (
     Finish,
     GenerationEvent,
     GenerationSpec,

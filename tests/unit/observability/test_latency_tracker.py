@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from services.gateway.latency_tracker import LatencyTracker, RequestRecord, percentile, summarize_ms
+from services.gateway.observability.latency_tracker import LatencyTracker, RequestRecord, percentile, summarize_ms
 
 
 class FakeClock:

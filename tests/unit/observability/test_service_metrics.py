@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from common import prometheus_names as names
 from tests.fixtures.grafana import exported_series_names
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.observability.metrics import GatewayMetrics
 from services.kvcache.kv_types import IndexStats
 from services.kvcache.metrics import KvCacheMetrics
 from common.step import PoolStats, StepBatch, StepOutput

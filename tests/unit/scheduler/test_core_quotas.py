@@ -8,7 +8,7 @@ another's short request wait), FCFS for everyone else."""
 from __future__ import annotations
 
 from services.scheduler.core.types import CoreConfig, FinishReason, Gate, Policy, TenantQuota
-from services.scheduler.core.quotas import TenantUsage
+from services.scheduler.core.fairness.quotas import TenantUsage
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.counters import CoreCounters, core_stats
+from services.scheduler.core.fairness.counters import CoreCounters, core_stats
 from services.scheduler.core.state import Phase
 from services.scheduler.core.types import FinishReason, Gate, Policy
 

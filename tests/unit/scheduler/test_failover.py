@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.failover import Failover
-from services.scheduler.core.vtc import VirtualTokenCounter
+from services.scheduler.core.fairness.counters import CoreCounters
+from services.scheduler.core.faults.failover import Failover
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.routing import SessionMap, session_key
 from services.scheduler.core.state import Phase, RequestState, WorkerState

@@ -10,7 +10,7 @@ import math
 import pytest
 
 from services.scheduler.core.budget import Budget
-from services.scheduler.core.quotas import TenantQuotas, TenantUsage
+from services.scheduler.core.fairness.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.types import TenantQuota
 
 from tests.unit.scheduler.harness import FakeClock

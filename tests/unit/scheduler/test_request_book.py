@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from common.types import SamplingParams
 
-from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.vtc import VirtualTokenCounter
+from services.scheduler.core.fairness.counters import CoreCounters
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
 from services.scheduler.core.request_book import RequestBook, worker_sampling
 from services.scheduler.core.state import Phase
 from services.scheduler.core.step_builder import StepBuilder

@@ -10,7 +10,7 @@ import pytest
 from fairserve.v1 import scheduler_pb2
 
 from common.grpc_server import REJECTION_KEY
-from services.gateway.backend import SchedulerLost, Unavailable
+from services.gateway.requests.backend import SchedulerLost, Unavailable
 from services.gateway.convert import backend_error_from_rpc
 from services.scheduler.epochs import EpochClock
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.slot_fairness import fair_shares, preemption_victim, slot_victim
+from services.scheduler.core.fairness.slot_fairness import fair_shares, preemption_victim, slot_victim
 from services.scheduler.core.types import Policy
 
 from tests.unit.scheduler.plain_state import make_request, make_running

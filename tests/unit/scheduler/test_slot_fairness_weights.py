@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from services.scheduler.core.slot_fairness import client_weights, fair_shares, slot_victim
+from services.scheduler.core.fairness.slot_fairness import client_weights, fair_shares, slot_victim
 from services.scheduler.core.state import RequestState
 from services.scheduler.core.types import Policy
 

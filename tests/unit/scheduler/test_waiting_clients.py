@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.vtc import VirtualTokenCounter
-from services.scheduler.core.policy import WaitingClients
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
+from services.scheduler.core.fairness.policy import WaitingClients
 
 
 def test_an_arrival_with_nothing_waiting_is_lifted_to_the_smallest_waiting_counter() -> None:

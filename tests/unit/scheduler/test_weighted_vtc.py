@@ -8,12 +8,12 @@ import math
 import pytest
 
 from services.scheduler.core import request_book
-from services.scheduler.core.counters import CoreCounters
-from services.scheduler.core.policy import WaitingClients, pick_next
+from services.scheduler.core.fairness.counters import CoreCounters
+from services.scheduler.core.fairness.policy import WaitingClients, pick_next
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.state import RequestState
 from services.scheduler.core.types import FinishReason, Policy, RequestSpec
-from services.scheduler.core.vtc import MAX_WEIGHT, MIN_WEIGHT, VirtualTokenCounter, sane_weight
+from services.scheduler.core.fairness.vtc import MAX_WEIGHT, MIN_WEIGHT, VirtualTokenCounter, sane_weight
 
 from tests.unit.scheduler.plain_state import make_worker
 

@@ -11,7 +11,7 @@ import torch
 
 from common.block_hash import ROOT_HASH, chain_hashes, prompt_hashes, salted_key
 from common.types import SamplingParams
-from services.kvcache.backend import MemoryBackend
+from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.service import KvIndexService
 from services.worker.engine.engine import Engine

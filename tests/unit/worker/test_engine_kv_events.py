@@ -8,7 +8,7 @@ import asyncio
 import random
 
 from common.block_hash import prompt_hashes
-from services.kvcache.backend import MemoryBackend
+from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.kv_types import LookupQuery, WorkerMatch
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.engine.engine import Engine

@@ -1,0 +1,1 @@
+"""The gateway's doors: the OpenAI endpoints and their response shapes, the gRPC text API, /tokenize and /detokenize, the LoRA endpoints, and SSE framing. Each door reads its client's request into the one request shape (requests/) and streams what comes back."""

@@ -1,0 +1,1 @@
+"""Which models the gateway serves: the served names and the LoRA adapters' catalog."""

@@ -1,0 +1,1 @@
+"""What a client asked for, checked: the one request shape (`spec`), value and body checks, fields refused by name, structured output, chat bodies and tools, token controls, the cheap prompt-length bound, scored prompts."""

@@ -1,0 +1,147 @@
+"""The gateway's gRPC client for the scheduler (and the kvcache service, which it only asks for
+its stats, as a probe too, through the kvcache's own client: services/kvcache/client.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from common.grpc_server import internal_channel, request_metadata
+from common.internal_auth import InternalAuth
+from common.tracing import traceparent_metadata, tracer
+from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway import convert
+from services.kvcache.client import KvIndexClient
+from services.gateway.requests.backend import (
+    BackendError,
+    GenerationEvent,
+    GenerationSpec,
+    ModelInfo,
+    Readiness,
+    SchedulerView,
+    Unavailable,
+)
+
+log = logging.getLogger(__name__)
+PROBE_TIMEOUT_S = 2.0
+
+
+class SchedulerClient:
+    def __init__(self, scheduler_addr: str, kvcache_addr: str, auth: InternalAuth = InternalAuth()) -> None:
+        self._scheduler_channel = internal_channel(scheduler_addr, auth)
+        self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        self._kvcache = KvIndexClient.connect(kvcache_addr, PROBE_TIMEOUT_S, auth)
+        self._model_info: ModelInfo | None = None  # once fully known, kept
+        # Whether the scheduler has answered since the gateway started: only then is
+        # a failed connection a lost scheduler worth waiting for (continuation.py).
+        self.scheduler_seen = False
+
+    async def generate(self, spec: GenerationSpec, request_id: str,
+                       trace_id: str = "") -> AsyncIterator[GenerationEvent]:
+        span = tracer().start_span("scheduler.Generate", kind=trace.SpanKind.CLIENT,
+                                   attributes={"fairserve.request_id": request_id,
+                                               "fairserve.prompt_tokens": len(spec.prompt_token_ids)})
+        metadata = (*request_metadata(trace_id or request_id), *traceparent_metadata(span))
+        if spec.attach:
+            call = self._scheduler.Attach(
+                scheduler_pb2.AttachRequest(request_id=request_id, client_id=spec.client_id),
+                metadata=metadata)
+        else:
+            call = self._scheduler.Generate(
+                convert.generate_request_to_proto(spec, request_id), metadata=metadata)
+        try:
+            skip = len(spec.resume_token_ids) if spec.attach else 0   # read already, before a loss
+            async for message in call:
+                self.scheduler_seen = True
+                event = convert.event_from_proto(message)
+                if skip:
+                    dropped = min(skip, len(event.tokens))
+                    skip -= dropped
+                    event = dataclasses.replace(event, tokens=event.tokens[dropped:], prompt_logprobs=())
+                    if not event.tokens and event.finish is None:
+                        continue
+                yield event
+        except grpc.aio.AioRpcError as error:
+            raise convert.backend_error_from_rpc(error) from None
+        finally:
+            # Closing the stream early (client gone, stop string) cancels the
+            # RPC, which the scheduler turns into a cancelled request.
+            call.cancel()
+            span.end()
+
+    async def cancel(self, request_id: str) -> bool:
+        try:
+            reply = await self._scheduler.Cancel(
+                scheduler_pb2.CancelRequest(request_id=request_id), timeout=PROBE_TIMEOUT_S,
+                metadata=request_metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            log.warning("cancel failed", extra={"error": error.code().name})
+            return False
+        return reply.found
+
+    async def detached(self, request_id: str, client_id: str) -> GenerationSpec | None:
+        try:
+            reply = await self._scheduler.GetDetached(
+                scheduler_pb2.AttachRequest(request_id=request_id, client_id=client_id),
+                timeout=PROBE_TIMEOUT_S, metadata=request_metadata(request_id))
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise convert.backend_error_from_rpc(error) from None
+        return convert.detached_spec_from_proto(reply)
+
+    async def scheduler_stats(self) -> SchedulerView:
+        try:
+            reply = await self._scheduler.Stats(common_pb2.StatsRequest(), timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            raise Unavailable(f"scheduler did not answer: {error.code().name}") from None
+        self.scheduler_seen = True
+        return convert.scheduler_view_from_proto(reply)
+
+    async def kvcache_stats(self) -> dict[str, Any]:
+        try:
+            stats = await self._kvcache.stats()
+        except grpc.aio.AioRpcError as error:
+            raise Unavailable(f"kvcache did not answer: {error.code().name}") from None
+        return convert.kvcache_stats_to_dict(stats)
+
+    async def readiness(self) -> Readiness:
+        """Needs the scheduler and a healthy worker. The kvcache index is asked
+        at the same time for its stats (which fail while its Redis does), and
+        only reported: routing goes on without it."""
+        scheduler, kvcache = await asyncio.gather(self.scheduler_stats(), self.kvcache_stats(),
+                                                  return_exceptions=True)
+        dependencies = (("scheduler", not isinstance(scheduler, BaseException)),
+                        ("kvcache", not isinstance(kvcache, BaseException)))
+        if isinstance(scheduler, BaseException):
+            message = scheduler.message if isinstance(scheduler, BackendError) else repr(scheduler)
+            return Readiness(False, message, dependencies)
+        if scheduler.healthy_workers < 1:
+            return Readiness(False, scheduler.not_ready_reason(), dependencies)
+        return Readiness(True, "", dependencies)
+
+    async def model_info(self) -> ModelInfo:
+        """Asks the scheduler until a worker has registered, then keeps the answer."""
+        if self._model_info is not None:
+            return self._model_info
+        try:
+            reply = await self._scheduler.GetModelInfo(scheduler_pb2.ModelInfoRequest(),
+                                                       timeout=PROBE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as error:
+            log.debug("model info unavailable", extra={"error": error.code().name})
+            return ModelInfo()
+        self.scheduler_seen = True
+        info = convert.model_info_from_proto(reply)
+        if info.known:
+            self._model_info = info
+        return info
+
+    async def close(self) -> None:
+        await self._scheduler_channel.close()
+        await self._kvcache.close()

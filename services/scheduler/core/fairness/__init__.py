@@ -1,0 +1,1 @@
+"""Who goes next: the FCFS and VTC policies, the virtual token counters, slot fairness and the tenants' quotas."""
