@@ -38,6 +38,7 @@ from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.cpu_linear import PackedLinear
+from services.worker.wiring import build_engine
 
 MODES = ("float32", "bfloat16")
 PROMPTS = (
@@ -132,15 +133,15 @@ def _engines(args: argparse.Namespace) -> tuple[dict[str, Engine], object, str]:
         from tests.fixtures.tiny_model import build_model, gemma3_config
 
         model = build_model(gemma3_config())
-        engines = {mode: Engine(EngineConfig(model_dir="", model_key="tiny", cpu_compute=mode, **config),
-                                model=copy.deepcopy(model)) for mode in MODES}
+        engines = {mode: build_engine(EngineConfig(model_dir="", model_key="tiny", cpu_compute=mode, **config),
+                                      model=copy.deepcopy(model)) for mode in MODES}
         return engines, (lambda text: [2] + [10 + ord(c) % 300 for c in text]), "tiny random model"
     path = default_model_dir(default_cache_dir())
     if not is_prepared(path):
         raise SystemExit("default model not prepared: run `make prepare-model` first")
     from transformers import AutoTokenizer
 
-    engines = {mode: Engine(EngineConfig(model_dir=str(path), model_key=path.name, cpu_compute=mode, **config))
+    engines = {mode: build_engine(EngineConfig(model_dir=str(path), model_key=path.name, cpu_compute=mode, **config))
                for mode in MODES}
     hf = AutoTokenizer.from_pretrained(path)
     return engines, (lambda text: hf(text)["input_ids"]), path.name

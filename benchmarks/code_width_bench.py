@@ -29,6 +29,7 @@ from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.weight_codes import load_coded_linear
+from services.worker.wiring import build_engine
 
 MODES = ("narrow", "8bit")
 
@@ -51,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     model_dir = _model_dir(args)
-    engines = {mode: Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir),
-                                         cpu_weight_codes=mode))
+    engines = {mode: build_engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir),
+                                               cpu_weight_codes=mode))
                for mode in MODES}
     for engine in engines.values():
         engine.wait_for_screen()

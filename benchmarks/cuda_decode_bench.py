@@ -28,6 +28,7 @@ from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cuda.decode_graphs import EagerCapture
 from services.worker.engine.cuda.varlen_attention import import_flash_attn
+from services.worker.wiring import build_engine
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ def make_engine(model: torch.nn.Module, args: argparse.Namespace, graphs: bool, 
     config = EngineConfig(model_dir="", device=args.device, dtype=args.dtype, num_blocks=num_blocks, block_size=16,
                           use_cuda_graphs=graphs, attention_backend=backend, enable_prefix_caching=False)
     capture = EagerCapture() if graphs and args.device != "cuda" else None
-    return Engine(config, model=copy.deepcopy(model), graph_capture=capture)
+    return build_engine(config, model=copy.deepcopy(model), graph_capture=capture)
 
 
 def decode_run(engine: Engine, batch: list[list[int]], steps: int, device: str) -> tuple[float, list[list[int]]]:

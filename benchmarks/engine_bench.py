@@ -34,6 +34,7 @@ from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
+from services.worker.wiring import build_engine
 
 BOS = 2
 
@@ -334,9 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = _model_dir(args)
     if args.threads:
         torch.set_num_threads(args.threads)
-    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
-                                 cpu_linear_kernel=args.linear_kernel, lm_head_screen=args.lm_head_screen,
-                                 num_blocks=args.num_blocks))
+    engine = build_engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir), dtype=args.dtype,
+                                       cpu_linear_kernel=args.linear_kernel, lm_head_screen=args.lm_head_screen,
+                                       num_blocks=args.num_blocks))
     engine.wait_for_screen()       # `auto` builds it in the background; measure the steady state
     runner = EngineRunner(engine, sizes.token_budget, args.speculative_tokens)
     vocab = engine.info.vocab_size

@@ -40,6 +40,7 @@ from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
+from services.worker.wiring import build_engine
 
 MODULES = ("collections", "itertools", "functools", "textwrap", "string", "json", "csv", "argparse",
            "logging", "pathlib", "shutil", "tempfile", "datetime", "calendar", "decimal", "fractions",
@@ -178,14 +179,15 @@ def _engine(args, block_size: int, hybrid: bool = True):
     if args.quick:
         from tests.fixtures.tiny_model import build_model, gemma3_config
 
-        engine = Engine(EngineConfig(model_dir="", model_key="tiny", **config), model=build_model(gemma3_config()))
+        engine = build_engine(EngineConfig(model_dir="", model_key="tiny", **config),
+                              model=build_model(gemma3_config()))
         return engine, (lambda text: [2] + [10 + ord(c) % 300 for c in text]), "tiny random model"
     path = default_model_dir(default_cache_dir())
     if not is_prepared(path):
         raise SystemExit("default model not prepared: run `make prepare-model` first")
     from transformers import AutoTokenizer
 
-    engine = Engine(EngineConfig(model_dir=str(path), model_key=path.name, **config))
+    engine = build_engine(EngineConfig(model_dir=str(path), model_key=path.name, **config))
     hf = AutoTokenizer.from_pretrained(path)
     return engine, (lambda text: hf(text)["input_ids"]), path.name
 

@@ -27,6 +27,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.lora.registry import LoraConfig
+from services.worker.wiring import build_engine
 
 RANK = 8
 TARGETS = ("self_attn.q_proj", "self_attn.v_proj")
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
         root = Path(scratch) / "loras"
         root.mkdir()
         counts = [int(n) for n in args.adapters.split(",")]
-        engine = Engine(EngineConfig(model_dir=model_dir, model_key="lora-bench", lora=LoraConfig(
+        engine = build_engine(EngineConfig(model_dir=model_dir, model_key="lora-bench", lora=LoraConfig(
             root=str(root), max_loras=max(counts), max_rank=RANK)))
         engine.wait_for_screen(120)
         names = write_adapters(root, engine.prepared.lora_shapes, max(counts))

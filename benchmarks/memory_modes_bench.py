@@ -36,6 +36,7 @@ from benchmarks.machine import cpu_name
 from benchmarks.memory import resident_mb
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
+from services.worker.wiring import build_engine
 
 MODES = {
     "default": {},
@@ -58,7 +59,7 @@ def resident_of_fresh_engine(model_dir: str, mode: str) -> float:
 
 
 def _print_resident(model_dir: str, mode: str) -> None:
-    engine = Engine(_config(model_dir, mode, num_blocks=64))
+    engine = build_engine(_config(model_dir, mode, num_blocks=64))
     engine.wait_for_screen()
     if engine.grammars.tokenizer.started:
         engine.grammars.tokenizer.wait()
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.resident_of:
         _print_resident(model_dir, args.resident_of)
         return
-    engines = {mode: Engine(_config(model_dir, mode)) for mode in MODES}
+    engines = {mode: build_engine(_config(model_dir, mode)) for mode in MODES}
     for engine in engines.values():
         engine.wait_for_screen()
     rates = _measure(engines, args.rounds, args.prompt_len, args.steps)

@@ -27,6 +27,7 @@ from loadsim import default_texts
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
+from services.worker.wiring import build_engine
 
 
 def random_prompts(count: int, vocab_size: int, seed: int) -> list[list[int]]:
@@ -121,7 +122,7 @@ def _engine_and_tokenizer(model_dir: str, quick: bool):
         from tests.fixtures.tiny_model import build_model, gemma3_config
 
         model = build_model(gemma3_config())
-        engine = Engine(EngineConfig(model_dir="", num_blocks=512, block_size=4, model_key="tiny"), model=model)
+        engine = build_engine(EngineConfig(model_dir="", num_blocks=512, block_size=4, model_key="tiny"), model=model)
 
         def tokenizer(text: str):
             ids = [2] + [10 + ord(c) % 300 for c in text[:64]]
@@ -129,7 +130,7 @@ def _engine_and_tokenizer(model_dir: str, quick: bool):
         return engine, tokenizer
     from transformers import AutoTokenizer
 
-    engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
+    engine = build_engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
     engine.wait_for_screen()     # the LM head screen is built in the background; measure with it
     return engine, AutoTokenizer.from_pretrained(model_dir)
 

@@ -40,6 +40,7 @@ from benchmarks.step_profile.report import Peak, kind_table, run_table
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
+from services.worker.wiring import build_engine
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -130,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="step-profile-") as scratch:
         model_dir = _model_dir(args, scratch)
-        engine = Engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
+        engine = build_engine(EngineConfig(model_dir=model_dir, model_key=os.path.basename(model_dir)))
         engine.wait_for_screen()
         runner = EngineRunner(engine, args.token_budget)
         vocab = engine.info.vocab_size

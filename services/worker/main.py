@@ -39,11 +39,11 @@ from common.worker_auth import worker_token_interceptors
 from services.kvcache.client import KvIndexClient
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.drain import leave
-from services.worker.engine.engine import Engine
 from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered
 from services.worker.settings import WorkerSettings
+from services.worker.wiring import build_engine
 
 log = logging.getLogger("worker")
 
@@ -51,8 +51,9 @@ log = logging.getLogger("worker")
 async def serve(settings: WorkerSettings) -> None:
     model_dir = resolve_model_dir(settings.model_name, Path(settings.model_cache_dir))
     # Built on the thread its steps run on (EngineThread: one OpenMP team, not two).
-    engine_thread = await EngineThread.build(partial(Engine, dataclasses.replace(settings.engine,
-                                                                                model_dir=str(model_dir))))
+    # With the device's speed-ups (wiring.py): the engine core does not import them.
+    engine_thread = await EngineThread.build(partial(build_engine, dataclasses.replace(settings.engine,
+                                                                                      model_dir=str(model_dir))))
     engine = engine_thread.engine
     # Building the grammar tokenizer holds the GIL for seconds on a 262k vocabulary (llguidance
     # does not let go of it): with GRAMMAR_TOKENIZER=start it finishes before the worker registers,

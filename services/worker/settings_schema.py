@@ -17,7 +17,7 @@ from common.shared_settings import InternalAuthFields, WorkerTokenFields, Tracin
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine/eviction.py
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")   # services/worker/engine/prefill_kernels.py
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")   # services/worker/wiring.py
 CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
 LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
 LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen_loader.py

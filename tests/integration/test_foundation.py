@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import re
+import shutil
 from pathlib import Path
 
 import grpc
@@ -14,6 +16,7 @@ from fairserve.v1 import common_pb2, kvindex_pb2, scheduler_pb2, scheduler_pb2_g
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common import prometheus_names as names
 from common.grpc_server import check_health
 from fairserve.launcher.stack import Stack
 from tests.integration.helpers import stream_generate
@@ -109,3 +112,18 @@ async def _grpc_checks(stack: Stack) -> None:
 
 def test_grpc_health_reflection_and_direct_generate(tiny_stack: Stack) -> None:
     asyncio.run(_grpc_checks(tiny_stack))
+
+
+def test_the_served_worker_runs_with_the_device_speed_ups(tiny_stack: Stack) -> None:
+    """The worker builds its engine through its wiring (services/worker/wiring.py), the engine
+    core importing no speed-up itself: on CPU its linears are packed, and where a C compiler
+    builds the native kernels, both attention kernels are the native ones."""
+    metrics = httpx.get(f"http://127.0.0.1:{tiny_stack.ports.workers[0][1]}/metrics", timeout=10).text
+    info = re.search(names.WORKER_ENGINE_INFO.name + r"\{([^}]*)\}", metrics)
+    assert info is not None, metrics
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', info.group(1)))
+    if labels["device"] != "cpu":
+        pytest.skip("the CPU speed-ups serve a CPU worker")
+    assert labels["linear_kernel"] != "none"
+    if shutil.which("cc"):
+        assert (labels["prefill_attention"], labels["decode_attention"]) == ("native", "native")

@@ -9,27 +9,44 @@ through block tables. Per-step metadata rides along in the forward kwargs
 The packed batch is [1, T]: first the decodes (one token each), then prefill
 chunks (contiguous runs of rows). Decodes are attended to together with a
 right-aligned, padded gather; the prefill chunks go to one fused varlen call
-when a kernel is loaded (varlen_attention.py), else each runs its own SDPA call.
+when a kernel is handed in (varlen.py), else each runs its own SDPA call.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
+from services.worker.engine.varlen import VarlenKernel
 
-if TYPE_CHECKING:   # the device kernels are handed in; the core does not load them
+if TYPE_CHECKING:
     from services.worker.engine.h2o_scores import AttentionScores
-    from services.worker.engine.cpu.native_decode import NativeDecodeAttention
-    from services.worker.engine.cuda.varlen_attention import VarlenKernel
 
 ATTENTION_NAME = "fairserve_paged"
+
+
+class DecodeKernel(Protocol):
+    """A decode attention kernel reading K/V through the block tables (handed in by the
+    device's speed-ups, engine/accelerators.py; cpu/native_decode.py on CPU)."""
+
+    name: str
+
+    def supports(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+        """Whether it takes this layer's query and caches (device, dtype, head dimensions)."""
+        ...
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, ctx_lens: torch.Tensor, block_size: int, longest_context: int,
+                 window: int | None, scale: float, out: torch.Tensor) -> None:
+        """query [D, H, d], caches [slots, KVH, d|dv], block_tables [D, W], ctx_lens [D] (int64,
+        context including the decoded token) -> out [D, H, dv], written in place."""
+        ...
 
 
 @dataclass
@@ -53,7 +70,7 @@ class StepMetadata:
     prefills: list[PrefillChunk]
     num_tokens: int
     varlen: VarlenKernel | None = None   # fused kernel for the prefill chunks, if loaded
-    decode_kernel: NativeDecodeAttention | None = None   # decodes read K/V through the block tables
+    decode_kernel: DecodeKernel | None = None   # decodes read K/V through the block tables
     scores: AttentionScores | None = None   # h2o sequences' attention, accumulated per position
     # The same step in the sliding group's blocks (sliding_blocks.py): its slots, tables and
     # context slots, for the layers whose cache is the sliding group's; None: one group.

@@ -9,6 +9,8 @@ allocated fails with "out_of_blocks" and changes nothing.
 `Engine` puts the parts together: the prepared model (model.py), the KV pool
 (block_pool.py, sized by sizing.py), the sequences (sequences.py), step
 planning (planning.py), the forward (forward.py) and sampling (sampling.py).
+The device's speed-ups (kernels, the LM head screen, decode graphs) are what the
+`Accelerators` it is built with plug in (accelerators.py); without, none.
 """
 
 from __future__ import annotations
@@ -22,13 +24,9 @@ import torch
 
 from services.worker.engine import types as t
 from common.step import PoolStats, SeqResult, StepBatch, StepOutput, WorkItem
+from services.worker.engine.accelerators import Accelerators, DecodeReplays, GraphCapture, LinearKernelPlan
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig, require_choice
-from services.worker.engine.cpu.cpu_linear import KernelPlan
-from services.worker.engine.cpu.host_memory import release_freed_host_memory
-from services.worker.engine.cpu.native_decode import load_decode_kernel
-from services.worker.engine.cuda import decode_graphs
-from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs, GraphCapture
 from services.worker.engine.device import dtype_name
 from services.worker.engine.eviction import EVICTION_POLICIES
 from services.worker.engine.forward import Forward
@@ -42,7 +40,6 @@ from services.worker.engine.kv_rotation import KeyRotation
 from services.worker.engine.lora.registry import LoraRegistry
 from services.worker.engine.model import prepare_model
 from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
-from services.worker.engine.prefill_kernels import load_prefill_kernel
 from services.worker.engine.prompt_logits import PromptLogitsCache
 from services.worker.engine.prompt_logprobs import PromptScorer
 from services.worker.engine.sampler import SampledToken, Sampler
@@ -65,22 +62,26 @@ class _StepTotals:
 
 class Engine:
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
-                 graph_capture: GraphCapture | None = None) -> None:
+                 graph_capture: GraphCapture | None = None, accelerators: Accelerators | None = None) -> None:
+        """An engine over `model` (else config.model_dir's checkpoint) with the speed-ups that
+        `accelerators` plug in (none by default; the worker's are services/worker/wiring.py's).
+        `graph_capture`: capture decode graphs with it (needs accelerators.decode_graphs)."""
         self.config = config
+        self.accelerators = accelerators = accelerators if accelerators is not None else Accelerators()
         require_choice("eviction policy", config.eviction_policy, EVICTION_POLICIES)
-        self.prepared = prepared = prepare_model(config, model)
+        self.prepared = prepared = prepare_model(config, model, accelerators)
         self.model, self.model_config = prepared.model, prepared.model_config
         self.device, self.dtype = prepared.device, prepared.dtype
         self.block_size = config.block_size
-        varlen = load_prefill_kernel(config.attention_backend, self.device, self.dtype, prepared.kernel_cache_dir)
-        decode_kernel = load_decode_kernel(config.decode_attention, self.device, self.dtype,
-                                           self.block_size, prepared.kernel_cache_dir)
+        varlen = accelerators.prefill_kernel(config.attention_backend, self.device, self.dtype,
+                                             prepared.kernel_cache_dir)
+        decode_kernel = accelerators.decode_kernel(config.decode_attention, self.device, self.dtype,
+                                                   self.block_size, prepared.kernel_cache_dir)
         specs, cache_layer = layer_kv_layout(prepared.base)
         self.kv_layout = layout = kv_layout(prepared.base, specs, config, self.device, self.dtype)
         num_blocks = layout.num_blocks
         self.max_model_len = max_model_len(config, self.model_config, self.device)
-        if graph_capture is None and config.use_cuda_graphs and self.device.type == "cuda":
-            graph_capture = CudaGraphCapture()
+        graph_capture = self._graph_capture(graph_capture)
         # Graphs' padding rows write into one scratch block past the pool's blocks.
         scratch_blocks = 1 if graph_capture is not None else 0
         self.kv = PagedKVCache(specs, num_blocks + scratch_blocks, self.block_size, self.dtype, self.device,
@@ -111,7 +112,7 @@ class Engine:
         self.grammars = Grammars(GrammarTokenizer(
             tokenizer_from_model_dir(config.model_dir, vocab_size, prepared.eos_token_ids),
             background=config.grammar_tokenizer == "start" and (Path(config.model_dir) / "tokenizer.json").is_file(),
-            on_built=release_freed_host_memory if self.device.type == "cpu" else None),
+            on_built=accelerators.release_freed_host_memory if self.device.type == "cpu" else None),
             vocab_size, prepared.eos_token_ids)
         self.grammar_masks = GrammarMasker()
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
@@ -125,13 +126,24 @@ class Engine:
             dtype=dtype_name(self.dtype), max_model_len=self.max_model_len,
             eos_token_ids=prepared.eos_token_ids, vocab_size=int(self.model_config.vocab_size))
 
-    def _decode_graphs(self, capture: GraphCapture, cache_layer: list[int], num_blocks: int) -> DecodeGraphs:
-        return DecodeGraphs(
+    def _graph_capture(self, given: GraphCapture | None) -> GraphCapture | None:
+        """What captures decode graphs: `given`, else under USE_CUDA_GRAPHS on CUDA the
+        accelerators' capture; None: no graphs."""
+        accelerators = self.accelerators
+        if (given is None and self.config.use_cuda_graphs and self.device.type == "cuda"
+                and accelerators.graph_capture is not None):
+            given = accelerators.graph_capture()
+        if given is not None and accelerators.decode_graphs is None:
+            raise ValueError("decode graphs need a decode graphs factory in the engine's accelerators")
+        return given
+
+    def _decode_graphs(self, capture: GraphCapture, cache_layer: list[int], num_blocks: int) -> DecodeReplays:
+        assert self.accelerators.decode_graphs is not None
+        return self.accelerators.decode_graphs(
             self.forward.hidden_states, self.kv, cache_layer, capture, block_size=self.block_size,
             scratch_block=num_blocks, max_batch=self.config.cuda_graph_max_batch,
             max_context=min(self.max_model_len, self.config.cuda_graph_max_context),
-            device=self.device, min_context=decode_graphs.MIN_CONTEXT_BUCKET,
-            sliding_scratch_block=self.kv_layout.sliding_blocks if self.sliding is not None else None,
+            device=self.device, sliding_scratch_block=self.kv_layout.sliding_blocks if self.sliding is not None else None,
             sliding_window=self.kv_layout.window or 0)
 
     # ---- public API ----------------------------------------------------------------------
@@ -258,7 +270,7 @@ class Engine:
         self.sampling.sampler = sampler
 
     @property
-    def graphs(self) -> DecodeGraphs | None:
+    def graphs(self) -> DecodeReplays | None:
         return self.forward.graphs
 
     @property
@@ -287,7 +299,7 @@ class Engine:
         return self.prepared.screen.screen is not None
 
     @property
-    def linear_kernel(self) -> KernelPlan | None:
+    def linear_kernel(self) -> LinearKernelPlan | None:
         return self.prepared.speedups.linear_kernel
 
     @property

@@ -1,19 +1,19 @@
 """One packed forward of a step: the base model's last hidden states of the rows that
 sample, from a replayed decode graph (CUDA, decode-only steps), else from the direct
 forward (CPU) or transformers' forward, with every attention layer reading and writing
-the paged KV cache through the step's metadata (step_inputs.py).
+the paged KV cache through the step's metadata (step_inputs.py). The graphs, the direct
+forward and the attention kernels are what the engine's accelerators plug in (accelerators.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.engine.attention import StepMetadata
+from services.worker.engine.accelerators import DecodeReplays, DecodeRows, GroupRows
+from services.worker.engine.attention import DecodeKernel, StepMetadata
 from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.cuda.decode_graphs import DecodeGraphs, DecodeRows, GroupRows
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.lora.layers import LoraRows
 from services.worker.engine.model import PreparedModel
@@ -21,17 +21,14 @@ from services.worker.engine.planning import Planned
 from services.worker.engine.sliding_blocks import SlidingBlocks
 from services.worker.engine.step_inputs import (ScoreRun, build_step_inputs, decode_order, reports_attention,
                                                sliding_table, slot)
+from services.worker.engine.varlen import VarlenKernel
 
 ScoreRows = Callable[[ScoreRun, torch.Tensor], None]
-
-if TYPE_CHECKING:
-    from services.worker.engine.cpu.native_decode import NativeDecodeAttention
-    from services.worker.engine.cuda.varlen_attention import VarlenKernel
 
 
 class Forward:
     def __init__(self, prepared: PreparedModel, kv: PagedKVCache, cache_layer: list[int], pool: BlockPool,
-                 varlen: VarlenKernel | None, decode_kernel: NativeDecodeAttention | None,
+                 varlen: VarlenKernel | None, decode_kernel: DecodeKernel | None,
                  sliding: SlidingBlocks | None = None) -> None:
         self.base = prepared.base
         self.direct = prepared.speedups.direct
@@ -43,7 +40,7 @@ class Forward:
         self.varlen = varlen
         self.decode_kernel = decode_kernel
         self.sliding = sliding
-        self.graphs: DecodeGraphs | None = None   # set once captured graphs can call hidden_states
+        self.graphs: DecodeReplays | None = None   # set once captured graphs can call hidden_states
         self.lora = prepared.lora_step
 
     def _lora_rows(self, order: list[Planned]) -> LoraRows | None:

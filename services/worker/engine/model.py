@@ -1,6 +1,7 @@
 """The model an engine runs, prepared in one call: loaded (or handed in), placed on
 its device and dtype, switched to the paged attention function, given the device's
-speed-ups (cpu/speedups.py) and the LM head screen (cpu/screen_loader.py).
+speed-ups and the LM head screen that the engine's accelerators plug in
+(accelerators.py; on CPU cpu/speedups.py and cpu/screen_loader.py).
 """
 
 from __future__ import annotations
@@ -12,14 +13,9 @@ from pathlib import Path
 import torch
 from transformers import PretrainedConfig
 
+from services.worker.engine.accelerators import Accelerators, HeadScreenLoader, Speedups
 from services.worker.engine.attention import ATTENTION_NAME
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.coded_head import serve_tied_weight_from_codes
-from services.worker.engine.cpu.host_memory import (bound_gemm_caches, keep_freed_host_memory,
-                                                     release_freed_host_memory)
-from services.worker.engine.cpu.native_build import default_cache_dir as default_kernel_dir
-from services.worker.engine.cpu.screen_loader import ScreenLoader
-from services.worker.engine.cpu.speedups import Speedups, apply_speedups
 from services.worker.engine.device import resolve_device, resolve_dtype
 from services.worker.engine.lora.layers import LoraStep, wrap_projections
 
@@ -31,9 +27,9 @@ class PreparedModel:
     base: torch.nn.Module               # the text decoder without its LM head
     device: torch.device
     dtype: torch.dtype
-    kernel_cache_dir: Path
+    kernel_cache_dir: Path | None       # where compiled kernels are kept (None: no speed-ups plugged in)
     speedups: Speedups
-    screen: ScreenLoader
+    screen: HeadScreenLoader
     softcap: float | None               # final logit soft-capping, if the model has it
     mask_by_type: dict | None           # the attention mask argument: a None per layer type, or None
     eos_token_ids: list[int]
@@ -45,15 +41,18 @@ class PreparedModel:
         return self.speedups.lm_head
 
 
-def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) -> PreparedModel:
-    """`model` (else the checkpoint in config.model_dir) ready for the engine's steps."""
+def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
+                  accelerators: Accelerators | None = None) -> PreparedModel:
+    """`model` (else the checkpoint in config.model_dir) ready for the engine's steps, with
+    the speed-ups `accelerators` plug in (none by default)."""
+    accelerators = accelerators if accelerators is not None else Accelerators()
     if config.torch_threads > 0:
         torch.set_num_threads(config.torch_threads)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu":
-        keep_freed_host_memory()
-        bound_gemm_caches(config.cpu_gemm_cache_entries)
+        accelerators.keep_freed_host_memory()
+        accelerators.bound_gemm_caches(config.cpu_gemm_cache_entries)
     model = model if model is not None else _load_model(config.model_dir, dtype)
     model.to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(ATTENTION_NAME)
@@ -63,16 +62,17 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None) ->
         raise ValueError("attention logit softcapping is not supported by the paged attention path")
     base = model.base_model
     base = getattr(base, "language_model", base)
-    kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else default_kernel_dir()
-    speedups = apply_speedups(base, model.get_output_embeddings(), config, device, dtype, kernel_cache_dir)
+    kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else accelerators.default_kernel_dir()
+    speedups = accelerators.apply_speedups(base, model.get_output_embeddings(), config, device, dtype,
+                                           kernel_cache_dir)
     softcap = getattr(model_config, "final_logit_softcapping", None)
     lora_step, lora_shapes = _serve_loras(config, model, speedups)
     # The tied embedding and LM head from the head's codes: the float32 matrix only builds the screen.
-    head_weight = serve_tied_weight_from_codes(model, speedups.lm_head)
+    head_weight = accelerators.serve_tied_weight_from_codes(model, speedups.lm_head)
     if device.type == "cpu":
         gc.collect()                  # replaced modules sit in reference cycles, holding weights
-        release_freed_host_memory()   # what loading and the speed-ups freed (host_memory.py)
-    screen = ScreenLoader(config, softcap, kernel_cache_dir, speedups.native_kernels)
+        accelerators.release_freed_host_memory()   # what loading and the speed-ups freed (cpu/host_memory.py)
+    screen = accelerators.lm_head_screen(config, softcap, kernel_cache_dir, speedups.native_kernels)
     screen.start(model.get_output_embeddings(), device, dtype, head_weight,
                  speedups.lm_head.coded if head_weight is not None else None)
     del head_weight

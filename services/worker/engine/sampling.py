@@ -1,8 +1,9 @@
 """The samples of a step: the sampling rows' logits, one draw per row, by plan.
 
 Logits come from the full LM head, or for greedy and top-k rows from the LM head
-screen (cpu/lm_head_screen.py) when it is built: exact where their draw can land,
--inf elsewhere, which is all such a draw reads. An exact-match plan brings its
+screen when the engine's accelerators plug one in and it is built (accelerators.py;
+cpu/lm_head_screen.py): exact where their draw can land, -inf elsewhere, which is all
+such a draw reads. An exact-match plan brings its
 cached logits instead. A row after drafts draws as if they were already output.
 Complete rows of whole prompts are kept for later identical prompts.
 Constrained rows take the full LM head (their grammar may forbid every token a screen keeps
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
+from services.worker.engine.accelerators import HeadScreen
 from services.worker.engine.grammar_masks import PendingMasks
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.planning import Planned
@@ -94,14 +95,14 @@ class StepSampler:
         logits[full] = self._full_logits(hidden[full])
         return logits, complete
 
-    def _screen_pick(self, screen: LMHeadScreen, request: SampleRequest) -> tuple[int, list[int]] | None:
+    def _screen_pick(self, screen: HeadScreen, request: SampleRequest) -> tuple[int, list[int]] | None:
         """(how many best tokens the row's draw reads, tokens its sampler adjusts), or None
         when the row needs its full logits."""
         count = tokens_drawn_from(request.params)
-        if count is None or request.params.constraint is not None or count > LMHeadScreen.MAX_TOP_K or count >= screen.vocab_size:
+        if count is None or request.params.constraint is not None or count > screen.MAX_TOP_K or count >= screen.vocab_size:
             return None
         adjusted = self.sampler.adjusted_token_ids(request)
-        if len(adjusted) > LMHeadScreen.MAX_ADJUSTED_TOKENS:
+        if len(adjusted) > screen.MAX_ADJUSTED_TOKENS:
             return None
         return count, sorted(i for i in adjusted if 0 <= i < screen.vocab_size)
 

@@ -20,20 +20,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.engine.attention import PrefillChunk, StepMetadata
+from services.worker.engine.attention import DecodeKernel, PrefillChunk, StepMetadata
 from services.worker.engine.block_pool import BlockPool
 from services.worker.engine.h2o_scores import AttentionScores
 from services.worker.engine.kv_cache import PagedKVCache
 from services.worker.engine.planning import Planned
 from services.worker.engine.sliding_blocks import SlidingBlocks
-
-if TYPE_CHECKING:
-    from services.worker.engine.cpu.native_decode import NativeDecodeAttention
-    from services.worker.engine.cuda.varlen_attention import VarlenKernel
+from services.worker.engine.varlen import VarlenKernel
 
 
 @dataclass
@@ -90,7 +86,7 @@ def sliding_table(sliding: SlidingBlocks, plan: Planned, table: list[int]) -> li
 
 def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, cache_layer: list[int],
                       device: torch.device, varlen: VarlenKernel | None = None,
-                      decode_kernel: NativeDecodeAttention | None = None,
+                      decode_kernel: DecodeKernel | None = None,
                       sliding: SlidingBlocks | None = None) -> StepInputs:
     """The inputs of one forward over `order` (decodes first), with the pool's block tables
     (and the sliding group's, under the hybrid layout)."""
@@ -112,7 +108,7 @@ def build_step_inputs(order: list[Planned], pool: BlockPool, kv: PagedKVCache, c
 
 
 def _metadata(group: _GroupRows, rows: _Rows, kv: PagedKVCache, cache_layer: list[int], device: torch.device,
-              varlen: VarlenKernel | None, decode_kernel: NativeDecodeAttention | None) -> StepMetadata:
+              varlen: VarlenKernel | None, decode_kernel: DecodeKernel | None) -> StepMetadata:
     width = max((len(table) for table in group.decode_tables), default=0)
     padded = [table + [0] * (width - len(table)) for table in group.decode_tables]
     decode_ctx = rows.decode_ctx

@@ -12,6 +12,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, StepOutput, WorkItem
 from services.worker.engine.sampler import SampleRequest, Sampler
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 
 
@@ -66,8 +67,8 @@ def reference_model(kind: str) -> torch.nn.Module:
 def make_engine(kind: str, num_blocks: int = 128, block_size: int = 4, **config) -> Engine:
     # A separate config object: the engine switches its model's attention implementation.
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
-    return Engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=block_size,
-                               model_key=kind, **config), model=model)
+    return build_engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=block_size,
+                                     model_key=kind, **config), model=model)
 
 
 def generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:

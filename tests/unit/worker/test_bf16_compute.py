@@ -19,6 +19,7 @@ from services.worker.engine.cpu.bf16_compute import (CALIBRATION_ROWS, cpu_flags
 from services.worker.engine.cpu.cpu_linear import PackedLinear, onednn_bf16_packing_available
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.weight_codes import MAX_ROWS, load_coded_linear
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, RecordingSampler, prompt_of
 from tests.unit.worker.test_weight_codes import coded_weight, snap_to_codes
@@ -133,5 +134,5 @@ def test_the_engine_runs_its_layers_wide_steps_in_bfloat16(calibrated: None, cod
 
 
 def _engine(model: torch.nn.Module, **config) -> Engine:
-    return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="bf16", **config),
-                  model=copy.deepcopy(model))
+    return build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="bf16", **config),
+                        model=copy.deepcopy(model))

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
-from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, RecordingSampler, prompt_of
 
@@ -26,8 +26,8 @@ def test_bfloat16_logits_follow_the_reference(kind: str, packed: bool) -> None:
     reference = build_model(copy.deepcopy(config)).to(torch.bfloat16).eval()
     model = build_model(copy.deepcopy(config))
     model.load_state_dict(reference.state_dict())
-    engine = Engine(EngineConfig(model_dir="", dtype="bfloat16", num_blocks=64, block_size=4, model_key=kind,
-                                 cpu_packed_weights=packed), model=model)
+    engine = build_engine(EngineConfig(model_dir="", dtype="bfloat16", num_blocks=64, block_size=4, model_key=kind,
+                                       cpu_packed_weights=packed), model=model)
     assert engine.info.dtype == "bfloat16"
     recorder = RecordingSampler(engine.sampler)
     engine.sampler = recorder

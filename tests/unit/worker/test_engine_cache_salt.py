@@ -14,7 +14,6 @@ from common.types import SamplingParams
 from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.service import KvIndexService
-from services.worker.engine.engine import Engine
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.block_pool import BlockPool, PartialBlock
 from services.worker.kv_events import add_events, snapshot_source

@@ -25,6 +25,7 @@ from services.worker.engine.cuda.decode_graphs import (
     context_buckets,
     row_relative_error,
 )
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (
     CONFIGS,
@@ -98,9 +99,9 @@ class BreaksAfterCheckCapture:
 
 def graph_engine(kind: str, capture=None, num_blocks: int = 128, block_size: int = 4, **config) -> Engine:
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
-    return Engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=block_size, model_key=kind,
-                               cuda_graph_max_batch=config.pop("cuda_graph_max_batch", 8), **config),
-                  model=model, graph_capture=capture if capture is not None else EagerCapture())
+    return build_engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=block_size, model_key=kind,
+                                     cuda_graph_max_batch=config.pop("cuda_graph_max_batch", 8), **config),
+                        model=model, graph_capture=capture if capture is not None else EagerCapture())
 
 
 PROMPTS = {"a": prompt_of(3, 1), "b": prompt_of(9, 2), "c": prompt_of(30, 3)}
@@ -124,8 +125,8 @@ def test_greedy_tokens_and_logits_match_transformers(kind: str) -> None:
 def test_buckets_are_captured_once_each_and_padding_rows_leave_other_sequences_alone() -> None:
     capture = CountingCapture()
     with_graphs = graph_engine("gemma3", capture)
-    without = Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="gemma3"),
-                     model=build_model(copy.deepcopy(CONFIGS["gemma3"]())))
+    without = build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="gemma3"),
+                           model=build_model(copy.deepcopy(CONFIGS["gemma3"]())))
     assert without.graphs is None
     # Three sequences ride in a batch-4 bucket: one padding row every decode step.
     ours = Driver(with_graphs).run(PROMPTS, 20, CHUNKS)
@@ -197,8 +198,8 @@ def test_a_capture_that_fails_or_does_not_reproduce_turns_graphs_off(capture, re
 
 
 def test_cpu_ignores_use_cuda_graphs() -> None:
-    engine = Engine(EngineConfig(model_dir="", num_blocks=8, block_size=4, use_cuda_graphs=True),
-                    model=build_model(copy.deepcopy(CONFIGS["llama"]())))
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=8, block_size=4, use_cuda_graphs=True),
+                          model=build_model(copy.deepcopy(CONFIGS["llama"]())))
     assert engine.device.type == "cpu" and engine.graphs is None
 
 
@@ -227,8 +228,8 @@ def test_bucket_choice() -> None:
 def test_cuda_graphs_match_transformers_on_a_gpu() -> None:
     for kind in ("gemma3", "llama"):
         model = build_model(copy.deepcopy(CONFIGS[kind]()))
-        engine = Engine(EngineConfig(model_dir="", device="cuda", dtype="float32", num_blocks=128, block_size=4,
-                                     model_key=kind), model=model)
+        engine = build_engine(EngineConfig(model_dir="", device="cuda", dtype="float32", num_blocks=128, block_size=4,
+                                           model_key=kind), model=model)
         assert isinstance(engine.graphs._capture, CudaGraphCapture)  # type: ignore[union-attr]
         got = Driver(engine).run(PROMPTS, 14, CHUNKS)
         assert_greedy_matches(reference_model(kind), PROMPTS, got, 14)

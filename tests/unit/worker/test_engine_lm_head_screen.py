@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.cpu import screen_loader
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
 from services.worker.engine.cpu.screen_fbgemm import screening_available
 from services.worker.engine.cpu.screen_loader import MIN_SCREENED_VOCAB
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model
 from tests.unit.worker.test_engine_speculation import repetitive_prompt
@@ -117,7 +117,7 @@ def test_a_screened_row_is_not_kept_for_an_identical_prompt() -> None:
 
 def test_auto_builds_the_screen_in_the_background_for_a_large_vocabulary() -> None:
     model = build_model(gemma3_config(vocab_size=MIN_SCREENED_VOCAB))
-    engine = Engine(EngineConfig(model_dir="", num_blocks=64, block_size=4), model=model)
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=64, block_size=4), model=model)
     assert engine.wait_for_screen(timeout=60)
     assert engine.lm_head_screened
     out = engine.step(StepBatch(new_sequences=[NewSequence("a", prompt_of(9))], work=[WorkItem("a", 1024)]))
@@ -143,7 +143,7 @@ def test_an_lm_head_with_a_bias_is_not_screened() -> None:
         biased.weight.copy_(model.lm_head.weight)
         biased.bias.normal_()
     model.lm_head = biased
-    engine = Engine(EngineConfig(model_dir="", num_blocks=64, block_size=4, lm_head_screen="on"), model=model)
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=64, block_size=4, lm_head_screen="on"), model=model)
     assert not engine.lm_head_screened
 
 

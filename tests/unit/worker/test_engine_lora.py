@@ -17,6 +17,7 @@ from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.lora import layers
 from services.worker.engine.lora.registry import LoraConfig
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_lora import save_random_adapter
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, generate, prompt_of
@@ -40,8 +41,8 @@ def adapters(kind: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, t
 def _engine(kind: str, adapters: dict, **config) -> Engine:
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
     lora = LoraConfig(modules={name: str(path) for name, (path, _) in adapters.items()}, max_loras=4, max_rank=16)
-    return Engine(EngineConfig(model_dir="", num_blocks=256, block_size=4, model_key=kind, lora=lora, **config),
-                  model=model)
+    return build_engine(EngineConfig(model_dir="", num_blocks=256, block_size=4, model_key=kind, lora=lora, **config),
+                        model=model)
 
 
 def _run(engine: Engine, requests: dict[str, tuple[list[int], str]], new_tokens: int = NEW_TOKENS,

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
-from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.screen_fbgemm import screening_available
+from services.worker.wiring import build_engine
 from tests.unit.worker.engine_helpers import Driver
 
 PROMPTS = {
@@ -29,8 +29,8 @@ def test_real_model_greedy_matches_generate(lm_head_screen: str) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = {key: tokenizer(text).input_ids for key, text in PROMPTS.items()}
-    engine = Engine(EngineConfig(model_dir=str(model_dir), num_blocks=256, model_key="gemma-3-270m",
-                                 lm_head_screen=lm_head_screen))
+    engine = build_engine(EngineConfig(model_dir=str(model_dir), num_blocks=256, model_key="gemma-3-270m",
+                                       lm_head_screen=lm_head_screen))
     # Every projection and the LM head of the dequantized Q4_K_M checkpoint are exact codes.
     assert engine.coded_linears == 7 * engine.model_config.num_hidden_layers + 1
     driver = Driver(engine)

@@ -5,16 +5,18 @@ The flash-attn test at the end runs only where CUDA and the package are present.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine import engine as engine_module
 from services.worker.engine.cpu.native_prefill import load_native_prefill
 from services.worker.engine.cuda import varlen_attention
-from services.worker.engine.cuda.varlen_attention import VarlenKernel, load_varlen_kernel, reference_varlen_attention
+from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
+from services.worker.engine.varlen import VarlenKernel, reference_varlen_attention
+from services.worker.wiring import build_engine, device_accelerators
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (
     CONFIGS,
@@ -48,12 +50,14 @@ class CountingKernel:
         return self.inner(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
-def varlen_engine(kind: str, monkeypatch: pytest.MonkeyPatch, kernel: CountingKernel,
-                  max_head_dim: int = 256, **config) -> Engine:
-    monkeypatch.setattr(engine_module, "load_prefill_kernel",
-                        lambda backend, device, dtype, cache_dir: VarlenKernel("reference", kernel, max_head_dim))
+def varlen_engine(kind: str, kernel: CountingKernel, max_head_dim: int = 256, **config) -> Engine:
+    """The worker's engine with `kernel` as its prefill chunks' fused kernel."""
+    accelerators = dataclasses.replace(
+        device_accelerators(),
+        prefill_kernel=lambda backend, device, dtype, cache_dir: VarlenKernel("reference", kernel, max_head_dim))
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
-    return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key=kind, **config), model=model)
+    return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key=kind, **config), model=model,
+                  accelerators=accelerators)
 
 
 def native_kernel():
@@ -132,8 +136,8 @@ def test_loading_picks_flash_attn_only_on_cuda_in_half_precision(monkeypatch: py
 
 def test_cpu_engine_uses_the_native_kernel_by_default_and_sdpa_when_asked() -> None:
     for backend, expected in (("auto", "native"), ("native", "native"), ("sdpa", "sdpa")):
-        engine = Engine(EngineConfig(model_dir="", num_blocks=8, block_size=4, attention_backend=backend),
-                        model=build_model(copy.deepcopy(CONFIGS["llama"]())))
+        engine = build_engine(EngineConfig(model_dir="", num_blocks=8, block_size=4, attention_backend=backend),
+                              model=build_model(copy.deepcopy(CONFIGS["llama"]())))
         assert engine.attention_kernel == expected
 
 
@@ -142,10 +146,9 @@ def test_cpu_engine_uses_the_native_kernel_by_default_and_sdpa_when_asked() -> N
 
 @pytest.mark.parametrize("inner", ["reference", "native"])
 @pytest.mark.parametrize("kind", ["gemma3", "gemma4", "llama", "qwen2_sliding"])
-def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(
-        kind: str, inner: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(kind: str, inner: str) -> None:
     kernel = CountingKernel(native_kernel() if inner == "native" else reference_varlen_attention)
-    engine = varlen_engine(kind, monkeypatch, kernel, prompt_logits_cache_size=0)
+    engine = varlen_engine(kind, kernel, prompt_logits_cache_size=0)
     assert engine.attention_kernel == "reference"
     recorder = RecordingSampler(engine.sampler)
     engine.sampler = recorder
@@ -159,9 +162,9 @@ def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(
     assert max(kernel.calls) >= 3
 
 
-def test_shared_prefix_chunks_read_their_context_through_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shared_prefix_chunks_read_their_context_through_the_kernel() -> None:
     kernel = CountingKernel()
-    engine = varlen_engine("gemma3", monkeypatch, kernel, prompt_logits_cache_size=0)
+    engine = varlen_engine("gemma3", kernel, prompt_logits_cache_size=0)
     driver = Driver(engine)
     base = prompt_of(21, 8)
     driver.run({"first": base}, 4)
@@ -171,10 +174,10 @@ def test_shared_prefix_chunks_read_their_context_through_the_kernel(monkeypatch:
     assert got["forked"] == generate(reference_model("gemma3"), forked, 4)
 
 
-def test_layers_the_kernel_cannot_take_fall_back_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_layers_the_kernel_cannot_take_fall_back_to_sdpa() -> None:
     # Gemma 4 tiny: sliding layers have head_dim 16, global ones 32.
     kernel = CountingKernel()
-    engine = varlen_engine("gemma4", monkeypatch, kernel, max_head_dim=16)
+    engine = varlen_engine("gemma4", kernel, max_head_dim=16)
     prompts = {"a": prompt_of(12, 1), "b": prompt_of(20, 2)}
     got = Driver(engine).run(prompts, 6, {"a": 5, "b": 7})
     assert_greedy_matches(reference_model("gemma4"), prompts, got, 6)
@@ -189,8 +192,8 @@ def test_flash_attn_prefill_matches_sdpa_on_a_gpu() -> None:
     outputs = {}
     for backend in ("flash_attn", "sdpa"):
         model = build_model(copy.deepcopy(CONFIGS["gemma3"]()))
-        engine = Engine(EngineConfig(model_dir="", device="cuda", dtype="bfloat16", num_blocks=128, block_size=4,
-                                     attention_backend=backend, use_cuda_graphs=False), model=model)
+        engine = build_engine(EngineConfig(model_dir="", device="cuda", dtype="bfloat16", num_blocks=128, block_size=4,
+                                           attention_backend=backend, use_cuda_graphs=False), model=model)
         assert engine.attention_kernel == ("flash_attn" if backend == "flash_attn" else "sdpa")
         recorder = RecordingSampler(engine.sampler)
         engine.sampler = recorder

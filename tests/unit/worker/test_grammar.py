@@ -202,11 +202,11 @@ def test_engine_speculative_drafts_are_checked_against_the_grammar(hf_tokenizer,
 
 @pytest.mark.parametrize("mode", ["first_use", "start"])
 def test_the_tokenizer_is_built_at_start_or_when_the_first_constrained_sequence_registers(tmp_path, mode):
-    from services.worker.engine.engine import Engine
     from services.worker.engine.config import EngineConfig
+    from services.worker.wiring import build_engine
     from tests.fixtures.tiny_model import save_tiny_model
     save_tiny_model(tmp_path)
-    engine = Engine(EngineConfig(model_dir=str(tmp_path), num_blocks=64, block_size=4, grammar_tokenizer=mode))
+    engine = build_engine(EngineConfig(model_dir=str(tmp_path), num_blocks=64, block_size=4, grammar_tokenizer=mode))
     tokenizer = engine.grammars.tokenizer
     assert tokenizer.started is (mode == "start")
     plain = SamplingParams(temperature=0.0)

@@ -53,16 +53,15 @@ def test_the_gemm_caches_are_capped_unless_the_environment_says_otherwise(monkey
 
 
 def test_a_cpu_engine_caps_the_gemm_caches_before_its_first_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.engine.engine import Engine
     from services.worker.engine.config import EngineConfig
+    from services.worker.wiring import build_engine
     from tests.fixtures.tiny_model import build_model, gemma3_config
 
     for name in host_memory.GEMM_CACHE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     seen: list[dict[str, str]] = []
     original = host_memory.bound_gemm_caches
-    monkeypatch.setattr("services.worker.engine.model.bound_gemm_caches",
-                        lambda entries: seen.append(original(entries)) or seen[-1])
-    Engine(EngineConfig(model_dir="", num_blocks=16, block_size=4, cpu_gemm_cache_entries=24),
-           model=build_model(gemma3_config()))
+    monkeypatch.setattr(host_memory, "bound_gemm_caches", lambda entries: seen.append(original(entries)) or seen[-1])
+    build_engine(EngineConfig(model_dir="", num_blocks=16, block_size=4, cpu_gemm_cache_entries=24),
+                 model=build_model(gemma3_config()))
     assert seen == [{"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "24", "LRU_CACHE_CAPACITY": "24"}]

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
 from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
 from services.worker.engine.cpu.native_build import COMPILE_FLAGS, EXTRA_SOURCES, SOURCES, default_cache_dir
 from services.worker.engine.cpu.screen_loader import DEFAULT_SCREEN_MAX_ROWS, ScreenLoader
 from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear, load_coded_linear
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
 from tests.unit.worker.test_lm_head_screen import assert_draws_match, hidden_states
@@ -395,8 +395,8 @@ def test_lm_head_screen_weights_copy_keeps_an_int8_copy_of_a_coded_head(head: tu
 def test_an_engine_with_an_8_bit_coded_head_screens_from_the_codes() -> None:
     reference = build_model(CONFIGS["gemma3"]())
     snap_to_codes(reference, levels=256)
-    engine = Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="coded",
-                                 lm_head_screen="on", cpu_weight_codes="8bit"), model=copy.deepcopy(reference))
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="coded",
+                                       lm_head_screen="on", cpu_weight_codes="8bit"), model=copy.deepcopy(reference))
     screen = engine.prepared.screen.screen
     assert screen is not None and screen.kernel == "codes"
     prompts = {"a": prompt_of(7, 1), "b": prompt_of(30, 2), "c": prompt_of(3, 3)}

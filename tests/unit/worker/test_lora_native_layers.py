@@ -14,6 +14,7 @@ import torch
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_lora import greedy_mixed, save_random_adapter
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, generate, prompt_of
@@ -51,9 +52,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Pa
 
 
 def _engine(coded: torch.nn.Module, root: Path) -> tuple[Engine, CountingLayers]:
-    engine = Engine(EngineConfig(model_dir="", num_blocks=256, block_size=4, model_key="layers",
-                                 lora=LoraConfig(modules={"qv": str(root / "qv"), "all": str(root / "all")})),
-                    model=copy.deepcopy(coded))
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=256, block_size=4, model_key="layers",
+                                       lora=LoraConfig(modules={"qv": str(root / "qv"), "all": str(root / "all")})),
+                          model=copy.deepcopy(coded))
     assert engine.direct_forward == "direct (C decode layers)" and engine.coded_linears > 0
     counting = CountingLayers(engine.forward.direct.native_layers)
     engine.forward.direct.native_layers = counting

@@ -15,6 +15,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.weight_codes import PANEL, NativeCodedLinear, load_coded_linear, narrow_stride
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
 from tests.unit.worker.test_weight_codes import coded_weight, snap_to_codes
@@ -96,8 +97,8 @@ def _snap_mixed(model: torch.nn.Module) -> None:
 
 
 def _engine(model: torch.nn.Module, **config) -> Engine:
-    return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="narrow", **config),
-                  model=copy.deepcopy(model))
+    return build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="narrow", **config),
+                        model=copy.deepcopy(model))
 
 
 def test_an_engine_on_narrow_codes_gives_the_8_bit_logits_and_generates_tokens() -> None:

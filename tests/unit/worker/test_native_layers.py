@@ -12,6 +12,7 @@ import torch
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.native_layers import NativeDecodeLayers
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (
     CONFIGS,
@@ -34,8 +35,8 @@ def coded_gemma3() -> torch.nn.Module:
 
 
 def _engine(model: torch.nn.Module, **config) -> tuple[Engine, RecordingSampler]:
-    engine = Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="layers", **config),
-                    model=copy.deepcopy(model))
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="layers", **config),
+                          model=copy.deepcopy(model))
     recorder = RecordingSampler(engine.sampler)
     engine.sampler = recorder
     return engine, recorder

@@ -12,8 +12,8 @@ import torch
 
 from services.worker.engine.cpu import native_build, native_prefill
 from services.worker.engine.cpu.native_prefill import NativePrefillAttention, load_native_prefill
-from services.worker.engine.cuda.varlen_attention import reference_varlen_attention
-from services.worker.engine.prefill_kernels import load_prefill_kernel
+from services.worker.engine.varlen import reference_varlen_attention
+from services.worker.wiring import load_prefill_kernel
 
 CPU = torch.device("cpu")
 TOLERANCE = 2e-5

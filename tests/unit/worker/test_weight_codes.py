@@ -17,6 +17,7 @@ from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
 from services.worker.engine.cpu.native_build import default_cache_dir
 from services.worker.engine.cpu.native_ops import load_skinny_linear
 from services.worker.engine.cpu.weight_codes import MAX_ROWS, PANEL, NativeCodedLinear, load_coded_linear
+from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
 
@@ -233,8 +234,8 @@ def test_the_tied_embedding_and_head_run_from_codes() -> None:
 
 
 def _engine(model: torch.nn.Module, **config) -> Engine:
-    return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="coded", **config),
-                  model=copy.deepcopy(model))
+    return build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="coded", **config),
+                        model=copy.deepcopy(model))
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "llama", "qwen3"])

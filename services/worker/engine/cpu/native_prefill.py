@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.cpu.native_build import NativeBuildError, default_cache_dir, load_library
-from services.worker.engine.cuda.varlen_attention import VarlenKernel, reference_varlen_attention
+from services.worker.engine.varlen import VarlenKernel, reference_varlen_attention
 
 log = logging.getLogger(__name__)
 

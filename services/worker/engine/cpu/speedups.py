@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.engine.accelerators import Speedups
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu import weight_codes
 from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
@@ -47,17 +48,10 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class Speedups:
-    lm_head: torch.nn.Module               # the model's output embeddings, packed when the layers are
-    native_kernels: bool = False           # the C kernels of CPU_NATIVE_KERNELS may serve
-    fused_norms: int = 0
-    fused_mlps: int = 0
-    linear_kernel: KernelPlan | None = None
-    native_linears: int = 0                # packed linears whose few-row steps run the C kernel
-    coded_linears: int = 0                 # packed linears whose few-row steps run from 8-bit codes
-    prefill_linear_kernel: str | None = None   # the coded linears' packs, when they differ from the plan's
+class CpuSpeedups(Speedups):
+    """What the core reads (accelerators.Speedups: the LM head, the linears' plan, the direct
+    forward, counts), and what only the CPU's own paths and their tests read."""
     bfloat16: Bfloat16Compute | None = None    # CPU_COMPUTE=bfloat16: the layers' wide GEMMs
-    direct: DirectForward | None = None
     dropped_bytes: int = 0                 # weight copies the coded linears made unneeded, let go
     prefill_weights: str = "packs"         # what the coded layers' wide steps multiply: packs or codes
     native_prefill_shapes: int = 0         # weight shapes whose wide steps the native GEMM serves
@@ -72,14 +66,14 @@ class _Target:
 
 
 def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: EngineConfig, device: torch.device,
-                   dtype: torch.dtype, kernel_cache_dir: Path) -> Speedups:
+                   dtype: torch.dtype, kernel_cache_dir: Path) -> CpuSpeedups:
     """Applies the speed-ups that `config` allows on `device` to `base` (modules swapped in
     place) and returns what was applied, with the LM head the engine calls."""
     target = _Target(config, device, dtype, kernel_cache_dir)
     _check_compute(target)
     require_choice("CPU_PREFILL_WEIGHTS", config.cpu_prefill_weights, PREFILL_WEIGHTS_MODES)
     require_choice("CPU_PREFILL_GEMM", config.cpu_prefill_gemm, PREFILL_GEMM_MODES)
-    done = Speedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
+    done = CpuSpeedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
     native_ops = load_elementwise(kernel_cache_dir) if done.native_kernels else None
     done.fused_norms = fuse_rms_norms(base, native_ops)
     done.fused_mlps = fuse_gated_mlps(base, native_ops) if native_ops is not None else 0
@@ -201,7 +195,7 @@ def _route_few_rows_to_native(target: _Target, base: torch.nn.Module, lm_head: t
     return sum(1 for linear in _packed_linears(base, lm_head) if linear.use_native(kernel, SKINNY_MAX_ROWS))
 
 
-def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: Speedups) -> int:
+def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: CpuSpeedups) -> int:
     """Packed linears whose float32 weights are exact 8-bit codes (weight_codes.py) run
     steps of at most weight_codes.MAX_ROWS rows through the coded kernel, with `auto` from
     their codes in the fewest bits (4-6) that hold them where that is faster (`_narrow_codes`);

@@ -29,29 +29,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
+from services.worker.engine.accelerators import BaseForward, DecodeRows, GraphCapture
 from services.worker.engine.attention import StepMetadata
 from services.worker.engine.kv_cache import PagedKVCache
 
 log = logging.getLogger("worker.engine")
 
-# hidden states of the packed rows: (input_ids [T], positions [T], metadata) -> [T, hidden]
-BaseForward = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]
-
 MIN_CONTEXT_BUCKET = 256
 # A replay may differ from eager by kernel choice (rounding), not by content: a row
 # read from the wrong slots is off by order 1, bfloat16 rounding by under 1 %.
 REPLAY_TOLERANCE = 0.02
-
-
-class GraphCapture(Protocol):
-    def capture(self, fn: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
-        """Records `fn` (which reads and writes only tensors that outlive it) and returns
-        a callable that replays it and returns the tensor `fn` returned."""
-        ...
 
 
 class CudaGraphCapture:
@@ -105,24 +95,6 @@ class _Graph:
     rechecked: bool = False      # a replay on inputs other than the captured ones matched eager
 
 
-@dataclass(frozen=True)
-class GroupRows:
-    """The slots and block tables of a decode-only step's rows in the sliding group's blocks."""
-    slots: list[int]
-    block_tables: list[list[int]]
-
-
-@dataclass(frozen=True)
-class DecodeRows:
-    """A decode-only step's rows as plain values, one entry per sequence."""
-    token_ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    ctx_lens: list[int]          # context length including the decoded token
-    block_tables: list[list[int]]
-    sliding: GroupRows | None = None   # under the hybrid layout (sliding_blocks.py)
-
-
 def row_relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     """The largest per-row ||got - expected|| / ||expected||; inf when the shapes differ."""
     if got.shape != expected.shape:
@@ -157,7 +129,7 @@ class DecodeGraphs:
 
     def __init__(self, forward: BaseForward, kv: PagedKVCache, cache_layer: list[int], capture: GraphCapture,
                  *, block_size: int, scratch_block: int, max_batch: int, max_context: int,
-                 device: torch.device, min_context: int = MIN_CONTEXT_BUCKET,
+                 device: torch.device, min_context: int | None = None,
                  tolerance: float = REPLAY_TOLERANCE, sliding_scratch_block: int | None = None,
                  sliding_window: int = 0) -> None:
         if max_batch <= 0:
@@ -173,7 +145,8 @@ class DecodeGraphs:
         self.device = device
         self.tolerance = tolerance
         self.batch_buckets = batch_buckets(max_batch)
-        self.context_buckets = context_buckets(max_context, block_size, min_context)
+        self.context_buckets = context_buckets(max_context, block_size,
+                                               MIN_CONTEXT_BUCKET if min_context is None else min_context)
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.enabled = True
         self.replays = 0

@@ -1,0 +1,70 @@
+"""What the worker plugs into its engine: the device speed-ups of engine/cpu and engine/cuda.
+
+The engine core imports neither (engine/accelerators.py states the contract); here an
+`Accelerators` is filled with their functions, and `build_engine` is how the worker, the
+engine tests and the benchmarks build an Engine that serves with them.
+
+Which kernel runs a step's prefill chunks' attention (ATTENTION_BACKEND), `load_prefill_kernel`:
+`auto` takes flash-attn's varlen call on CUDA in float16/bfloat16 when the package imports
+(cuda/varlen_attention.py), the native C kernel on CPU in float32 when it builds and passes its
+start-up check (cpu/native_prefill.py), else SDPA per chunk. `sdpa` never uses a fused kernel;
+`flash_attn` and `native` require theirs and refuse to start without it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.accelerators import Accelerators, GraphCapture
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.cpu import host_memory
+from services.worker.engine.cpu.coded_head import serve_tied_weight_from_codes
+from services.worker.engine.cpu.native_build import default_cache_dir
+from services.worker.engine.cpu.native_decode import load_decode_kernel
+from services.worker.engine.cpu.native_prefill import load_native_prefill
+from services.worker.engine.cpu.screen_loader import ScreenLoader
+from services.worker.engine.cpu.speedups import apply_speedups
+from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs
+from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
+from services.worker.engine.engine import Engine
+from services.worker.engine.varlen import VarlenKernel
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")
+
+
+def load_prefill_kernel(backend: str, device: torch.device, dtype: torch.dtype,
+                        cache_dir: Path | None = None) -> VarlenKernel | None:
+    """The fused kernel `backend` asks for on this device and dtype, or None for SDPA per chunk.
+    Raises ValueError for an unknown backend or a required kernel that cannot run here."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "native" and device.type != "cpu":
+        raise ValueError(f"ATTENTION_BACKEND=native needs CPU float32, not {device.type} {dtype}")
+    if device.type == "cpu" and backend in ("auto", "native"):
+        return load_native_prefill(backend, dtype, cache_dir)
+    return load_varlen_kernel(backend, device, dtype)
+
+
+def device_accelerators() -> Accelerators:
+    """Every speed-up of engine/cpu and engine/cuda; each one still decides by its settings,
+    device and dtype whether it serves (a CPU engine takes no CUDA graphs, and so on)."""
+    return Accelerators(
+        keep_freed_host_memory=host_memory.keep_freed_host_memory,
+        bound_gemm_caches=host_memory.bound_gemm_caches,
+        release_freed_host_memory=host_memory.release_freed_host_memory,
+        default_kernel_dir=default_cache_dir,
+        apply_speedups=apply_speedups,
+        serve_tied_weight_from_codes=serve_tied_weight_from_codes,
+        lm_head_screen=ScreenLoader,
+        prefill_kernel=load_prefill_kernel,
+        decode_kernel=load_decode_kernel,
+        graph_capture=CudaGraphCapture,
+        decode_graphs=DecodeGraphs)
+
+
+def build_engine(config: EngineConfig, model: torch.nn.Module | None = None,
+                 graph_capture: GraphCapture | None = None) -> Engine:
+    """An Engine with the device's speed-ups, as the worker serves."""
+    return Engine(config, model, graph_capture, device_accelerators())
