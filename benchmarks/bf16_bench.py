@@ -37,7 +37,7 @@ from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.cpu_linear import PackedLinear
+from services.worker.engine.cpu.linear.cpu_linear import PackedLinear
 from services.worker.wiring import build_engine
 
 MODES = ("float32", "bfloat16")
@@ -170,7 +170,7 @@ def _speed(args: argparse.Namespace, engines: dict[str, Engine]) -> dict[str, di
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("services.worker.engine.cpu.bf16_compute").setLevel(logging.INFO)
+    logging.getLogger("services.worker.engine.cpu.linear.bf16_compute").setLevel(logging.INFO)
     engines, tokenizer, model_name = _engines(args)
     for engine in engines.values():
         engine.wait_for_screen()    # `auto` builds the LM head screen in the background: measure with it

@@ -26,9 +26,9 @@ from benchmarks.machine import cpu_name
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.cpu import weight_codes
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.weight_codes import load_coded_linear
+from services.worker.engine.cpu.linear import weight_codes
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.weight_codes import load_coded_linear
 from services.worker.wiring import build_engine
 
 MODES = ("narrow", "8bit")

@@ -34,19 +34,19 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.machine import cpu_name
-from services.worker.engine.cpu.codes_screen_half import half_scales
-from services.worker.engine.cpu.codes_screen_int8 import approximate as int8_screen
-from services.worker.engine.cpu.int8_matmul import PANEL
-from services.worker.engine.cpu.lm_head_screen import load_native_matmul
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_decode import load_decode_kernel
-from services.worker.engine.cpu.native_ops import load_skinny_linear
-from services.worker.engine.cpu.native_prefill import load_native_prefill
-from services.worker.engine.cpu.prefill_gemm import PANEL as GEMM_PANEL
-from services.worker.engine.cpu.prefill_gemm import load_prefill_gemm
+from services.worker.engine.cpu.screen.codes_screen_half import half_scales
+from services.worker.engine.cpu.screen.codes_screen_int8 import approximate as int8_screen
+from services.worker.engine.cpu.screen.int8_matmul import PANEL
+from services.worker.engine.cpu.screen.lm_head_screen import load_native_matmul
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_decode import load_decode_kernel
+from services.worker.engine.cpu.kernels.native_ops import load_skinny_linear
+from services.worker.engine.cpu.kernels.native_prefill import load_native_prefill
+from services.worker.engine.cpu.linear.prefill_gemm import PANEL as GEMM_PANEL
+from services.worker.engine.cpu.linear.prefill_gemm import load_prefill_gemm
 from services.worker.engine.cpu.timing import best_alternating
-from services.worker.engine.sampler import row_argmax
-from services.worker.engine.cpu.weight_codes import CodedWeight, load_coded_linear
+from services.worker.engine.sampling.sampler import row_argmax
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight, load_coded_linear
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.kv_cache import SLIDING_GROUP, PagedKVCache
+from services.worker.engine.kv.kv_cache import SLIDING_GROUP, PagedKVCache
 from services.worker.wiring import build_engine
 
 MODULES = ("collections", "itertools", "functools", "textwrap", "string", "json", "csv", "argparse",

@@ -91,9 +91,9 @@ class Stack:
         """A stub on the load's `channel`-th connection (streams spread over a few connections)."""
         import grpc
         from fairserve.v1 import scheduler_pb2_grpc
-        from common.grpc_server import CHANNEL_OPTIONS
-        from common.internal_auth import InternalAuth
-        from common.internal_auth import token_interceptors
+        from common.transport.grpc_server import CHANNEL_OPTIONS
+        from common.transport.internal_auth import InternalAuth
+        from common.transport.internal_auth import token_interceptors
         while len(self._channels) <= channel:   # a connection each (plaintext: the benchmark sets no TLS)
             self._channels.append(grpc.aio.insecure_channel(
                 f"127.0.0.1:{self.port}", options=[*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)],

@@ -26,10 +26,10 @@ from fairserve.v1 import worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from benchmarks.sim_engine import SimEngine, StepCosts
-from common.grpc_server import GrpcServer, internal_channel
-from common.internal_auth import InternalAuth
+from common.transport.grpc_server import GrpcServer, internal_channel
+from common.transport.internal_auth import InternalAuth
 from common.shutdown import stop_requests
-from common.worker_auth import worker_token_from_env, worker_token_interceptors
+from common.transport.worker_auth import worker_token_from_env, worker_token_interceptors
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import EngineThread, WorkerService, keep_registered
 

@@ -38,8 +38,8 @@ def probe_grpc(port: int, timeout_s: float) -> str | None:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from common.grpc_server import blocking_channel
-    from common.internal_auth import InternalAuth
+    from common.transport.grpc_server import blocking_channel
+    from common.transport.internal_auth import InternalAuth
 
     auth = InternalAuth.from_env(os.environ, serves=False)
     channel = blocking_channel(f"127.0.0.1:{port}", auth)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.worker.engine.cpu.cpu_linear import kernel_available
+from services.worker.engine.cpu.linear.cpu_linear import kernel_available
 
 PACK_ROWS_HINT = {"prefill": 2048, "decode": 32}
 

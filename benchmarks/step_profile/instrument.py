@@ -34,7 +34,7 @@ import torch
 from benchmarks.step_profile.clock import StepClock
 from services.worker.engine.engine import Engine
 from common.step import StepBatch
-from services.worker.engine import forward as forward_module
+from services.worker.engine.step import forward as forward_module
 from services.worker.engine.cpu import direct_forward as direct_module
 
 GEMMS = "layer GEMMs"

@@ -34,7 +34,7 @@ from benchmarks.cpu_time import CpuMeter, client_meter
 from benchmarks.head_to_head.sweep import Driver, Plan, warm_up
 from benchmarks.head_to_head.systems import Served
 from benchmarks.head_to_head.workload import unique_requests
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from fairserve.launcher.stack import Stack, StackPorts
 
 

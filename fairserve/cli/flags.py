@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 from pydantic.fields import FieldInfo
 
-from common.settings import SettingsError
-from common.settings_schema import SettingsSchema, bounds, type_name
+from common.settings.env import SettingsError
+from common.settings.schema import SettingsSchema, bounds, type_name
 
 HELP_WIDTH = 100
 # Short spellings users of other servers type (vLLM's `--model`), beside the setting's own flag.

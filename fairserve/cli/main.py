@@ -16,7 +16,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from fairserve.cli import schemas as registry
 from fairserve.cli.flags import add_setting_flags, config_file_values, flag_of, layered, variables_of
 from common.version import package_version

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic.fields import FieldInfo
 
-from common.settings_schema import SettingsSchema, bounds, type_name
+from common.settings.schema import SettingsSchema, bounds, type_name
 from fairserve.cli import schemas as registry
 from fairserve.cli.flags import ALIASES, flag_of
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 
-from common.settings_schema import SettingsSchema
+from common.settings.schema import SettingsSchema
 from fairserve.launcher.settings_schema import RunSchema
 from services.gateway.settings_schema import GatewaySchema
 from services.kvcache.settings_schema import KvCacheSchema

@@ -1,5 +1,5 @@
 """`make run`'s own internal tokens, so a laptop's internal ports are closed by
-default: INTERNAL_TOKEN and WORKER_TOKEN (common/worker_auth.py), random,
+default: INTERNAL_TOKEN and WORKER_TOKEN (common/transport/worker_auth.py), random,
 kept in ~/.cache/fairserve/tokens/local.json (LOCAL_TOKENS_FILE names another;
 its folder 0700, the file 0600, both checked on every start) and reused on
 later runs. A token the user gives (the variable or its _FILE form) wins over
@@ -14,7 +14,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 
 TOKEN_NAMES = ("INTERNAL_TOKEN", "WORKER_TOKEN")
 

@@ -11,10 +11,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-from common.metrics import serve_metrics
+from common.observability.metrics import serve_metrics
 from common.model_store import default_cache_dir, default_model_dir, is_prepared, resolve_model_dir
-from common.internal_auth import read_token
-from common.settings import EnvReader, SettingsError
+from common.transport.internal_auth import read_token
+from common.settings.env import EnvReader, SettingsError
 from fairserve.launcher.local_tokens import local_tokens, tokens_path
 from fairserve.launcher.settings_schema import RunSchema
 from fairserve.launcher.stack import Stack, StackPorts

@@ -1,6 +1,6 @@
 """The launcher's own settings (`fairserve run`, `make run`); each service's are its own schema's.
 
-One field per environment variable, as in every service (common/settings_schema.py).
+One field per environment variable, as in every service (common/settings/schema.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import ClassVar
 
 from pydantic import Field
 
-from common.settings_schema import SettingsSchema
+from common.settings.schema import SettingsSchema
 
 
 class RunSchema(SettingsSchema):

@@ -18,10 +18,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from common.internal_auth import InternalAuth
+    from common.transport.internal_auth import InternalAuth
 
 ROOT = Path(__file__).resolve().parents[2]   # the source checkout's root (tests and benchmarks read it)
-# Held only by the scheduler and the workers (common/worker_auth.py): never passed to the others.
+# Held only by the scheduler and the workers (common/transport/worker_auth.py): never passed to the others.
 WORKER_ONLY = ("WORKER_TOKEN", "WORKER_TOKEN_FILE")
 WORKER_ROLE_MODULES = ("services.scheduler.main", "services.worker.main")
 
@@ -89,14 +89,14 @@ class Stack:
     def internal_auth(self) -> "InternalAuth":
         """The token and TLS the services run with (INTERNAL_TOKEN, GRPC_TLS_*
         from the environment or `env`), for clients that dial them directly."""
-        from common.internal_auth import InternalAuth
+        from common.transport.internal_auth import InternalAuth
 
         return InternalAuth.from_env(self.service_env(), serves=False)
 
     def worker_token(self) -> bytes:
         """The workers' token (WORKER_TOKEN, checked against INTERNAL_TOKEN), for
         clients that play a worker."""
-        from common.worker_auth import worker_token_from_env
+        from common.transport.worker_auth import worker_token_from_env
 
         return worker_token_from_env(self.service_env(), self.internal_auth().token)
 
@@ -224,7 +224,7 @@ class Stack:
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        from common.grpc_server import blocking_channel
+        from common.transport.grpc_server import blocking_channel
 
         deadline = time.monotonic() + timeout_s
         with blocking_channel(address, self.internal_auth()) as channel:

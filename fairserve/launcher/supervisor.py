@@ -19,7 +19,7 @@ from typing import NoReturn
 
 from prometheus_client import CollectorRegistry
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from fairserve.launcher.settings_schema import RunSchema
 from fairserve.launcher.stack import Stack
 

@@ -13,7 +13,7 @@ from common.convert import (
     usage_from_proto,
     usage_to_proto,
 )
-from common.grpc_server import REJECTION_KEY
+from common.transport.grpc_server import REJECTION_KEY
 from common.types import Usage
 from fairserve.v1 import common_pb2, gateway_pb2, scheduler_pb2
 from services.gateway.requests.backend import (

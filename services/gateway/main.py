@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
-from common.grpc_server import GrpcServer
-from common.logs import configure_logging
-from common.tracing import setup_tracing, shutdown_tracing
+from common.transport.grpc_server import GrpcServer
+from common.observability.logs import configure_logging
+from common.observability.tracing import setup_tracing, shutdown_tracing
 from common.model_store import resolve_model_dir
 from common.shutdown import StopRequests, stop_requests
 from services.gateway.app import create_app, create_metrics_app

@@ -16,8 +16,8 @@ from typing import Any, NoReturn
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.logs import request_id_var
-from common.tracing import forget_trace
+from common.observability.logs import request_id_var
+from common.observability.tracing import forget_trace
 from services.gateway.tenancy.api_keys import presented_key
 from services.gateway.errors import (
     ApiError,

@@ -6,10 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from common.internal_auth import InternalAuth
+from common.transport.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.settings_schema import GatewaySchema
 from services.gateway.tenancy.identity import AUTO_SCOPE, cache_scope_for
 from services.gateway.models.served_names import default_served_name, served_names

@@ -2,7 +2,7 @@
 
 One field per environment variable (the name in capitals): its type, default, bounds and meaning.
 `GatewaySettings` builds the running settings from it; `fairserve gateway --help`, `fairserve config`
-and docs/config.md are generated from it (common/settings_schema.py).
+and docs/config.md are generated from it (common/settings/schema.py).
 """
 
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from common.logs import LOG_LEVELS
+from common.observability.logs import LOG_LEVELS
 from services.gateway.tenancy.identity import AUTO_SCOPE, CACHE_SCOPES
 from services.gateway.tool_parsers import PARSERS
 
-from common.shared_settings import InternalAuthFields, TracingFields
+from common.settings.shared import InternalAuthFields, TracingFields
 
 
 class GatewaySchema(InternalAuthFields, TracingFields):

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from common.tracing import tracer
+from common.observability.tracing import tracer
 from services.gateway.requests.backend import GenerationSpec, SchedulerBackend
 from services.gateway.text.chat_template import (
     ChatTemplateError,

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 import grpc
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
 
-from common.grpc_server import internal_channel, request_metadata
-from common.internal_auth import InternalAuth
+from common.transport.grpc_server import internal_channel, request_metadata
+from common.transport.internal_auth import InternalAuth
 from services.kvcache import convert
 from services.kvcache.kv_types import (
     IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,

@@ -9,8 +9,8 @@ import os
 
 from prometheus_client import CollectorRegistry
 
-from common.logs import configure_logging
-from common.metrics import serve_metrics
+from common.observability.logs import configure_logging
+from common.observability.metrics import serve_metrics
 from common.shutdown import on_stop_signal
 from services.kvcache.stores.backend import IndexBackend, MemoryBackend
 from services.kvcache.metrics import KvCacheMetrics

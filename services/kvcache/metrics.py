@@ -1,11 +1,11 @@
 """Prometheus metrics of the kvcache service, named as catalogued in
-common.prometheus_names (fairserve_kvcache_*)."""
+common.observability.prometheus_names (fairserve_kvcache_*)."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from services.kvcache.kv_types import IndexStats, PublishBatch, PublishResult
 
 

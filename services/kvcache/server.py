@@ -10,8 +10,8 @@ import grpc
 import redis.exceptions
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
 
-from common.grpc_server import GrpcServer, request_id_from
-from common.internal_auth import InternalAuth
+from common.transport.grpc_server import GrpcServer, request_id_from
+from common.transport.internal_auth import InternalAuth
 from services.kvcache import convert
 from services.kvcache.service import KvIndexService
 

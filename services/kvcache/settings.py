@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from common.internal_auth import InternalAuth
-from common.settings import SettingsError
+from common.transport.internal_auth import InternalAuth
+from common.settings.env import SettingsError
 from services.kvcache.settings_schema import KvCacheSchema
 
 

@@ -2,7 +2,7 @@
 
 One field per environment variable (the name in capitals): its type, default, bounds and meaning.
 `KvCacheSettings` builds the running settings from it; `fairserve kvcache --help`, `fairserve config`
-and docs/config.md are generated from it (common/settings_schema.py).
+and docs/config.md are generated from it (common/settings/schema.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from common.logs import LOG_LEVELS
+from common.observability.logs import LOG_LEVELS
 
-from common.shared_settings import InternalAuthFields
+from common.settings.shared import InternalAuthFields
 
 
 class KvCacheSchema(InternalAuthFields):

@@ -19,7 +19,7 @@ import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from common.peer import IPAddress, parse_ip, peer_ip
+from common.transport.peer import IPAddress, parse_ip, peer_ip
 
 from services.scheduler.registration import AddressNotOwned
 

@@ -12,7 +12,7 @@ from fairserve.v1 import scheduler_pb2, worker_pb2
 
 from common.block_hash import adapter_id, adapter_salt
 from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
-from common.grpc_server import REJECTION_KEY
+from common.transport.grpc_server import REJECTION_KEY
 
 from services.scheduler.core.types import (
     CoreStats, Finish, Gate, Rejection, RequestSpec, RequestUpdate, WorkerSpec, TenantQuota,

@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
-from common.internal_auth import InternalAuth
+from common.transport.internal_auth import InternalAuth
 from services.kvcache.client import KvIndexClient
 
 log = logging.getLogger(__name__)

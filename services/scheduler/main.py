@@ -6,9 +6,9 @@ import asyncio
 import logging
 import os
 
-from common.logs import configure_logging
-from common.tracing import setup_tracing, shutdown_tracing
-from common.metrics import serve_metrics
+from common.observability.logs import configure_logging
+from common.observability.tracing import setup_tracing, shutdown_tracing
+from common.observability.metrics import serve_metrics
 from common.shutdown import on_stop_signal
 
 from services.scheduler.server import SchedulerServer

@@ -1,5 +1,5 @@
 """Prometheus metrics of the scheduler, named as catalogued in
-common.prometheus_names.
+common.observability.prometheus_names.
 
 Queue lengths, totals, per-worker health and per-client counters are read
 at scrape time from the latest stats snapshot, which the event loop
@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 
 from services.scheduler.core.types import CoreStats, FinishReason, Gate, ClientCounter
 

@@ -1,4 +1,4 @@
-"""The scheduler's spans of traced requests (common/tracing.py), made at the
+"""The scheduler's spans of traced requests (common/observability/tracing.py), made at the
 transport edge from what the core plans and applies; the core knows nothing
 of tracing.
 
@@ -21,7 +21,7 @@ from opentelemetry import trace
 
 from common.sequence_ids import request_id_of
 from common.step import StepBatch, StepOutput
-from common.tracing import context_of, forget_trace, remember_trace, traceparent, tracer
+from common.observability.tracing import context_of, forget_trace, remember_trace, traceparent, tracer
 
 
 @dataclass

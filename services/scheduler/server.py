@@ -18,12 +18,12 @@ from typing import Any
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, internal_channel, request_id_from
-from common.peer import MAX_PEER_CHARS
+from common.transport.grpc_server import GrpcServer, internal_channel, request_id_from
+from common.transport.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
 from common.step_convert import step_batch_to_proto, step_output_from_proto
-from common.tracing import traceparent_from_metadata
-from common.worker_auth import worker_role_check
+from common.observability.tracing import traceparent_from_metadata
+from common.transport.worker_auth import worker_role_check
 
 from services.scheduler import convert
 from services.scheduler.address_check import HostFacts, check_peer_address
@@ -421,7 +421,7 @@ class SchedulerServer:
                  new_id: Callable[[], str] = lambda: uuid.uuid4().hex, hosts: HostFacts = HostFacts()) -> None:
         self.metrics = SchedulerMetrics()
         self.service = SchedulerService(settings, self.metrics, clock, new_id, hosts)
-        # The worker RPCs need the worker token too (common/worker_auth.py).
+        # The worker RPCs need the worker token too (common/transport/worker_auth.py).
         self._grpc = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, self.service)],
                                 [SERVICE_NAME], settings.host, settings.port, settings.internal,
                                 interceptors=worker_role_check(settings.worker_token))

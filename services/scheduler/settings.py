@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from common.internal_auth import InternalAuth
+from common.transport.internal_auth import InternalAuth
 from common.step import KvPolicy
 
 from services.scheduler.settings_schema import SchedulerSchema
-from common.worker_auth import worker_token_from_env
+from common.transport.worker_auth import worker_token_from_env
 
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 
@@ -53,7 +53,7 @@ class SchedulerSettings:
     max_tokens_limit: int = _CORE.max_tokens_limit   # 0: each worker's context length
     log_level: str = "info"
     internal: InternalAuth = InternalAuth()
-    worker_token: bytes = field(default=b"", repr=False)  # common/worker_auth.py; empty: none required
+    worker_token: bytes = field(default=b"", repr=False)  # common/transport/worker_auth.py; empty: none required
     registration_address_check: str = "peer"              # address_check.py: peer | off
 
     @classmethod

@@ -2,7 +2,7 @@
 
 One field per environment variable (the name in capitals): its type, default, bounds and meaning.
 `SchedulerSettings` builds the running settings from it; `fairserve scheduler --help`, `fairserve config`
-and docs/config.md are generated from it (common/settings_schema.py).
+and docs/config.md are generated from it (common/settings/schema.py).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from common.logs import LOG_LEVELS
+from common.observability.logs import LOG_LEVELS
 from common.step import KV_POLICIES
 from services.scheduler.address_check import ADDRESS_CHECKS
 from services.scheduler.core.types import Policy, PrefillMode
 from services.scheduler.step_link import STEP_TRANSPORTS
 
-from common.shared_settings import InternalAuthFields, WorkerTokenFields, TracingFields
+from common.settings.shared import InternalAuthFields, WorkerTokenFields, TracingFields
 
 
 class SchedulerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):

@@ -29,13 +29,13 @@ from pathlib import Path
 from fairserve.v1 import worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from common.grpc_server import GrpcServer, internal_channel
-from common.logs import configure_logging
-from common.tracing import setup_tracing, shutdown_tracing
-from common.metrics import serve_metrics
+from common.transport.grpc_server import GrpcServer, internal_channel
+from common.observability.logs import configure_logging
+from common.observability.tracing import setup_tracing, shutdown_tracing
+from common.observability.metrics import serve_metrics
 from common.model_store import resolve_model_dir
 from common.shutdown import stop_requests
-from common.worker_auth import worker_token_interceptors
+from common.transport.worker_auth import worker_token_interceptors
 from services.kvcache.client import KvIndexClient
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.drain import leave
@@ -89,7 +89,7 @@ async def serve(settings: WorkerSettings) -> None:
 
     stops = stop_requests()
     stop = asyncio.Event()
-    # The only channel that carries the worker token (common/worker_auth.py).
+    # The only channel that carries the worker token (common/transport/worker_auth.py).
     scheduler_channel = internal_channel(settings.scheduler_addr, settings.internal,
                                          worker_token_interceptors(settings.worker_token))
     registration = asyncio.create_task(keep_registered(

@@ -1,5 +1,5 @@
 """Prometheus metrics of the worker, named as catalogued in
-common.prometheus_names (fairserve_worker_*).
+common.observability.prometheus_names (fairserve_worker_*).
 
 Every family carries this worker's id and is exported from the start (the
 block states from the empty pool); a step's counters are observed as the
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from common.step import PoolStats, StepBatch, StepOutput
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TypeVar
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.grpc_server import request_id_from
+from common.transport.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
 from common.step_convert import pool_to_proto, step_batch_from_proto
 from services.worker.step_order import StepOrder

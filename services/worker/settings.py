@@ -8,12 +8,12 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from common.internal_auth import InternalAuth
+from common.transport.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.worker.settings_schema import WorkerSchema
-from common.worker_auth import worker_token_from_env
+from common.transport.worker_auth import worker_token_from_env
 from common.worker_ids import MAX_WORKER_ID_LENGTH
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.lora.registry import LoraConfig
@@ -114,7 +114,7 @@ class WorkerSettings:
     engine: EngineConfig           # model_dir still empty: resolved at start
     internal: InternalAuth = InternalAuth()
     drain_timeout_s: float = 30.0  # on SIGTERM, how long it may keep serving what it holds
-    worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/worker_auth.py)
+    worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/transport/worker_auth.py)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":

@@ -2,7 +2,7 @@
 
 One field per environment variable (the name in capitals): its type, default, bounds and meaning.
 `WorkerSettings` builds the running settings from it; `fairserve worker --help`, `fairserve config`
-and docs/config.md are generated from it (common/settings_schema.py).
+and docs/config.md are generated from it (common/settings/schema.py).
 """
 
 from __future__ import annotations
@@ -11,25 +11,25 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from common.shared_settings import InternalAuthFields, WorkerTokenFields, TracingFields
+from common.settings.shared import InternalAuthFields, WorkerTokenFields, TracingFields
 
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine/eviction.py
+EVICTION_POLICIES = ("lru", "lfu")                      # services/worker/engine/kv/eviction.py
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")   # services/worker/wiring.py
-CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/cpu_linear.py
-LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/lm_head_screen.py
-LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen_loader.py
-LM_HEAD_SCREEN_ACTIVATIONS = ("auto", "int16", "int8")  # services/worker/engine/cpu/codes_screen_int8.py
-DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/native_decode.py
-CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/native_ops.py
+CPU_LINEAR_KERNELS = ("auto", "mkl", "onednn")          # services/worker/engine/cpu/linear/cpu_linear.py
+LM_HEAD_SCREEN_MODES = ("auto", "on", "off")            # services/worker/engine/cpu/screen/lm_head_screen.py
+LM_HEAD_SCREEN_WEIGHTS = ("auto", "copy")               # services/worker/engine/cpu/screen/screen_loader.py
+LM_HEAD_SCREEN_ACTIVATIONS = ("auto", "int16", "int8")  # services/worker/engine/cpu/screen/codes_screen_int8.py
+DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/kernels/native_decode.py
+CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/kernels/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
-CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/weight_codes.py
-CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/bf16_compute.py
-CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/coded_wide.py
-CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine/cpu/prefill_gemm.py
-GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/grammar.py
+CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/linear/weight_codes.py
+CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/linear/bf16_compute.py
+CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/linear/coded_wide.py
+CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine/cpu/linear/prefill_gemm.py
+GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/sampling/grammar.py
 
 
 class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):

@@ -1,4 +1,4 @@
-"""The worker's spans of traced requests (common/tracing.py): for each work
+"""The worker's spans of traced requests (common/observability/tracing.py): for each work
 item the scheduler sent a traceparent for (StepRequest.trace_context), one
 `worker.forward` span, a child of that request's prefill-chunk or decode span,
 covering the step's forward. One forward serves the whole batch, so the spans
@@ -13,7 +13,7 @@ from opentelemetry import trace
 
 from common.sequence_ids import request_id_of
 from common.step import StepBatch, StepOutput
-from common.tracing import context_of, remember_trace, tracer
+from common.observability.tracing import context_of, remember_trace, tracer
 
 
 def record_step_spans(contexts: Mapping[str, str], batch: StepBatch, output: StepOutput,

@@ -20,16 +20,16 @@ import torch
 from services.worker.engine.accelerators import Accelerators, GraphCapture
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import host_memory
-from services.worker.engine.cpu.coded_head import serve_tied_weight_from_codes
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_decode import load_decode_kernel
-from services.worker.engine.cpu.native_prefill import load_native_prefill
-from services.worker.engine.cpu.screen_loader import ScreenLoader
+from services.worker.engine.cpu.screen.coded_head import serve_tied_weight_from_codes
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_decode import load_decode_kernel
+from services.worker.engine.cpu.kernels.native_prefill import load_native_prefill
+from services.worker.engine.cpu.screen.screen_loader import ScreenLoader
 from services.worker.engine.cpu.speedups import apply_speedups
 from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs
 from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.engine import Engine
-from services.worker.engine.varlen import VarlenKernel
+from services.worker.engine.step.varlen import VarlenKernel
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash_attn", "native")
 

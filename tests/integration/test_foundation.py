@@ -16,8 +16,8 @@ from fairserve.v1 import common_pb2, kvindex_pb2, scheduler_pb2, scheduler_pb2_g
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import prometheus_names as names
-from common.grpc_server import check_health
+from common.observability import prometheus_names as names
+from common.transport.grpc_server import check_health
 from fairserve.launcher.stack import Stack
 from tests.integration.helpers import stream_generate
 

@@ -21,9 +21,9 @@ import pytest
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, kvindex_pb2, kvindex_pb2_grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.grpc_server import check_health, insecure_channel, internal_channel
-from common.internal_auth import InternalAuth
-from common.worker_auth import worker_token_interceptors
+from common.transport.grpc_server import check_health, insecure_channel, internal_channel
+from common.transport.internal_auth import InternalAuth
+from common.transport.worker_auth import worker_token_interceptors
 from fairserve.launcher.stack import Stack
 from tests.fixtures.tls import SERVER_NAME, make_authority
 from tests.integration.conftest import start_stack

@@ -33,8 +33,8 @@ import httpx
 import pytest
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from common.grpc_server import insecure_channel, internal_channel
-from common.worker_auth import worker_token_interceptors
+from common.transport.grpc_server import insecure_channel, internal_channel
+from common.transport.worker_auth import worker_token_interceptors
 from fairserve.launcher.local_tokens import local_tokens
 from fairserve.launcher.stack import Stack
 from tests.integration.conftest import start_stack

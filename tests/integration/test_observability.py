@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from tests.fixtures.grafana import exported_series_names, grafana_metric_names
 from fairserve.launcher.stack import Stack
 from tests.integration.helpers import sse_events

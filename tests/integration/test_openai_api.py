@@ -24,7 +24,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.prometheus_names import SCHEDULER_FINISHED
+from common.observability.prometheus_names import SCHEDULER_FINISHED
 from fairserve.launcher.stack import ROOT, Stack, StackPorts, free_port
 from tests.integration.conftest import start_stack
 

@@ -64,9 +64,9 @@ async def test_plain_make_run_closes_its_internal_ports(tiny_model_dir: Path, tm
     import grpc
     from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-    from common.grpc_server import insecure_channel, internal_channel
-    from common.internal_auth import InternalAuth
-    from common.worker_auth import worker_token_interceptors
+    from common.transport.grpc_server import insecure_channel, internal_channel
+    from common.transport.internal_auth import InternalAuth
+    from common.transport.worker_auth import worker_token_interceptors
     from tests.unit.scheduler.fake_worker import FakeEngine
     from tests.unit.scheduler.fake_worker_server import FakeWorkerProcess
 

@@ -1,4 +1,4 @@
-"""OpenTelemetry tracing across the stack (common/tracing.py): with
+"""OpenTelemetry tracing across the stack (common/observability/tracing.py): with
 OTEL_EXPORTER_OTLP_ENDPOINT set, one request gives one trace whose spans come
 from the gateway, the scheduler and the worker (tokenize, queue wait, each
 prefill chunk, the decode, the worker's forwards), and every log line of the

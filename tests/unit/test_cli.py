@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from common.internal_auth import InternalAuth
+from common.transport.internal_auth import InternalAuth
 from fairserve.cli import schemas as registry
 from fairserve.cli.main import main
 from fairserve.cli.reference import render

@@ -60,7 +60,7 @@ def _tree(root: Path, modules: dict[str, str]) -> None:
 
 @pytest.mark.parametrize(("contract", "modules", "said"), [
     ("pure-scheduler-core", {"services.scheduler.core.planner": "import grpc\n"}, "grpc"),
-    ("pure-engine", {"services.worker.engine.sampler": "from google.protobuf import message\n"},
+    ("pure-engine", {"services.worker.engine.sampling.sampler": "from google.protobuf import message\n"},
      "google"),
     ("services-independent", {"services.worker.settings": "from services.scheduler import limits\n",
                               "services.scheduler.limits": ""}, "services.scheduler"),

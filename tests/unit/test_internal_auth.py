@@ -14,11 +14,11 @@ import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from common.grpc_server import check_health, insecure_channel, internal_channel
-from common.internal_auth import (
+from common.transport.grpc_server import check_health, insecure_channel, internal_channel
+from common.transport.internal_auth import (
     TOKEN_METADATA_KEY, InternalAuth, TokenCheck, _denying, presents_token, token_interceptors,
 )
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.settings import GatewaySettings
 from services.kvcache.settings import KvCacheSettings
 from services.scheduler.server import SchedulerServer

@@ -12,9 +12,9 @@ import grpc
 import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2_grpc
 
-from common.grpc_server import check_health, insecure_channel, internal_channel
-from common.internal_auth import InternalAuth
-from common.settings import SettingsError
+from common.transport.grpc_server import check_health, insecure_channel, internal_channel
+from common.transport.internal_auth import InternalAuth
+from common.settings.env import SettingsError
 from services.scheduler.server import SchedulerServer
 from services.scheduler.settings import SchedulerSettings
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from common.internal_auth import InternalAuth
-from common.settings import SettingsError
+from common.transport.internal_auth import InternalAuth
+from common.settings.env import SettingsError
 from fairserve.launcher.local_tokens import local_tokens, tokens_path
 from fairserve.launcher.stack import Stack, StackPorts
 

@@ -4,6 +4,7 @@ command and the same pins as requirements-runtime.txt, and runs from the wheel a
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -31,6 +32,7 @@ def test_dependencies_are_the_runtime_requirements() -> None:
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
+    shutil.rmtree(ROOT / "build", ignore_errors=True)   # setuptools' staging: stale modules would ship
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(out), str(ROOT)], check=True, timeout=300)
     return next(out.glob("fairserve-*.whl"))
@@ -41,9 +43,11 @@ def test_the_wheel_carries_what_the_services_need(wheel: Path) -> None:
     for needed in ("fairserve/v1/scheduler_pb2.py", "fairserve/v1/worker_pb2_grpc.py",
                    "fairserve/cli/main.py", "fairserve/launcher/run_stack.py",
                    "fairserve/dashboard/index.html", "services/gateway/main.py",
-                   "services/worker/engine/cpu/native/paged_decode.c", "common/settings_schema.py"):
+                   "services/worker/engine/cpu/native/paged_decode.c", "common/settings/schema.py"):
         assert needed in names, needed
     assert not [n for n in names if n.startswith(("tests/", "benchmarks/", "loadsim/", "scripts/"))]
+    modules = [n for n in names if n.endswith(".py") and not n.startswith("fairserve/v1/")]
+    assert [n for n in modules if not (ROOT / n).is_file() and not n.startswith("fairserve/dashboard/")] == []
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     assert "fairserve = fairserve.cli.main:main" in zipfile.ZipFile(wheel).read(entry_points).decode()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from common.refusal_log import OTHER_HOSTS, RefusalLog
+from common.transport.refusal_log import OTHER_HOSTS, RefusalLog
 
 
 class Clock:

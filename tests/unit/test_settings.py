@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.settings import EnvReader, SettingsError
+from common.settings.env import EnvReader, SettingsError
 from services.worker.engine.config import EngineConfig
 from services.worker.settings import WorkerSettings, engine_config_from_env
 from services.scheduler.settings import SchedulerSettings

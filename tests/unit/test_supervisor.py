@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from fairserve.launcher.supervisor import Backoff, Supervisor, SupervisorMetrics, SupervisorSettings, describe_exit
 
 

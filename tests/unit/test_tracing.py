@@ -1,4 +1,4 @@
-"""common/tracing.py: on only when the standard variables ask for OTLP export;
+"""common/observability/tracing.py: on only when the standard variables ask for OTLP export;
 traceparents round-trip; log lines of a remembered request carry its trace
 id; the scheduler's spans follow a request through its steps."""
 
@@ -13,8 +13,8 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from common import tracing
-from common.logs import JsonFormatter
+from common.observability import tracing
+from common.observability.logs import JsonFormatter
 from common.sequence_ids import sequence_id
 from common.step import PoolStats, SeqResult, StepBatch, StepOutput, WorkItem
 from services.scheduler.request_traces import RequestTraces

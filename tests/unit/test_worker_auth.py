@@ -1,4 +1,4 @@
-"""The worker role's token (common/worker_auth.py): its settings, and on a real
+"""The worker role's token (common/transport/worker_auth.py): its settings, and on a real
 scheduler the attack it stops: the gateway's INTERNAL_TOKEN alone cannot
 register a worker (which would then receive every tenant's prompts), heartbeat
 or drain one; a worker with WORKER_TOKEN registers and serves."""
@@ -13,10 +13,10 @@ import grpc
 import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
-from common.grpc_server import internal_channel
-from common.internal_auth import InternalAuth
-from common.settings import SettingsError
-from common.worker_auth import WORKER_METHODS, worker_token_from_env, worker_token_interceptors
+from common.transport.grpc_server import internal_channel
+from common.transport.internal_auth import InternalAuth
+from common.settings.env import SettingsError
+from common.transport.worker_auth import WORKER_METHODS, worker_token_from_env, worker_token_interceptors
 from services.gateway.settings import GatewaySettings
 from services.kvcache.settings import KvCacheSettings
 from services.scheduler.server import SchedulerServer

@@ -13,8 +13,8 @@ from typing import Any, NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from common.grpc_server import REQUEST_ID_KEY
-from common.logs import request_id_var
+from common.transport.grpc_server import REQUEST_ID_KEY
+from common.observability.logs import request_id_var
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway import convert
 from services.gateway.tenancy.api_keys import metadata_key

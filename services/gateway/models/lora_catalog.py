@@ -29,7 +29,7 @@ from common.lora_paths import AdapterPathError, check_name, resolve_under_root
 from services.gateway.requests.backend import GenerationSpec
 from services.gateway.tenancy.tenants import Tenant
 from common.peft_config import WEIGHTS_FILE, AdapterError, file_digest, read_config
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 
 DIGEST_CHARS = 16     # of the sha256 carried with each request
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from common.model_store import DEFAULT_MODEL_ID
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 
 VARIABLE = "SERVED_MODEL_NAME"
 MAX_NAME_CHARS = 128

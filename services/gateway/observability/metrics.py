@@ -1,5 +1,5 @@
 """The gateway's Prometheus metrics (the gateway families of
-common.prometheus_names, and vLLM's beside them), registered on a registry the
+common.observability.prometheus_names, and vLLM's beside them), registered on a registry the
 app owns."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from common.model_store import DEFAULT_MODEL_ID
 from services.gateway.observability.vllm_metrics import VllmMetrics
 

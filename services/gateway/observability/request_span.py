@@ -1,4 +1,4 @@
-"""The root span of each generation request (common/tracing.py): one per
+"""The root span of each generation request (common/observability/tracing.py): one per
 POST to /generate, /v1/completions or /v1/chat/completions, covering the
 whole answer, streams included. Plain ASGI, like middleware.py.
 
@@ -13,8 +13,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from common.logs import request_id_var
-from common.tracing import remember_trace, tracer
+from common.observability.logs import request_id_var
+from common.observability.tracing import remember_trace, tracer
 
 TRACED_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 

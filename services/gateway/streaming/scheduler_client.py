@@ -12,9 +12,9 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from common.grpc_server import internal_channel, request_metadata
-from common.internal_auth import InternalAuth
-from common.tracing import traceparent_metadata, tracer
+from common.transport.grpc_server import internal_channel, request_metadata
+from common.transport.internal_auth import InternalAuth
+from common.observability.tracing import traceparent_metadata, tracer
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
 from services.kvcache.client import KvIndexClient

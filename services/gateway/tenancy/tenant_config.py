@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from common.lora_paths import NAME_PATTERN
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.tenancy.tenants import (
     DERIVED_PREFIX,
     TENANT_NAME,

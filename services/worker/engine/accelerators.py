@@ -28,10 +28,10 @@ from typing import Protocol
 
 import torch
 
-from services.worker.engine.attention import DecodeKernel, StepMetadata
+from services.worker.engine.step.attention import DecodeKernel, StepMetadata
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.lora.layers import LoraStep
-from services.worker.engine.varlen import VarlenKernel
+from services.worker.engine.step.varlen import VarlenKernel
 
 # hidden states of the packed rows: (input_ids [T], positions [T], metadata) -> [T, hidden]
 BaseForward = Callable[[torch.Tensor, torch.Tensor, StepMetadata], torch.Tensor]

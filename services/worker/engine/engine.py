@@ -25,28 +25,28 @@ import torch
 from services.worker.engine import types as t
 from common.step import PoolStats, SeqResult, StepBatch, StepOutput, WorkItem
 from services.worker.engine.accelerators import Accelerators, DecodeReplays, GraphCapture, LinearKernelPlan
-from services.worker.engine.block_pool import BlockPool
+from services.worker.engine.kv.block_pool import BlockPool
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.device import dtype_name
-from services.worker.engine.eviction import EVICTION_POLICIES
-from services.worker.engine.forward import Forward
-from services.worker.engine.grammar import (GRAMMAR_TOKENIZER_MODES, Grammars, GrammarTokenizer,
+from services.worker.engine.kv.eviction import EVICTION_POLICIES
+from services.worker.engine.step.forward import Forward
+from services.worker.engine.sampling.grammar import (GRAMMAR_TOKENIZER_MODES, Grammars, GrammarTokenizer,
                                             tokenizer_from_model_dir)
-from services.worker.engine.grammar_masks import GrammarMasker
-from services.worker.engine.isolation import StepIsolation
-from services.worker.engine.kv_cache import PagedKVCache
-from services.worker.engine.kv_policy import KvEvictor
-from services.worker.engine.kv_rotation import KeyRotation
+from services.worker.engine.sampling.grammar_masks import GrammarMasker
+from services.worker.engine.step.isolation import StepIsolation
+from services.worker.engine.kv.kv_cache import PagedKVCache
+from services.worker.engine.kv.kv_policy import KvEvictor
+from services.worker.engine.kv.kv_rotation import KeyRotation
 from services.worker.engine.lora.registry import LoraRegistry
 from services.worker.engine.model import prepare_model
-from services.worker.engine.planning import Planned, PlanLimits, StepPlanner
-from services.worker.engine.prompt_logits import PromptLogitsCache
-from services.worker.engine.prompt_logprobs import PromptScorer
-from services.worker.engine.sampler import SampledToken, Sampler
-from services.worker.engine.sampling import LogitsRows, StepSampler
-from services.worker.engine.sequences import Sequences
-from services.worker.engine.sizing import kv_layout, layer_kv_layout, max_model_len
-from services.worker.engine.sliding_blocks import SlidingBlocks
+from services.worker.engine.step.planning import Planned, PlanLimits, StepPlanner
+from services.worker.engine.sampling.prompt_logits import PromptLogitsCache
+from services.worker.engine.sampling.prompt_logprobs import PromptScorer
+from services.worker.engine.sampling.sampler import SampledToken, Sampler
+from services.worker.engine.sampling.sampling import LogitsRows, StepSampler
+from services.worker.engine.step.sequences import Sequences
+from services.worker.engine.kv.sizing import kv_layout, layer_kv_layout, max_model_len
+from services.worker.engine.kv.sliding_blocks import SlidingBlocks
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import torch
 from transformers import PretrainedConfig
 
 from services.worker.engine.accelerators import Accelerators, HeadScreenLoader, Speedups
-from services.worker.engine.attention import ATTENTION_NAME
+from services.worker.engine.step.attention import ATTENTION_NAME
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.device import resolve_device, resolve_dtype
 from services.worker.engine.lora.layers import LoraStep, wrap_projections

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks.bf16_bench import agreement, main
-from services.worker.engine.cpu.bf16_compute import BF16_CPU_FLAGS, cpu_flags
-from services.worker.engine.cpu.cpu_linear import onednn_bf16_packing_available
+from services.worker.engine.cpu.linear.bf16_compute import BF16_CPU_FLAGS, cpu_flags
+from services.worker.engine.cpu.linear.cpu_linear import onednn_bf16_packing_available
 
 
 def test_agreement_counts_positions_whole_sequences_and_common_prefixes() -> None:

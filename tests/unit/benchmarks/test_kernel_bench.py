@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import kernel_bench
-from services.worker.engine.cpu.lm_head_screen import load_native_matmul
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.prefill_gemm import load_prefill_gemm
+from services.worker.engine.cpu.screen.lm_head_screen import load_native_matmul
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.prefill_gemm import load_prefill_gemm
 
 
 def test_quick_run_prints_every_kernel(capsys: pytest.CaptureFixture[str]) -> None:

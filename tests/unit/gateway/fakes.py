@@ -224,7 +224,7 @@ class GrpcThread:
         return f"127.0.0.1:{self.port}"
 
     async def _start(self) -> None:
-        from common.grpc_server import GrpcServer
+        from common.transport.grpc_server import GrpcServer
         from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server
 
         self._server = GrpcServer([(add_to_server, TextGenerationServicer(self._state))],

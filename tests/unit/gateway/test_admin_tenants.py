@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy.stats_view import stats_scope
 from services.gateway.tenancy.tenant_config import load_tenants

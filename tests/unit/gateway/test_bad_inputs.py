@@ -12,7 +12,7 @@ import grpc
 import httpx
 import pytest
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from common.types import TokenLogprob, TopLogprob
 from fairserve.v1 import gateway_pb2
 from services.gateway.requests.backend import GenerationSpec

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.requests.backend import SchedulerLost, Unavailable
 from services.gateway.doors.grpc_api import SERVICE_NAME, TextGenerationServicer, add_to_server

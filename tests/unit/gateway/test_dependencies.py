@@ -14,8 +14,8 @@ import pytest
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
-from common import prometheus_names as names
-from common.grpc_server import GrpcServer
+from common.observability import prometheus_names as names
+from common.transport.grpc_server import GrpcServer
 from services.gateway.app import create_app
 from services.gateway.requests.backend import Readiness
 from services.gateway.dependencies import DependencyMonitor

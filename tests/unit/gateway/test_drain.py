@@ -13,7 +13,7 @@ import grpc
 import httpx
 import pytest
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from common.shutdown import StopRequests
 from fairserve.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.drain import RETRY_AFTER_S, Drain

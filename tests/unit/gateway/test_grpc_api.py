@@ -8,7 +8,7 @@ from typing import Any
 import grpc
 import pytest
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.requests.backend import Overloaded
 from services.gateway.text.chat_template import raw_prompt_ids

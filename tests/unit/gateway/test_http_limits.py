@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.http_limits import PendingConnections, uvicorn_limits
 from services.gateway.settings import GatewaySettings
 from tests.unit.gateway.fakes import FakeScheduler, ServerThread

@@ -149,7 +149,7 @@ async def test_runtime_paths_outside_lora_root_are_refused(keyed: httpx.AsyncCli
 
 
 def test_tenants_file_lora_adapters(tmp_path: Path) -> None:
-    from common.settings import SettingsError
+    from common.settings.env import SettingsError
 
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"defaults": {"lora_adapters": ["qv"]},
@@ -182,7 +182,7 @@ async def test_unloading_lets_a_running_request_finish(keyed: httpx.AsyncClient,
 
 
 def test_a_bad_lora_module_stops_the_gateway_naming_it(tmp_path: Path) -> None:
-    from common.settings import SettingsError
+    from common.settings.env import SettingsError
     from services.gateway.models.lora_catalog import LoraCatalog
 
     with pytest.raises(SettingsError, match="LORA_MODULES adapter 'gone'"):

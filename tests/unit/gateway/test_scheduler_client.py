@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from common.convert import sampling_from_proto
-from common.grpc_server import REJECTION_KEY, GrpcServer
+from common.transport.grpc_server import REJECTION_KEY, GrpcServer
 from common.types import SamplingParams
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway.requests.backend import (

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from common.version import package_version
 from services.gateway.models.served_names import default_served_name, served_names
 from services.gateway.settings import GatewaySettings

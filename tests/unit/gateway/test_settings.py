@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.settings import GatewaySettings
 
 

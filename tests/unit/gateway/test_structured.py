@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common.convert import constraint_to_proto, sampling_from_proto, sampling_to_proto
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from common.types import Constraint, ConstraintKind, SamplingParams
 from fairserve.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from services.gateway.errors import ApiError

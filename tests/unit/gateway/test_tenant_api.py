@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from common.logs import JsonFormatter
+from common.observability.logs import JsonFormatter
 from services.gateway.tenancy.api_keys import metadata_key, presented_key
 from services.gateway.tenancy.tenant_config import load_tenants
 from services.gateway.tenancy.tenants import derived_name

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy.tenant_config import load_tenants, parse_api_keys, parse_tenants_document
 from services.gateway.tenancy.tenants import (

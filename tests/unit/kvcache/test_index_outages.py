@@ -16,7 +16,7 @@ import pytest
 import redis.asyncio as redis
 
 from common.block_hash import prompt_hashes
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import BlockStored, LookupQuery, PublishBatch, PublishResult

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from common.block_hash import chain_hashes, prompt_hashes
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from services.kvcache import convert
 from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, IndexStats, KvEvent, LookupResult, PublishBatch,

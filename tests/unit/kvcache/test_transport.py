@@ -18,7 +18,7 @@ import pytest
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc
 
 from common.block_hash import prompt_hashes
-from common.grpc_server import GrpcServer, check_health, insecure_channel
+from common.transport.grpc_server import GrpcServer, check_health, insecure_channel
 from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import (

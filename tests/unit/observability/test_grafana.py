@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 from tests.fixtures.grafana import exported_series_names, grafana_metric_names, grafana_queries, promql_metric_names
-from common.prometheus_names import (ALL_FAMILIES, GATEWAY_E2E, GATEWAY_INTER_TOKEN, GATEWAY_TPOT, GATEWAY_TTFT,
+from common.observability.prometheus_names import (ALL_FAMILIES, GATEWAY_E2E, GATEWAY_INTER_TOKEN, GATEWAY_TPOT, GATEWAY_TTFT,
                                      KVCACHE_HIT_RATE, SCHEDULER_CLIENT_VTC, SCHEDULER_PREEMPTIONS,
                                      SCHEDULER_QUEUE_WAIT, SCHEDULER_REJECTIONS, SCHEDULER_REQUESTS,
                                      WORKER_BATCH_SEQUENCES, WORKER_KV_BLOCKS, WORKER_KV_EVICTIONS, WORKER_STEP,

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import yaml
 
-from common.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
-from common.prometheus_names import (ALL_FAMILIES, COUNTER, EXPORTERS, HISTOGRAM, SERVICES,
+from common.observability.metrics import LATENCY_BUCKETS_S, TOKEN_LATENCY_BUCKETS_S
+from common.observability.prometheus_names import (ALL_FAMILIES, COUNTER, EXPORTERS, HISTOGRAM, SERVICES,
                                      families_of, family_of_series)
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from common.prometheus_names import family_of_series
+from common.observability.prometheus_names import family_of_series
 from tests.fixtures.grafana import promql_metric_names
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,11 +1,11 @@
 """Each service's collectors export its catalogued families
-(common.prometheus_names), labelled families included, from the start."""
+(common.observability.prometheus_names), labelled families included, from the start."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from common import prometheus_names as names
+from common.observability import prometheus_names as names
 from tests.fixtures.grafana import exported_series_names
 from services.gateway.observability.metrics import GatewayMetrics
 from services.kvcache.kv_types import IndexStats

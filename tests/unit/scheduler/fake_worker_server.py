@@ -8,9 +8,9 @@ from collections import Counter
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, internal_channel
-from common.internal_auth import InternalAuth
-from common.worker_auth import worker_token_interceptors
+from common.transport.grpc_server import GrpcServer, internal_channel
+from common.transport.internal_auth import InternalAuth
+from common.transport.worker_auth import worker_token_interceptors
 from common.step_convert import step_batch_from_proto, step_output_to_proto
 from services.worker.step_order import StepOrder
 from services.worker.step_stream import replies_in_order

@@ -13,8 +13,8 @@ import grpc
 import pytest
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-from common.grpc_server import insecure_channel
-from common.peer import IPAddress, peer_host, peer_ip
+from common.transport.grpc_server import insecure_channel
+from common.transport.peer import IPAddress, peer_host, peer_ip
 from services.scheduler.address_check import HostFacts, check_peer_address, is_local_address
 from services.scheduler.registration import AddressNotOwned, WorkerIdTaken, check_rebind
 from services.scheduler.server import SchedulerServer

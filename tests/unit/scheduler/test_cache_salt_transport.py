@@ -11,7 +11,7 @@ import grpc
 import pytest
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from services.scheduler.server import SchedulerServer
 from services.scheduler.settings import SchedulerSettings
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from common.step import KvPolicy
 from services.scheduler.core.types import CoreConfig, FinishReason, Gate
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit

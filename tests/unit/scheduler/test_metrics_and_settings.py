@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from common import prometheus_names as names
-from common.settings import SettingsError
+from common.observability import prometheus_names as names
+from common.settings.env import SettingsError
 
 from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 from services.scheduler.metrics import SchedulerMetrics

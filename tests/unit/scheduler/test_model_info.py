@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 import pytest
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2
 
-from common.grpc_server import insecure_channel
+from common.transport.grpc_server import insecure_channel
 
 from services.scheduler.convert import model_info_to_proto
 from services.scheduler.server import SchedulerServer

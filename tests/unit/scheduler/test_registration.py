@@ -10,7 +10,7 @@ import grpc
 import pytest
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from services.scheduler.registration import (
     RegistrationError, WorkerFigures, check_address, check_worker_figures, check_worker_id,
 )

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from fairserve.v1 import scheduler_pb2
 
-from common.grpc_server import REJECTION_KEY
+from common.transport.grpc_server import REJECTION_KEY
 from services.gateway.requests.backend import SchedulerLost, Unavailable
 from services.gateway.convert import backend_error_from_rpc
 from services.scheduler.epochs import EpochClock

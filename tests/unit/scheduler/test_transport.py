@@ -13,7 +13,7 @@ import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from prometheus_client import generate_latest
 
-from common.grpc_server import REJECTION_KEY, check_health, insecure_channel
+from common.transport.grpc_server import REJECTION_KEY, check_health, insecure_channel
 
 from services.scheduler.server import SchedulerServer
 from services.scheduler.settings import SchedulerSettings

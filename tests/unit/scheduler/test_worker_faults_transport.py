@@ -12,7 +12,7 @@ import pytest
 from fairserve.v1 import scheduler_pb2
 from prometheus_client import generate_latest
 
-from common.settings import SettingsError
+from common.settings.env import SettingsError
 from common.step import SeqResult, StepError
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings

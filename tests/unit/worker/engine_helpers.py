@@ -11,7 +11,7 @@ from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, StepOutput, WorkItem
-from services.worker.engine.sampler import SampleRequest, Sampler
+from services.worker.engine.sampling.sampler import SampleRequest, Sampler
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 

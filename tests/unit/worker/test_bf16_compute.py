@@ -13,12 +13,12 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu import bf16_compute
-from services.worker.engine.cpu.bf16_compute import (CALIBRATION_ROWS, cpu_flags, first_win, pack_bfloat16,
+from services.worker.engine.cpu.linear import bf16_compute
+from services.worker.engine.cpu.linear.bf16_compute import (CALIBRATION_ROWS, cpu_flags, first_win, pack_bfloat16,
                                                      require_bfloat16_cpu)
-from services.worker.engine.cpu.cpu_linear import PackedLinear, onednn_bf16_packing_available
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.weight_codes import MAX_ROWS, load_coded_linear
+from services.worker.engine.cpu.linear.cpu_linear import PackedLinear, onednn_bf16_packing_available
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.weight_codes import MAX_ROWS, load_coded_linear
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, RecordingSampler, prompt_of

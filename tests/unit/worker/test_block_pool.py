@@ -8,8 +8,8 @@ from hypothesis import strategies as st
 
 from common.block_hash import ROOT_HASH, chain_hashes, partial_block_hash
 from services.kvcache.radix_index import RadixIndex
-from services.worker.engine.block_pool import BlockPool, PartialBlock
-from services.worker.engine.pool_invariants import PoolInvariantError
+from services.worker.engine.kv.block_pool import BlockPool, PartialBlock
+from services.worker.engine.kv.pool_invariants import PoolInvariantError
 from services.worker.engine.types import CLEARED, REMOVED, STORED, BlockEvent
 
 

@@ -10,12 +10,14 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
-from services.worker.engine.cpu import cpu_linear, onednn_layout
-from services.worker.engine.cpu.coded_wide import WideFromCodes
-from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.prefill_gemm import PANEL, NativePrefillGemm, decide, load_prefill_gemm
-from services.worker.engine.cpu.weight_codes import MAX_ROWS, NativeCodedLinear, load_coded_linear
+from services.worker.engine.cpu.linear import cpu_linear
+
+from services.worker.engine.cpu.linear import onednn_layout
+from services.worker.engine.cpu.linear.coded_wide import WideFromCodes
+from services.worker.engine.cpu.linear.cpu_linear import PackedLinear, kernel_available
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.prefill_gemm import PANEL, NativePrefillGemm, decide, load_prefill_gemm
+from services.worker.engine.cpu.linear.weight_codes import MAX_ROWS, NativeCodedLinear, load_coded_linear
 from tests.fixtures.tiny_model import build_model, gemma3_config
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
 from tests.unit.worker.test_weight_codes import _engine, coded_weight, snap_to_codes

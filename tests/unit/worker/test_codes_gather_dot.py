@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.cpu.int8_matmul import NativeInt8Matmul
-from services.worker.engine.cpu.weight_codes import NativeCodedLinear
+from services.worker.engine.cpu.screen.int8_matmul import NativeInt8Matmul
+from services.worker.engine.cpu.linear.weight_codes import NativeCodedLinear
 from tests.unit.worker.test_lm_head_codes_screen import coder, narrow_codes, native, random_codes  # noqa: F401
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine.cpu import codes_screen_half
-from services.worker.engine.cpu.codes_screen_half import (HalfScales, checked_half_scales, half_kernel_agrees,
+from services.worker.engine.cpu.screen import codes_screen_half
+from services.worker.engine.cpu.screen.codes_screen_half import (HalfScales, checked_half_scales, half_kernel_agrees,
                                                           half_scales)
-from services.worker.engine.cpu.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
-from services.worker.engine.cpu.lm_head_screen import INT16_GRID, LMHeadScreen
-from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
+from services.worker.engine.cpu.screen.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
+from services.worker.engine.cpu.screen.lm_head_screen import INT16_GRID, LMHeadScreen
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
 from tests.unit.worker.test_lm_head_codes_screen import (PATHS, _build, _cpu_flags, coder, extreme_rows,  # noqa: F401
                                                          narrow_codes, native, q8_head)
 

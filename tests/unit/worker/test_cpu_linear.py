@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.cpu import cpu_linear
-from services.worker.engine.cpu.cpu_linear import (
+from services.worker.engine.cpu.linear import cpu_linear
+from services.worker.engine.cpu.linear.cpu_linear import (
     ALL_ROWS, MAX_PACKED_ROWS, KernelPlan, PackedLinear, kernel_available, kernel_plan, pack_linears,
     packing_available, resolve_kernel_plan,
 )
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_ops import load_skinny_linear
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_ops import load_skinny_linear
 
 # bfloat16 rounds each product's inputs, and the packed and plain kernels sum in different orders.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

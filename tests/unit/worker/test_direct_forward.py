@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from services.worker.engine.cpu.direct_forward import DirectForward, _native_rope_agrees
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_ops import load_elementwise
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_ops import load_elementwise
 from tests.unit.worker.engine_helpers import (
     Driver,
     assert_greedy_matches,

@@ -130,7 +130,7 @@ def test_unknown_eviction_policy_is_rejected() -> None:
 
 
 def test_memory_fraction_sizes_the_pool_from_available_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.worker.engine import sizing
+    from services.worker.engine.kv import sizing
 
     monkeypatch.setattr(sizing, "free_device_memory", lambda device: 64 << 20)
     engine = make_engine("gemma3", num_blocks=0, block_size=4, kv_memory_fraction=0.25)

@@ -15,7 +15,7 @@ from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.service import KvIndexService
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.block_pool import BlockPool, PartialBlock
+from services.worker.engine.kv.block_pool import BlockPool, PartialBlock
 from services.worker.kv_events import add_events, snapshot_source
 from tests.unit.worker.engine_helpers import Driver, decode_and_free, generate, make_engine, prompt_of
 

@@ -69,8 +69,9 @@ def offending(files: list[Path], forbidden: tuple[str, ...]) -> list[str]:
 
 def test_the_core_is_every_engine_module_outside_cpu_and_cuda() -> None:
     names = {module_name(p) for p in core_files()}
-    assert {f"{PACKAGE}.engine", f"{PACKAGE}.forward", f"{PACKAGE}.model", f"{PACKAGE}.sampling",
-            f"{PACKAGE}.attention", f"{PACKAGE}.accelerators", f"{PACKAGE}.lora.layers"} <= names
+    assert {f"{PACKAGE}.engine", f"{PACKAGE}.step.forward", f"{PACKAGE}.model",
+            f"{PACKAGE}.sampling.sampling", f"{PACKAGE}.step.attention", f"{PACKAGE}.kv.block_pool",
+            f"{PACKAGE}.accelerators", f"{PACKAGE}.lora.layers"} <= names
     assert not any(within(name, CPU) or within(name, CUDA) for name in names)
 
 
@@ -84,7 +85,7 @@ def test_cpu_and_cuda_do_not_import_each_other() -> None:
 
 
 @pytest.mark.parametrize("source", [
-    "def load():\n    from services.worker.engine.cpu.native_decode import load_decode_kernel\n",
+    "def load():\n    from services.worker.engine.cpu.kernels.native_decode import load_decode_kernel\n",
     "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from services.worker.engine.cuda import decode_graphs\n",
     "import services.worker.engine.cuda.varlen_attention as varlen\n",
     "from services.worker.engine import cpu\n",
@@ -115,7 +116,9 @@ for module in {modules!r}:
     importlib.import_module(module)
 
 import torch
-from services.worker.engine import Engine, EngineConfig, NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, WorkItem
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from tests.fixtures.tiny_model import build_model, gemma3_config
 
 engine = Engine(EngineConfig(model_dir="", num_blocks=32, block_size=4, model_key="core"),

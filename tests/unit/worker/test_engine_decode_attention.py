@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.cpu.native_decode import NativeDecodeAttention
+from services.worker.engine.cpu.kernels.native_decode import NativeDecodeAttention
 from tests.unit.worker.engine_helpers import (
     CONFIGS,
     Driver,

@@ -11,7 +11,7 @@ import pytest
 from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
 from services.worker.engine.cuda import decode_graphs
-from services.worker.engine.kv_cache import SLIDING_GROUP
+from services.worker.engine.kv.kv_cache import SLIDING_GROUP
 from tests.unit.worker.engine_helpers import (Driver, RecordingSampler, assert_greedy_matches, make_engine,
                                                prompt_of, reference_model)
 from tests.unit.worker.test_engine_decode_graphs import graph_engine

@@ -12,7 +12,7 @@ from transformers import DynamicCache
 
 from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
-from services.worker.engine.kv_rotation import _rotate_half
+from services.worker.engine.kv.kv_rotation import _rotate_half
 from tests.unit.worker.engine_helpers import RecordingSampler, make_engine, prompt_of
 
 ATOL = 1e-4
@@ -131,7 +131,7 @@ def test_h2o_stays_within_its_budget(kind: str) -> None:
 
 
 def test_moving_a_key_back_equals_storing_it_at_the_earlier_position(kind: str, reference: torch.nn.Module) -> None:
-    from services.worker.engine.kv_rotation import KeyRotation
+    from services.worker.engine.kv.kv_rotation import KeyRotation
 
     class OneLayer:
         keys = [torch.zeros(1)]
@@ -161,7 +161,7 @@ def test_h2o_scores_are_each_layer_and_head_attention_summed(kind: str) -> None:
 
 
 def test_h2o_drops_the_least_attended_blocks_outside_the_recent_half() -> None:
-    from services.worker.engine.kv_policy import BlockBudget, KvEvictor
+    from services.worker.engine.kv.kv_policy import BlockBudget, KvEvictor
 
     class Seq:
         block_scores = [9.0, 1.0, 5.0, 0.5, 7.0, 0.1, 0.2]

@@ -115,8 +115,8 @@ def test_a_poisoned_neighbour_costs_the_lossy_sequence_nothing(kind: str, policy
 
 
 def test_the_journal_keeps_dropped_blocks_until_settled_and_gives_them_back() -> None:
-    from services.worker.engine.block_pool import BlockPool
-    from services.worker.engine.drop_journal import DropJournal
+    from services.worker.engine.kv.block_pool import BlockPool
+    from services.worker.engine.kv.drop_journal import DropJournal
 
     pool = BlockPool(8, BLOCK, False, "lru")
     pool.allocate("s", 5 * BLOCK)

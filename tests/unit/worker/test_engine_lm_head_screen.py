@@ -9,10 +9,10 @@ import torch
 from common.types import SamplingParams
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.cpu import screen_loader
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
-from services.worker.engine.cpu.screen_fbgemm import screening_available
-from services.worker.engine.cpu.screen_loader import MIN_SCREENED_VOCAB
+from services.worker.engine.cpu.screen import screen_loader
+from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen
+from services.worker.engine.cpu.screen.screen_fbgemm import screening_available
+from services.worker.engine.cpu.screen.screen_loader import MIN_SCREENED_VOCAB
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model, gemma3_config, llama_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, prompt_of, reference_model

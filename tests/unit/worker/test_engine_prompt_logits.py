@@ -10,7 +10,7 @@ import torch
 from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.prompt_logits import PromptLogitsCache, prompt_key
+from services.worker.engine.sampling.prompt_logits import PromptLogitsCache, prompt_key
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,

@@ -7,7 +7,7 @@ import torch
 
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.screen_fbgemm import screening_available
+from services.worker.engine.cpu.screen.screen_fbgemm import screening_available
 from services.worker.wiring import build_engine
 from tests.unit.worker.engine_helpers import Driver
 

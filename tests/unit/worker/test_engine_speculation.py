@@ -9,7 +9,7 @@ import torch
 
 from common.types import SamplingParams
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.speculation import NgramIndex, accepted_prefix
+from services.worker.engine.sampling.speculation import NgramIndex, accepted_prefix
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, make_engine, reference_model
 
 

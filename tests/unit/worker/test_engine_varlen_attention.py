@@ -12,10 +12,10 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.native_prefill import load_native_prefill
+from services.worker.engine.cpu.kernels.native_prefill import load_native_prefill
 from services.worker.engine.cuda import varlen_attention
 from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
-from services.worker.engine.varlen import VarlenKernel, reference_varlen_attention
+from services.worker.engine.step.varlen import VarlenKernel, reference_varlen_attention
 from services.worker.wiring import build_engine, device_accelerators
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (

@@ -13,7 +13,7 @@ import pytest
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
-from common.grpc_server import GrpcServer, insecure_channel
+from common.transport.grpc_server import GrpcServer, insecure_channel
 from common.types import SamplingParams
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.types import StaleEpoch

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.engine.eviction import LfuEviction, LruEviction, make_eviction_policy
+from services.worker.engine.kv.eviction import LfuEviction, LruEviction, make_eviction_policy
 
 
 def test_lru_evicts_the_least_recently_released_and_skips_held_blocks() -> None:

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
-from services.worker.engine.cpu.fused_mlp import FusedGatedMLP, activation_of, fuse_gated_mlps, fused_equivalent
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_ops import NativeElementwise, load_elementwise
+from services.worker.engine.cpu.linear.fused_mlp import FusedGatedMLP, activation_of, fuse_gated_mlps, fused_equivalent
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_ops import NativeElementwise, load_elementwise
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, make_engine, prompt_of
 
 

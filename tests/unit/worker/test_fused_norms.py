@@ -7,9 +7,9 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from services.worker.engine.cpu.fused_norms import FusedRMSNorm, fuse_rms_norms, fused_equivalent
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_ops import load_elementwise
+from services.worker.engine.cpu.linear.fused_norms import FusedRMSNorm, fuse_rms_norms, fused_equivalent
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_ops import load_elementwise
 from tests.unit.worker.engine_helpers import make_engine
 
 

@@ -15,8 +15,8 @@ import torch
 from common.grammar import json_schema_constraint
 from common.types import Constraint, ConstraintKind, SamplingParams
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.grammar import Grammars, GrammarTokenizer
-from services.worker.engine.sampler import SampleRequest, Sampler
+from services.worker.engine.sampling.grammar import Grammars, GrammarTokenizer
+from services.worker.engine.sampling.sampler import SampleRequest, Sampler
 from tests.fixtures.tiny_model import build_tokenizer
 from tests.unit.worker.engine_helpers import make_engine
 

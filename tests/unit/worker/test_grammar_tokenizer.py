@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import pytest
 
-from services.worker.engine.grammar import GrammarTokenizer
+from services.worker.engine.sampling.grammar import GrammarTokenizer
 
 
 def gated_build() -> tuple[threading.Event, list[int], Callable[[], str]]:

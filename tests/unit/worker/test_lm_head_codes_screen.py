@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
-from services.worker.engine.cpu.native_build import COMPILE_FLAGS, EXTRA_SOURCES, SOURCES, default_cache_dir
-from services.worker.engine.cpu.screen_loader import DEFAULT_SCREEN_MAX_ROWS, ScreenLoader
-from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear, load_coded_linear
+from services.worker.engine.cpu.screen.int8_matmul import CODES_TILE, PANEL, NativeInt8Matmul
+from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen, load_native_matmul
+from services.worker.engine.cpu.kernels.native_build import COMPILE_FLAGS, EXTRA_SOURCES, SOURCES, default_cache_dir
+from services.worker.engine.cpu.screen.screen_loader import DEFAULT_SCREEN_MAX_ROWS, ScreenLoader
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear, load_coded_linear
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of

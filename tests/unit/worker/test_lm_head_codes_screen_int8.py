@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu import codes_screen_int8
-from services.worker.engine.cpu.codes_screen_int8 import (INT8_GRID, check_rows, faster_activations,
+from services.worker.engine.cpu.screen import codes_screen_int8
+from services.worker.engine.cpu.screen.codes_screen_int8 import (INT8_GRID, check_rows, faster_activations,
                                                           int8_available, quantize_blocks)
-from services.worker.engine.cpu.int8_matmul import PANEL, QUADS_TILE, NativeInt8Matmul
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
+from services.worker.engine.cpu.screen.int8_matmul import PANEL, QUADS_TILE, NativeInt8Matmul
+from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen, load_native_matmul
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
 from tests.unit.worker.test_lm_head_codes_screen import (DUPLICATES, VOCAB, coder, expanded, head, loaded,  # noqa: F401
                                                          narrow_codes, native, random_codes)
 from tests.unit.worker.test_lm_head_screen import assert_draws_match, hidden_states

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.cpu import lm_head_screen
-from services.worker.engine.cpu.int8_matmul import NATIVE_TILE, NativeInt8Matmul
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen, load_native_matmul
-from services.worker.engine.cpu.screen_fbgemm import screening_available
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.sampler import SampleRequest, Sampler, tokens_drawn_from
+from services.worker.engine.cpu.screen import lm_head_screen
+from services.worker.engine.cpu.screen.int8_matmul import NATIVE_TILE, NativeInt8Matmul
+from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen, load_native_matmul
+from services.worker.engine.cpu.screen.screen_fbgemm import screening_available
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.sampling.sampler import SampleRequest, Sampler, tokens_drawn_from
 
 VOCAB, HIDDEN = 6000, 64
 

@@ -12,9 +12,9 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu import weight_codes
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.weight_codes import PANEL, NativeCodedLinear, load_coded_linear, narrow_stride
+from services.worker.engine.cpu.linear import weight_codes
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.weight_codes import PANEL, NativeCodedLinear, load_coded_linear, narrow_stride
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of

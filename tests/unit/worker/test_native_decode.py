@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine.cpu import native_build, native_decode
-from services.worker.engine.cpu.native_build import build
-from services.worker.engine.cpu.native_decode import (
+from services.worker.engine.cpu.kernels import native_build
+
+from services.worker.engine.cpu.kernels import native_decode
+from services.worker.engine.cpu.kernels.native_build import build
+from services.worker.engine.cpu.kernels.native_decode import (
     MIN_SPLIT_CONTEXT, NativeDecodeAttention, load_decode_kernel, reference_decode_attention,
 )
 

@@ -11,7 +11,7 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.kernels.native_layers import NativeDecodeLayers
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import (

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.engine.cpu import native_build, native_prefill
-from services.worker.engine.cpu.native_prefill import NativePrefillAttention, load_native_prefill
-from services.worker.engine.varlen import reference_varlen_attention
+from services.worker.engine.cpu.kernels import native_build
+
+from services.worker.engine.cpu.kernels import native_prefill
+from services.worker.engine.cpu.kernels.native_prefill import NativePrefillAttention, load_native_prefill
+from services.worker.engine.step.varlen import reference_varlen_attention
 from services.worker.wiring import load_prefill_kernel
 
 CPU = torch.device("cpu")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.sampler import SampleRequest, Sampler, row_argmax
+from services.worker.engine.sampling.sampler import SampleRequest, Sampler, row_argmax
 
 
 def _request(prompt=(), output=(), num_sampled=0, **params) -> SampleRequest:
@@ -106,7 +106,7 @@ def test_logprobs_come_from_the_raw_distribution() -> None:
 
 
 def test_top_p_draws_the_same_token_set_on_the_candidate_and_the_full_path() -> None:
-    from services.worker.engine.sampler import TOP_P_CANDIDATES, _sample_random
+    from services.worker.engine.sampling.sampler import TOP_P_CANDIDATES, _sample_random
 
     vocab = 4 * TOP_P_CANDIDATES
     generator = torch.Generator().manual_seed(3)
@@ -128,7 +128,7 @@ def test_top_p_draws_the_same_token_set_on_the_candidate_and_the_full_path() -> 
 
 
 def test_draws_never_pick_zero_mass_tokens_across_cdf_blocks() -> None:
-    from services.worker.engine.sampler import CDF_BLOCK, _inverse_cdf
+    from services.worker.engine.sampling.sampler import CDF_BLOCK, _inverse_cdf
 
     vocab = 3 * CDF_BLOCK + 17          # not a multiple of the block: the padding must never win
     probs = torch.zeros(7, vocab)
@@ -142,7 +142,7 @@ def test_draws_never_pick_zero_mass_tokens_across_cdf_blocks() -> None:
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached() -> None:
     from common.types import SamplingParams
-    from services.worker.engine.sampler import SampleRequest, Sampler
+    from services.worker.engine.sampling.sampler import SampleRequest, Sampler
 
     logits = torch.zeros(2, 8)
     logits[:, 1] = 10.0   # EOS is by far the likeliest

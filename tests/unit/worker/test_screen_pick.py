@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.cpu.int8_matmul import PANEL, PickScratch, NativeInt8Matmul
-from services.worker.engine.cpu.lm_head_screen import INT16_GRID, LMHeadScreen
-from services.worker.engine.cpu.weight_codes import CodedWeight, NativeCodedLinear
+from services.worker.engine.cpu.screen.int8_matmul import PANEL, PickScratch, NativeInt8Matmul
+from services.worker.engine.cpu.screen.lm_head_screen import INT16_GRID, LMHeadScreen
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
 from tests.unit.worker.test_lm_head_codes_screen import (DUPLICATES, coder, head, native,  # noqa: F401 (fixtures)
                                                           q8_head, screen)
 from tests.unit.worker.test_lm_head_screen import hidden_states

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.cpu import screen_rows
-from services.worker.engine.cpu.codes_screen_int8 import int8_available
-from services.worker.engine.cpu.int8_matmul import NativeInt8Matmul
-from services.worker.engine.cpu.lm_head_screen import LMHeadScreen
-from services.worker.engine.cpu.screen_rows import RowSplit, few_rows_limit, split_by_rows
-from services.worker.engine.cpu.weight_codes import CodedWeight
+from services.worker.engine.cpu.screen import screen_rows
+from services.worker.engine.cpu.screen.codes_screen_int8 import int8_available
+from services.worker.engine.cpu.screen.int8_matmul import NativeInt8Matmul
+from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen
+from services.worker.engine.cpu.screen.screen_rows import RowSplit, few_rows_limit, split_by_rows
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight
 from tests.unit.worker.test_lm_head_codes_screen import coder, head, loaded, native  # noqa: F401
 from tests.unit.worker.test_lm_head_screen import hidden_states
 

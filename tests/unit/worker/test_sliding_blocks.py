@@ -8,8 +8,8 @@ import random
 
 import pytest
 
-from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.sliding_blocks import NULL_BLOCK, SlidingBlocks
+from services.worker.engine.kv.block_pool import BlockPool
+from services.worker.engine.kv.sliding_blocks import NULL_BLOCK, SlidingBlocks
 
 BLOCK = 4
 WINDOW = 8

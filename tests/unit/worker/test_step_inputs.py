@@ -6,12 +6,12 @@ from __future__ import annotations
 import torch
 
 from common.types import SamplingParams
-from services.worker.engine.block_pool import BlockPool
-from services.worker.engine.kv_cache import LayerKVSpec, PagedKVCache
-from services.worker.engine.planning import Planned
-from services.worker.engine.sampler import SampleRequest
-from services.worker.engine.sequences import SequenceState
-from services.worker.engine.step_inputs import build_step_inputs, slot
+from services.worker.engine.kv.block_pool import BlockPool
+from services.worker.engine.kv.kv_cache import LayerKVSpec, PagedKVCache
+from services.worker.engine.step.planning import Planned
+from services.worker.engine.sampling.sampler import SampleRequest
+from services.worker.engine.step.sequences import SequenceState
+from services.worker.engine.step.step_inputs import build_step_inputs, slot
 
 BLOCK = 4
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ from fairserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry, generate_latest
 
 from common.block_hash import prompt_hashes
-from common.grpc_server import GrpcServer, check_health
+from common.transport.grpc_server import GrpcServer, check_health
 from services.kvcache.kv_types import BlockStored, PublishBatch, PublishResult
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.kv_events import add_events, snapshot_source

@@ -11,12 +11,12 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu import cpu_linear
-from services.worker.engine.cpu.coded_head import CodedEmbedding
-from services.worker.engine.cpu.cpu_linear import PackedLinear, kernel_available
-from services.worker.engine.cpu.native_build import default_cache_dir
-from services.worker.engine.cpu.native_ops import load_skinny_linear
-from services.worker.engine.cpu.weight_codes import MAX_ROWS, PANEL, NativeCodedLinear, load_coded_linear
+from services.worker.engine.cpu.linear import cpu_linear
+from services.worker.engine.cpu.screen.coded_head import CodedEmbedding
+from services.worker.engine.cpu.linear.cpu_linear import PackedLinear, kernel_available
+from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.kernels.native_ops import load_skinny_linear
+from services.worker.engine.cpu.linear.weight_codes import MAX_ROWS, PANEL, NativeCodedLinear, load_coded_linear
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.engine.attention import StepMetadata, paged_attention_forward
-from services.worker.engine.cpu.native_layers import NativeDecodeLayers
-from services.worker.engine.cpu.native_ops import NativeElementwise
+from services.worker.engine.step.attention import StepMetadata, paged_attention_forward
+from services.worker.engine.cpu.kernels.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.kernels.native_ops import NativeElementwise
 from services.worker.engine.lora.layers import LoraStep
 
 Rope = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

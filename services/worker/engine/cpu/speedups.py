@@ -21,21 +21,21 @@ import torch
 
 from services.worker.engine.accelerators import Speedups
 from services.worker.engine.config import EngineConfig, require_choice
-from services.worker.engine.cpu import weight_codes
-from services.worker.engine.cpu.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
+from services.worker.engine.cpu.linear import weight_codes
+from services.worker.engine.cpu.linear.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
                                                      require_bfloat16_cpu)
-from services.worker.engine.cpu.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
-from services.worker.engine.cpu.prefill_gemm import MODES as PREFILL_GEMM_MODES
-from services.worker.engine.cpu.prefill_gemm import load_prefill_gemm
-from services.worker.engine.cpu.cpu_linear import (ALL_ROWS, PREFILL_CODES_TOLERANCE, PREFILL_PACK_ROWS_HINT,
+from services.worker.engine.cpu.linear.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
+from services.worker.engine.cpu.linear.prefill_gemm import MODES as PREFILL_GEMM_MODES
+from services.worker.engine.cpu.linear.prefill_gemm import load_prefill_gemm
+from services.worker.engine.cpu.linear.cpu_linear import (ALL_ROWS, PREFILL_CODES_TOLERANCE, PREFILL_PACK_ROWS_HINT,
                                                    KernelPlan, PackedLinear, choose_prefill_kernel, kernel_available,
                                                    pack_linears, resolve_kernel_plan)
 from services.worker.engine.cpu.direct_forward import DirectForward
-from services.worker.engine.cpu.fused_mlp import fuse_gated_mlps
-from services.worker.engine.cpu.fused_norms import fuse_rms_norms
-from services.worker.engine.cpu.native_layers import NativeDecodeLayers
-from services.worker.engine.cpu.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
-from services.worker.engine.cpu.weight_codes import NativeCodedLinear, load_coded_linear
+from services.worker.engine.cpu.linear.fused_mlp import fuse_gated_mlps
+from services.worker.engine.cpu.linear.fused_norms import fuse_rms_norms
+from services.worker.engine.cpu.kernels.native_layers import NativeDecodeLayers
+from services.worker.engine.cpu.kernels.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
+from services.worker.engine.cpu.linear.weight_codes import NativeCodedLinear, load_coded_linear
 
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")
 DIRECT_FORWARD_MODES = ("auto", "off")

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.engine.accelerators import BaseForward, DecodeRows, GraphCapture
-from services.worker.engine.attention import StepMetadata
-from services.worker.engine.kv_cache import PagedKVCache
+from services.worker.engine.step.attention import StepMetadata
+from services.worker.engine.kv.kv_cache import PagedKVCache
 
 log = logging.getLogger("worker.engine")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.engine.varlen import VarlenFunction, VarlenKernel
+from services.worker.engine.step.varlen import VarlenFunction, VarlenKernel
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
 FLASH_ATTN_MAX_HEAD_DIM = 256

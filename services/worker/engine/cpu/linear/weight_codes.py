@@ -1,0 +1,249 @@
+"""Float32 weights kept as exact 8-bit codes for few-row (decode) linears on CPU.
+
+A checkpoint that was quantized (the default model is GGUF Q4_K_M: Q4_K, Q5_0, Q6_K and
+Q8_0 blocks) and dequantized to float32 holds, in every block of 16 or 32 input entries of
+a weight row, at most 256 values on one grid: `weight == scale * code + offset` exactly,
+with `code` in 0..255 and one scale and offset per block. `find` checks that bit for bit
+(native/coded_linear.c) and keeps such a matrix as its codes: a byte per entry and two
+floats per block, about a third of the float32 bytes. The decode linear expands the codes
+back into the same float32 weights in registers, so its products are the float32 linear's
+and only the memory traffic, which bounds few-row linears, shrinks. A matrix with any
+block off the grid (random or trained float32 weights) is left as it is.
+
+Codes that fit in fewer bits (the default model's Q4_K blocks need 4, its Q5_0 ones 5 and its
+Q6_K ones 6) are kept narrow (`narrow`): 16 bytes of nibbles per input entry of a panel and one
+32-bit word per further bit, 0.5 / 0.625 / 0.75 bytes a weight instead of 1. Unpacked, they are
+the same integers, so the kernel expands the same float32 weights and its outputs are the
+8-bit path's bit for bit.
+
+Prefill chunks keep the float32 weight's packed BLAS kernels by default: with hundreds of rows
+a linear is bound by multiply-adds, not by reading the weight (CPU_PREFILL_WEIGHTS=codes expands
+the codes for them instead, coded_wide.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.cpu.kernels.native_build import load_binding
+from services.worker.engine.cpu.timing import best_alternating
+
+GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
+PANEL = 32               # output rows per panel of the kernel's layout
+# Rows up to which the coded kernel serves. On a 2-core Xeon the default model's 126 linears
+# took 7.9 ms at 1 row, 12.5 at 8 and 22.6 at 16 (the float32 few-row kernel: 19.0, 30.0,
+# 43.2), and against oneDNN's packed sgemm 21.8 / 39.5 ms at 16 rows, 43.5 / 52.8 at 32,
+# 62.3 / 65.9 at 48 and 84.7 / 72.0 at 64.
+MAX_ROWS = 32
+NARROW_BITS = (4, 5, 6)  # narrow code widths the kernel reads (else a byte a code)
+
+
+@dataclass(frozen=True)
+class CodedWeight:
+    """A [out, in] float32 weight as codes, in the kernel's panels of PANEL output rows (the
+    last one padded with zero rows): codes [ceil(out / PANEL), in, PANEL] uint8 (bits 8) or
+    [ceil(out / PANEL), in, narrow_stride(bits)] (narrow codes, bits 4-6), scales and offsets
+    [ceil(out / PANEL), in / group, PANEL] float32."""
+    codes: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group: int
+    out_features: int
+    in_features: int
+    bits: int = 8
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+
+    def panel_rows(self, start: int, end: int) -> "CodedWeight":
+        """Output rows [start, end) as a weight of their own (views; `start` on a panel's
+        first row)."""
+        first, last = start // PANEL, -(-end // PANEL)
+        return CodedWeight(self.codes[first:last], self.scales[first:last], self.offsets[first:last],
+                           self.group, end - start, self.in_features, self.bits)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The float32 weight rows `ids` ([N] -> [N, in]), bit for bit: `find` checked that
+        scale * code, rounded, plus offset, rounded, gives every value back."""
+        ids = ids.reshape(-1).to(torch.long)
+        panel, lane = ids // PANEL, ids % PANEL
+        codes = (self.codes[panel, :, lane] if self.bits == 8 else _narrow_lanes(self.codes, self.bits, panel, lane))
+        codes = codes.view(ids.numel(), -1, self.group)
+        scales, offsets = self.scales[panel, :, lane], self.offsets[panel, :, lane]
+        values = codes.float().mul_(scales[..., None]).add_(offsets[..., None])
+        return values.view(ids.numel(), self.in_features)
+
+
+def narrow_stride(bits: int) -> int:
+    """Bytes per input entry of a panel of narrow codes of `bits` (native/coded_linear.c)."""
+    return 16 + 4 * (bits - 4)
+
+
+def _narrow_lanes(codes: torch.Tensor, bits: int, panel: torch.Tensor, lane: torch.Tensor) -> torch.Tensor:
+    """The codes of rows `lane` of panels `panel` ([N] each) from narrow codes: [N, in] uint8."""
+    nibbles = codes[panel, :, lane % 16].to(torch.int32)
+    values = (nibbles >> (4 * (lane >= 16).to(torch.int32))[:, None]) & 15
+    if bits == 4:
+        return values.to(torch.uint8)
+    words = codes[panel, :, 16:].contiguous().view(torch.int32).view(panel.numel(), codes.shape[1], bits - 4)
+    for high in range(bits - 4):
+        values |= ((words[..., high] >> lane[:, None].to(torch.int32)) & 1) << (4 + high)
+    return values.to(torch.uint8)
+
+
+def _panels(rows_major: torch.Tensor) -> torch.Tensor:
+    """[out, n] -> [ceil(out / PANEL), n, PANEL], the last panel padded with zero rows."""
+    out, n = rows_major.shape
+    count = -(-out // PANEL)
+    padded = torch.zeros(count * PANEL, n, dtype=rows_major.dtype)
+    padded[:out] = rows_major
+    return padded.view(count, PANEL, n).transpose(1, 2).contiguous()
+
+
+class NativeCodedLinear:
+    """ctypes bindings of native/coded_linear.c."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._find = library.fairserve_codes_find
+        self._find.restype = ctypes.c_int
+        self._find.argtypes = [ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        self._linear = library.fairserve_coded_linear
+        self._linear.restype = ctypes.c_int
+        self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
+                                 + [ctypes.c_int64] * 4)
+        self._narrow = library.fairserve_codes_narrow
+        self._narrow.restype = ctypes.c_int
+        self._narrow.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._widen = library.fairserve_codes_widen
+        self._widen.restype = None
+        self._widen.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        self._expand_rows = library.fairserve_codes_expand_rows
+        self._expand_rows.restype = ctypes.c_int
+        self._expand_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+        self._expand_blocked = library.fairserve_codes_expand_blocked
+        self._expand_blocked.restype = ctypes.c_int
+        self._expand_blocked.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
+                                         + [ctypes.c_int64] * 4)
+
+    @property
+    def linear_function(self) -> ctypes._CFuncPtr:
+        """The C linear itself (native_layers.py calls it from C)."""
+        return self._linear
+
+    def find(self, weight: torch.Tensor) -> CodedWeight | None:
+        """The codes of a float32 CPU [out, in] weight, or None when it does not fit them
+        exactly (or its shape does not fit the kernel's panels)."""
+        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+            return None
+        weight = weight.detach().contiguous()
+        out_features, in_features = weight.shape
+        for group in GROUPS:
+            if in_features % group:
+                continue
+            codes = torch.empty(out_features, in_features, dtype=torch.uint8)
+            scales = torch.empty(out_features, in_features // group)
+            offsets = torch.empty_like(scales)
+            failed = self._find(weight.data_ptr(), out_features, in_features, group, codes.data_ptr(),
+                                scales.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
+            if not failed:
+                return CodedWeight(_panels(codes), _panels(scales), _panels(offsets), group, out_features,
+                                   in_features)
+        return None
+
+    def narrow(self, coded: CodedWeight) -> CodedWeight:
+        """`coded` (8-bit) with its codes in the fewest of NARROW_BITS that hold them all, or as
+        it is when none does. The narrow codes are unpacked again and must give every code
+        back (so, through `find`'s check, every float32 weight bit for bit)."""
+        if coded.bits != 8:
+            return coded
+        bits = max(NARROW_BITS[0], int(coded.codes.max()).bit_length())
+        if bits not in NARROW_BITS:
+            return coded
+        entries = coded.codes.shape[0] * coded.codes.shape[1]
+        narrow = torch.empty(*coded.codes.shape[:2], narrow_stride(bits), dtype=torch.uint8)
+        if self._narrow(coded.codes.data_ptr(), entries, bits, narrow.data_ptr()):
+            return coded
+        if not torch.equal(self.widen(narrow, bits), coded.codes):
+            return coded
+        return CodedWeight(narrow, coded.scales, coded.offsets, coded.group, coded.out_features, coded.in_features,
+                           bits)
+
+    def widen(self, narrow: torch.Tensor, bits: int) -> torch.Tensor:
+        """Narrow codes [panels, in, narrow_stride(bits)] back to [panels, in, PANEL] bytes."""
+        codes = torch.empty(*narrow.shape[:2], PANEL, dtype=torch.uint8)
+        self._widen(narrow.contiguous().data_ptr(), narrow.shape[0] * narrow.shape[1], bits, codes.data_ptr())
+        return codes
+
+    def expand(self, coded: CodedWeight) -> torch.Tensor:
+        """The float32 weight the codes stand for ([out, in], a tensor of its own)."""
+        return self.expand_into(coded, torch.empty(coded.out_features * coded.in_features))
+
+    def expand_into(self, coded: CodedWeight, out: torch.Tensor) -> torch.Tensor:
+        """The float32 weight ([out, in]) written into `out` (contiguous float32 of at least
+        out * in entries, e.g. a scratch many linears share); returns that view."""
+        weight = out.reshape(-1)[:coded.out_features * coded.in_features].view(coded.out_features,
+                                                                                coded.in_features)
+        status = self._expand_rows(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                   coded.group, coded.bits, weight.data_ptr(), coded.in_features,
+                                   coded.out_features, torch.get_num_threads())
+        if status:
+            raise ValueError(f"coded expansion: shapes it does not take ({coded.out_features} x "
+                             f"{coded.in_features}, group {coded.group}, {coded.bits} bits)")
+        return weight
+
+    def expand_blocked(self, coded: CodedWeight, address: int, block: int) -> None:
+        """The float32 weight written at `address` (out * in floats) in the blocked layout
+        [out / block][in][block] (coded_wide.py: the layout of oneDNN's pack)."""
+        status = self._expand_blocked(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
+                                      coded.group, coded.bits, address, coded.in_features, coded.out_features,
+                                      block, torch.get_num_threads())
+        if status:
+            raise ValueError(f"coded expansion: a blocked layout it does not take ({coded.out_features} x "
+                             f"{coded.in_features}, block {block}, group {coded.group}, {coded.bits} bits)")
+
+    def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """rows [M, in] (float32, contiguous) @ weight.T (+ bias) -> [M, out]."""
+        if rows.shape[-1] != coded.in_features:
+            raise ValueError(f"rows of {rows.shape[-1]} entries for a weight of {coded.in_features} inputs")
+        out = torch.empty(rows.shape[0], coded.out_features)
+        status = self._linear(rows.data_ptr(), coded.codes.data_ptr(), coded.scales.data_ptr(),
+                              coded.offsets.data_ptr(), coded.group, coded.bits,
+                              bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0],
+                              coded.in_features, coded.out_features, torch.get_num_threads())
+        if status:
+            raise ValueError(f"coded linear: shapes it does not take ({coded.out_features} x {coded.in_features}, "
+                             f"group {coded.group}, {coded.bits} bits)")
+        return out
+
+
+# Calibration shapes: (out, in, group, largest code) of the default model's gate_proj (Q5_0),
+# o_proj (Q4_K) and a Q6_K down_proj.
+CALIBRATION = ((2048, 640, 32, 31), (640, 1024, 32, 15), (640, 2048, 16, 63))
+
+
+def narrow_is_faster(kernel: NativeCodedLinear, repeats: int = 9) -> bool:
+    """Whether, on this CPU, one-row linears (batch-1 decode) run faster from narrow codes than
+    from 8-bit ones: best of `repeats` alternating passes over CALIBRATION's shapes (random codes;
+    the speed does not depend on them). Expanding narrow codes costs more instructions than
+    bytes saved on some CPUs (on the 2-core AMD EPYC Zen 5 ~20 % slower at one row)."""
+    generator = torch.Generator().manual_seed(0)
+    pairs = []
+    for out_features, in_features, group, largest in CALIBRATION:
+        panels = -(-out_features // PANEL)
+        codes = torch.randint(0, largest + 1, (panels, in_features, PANEL), generator=generator, dtype=torch.uint8)
+        scales = torch.rand(panels, in_features // group, PANEL, generator=generator)
+        wide = CodedWeight(codes, scales, -scales, group, out_features, in_features)
+        pairs.append((torch.randn(1, in_features, generator=generator), wide, kernel.narrow(wide)))
+    wide_seconds, narrow_seconds = best_alternating((
+        lambda: [kernel(rows, wide, None) for rows, wide, _ in pairs],
+        lambda: [kernel(rows, narrow, None) for rows, _, narrow in pairs]), repeats, warm_up=False)
+    return narrow_seconds < wide_seconds
+
+
+def load_coded_linear(cache_dir: Path) -> NativeCodedLinear | None:
+    return load_binding(NativeCodedLinear, "coded_linear", cache_dir, "float32 weights serve")

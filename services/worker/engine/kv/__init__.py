@@ -1,0 +1,1 @@
+"""The KV cache: the block pool (ref counts, block tables, the prefix cache, eviction, its state, aliases, snapshots and invariants), the paged K/V tensors and their sizing, the sliding layers' blocks, and the lossy KV policies (window, sink, h2o)."""
