@@ -78,8 +78,15 @@ class RadixIndex:
         return frozenset(self._partials.get(partial_hash, ()))
 
     def match_prefix(self, hashes: Sequence[int]) -> dict[str, int]:
-        """For each worker holding at least the first block: how many leading
-        blocks of `hashes` it holds."""
+        """How far each worker's cache covers a prompt.
+
+        Args:
+            hashes: the prompt's chained block hashes (common/block_hash.py), in order.
+
+        Returns:
+            worker id -> how many leading blocks of `hashes` it holds, for each worker
+            holding at least the first; empty when none does.
+        """
         result: dict[str, int] = {}
         active: set[str] | None = None
         node, offset = self._root, -1

@@ -183,7 +183,19 @@ class SchedulerCore:
 
     def submit(self, spec: RequestSpec,
                cached_prefix_tokens: Mapping[str, int] | None = None) -> SubmitResult:
-        """Queues a request on a worker, or rejects it at once."""
+        """Queues a request on a worker, or rejects it at once.
+
+        Args:
+            spec: the request (prompt ids, sampling, limits, tenant and quotas); an empty
+                request id gets one of the core's.
+            cached_prefix_tokens: the kvcache index's answer, worker id -> how many of
+                the prompt's leading tokens it holds cached (routing prefers the longest).
+
+        Returns:
+            The placement (request id, worker, the updates to stream at once), or the
+            rejection (gate, message, retry-after) when a gate refuses it before queueing;
+            while no worker is left and WORKER_RECOVERY_S allows, the request is parked.
+        """
         if not spec.request_id:
             spec = replace(spec, request_id=self._new_id())
         num_waiting = sum(len(w.pending) for w in self._workers.values()) + len(self._recovery)
@@ -268,7 +280,17 @@ class SchedulerCore:
     def plan_step(self, worker_id: str) -> StepBatch | None:
         """The next step for a worker, or None when it has nothing to do. With a
         step in flight (async scheduling) the plan assumes that step runs as
-        planned: its chunks computed, its samples taken."""
+        planned: its chunks computed, its samples taken.
+
+        Args:
+            worker_id: a registered worker with fewer than `max_steps_in_flight` steps
+                out.
+
+        Returns:
+            The step to send (frees, new sequences, work items within the batch's token
+            and block budgets, chosen by the fairness policy), recorded as in flight until
+            `apply_step` gets its outcome; None when nothing is runnable.
+        """
         worker = self._workers[worker_id]
         if len(worker.in_flight) >= self._config.max_steps_in_flight:
             raise RuntimeError(f"worker {worker_id} already has {len(worker.in_flight)} step(s) in flight")
@@ -283,7 +305,17 @@ class SchedulerCore:
         return step
 
     def apply_step(self, worker_id: str, outcome: StepOutput) -> list[RequestUpdate]:
-        """Feeds a worker's step results back; returns what the streams get."""
+        """Feeds a worker's step results back; returns what the streams get.
+
+        Args:
+            worker_id: the worker the step ran on.
+            outcome: its results, in step order; an outcome of an earlier registration
+                of the worker, or of a step no longer first in flight, is ignored.
+
+        Returns:
+            One update per request touched: its new tokens, a finish (reason and usage),
+            or an error; requests cancelled or moved while the step ran get none.
+        """
         worker = self._workers.get(worker_id)
         if worker is None:
             return []

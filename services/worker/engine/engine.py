@@ -153,6 +153,22 @@ class Engine:
         return self._info
 
     def step(self, batch: StepBatch) -> StepOutput:
+        """Runs one scheduler step: adopts its epoch, frees and registers sequences, then
+        plans, computes (one packed forward), samples and commits every work item.
+
+        Args:
+            batch: the scheduler's step (common/step.py): its registration epoch, the
+                sequences to free, the new sequences, and one work item per sequence
+                (a prefill chunk, or a decode with its drafts).
+
+        Returns:
+            A result per work item (tokens, logprobs, or the sequence's own error: a
+            sequence that fails fails alone), the pool's stats after the step, and the
+            step's counters (forward time, rows, cached-logits hits, drafts accepted).
+
+        Raises:
+            StaleEpoch: the step belongs to an older scheduler registration.
+        """
         self.adopt_epoch(batch.epoch)
         for seq_id in batch.free_seq_ids:
             self.sequences.free(seq_id)

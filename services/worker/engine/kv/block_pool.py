@@ -136,8 +136,32 @@ class BlockPool:
         return self._new_blocks_needed(seq_id, num_tokens, cached_blocks) is not None
 
     def allocate(self, seq_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
-        """Grows `seq_id`'s table to cover `num_tokens` tokens, evicting cached blocks
-        if needed. Returns False and changes nothing when that is impossible."""
+        """Grows `seq_id`'s block table to cover `num_tokens` tokens, evicting cached blocks
+        (eviction.py's order) when the free list runs short.
+
+        A new sequence whose first 8 prompt tokens hit the prefix cache, allocated for a
+        14-token prompt (block_size 4, cached_blocks [7, 3], num_tokens 14):
+
+            token slots   0  1  2  3 | 4  5  6  7 | 8  9 10 11 | 12 13 __ __
+            table       [     7      |     3      |    12      |     5      ]
+                         cached: reused, ref'd    new: computed this step; the last
+                         (no forward for them)    block's free slots take the next
+                                                  tokens without another allocation
+
+        Later calls for the same sequence (num_tokens growing by a decode or a chunk)
+        append blocks only when the last one is full.
+
+        Args:
+            seq_id: the sequence whose table grows (created when new).
+            num_tokens: the tokens the table must cover after this call (computed ones,
+                this step's, and speculative drafts the step verifies).
+            cached_blocks: cached blocks to reuse as a new sequence's leading blocks
+                (`find_cached_prefix`); empty for a sequence that already has blocks.
+
+        Returns:
+            True when the table covers `num_tokens`; False, with nothing changed, when
+            the free and evictable blocks cannot cover it.
+        """
         needed = self._new_blocks_needed(seq_id, num_tokens, cached_blocks)
         if needed is None:
             return False
