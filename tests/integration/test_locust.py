@@ -58,7 +58,7 @@ def test_locust_reports_latency_ttft_and_tpot_per_prompt_kind(tiny_stack: Stack,
 
 
 def test_refused_requests_show_up_as_failures_with_the_message(tiny_stack: Stack, tmp_path: Path) -> None:
-    done, rows = run_locust(tiny_stack.url, tmp_path, "--model", "tiny", talk_tokens=(10**6, 10**6))
+    done, rows = run_locust(tiny_stack.url, tmp_path, talk_tokens=(10**6, 10**6))
     assert done.returncode == 1, done.stderr[-3000:]
     failures = list(csv.DictReader((tmp_path / "run_failures.csv").open()))
     assert failures and {(f["Method"], f["Name"]) for f in failures} == {("POST", "talk")}

@@ -160,7 +160,7 @@ def test_the_tls_overlay_probes_through_the_healthcheck_with_the_certificates_mo
     (directory,) = {path.rsplit("/", 1)[0] for path in tls_files}
     assert config["GRPC_TLS_SERVER_NAME"]                  # workers are dialled by pod IP
     added = set(config) - set(_by_kind(cpu)[("ConfigMap", "fairserve-config")]["data"])
-    read = set(re.findall(r'"(GRPC_TLS_[A-Z_]+)"', (ROOT / "common" / "internal_auth.py").read_text()))
+    read = set(re.findall(r'"(GRPC_TLS_[A-Z_]+)"', (ROOT / "common" / "transport" / "internal_auth.py").read_text()))
     assert added == read == {"GRPC_TLS_CA", "GRPC_TLS_CERT", "GRPC_TLS_KEY", "GRPC_TLS_SERVER_NAME"}
     for name in SERVICES:
         container = _container(tls, name)
