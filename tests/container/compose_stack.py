@@ -143,7 +143,7 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 2.0):
             if value:
                 return value
             last = value
-        except (httpx.HTTPError, ValueError, KeyError) as error:
+        except (httpx.HTTPError, ValueError, KeyError, AssertionError) as error:   # a 503 while starting
             last = error
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}; last: {last!r}")

@@ -21,8 +21,10 @@ GRAFANA_VARIABLES = {"$__rate_interval": "30s", "$worker": ".*"}
 def query(base_url: str, expr: str) -> list[dict[str, Any]]:
     """An instant query's result vector; an error status or a non-vector fails."""
     reply = httpx.get(f"{base_url}/api/v1/query", params={"query": expr}, timeout=10)
+    # A Prometheus still starting answers 503 in plain text: an assertion callers can wait past.
+    assert reply.status_code == 200, (expr, reply.status_code, reply.text[:300])
     body = reply.json()
-    assert reply.status_code == 200 and body["status"] == "success", (expr, body)
+    assert body["status"] == "success", (expr, body)
     assert body["data"]["resultType"] in ("vector", "scalar"), (expr, body["data"]["resultType"])
     result = body["data"]["result"]
     return result if body["data"]["resultType"] == "vector" else [{"metric": {}, "value": result}]
