@@ -1,6 +1,8 @@
 """Settings several services declare alike: the internal ports' token and TLS, the workers'
-token, and OpenTelemetry's standard variables. A service's schema inherits the ones it reads
-(common/transport/internal_auth.py, common/transport/worker_auth.py and common/observability/tracing.py read them)."""
+token, OpenTelemetry's standard variables, where the scheduler and the index are, the model and
+its adapters, draining and the max_tokens bound. A service's schema inherits the ones it reads,
+so each is declared once (common/transport/ and common/observability/tracing.py read the first
+three from the environment themselves)."""
 
 from __future__ import annotations
 
@@ -56,3 +58,88 @@ class TracingFields(SettingsSchema):
     otel_exporter_otlp_traces_endpoint: str = Field("", description=(
         "the traces endpoint alone (OpenTelemetry's own variable; wins over the one above)"))
     otel_service_name: str = Field("", description="the traces' service name; empty: `fairserve-<service>`")
+
+
+class SchedulerAddrFields(SettingsSchema):
+    """Where the scheduler is (the gateways and workers dial it)."""
+
+    scheduler_addr: str = Field('127.0.0.1:50051',
+        description=(
+            'where the scheduler is'
+        ))
+
+
+class KvcacheAddrFields(SettingsSchema):
+    """Where the kvcache index is."""
+
+    kvcache_addr: str = Field('127.0.0.1:50071',
+        description=(
+            'where the KV index is'
+        ))
+
+
+class ModelFields(SettingsSchema):
+    """The model the gateway and the workers load (the gateway its tokenizer)."""
+
+    model_name: str = Field('',
+        description=(
+            'local Hugging Face model directory'
+        ))
+    model_cache_dir: str = Field('',
+        description=(
+            'where the converted default model lives; empty: `~/.cache/fairserve/models`'
+        ))
+    max_model_len: int = Field(0, ge=0,
+        description=(
+            'longest sequence'
+        ))
+
+
+class ModelKeyFields(SettingsSchema):
+    """What keys a model's cached blocks (the workers and the index agree on it)."""
+
+    model_key: str = Field('',
+        description=(
+            'mixed into every block hash, so stacks of different models that share one index never '
+            "match each other's blocks; the same value on every service of a stack (e.g. the model "
+            'name); empty: none'
+        ))
+
+
+class LoraFields(SettingsSchema):
+    """LoRA adapters, read by the gateway and every worker."""
+
+    lora_modules: str = Field('',
+        description=(
+            'LoRA adapters served beside the base model, `name=path,...` (PEFT directories, readable '
+            'by the gateway and every worker); `model` names one (docs/lora.md)'
+        ))
+    lora_root: str = Field('',
+        description=(
+            'the only directory runtime-loaded adapters may come from (symlinks out of it are '
+            'refused)'
+        ))
+
+
+class DrainFields(SettingsSchema):
+    """Draining on SIGTERM."""
+
+    drain_timeout_s: float = Field(30.0, ge=0.0,
+        description=(
+            'on SIGTERM, how long a draining gateway waits for its generations in flight to end (new '
+            'ones get 503), and a draining worker keeps serving what no other worker could take over;'
+            ' a second signal stops at once'
+        ))
+
+
+class MaxTokensLimitFields(SettingsSchema):
+    """The bound on a request's max_tokens, held by the gateway and the scheduler."""
+
+    max_tokens_limit: int = Field(0, ge=0,
+        description=(
+            'the most `max_tokens` (`max_completion_tokens`, the gRPC `max_tokens`) any request may '
+            'ask for, under every KV policy, lossy ones included; above it the gateway answers 400 '
+            'naming the field and the limit before queuing, and the scheduler refuses '
+            '(`INVALID_ARGUMENT`, never clamps) any request that reaches it above its own; set the '
+            "scheduler's at least as high as the gateways'"
+        ))

@@ -86,8 +86,10 @@ def render() -> str:
                       "change them to compare, not to fix.", ""]
             lines += _table(advanced)
     lines += ["## Shared by several services", "",
-              "The internal ports' token and TLS, the workers' token and OpenTelemetry's standard "
-              "variables, read alike by each service named.", "",
+              "Declared once (common/settings/shared.py) and read alike by each service named: "
+              "the internal ports' token and TLS, the workers' token, OpenTelemetry's standard "
+              "variables, the addresses services dial, the model, adapters, draining and the "
+              "max_tokens bound.", "",
               "| variable | flag | type | default | services | meaning |", "|---|---|---|---|---|---|"]
     for variable, (field, services) in _shared().items():
         meaning = " ".join((field.description or "").split()).replace("|", "\\|")

@@ -15,10 +15,16 @@ from common.observability.logs import LOG_LEVELS
 from services.gateway.tenancy.identity import AUTO_SCOPE, CACHE_SCOPES
 from services.gateway.tool_parsers import PARSERS
 
-from common.settings.shared import InternalAuthFields, TracingFields
+from common.settings.shared import (
+    InternalAuthFields, TracingFields, SchedulerAddrFields, KvcacheAddrFields, ModelFields,
+    LoraFields, DrainFields, MaxTokensLimitFields,
+)
 
 
-class GatewaySchema(InternalAuthFields, TracingFields):
+class GatewaySchema(
+        InternalAuthFields, TracingFields, SchedulerAddrFields, KvcacheAddrFields,
+        ModelFields, LoraFields, DrainFields, MaxTokensLimitFields,
+):
     service: ClassVar[str] = "gateway"
     advanced: ClassVar[frozenset[str]] = frozenset({
         "gateway_max_pending_connections",
@@ -33,7 +39,6 @@ class GatewaySchema(InternalAuthFields, TracingFields):
         "gateway_grpc_max_concurrent_rpcs",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | {"api_keys", "admin_keys"}
-
     api_keys: str = Field('',
         description=(
             'comma-separated `name=key` entries or bare keys; when set, requests need `Authorization:'
@@ -60,18 +65,6 @@ class GatewaySchema(InternalAuthFields, TracingFields):
     gateway_grpc_port: int = Field(50050, ge=0, le=65535,
         description=(
             'gRPC text API'
-        ))
-    scheduler_addr: str = Field('127.0.0.1:50051',
-        description=(
-            'where the scheduler is'
-        ))
-    kvcache_addr: str = Field('127.0.0.1:50071',
-        description=(
-            'where the KV index is'
-        ))
-    model_name: str = Field('',
-        description=(
-            'local Hugging Face model directory'
         ))
     served_model_name: str = Field('',
         description=(
@@ -101,18 +94,6 @@ class GatewaySchema(InternalAuthFields, TracingFields):
         description=(
             "`max_tokens` of a request that gives none (OpenAI's legacy completions default to 16; "
             'chat has no limit but the context)'
-        ))
-    max_model_len: int = Field(0, ge=0,
-        description=(
-            'longest sequence'
-        ))
-    max_tokens_limit: int = Field(0, ge=0,
-        description=(
-            'the most `max_tokens` (`max_completion_tokens`, the gRPC `max_tokens`) any request may '
-            'ask for, under every KV policy, lossy ones included; above it the gateway answers 400 '
-            'naming the field and the limit before queuing, and the scheduler refuses '
-            '(`INVALID_ARGUMENT`, never clamps) any request that reaches it above its own; set the '
-            "scheduler's at least as high as the gateways'"
         ))
     log_level: Literal[LOG_LEVELS] = Field('info',
         description=(
@@ -188,22 +169,11 @@ class GatewaySchema(InternalAuthFields, TracingFields):
         description=(
             'responses (in progress or kept) one tenant may have; past it a create is a 429'
         ))
-    drain_timeout_s: float = Field(30.0, ge=0.0,
-        description=(
-            'on SIGTERM, how long a draining gateway waits for its generations in flight to end (new '
-            'ones get 503), and a draining worker keeps serving what no other worker could take over;'
-            ' a second signal stops at once'
-        ))
     tool_call_parser: Literal[tuple(PARSERS)] = Field('hermes',
         description=(
             'how chat replies are read for tool calls (`services/gateway/tool_parsers/`): `hermes` '
             'reads `<tool_call>{"name", "arguments"}</tool_call>`, the convention of Hermes and Qwen '
             'chat templates and of the built-in turn format'
-        ))
-    lora_root: str = Field('',
-        description=(
-            'the only directory runtime-loaded adapters may come from (symlinks out of it are '
-            'refused)'
         ))
     lora_runtime_updates: bool = Field(False,
         description=(
@@ -234,13 +204,4 @@ class GatewaySchema(InternalAuthFields, TracingFields):
             'their own, not in `API_KEYS`) whose `/stats` shows every tenant; `admin: true` on a '
             "tenant in `TENANTS_FILE` does the same. Any other key's `/stats` shows only its tenant's"
             ' clients, users and counters (docs/metrics.md)'
-        ))
-    lora_modules: str = Field('',
-        description=(
-            'LoRA adapters served beside the base model, `name=path,...` (PEFT directories, readable '
-            'by the gateway and every worker); `model` names one (docs/lora.md)'
-        ))
-    model_cache_dir: str = Field('',
-        description=(
-            'where the converted default model lives; empty: `~/.cache/fairserve/models`'
         ))

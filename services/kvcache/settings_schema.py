@@ -13,15 +13,14 @@ from pydantic import Field
 
 from common.observability.logs import LOG_LEVELS
 
-from common.settings.shared import InternalAuthFields
+from common.settings.shared import InternalAuthFields, ModelKeyFields
 
 
-class KvCacheSchema(InternalAuthFields):
+class KvCacheSchema(InternalAuthFields, ModelKeyFields):
     service: ClassVar[str] = "kvcache"
     advanced: ClassVar[frozenset[str]] = frozenset({
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | {"kv_index_redis_password"}
-
     kv_index_redis_password: str = Field('',
         description=(
             'Redis password (AUTH), a secret never logged; not with a password in `REDIS_URL`'
@@ -64,12 +63,6 @@ class KvCacheSchema(InternalAuthFields):
     kv_cache_block_size: int = Field(16, ge=1, le=4096,
         description=(
             'tokens per KV block'
-        ))
-    model_key: str = Field('',
-        description=(
-            'mixed into every block hash, so stacks of different models that share one index never '
-            "match each other's blocks; the same value on every service of a stack (e.g. the model "
-            'name); empty: none'
         ))
     log_level: Literal[(*LOG_LEVELS, 'critical')] = Field('info',
         description=(

@@ -17,10 +17,16 @@ from services.scheduler.address_check import ADDRESS_CHECKS
 from services.scheduler.core.types import Policy, PrefillMode
 from services.scheduler.step_link import STEP_TRANSPORTS
 
-from common.settings.shared import InternalAuthFields, WorkerTokenFields, TracingFields
+from common.settings.shared import (
+    InternalAuthFields, WorkerTokenFields, TracingFields, KvcacheAddrFields,
+    MaxTokensLimitFields,
+)
 
 
-class SchedulerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
+class SchedulerSchema(
+        InternalAuthFields, WorkerTokenFields, TracingFields, KvcacheAddrFields,
+        MaxTokensLimitFields,
+):
     service: ClassVar[str] = "scheduler"
     advanced: ClassVar[frozenset[str]] = frozenset({
         "async_scheduling",
@@ -34,7 +40,6 @@ class SchedulerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
         "prefill_mode",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | WorkerTokenFields.secrets
-
     scheduler_host: str = Field('127.0.0.1',
         description=(
             "the scheduler's gRPC listen address"
@@ -70,10 +75,6 @@ class SchedulerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
     queue_timeout_s: float = Field(60.0, ge=0.001,
         description=(
             'soft hold before 503'
-        ))
-    kvcache_addr: str = Field('127.0.0.1:50071',
-        description=(
-            'where the KV index is'
         ))
     worker_heartbeat_timeout_s: float = Field(10.0, ge=0.001,
         description=(
@@ -172,14 +173,6 @@ class SchedulerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
     kv_sink_tokens: int = Field(4, ge=0,
         description=(
             'the attention sinks `sink` keeps, rounded up to whole blocks'
-        ))
-    max_tokens_limit: int = Field(0, ge=0,
-        description=(
-            'the most `max_tokens` (`max_completion_tokens`, the gRPC `max_tokens`) any request may '
-            'ask for, under every KV policy, lossy ones included; above it the gateway answers 400 '
-            'naming the field and the limit before queuing, and the scheduler refuses '
-            '(`INVALID_ARGUMENT`, never clamps) any request that reaches it above its own; set the '
-            "scheduler's at least as high as the gateways'"
         ))
     log_level: Literal[LOG_LEVELS] = Field('info',
         description=(

@@ -11,7 +11,10 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
-from common.settings.shared import InternalAuthFields, WorkerTokenFields, TracingFields
+from common.settings.shared import (
+    InternalAuthFields, WorkerTokenFields, TracingFields, SchedulerAddrFields,
+    KvcacheAddrFields, ModelFields, ModelKeyFields, LoraFields, DrainFields,
+)
 
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
@@ -32,7 +35,10 @@ CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine
 GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/sampling/grammar.py
 
 
-class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
+class WorkerSchema(
+        InternalAuthFields, WorkerTokenFields, TracingFields, SchedulerAddrFields,
+        KvcacheAddrFields, ModelFields, ModelKeyFields, LoraFields, DrainFields,
+):
     service: ClassVar[str] = "worker"
     advanced: ClassVar[frozenset[str]] = frozenset({
         "kv_cache_hybrid",
@@ -63,7 +69,6 @@ class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
         "kv_publish_interval_s",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | WorkerTokenFields.secrets
-
     worker_host: str = Field('127.0.0.1',
         description=(
             "the worker's gRPC listen address"
@@ -116,16 +121,6 @@ class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
             'prompts whose last-position logits are kept, so an identical prompt with its K/V still '
             'cached skips the forward entirely (one vocabulary-sized float32 row each, 1 MiB on Gemma'
             ' 3); `0` disables'
-        ))
-    max_model_len: int = Field(0, ge=0,
-        description=(
-            'longest sequence'
-        ))
-    model_key: str = Field('',
-        description=(
-            'mixed into every block hash, so stacks of different models that share one index never '
-            "match each other's blocks; the same value on every service of a stack (e.g. the model "
-            'name); empty: none'
         ))
     torch_threads: int = Field(0, ge=0,
         description=(
@@ -330,22 +325,6 @@ class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
         description=(
             'Prometheus `/metrics` (0 picks a free port)'
         ))
-    model_name: str = Field('',
-        description=(
-            'local Hugging Face model directory'
-        ))
-    model_cache_dir: str = Field('',
-        description=(
-            'where the converted default model lives; empty: `~/.cache/fairserve/models`'
-        ))
-    scheduler_addr: str = Field('127.0.0.1:50051',
-        description=(
-            'where the scheduler is'
-        ))
-    kvcache_addr: str = Field('127.0.0.1:50071',
-        description=(
-            'where the KV index is'
-        ))
     worker_heartbeat_interval_s: float = Field(2.0, ge=0.1,
         description=(
             "seconds between the worker's heartbeats to the scheduler (it leaves the rotation after "
@@ -360,12 +339,6 @@ class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
         description=(
             'JSON logs on stderr'
         ))
-    drain_timeout_s: float = Field(30.0, ge=0.0,
-        description=(
-            'on SIGTERM, how long a draining gateway waits for its generations in flight to end (new '
-            'ones get 503), and a draining worker keeps serving what no other worker could take over;'
-            ' a second signal stops at once'
-        ))
     max_loras: int = Field(4, ge=1, le=1024,
         description=(
             'LoRA adapters resident per worker; others load on demand, the least recently used '
@@ -374,14 +347,4 @@ class WorkerSchema(InternalAuthFields, WorkerTokenFields, TracingFields):
     max_lora_rank: int = Field(64, ge=1, le=1024,
         description=(
             'the largest adapter rank `r` a worker loads'
-        ))
-    lora_root: str = Field('',
-        description=(
-            'the only directory runtime-loaded adapters may come from (symlinks out of it are '
-            'refused)'
-        ))
-    lora_modules: str = Field('',
-        description=(
-            'LoRA adapters served beside the base model, `name=path,...` (PEFT directories, readable '
-            'by the gateway and every worker); `model` names one (docs/lora.md)'
         ))
