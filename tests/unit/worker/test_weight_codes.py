@@ -103,6 +103,22 @@ def test_weights_off_the_grid_are_left_alone(kernel: NativeCodedLinear) -> None:
     assert kernel.find(weight.double()) is None
 
 
+@pytest.mark.parametrize("codes", [(0, 3, 5), (0, 4, 8, 12), (7,), (0, 255), (2, 9, 13, 200)])
+def test_the_grid_is_found_whatever_the_smallest_step(kernel: NativeCodedLinear, codes: tuple) -> None:
+    """The search tries the smallest step above the lowest weight first, then Euclid over the
+    steps (quick remainders, then exact ones): blocks whose smallest step is several levels,
+    whose steps share a factor, constant blocks and a full 8-bit span all come back exact."""
+    generator = torch.Generator().manual_seed(len(codes))
+    picks = torch.tensor(codes, dtype=torch.float32)[torch.randint(0, len(codes), (32, 64), generator=generator)]
+    picks[:, ::32] = codes[0]                                   # every block holds both ends
+    picks[:, 1::32] = codes[-1]
+    scale = torch.randint(1024, 2048, (32, 2, 1), generator=generator).float() * 2.0 ** -20
+    weight = (scale * (picks.view(32, 2, 32) - 3.0)).reshape(32, 64)
+    coded = kernel.find(weight)
+    assert coded is not None and coded.group == 32
+    assert torch.equal(kernel.expand(coded), weight)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 17])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("out_features", [6 * PANEL, 16, 3 * PANEL + 5])

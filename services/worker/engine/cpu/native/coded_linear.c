@@ -79,33 +79,190 @@ static float grid_gcd(float x, float y, float floor) {
     return x;
 }
 
+/* The codes of one group on `grid` from `lo`; 0 if one of them is out of range or does not
+ * give its weight back bit for bit. */
+#if defined(__AVX512F__)
+#define NEAREST (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+/* `exact` and the range test for 16 codes: the explicitly rounded multiply and add are never
+ * contracted into one multiply-add, as `exact`'s volatile product is not. */
+static inline int codes_exact(__m512 code, __m512 value, __m512 low, __m512 step) {
+    __mmask16 ok = _mm512_cmp_ps_mask(code, _mm512_setzero_ps(), _CMP_GE_OQ)
+                   & _mm512_cmp_ps_mask(code, _mm512_set1_ps((float)MAX_CODE), _CMP_LE_OQ);
+    ok &= _mm512_cmp_ps_mask(_mm512_fmadd_ps(step, code, low), value, _CMP_EQ_OQ);
+    const __m512 product = _mm512_mul_round_ps(step, code, NEAREST);
+    ok &= _mm512_cmp_ps_mask(_mm512_add_round_ps(product, low, NEAREST), value, _CMP_EQ_OQ);
+    return ok == 0xFFFF;
+}
+
+/* 16 weights at a time, the same tests as below. */
+static int write_codes(const float *w, int64_t group, float lo, float grid, uint8_t *codes) {
+    const __m512 low = _mm512_set1_ps(lo), step = _mm512_set1_ps(grid);
+    const __m512 inverse = _mm512_set1_ps(1.0f / grid);
+    for (int64_t k = 0; k < group; k += 16) {
+        const __m512 value = _mm512_loadu_ps(w + k), above = _mm512_sub_ps(value, low);
+        /* By the reciprocal first (a division costs as much as the rest); a quotient it
+         * rounds to another code is taken again by the division itself. */
+        __m512 code = _mm512_roundscale_ps(_mm512_mul_ps(above, inverse), NEAREST);
+        if (!codes_exact(code, value, low, step)) {
+            code = _mm512_roundscale_ps(_mm512_div_ps(above, step), NEAREST);
+            if (!codes_exact(code, value, low, step)) return 0;
+        }
+        _mm_storeu_si128((__m128i *)(codes + k), _mm512_cvtusepi32_epi8(_mm512_cvttps_epu32(code)));
+    }
+    return 1;
+}
+#else
 /* Whether scale * code + offset gives `value` back whether rounded once or twice. */
 static int exact(float scale, float code, float offset, float value) {
     volatile float product = scale * code;     /* kept apart: the twice-rounded form */
     return fmaf(scale, code, offset) == value && product + offset == value;
 }
 
-/* One group of `group` entries: its codes, scale and offset; 0 if it does not fit. */
-static int find_group(const float *w, int64_t group, uint8_t *codes, float *scale, float *offset) {
-    float lo = w[0], hi = w[0];
-    for (int64_t k = 1; k < group; k++) {
-        lo = w[k] < lo ? w[k] : lo;
-        hi = w[k] > hi ? w[k] : hi;
-    }
-    if (!isfinite(lo) || !isfinite(hi)) return 0;
-    const float floor = (hi - lo) / (float)MAX_CODE * (1.0f - 1e-6f);
-    float grid = 0.0f;
-    for (int64_t k = 0; k < group; k++) {
-        const float step = w[k] - lo;
-        if (step <= 0.0f || (grid > 0.0f && rintf(step / grid) * grid == step)) continue;  /* on the grid */
-        grid = grid == 0.0f ? step : grid_gcd(grid, step, floor);
-        if (grid == 0.0f) return 0;
-    }
-    if (grid == 0.0f) grid = 1.0f;       /* a constant group: every code 0 */
+static int write_codes(const float *w, int64_t group, float lo, float grid, uint8_t *codes) {
     for (int64_t k = 0; k < group; k++) {
         const float code = rintf((w[k] - lo) / grid);
         if (!(code >= 0.0f && code <= (float)MAX_CODE) || !exact(grid, code, lo, w[k])) return 0;
         codes[k] = (uint8_t)code;
+    }
+    return 1;
+}
+#endif
+
+/* A group's lowest and highest weights and its smallest step above the lowest (hi - lo when
+ * there is none); 0 when they are not finite (a NaN weight fails its code later). */
+#if defined(__AVX512F__)
+static int group_range(const float *w, int64_t group, float *lo, float *hi, float *smallest) {
+    __m512 low = _mm512_loadu_ps(w), high = low;
+    for (int64_t k = 16; k < group; k += 16) {
+        const __m512 value = _mm512_loadu_ps(w + k);
+        low = _mm512_min_ps(low, value);
+        high = _mm512_max_ps(high, value);
+    }
+    *lo = _mm512_reduce_min_ps(low);
+    *hi = _mm512_reduce_max_ps(high);
+    if (!isfinite(*lo) || !isfinite(*hi)) return 0;
+    const __m512 floor = _mm512_set1_ps(*lo);
+    __m512 least = _mm512_set1_ps(*hi - *lo);
+    for (int64_t k = 0; k < group; k += 16) {
+        const __m512 step = _mm512_sub_ps(_mm512_loadu_ps(w + k), floor);
+        const __mmask16 above = _mm512_cmp_ps_mask(step, _mm512_setzero_ps(), _CMP_GT_OQ);
+        least = _mm512_mask_min_ps(least, above, least, step);
+    }
+    *smallest = _mm512_reduce_min_ps(least);
+    return 1;
+}
+#else
+static int group_range(const float *w, int64_t group, float *lo, float *hi, float *smallest) {
+    *lo = *hi = w[0];
+    for (int64_t k = 1; k < group; k++) {
+        *lo = w[k] < *lo ? w[k] : *lo;
+        *hi = w[k] > *hi ? w[k] : *hi;
+    }
+    if (!isfinite(*lo) || !isfinite(*hi)) return 0;
+    *smallest = *hi - *lo;
+    for (int64_t k = 0; k < group; k++) {
+        const float step = w[k] - *lo;
+        *smallest = step > 0.0f && step < *smallest ? step : *smallest;
+    }
+    return 1;
+}
+#endif
+
+/* The remainder of x / y as fmodf gives it, from the quotient's estimate (exact when it is
+ * the quotient; one off is put right, anything worse only ends in a grid the codes refuse). */
+static inline float quick_remainder(float x, float y) {
+    float r = fmaf(-truncf(x / y), y, x);
+    if (r < 0.0f) r += y;
+    else if (r >= y) r -= y;
+    return r;
+}
+
+/* grid_gcd with quick remainders. */
+static float quick_gcd(float x, float y, float floor) {
+    if (x < y) {
+        const float t = x;
+        x = y;
+        y = t;
+    }
+    while (y > 0.0f) {
+        if (y < floor) return 0.0f;
+        const float r = quick_remainder(x, y);
+        x = y;
+        y = r;
+    }
+    return x;
+}
+
+#if defined(__AVX512F__)
+/* gcd_grid's quick form 16 steps at a time: from the smallest step, the grid and the first
+ * step off it, until none is; 0 when it finds none (the caller then searches exactly). */
+static float vector_gcd_grid(const float *w, int64_t group, float lo, float hi, float smallest) {
+    const float floor = (hi - lo) / (float)MAX_CODE * (1.0f - 1e-6f);
+    const __m512 low = _mm512_set1_ps(lo), zero = _mm512_setzero_ps();
+    float grid = smallest;
+    for (int64_t k = 0; k < group;) {
+        const __m512 step = _mm512_sub_ps(_mm512_loadu_ps(w + k), low), spacing = _mm512_set1_ps(grid);
+        const __m512 levels = _mm512_roundscale_ps(_mm512_mul_ps(step, _mm512_set1_ps(1.0f / grid)), NEAREST);
+        const __mmask16 off = _mm512_cmp_ps_mask(step, zero, _CMP_GT_OQ)
+                              & _mm512_cmp_ps_mask(_mm512_mul_round_ps(levels, spacing, NEAREST), step, _CMP_NEQ_UQ);
+        if (!off) {
+            k += 16;
+            continue;
+        }
+        /* A step off the grid makes it smaller; one that does not (rounding) is left to the
+         * exact search rather than tried again. */
+        const float next = quick_gcd(grid, w[k + __builtin_ctz(off)] - lo, floor);
+        if (!(next > 0.0f && next < grid)) return 0.0f;
+        grid = next;
+    }
+    return grid;
+}
+#endif
+
+/* The grid of a group's steps above `lo` by Euclid over them (when the smallest step is not
+ * the grid). `quick`: remainders and the on-the-grid test without libm's fmodf or a division
+ * per weight, checked by the codes afterwards; else exact ones (the caller's second try). */
+static float gcd_grid(const float *w, int64_t group, float lo, float hi, int quick) {
+    const float floor = (hi - lo) / (float)MAX_CODE * (1.0f - 1e-6f);
+    float grid = 0.0f, inverse = 0.0f;
+    for (int64_t k = 0; k < group; k++) {
+        const float step = w[k] - lo;
+        if (step <= 0.0f) continue;
+        if (grid > 0.0f && rintf(quick ? step * inverse : step / grid) * grid == step) continue;  /* on the grid */
+        if (grid == 0.0f) {
+            grid = step;
+        } else if (!quick) {
+            grid = grid_gcd(grid, step, floor);
+        } else {
+            grid = quick_gcd(grid, step, floor);
+        }
+        if (grid == 0.0f) return 0.0f;
+        inverse = 1.0f / grid;
+    }
+    return grid;
+}
+
+/* One group of `group` entries: its codes, scale and offset; 0 if it does not fit.
+ * A quantized checkpoint's group nearly always holds a weight one level above its lowest,
+ * so the smallest step is tried as the grid first: if every code it gives is exact, it is
+ * the steps' greatest common divisor (each step is a multiple of it, and it is a step).
+ * Euclid over the steps (fmodf per weight off the grid: most of the start-up time of this
+ * search before) runs only for the groups where it is not. */
+static int find_group(const float *w, int64_t group, uint8_t *codes, float *scale, float *offset) {
+    float lo, hi, smallest;
+    if (!group_range(w, group, &lo, &hi, &smallest)) return 0;
+    float grid = smallest > 0.0f ? smallest : 1.0f;    /* a constant group: every code 0 */
+    if (!write_codes(w, group, lo, grid, codes)) {
+#if defined(__AVX512F__)
+        grid = vector_gcd_grid(w, group, lo, hi, smallest);
+#else
+        grid = gcd_grid(w, group, lo, hi, 1);
+#endif
+        if (grid == 0.0f || !write_codes(w, group, lo, grid, codes)) {
+            grid = gcd_grid(w, group, lo, hi, 0);
+            if (grid == 0.0f || !write_codes(w, group, lo, grid, codes)) return 0;
+        }
     }
     *scale = grid;
     *offset = lo;
