@@ -34,6 +34,8 @@ def test_quick_mode_writes_results_table_and_curves(tmp_path: Path, capsys) -> N
     table = (out / "table.md").read_text()
     assert "| 1 in flight | fairserve | 2 / 2 |" in table
     assert "- vllm: skipped: not set up" in table and "- llama.cpp: skipped:" in table
+    assert "- fairserve settings: " in table and results["meta"]["rounds"] == 1   # --quick: one round
+    assert results["meta"]["settings"]["fairserve"]
     for name in ("throughput_vs_concurrency", "ttft_vs_rate", "tpot_vs_rate", "goodput_vs_rate"):
         assert (out / f"{name}.png").read_bytes().startswith(PNG_MAGIC)
     assert "| chat, 2 users | fairserve |" in capsys.readouterr().out
