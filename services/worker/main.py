@@ -43,7 +43,7 @@ from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered
 from services.worker.settings import WorkerSettings
-from services.worker.wiring import build_engine
+from services.worker.wiring import build_engine, thread_pacer, with_cpu_threads
 
 log = logging.getLogger("worker")
 
@@ -52,9 +52,10 @@ async def serve(settings: WorkerSettings) -> None:
     model_dir = resolve_model_dir(settings.model_name, Path(settings.model_cache_dir))
     # Built on the thread its steps run on (EngineThread: one OpenMP team, not two).
     # With the device's speed-ups (wiring.py): the engine core does not import them.
-    engine_thread = await EngineThread.build(partial(build_engine, dataclasses.replace(settings.engine,
-                                                                                      model_dir=str(model_dir))))
+    engine_thread = await EngineThread.build(partial(build_engine, with_cpu_threads(dataclasses.replace(
+        settings.engine, model_dir=str(model_dir)))))
     engine = engine_thread.engine
+    pacer = await engine_thread.run(partial(thread_pacer, settings.cpu_thread_policy, engine))
     # Building the grammar tokenizer holds the GIL for seconds on a 262k vocabulary (llguidance
     # does not let go of it): with GRAMMAR_TOKENIZER=start it finishes before the worker registers,
     # so it never stalls a step; by default the first constrained request starts it and the
@@ -71,14 +72,17 @@ async def serve(settings: WorkerSettings) -> None:
                                     "prefill_linear_kernel": engine.prefill_linear_kernel,
                                     "fused_mlps": engine.fused_mlps, "forward": engine.direct_forward,
                                     "gomp_spincount": os.environ.get("GOMP_SPINCOUNT", ""),
-                                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""), **labels})
+                                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", ""),
+                                    "threads": engine.config.torch_threads,
+                                    "thread_policy": "adaptive" if pacer else "fixed", **labels})
     metrics = WorkerMetrics(CollectorRegistry(), settings.worker_id, engine.pool_stats(), labels)
     metrics_port = serve_metrics(settings.metrics_port, metrics.registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr, auth=settings.internal)
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish, snapshot_source(engine_thread.snapshot))
     service = WorkerService(engine_thread, settings.worker_id, metrics,
                             on_block_events=partial(add_events, publisher),
-                            kv_events_unacknowledged=lambda: publisher.unacknowledged)
+                            kv_events_unacknowledged=lambda: publisher.unacknowledged,
+                            after_step=pacer.after_step if pacer else None)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                         settings.host, settings.port, settings.internal)

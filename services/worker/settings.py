@@ -115,6 +115,7 @@ class WorkerSettings:
     internal: InternalAuth = InternalAuth()
     drain_timeout_s: float = 30.0  # on SIGTERM, how long it may keep serving what it holds
     worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/transport/worker_auth.py)
+    cpu_thread_policy: str = "adaptive"   # engine/cpu/thread_governor.py
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
@@ -138,4 +139,5 @@ class WorkerSettings:
             internal=internal,
             drain_timeout_s=values.drain_timeout_s,
             worker_token=worker_token_from_env(env, internal.token),
+            cpu_thread_policy=values.cpu_thread_policy,
         )

@@ -33,6 +33,7 @@ CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine
 CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/linear/coded_wide.py
 CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine/cpu/linear/prefill_gemm.py
 GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/sampling/grammar.py
+CPU_THREAD_POLICIES = ("adaptive", "fixed")              # services/worker/engine/cpu/thread_governor.py
 
 
 class WorkerSchema(
@@ -58,6 +59,7 @@ class WorkerSchema(
         "cpu_compute",
         "cpu_prefill_weights",
         "cpu_prefill_gemm",
+        "cpu_thread_policy",
         "lm_head_screen",
         "lm_head_screen_max_rows",
         "lm_head_screen_weights",
@@ -124,7 +126,8 @@ class WorkerSchema(
         ))
     torch_threads: int = Field(0, ge=0,
         description=(
-            'intra-op threads'
+            "intra-op threads; `0`: on CPU the CPUs the worker may run on, no more than its cgroup "
+            "quota's whole CPUs (Kubernetes' CPU limit), elsewhere torch's default"
         ))
     use_cuda_graphs: bool = Field(True,
         description=(
@@ -238,6 +241,15 @@ class WorkerSchema(
             ' weight; `codes` expands the codes for every wide step regardless (into a plain weight '
             'that oneDNN reorders on each call where the layout is not known: prefill at ~0.93x). '
             'Decode never reaches these (`docs/engine.md`, "Prefill from the codes")'
+        ))
+    cpu_thread_policy: Literal[CPU_THREAD_POLICIES] = Field('adaptive',
+        description=(
+            'on CPU, `adaptive` runs steps on one thread fewer while another process takes the '
+            "worker's cores (the threads' wait for a CPU, or the cgroup quota's throttling, above a "
+            "fifth of their time) and probes for the cores again with backoff (5-60 s), so a shared "
+            'host or a Kubernetes CPU limit slows steps instead of stalling each barrier for a time '
+            'slice; `fixed` keeps the count of TORCH_THREADS (by default the allowed CPUs, no more '
+            "than the cgroup quota's whole CPUs)"
         ))
     cpu_prefill_gemm: Literal[CPU_PREFILL_GEMM_MODES] = Field('auto',
         description=(

@@ -13,6 +13,8 @@ start-up check (cpu/native_prefill.py), else SDPA per chunk. `sdpa` never uses a
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -20,6 +22,9 @@ import torch
 from services.worker.engine.accelerators import Accelerators, GraphCapture
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import host_memory
+from services.worker.engine.cpu.cpu_share import WaitClock, default_threads
+from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor
+from services.worker.engine.cpu.thread_pacer import ThreadPacer
 from services.worker.engine.cpu.screen.coded_head import serve_tied_weight_from_codes
 from services.worker.engine.cpu.kernels.native_build import default_cache_dir
 from services.worker.engine.cpu.kernels.native_decode import load_decode_kernel
@@ -28,6 +33,7 @@ from services.worker.engine.cpu.screen.screen_loader import ScreenLoader
 from services.worker.engine.cpu.speedups import apply_speedups
 from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs
 from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
+from services.worker.engine.device import resolve_device
 from services.worker.engine.engine import Engine
 from services.worker.engine.step.varlen import VarlenKernel
 
@@ -68,3 +74,24 @@ def build_engine(config: EngineConfig, model: torch.nn.Module | None = None,
                  graph_capture: GraphCapture | None = None) -> Engine:
     """An Engine with the device's speed-ups, as the worker serves."""
     return Engine(config, model, graph_capture, device_accelerators())
+
+
+def with_cpu_threads(config: EngineConfig) -> EngineConfig:
+    """TORCH_THREADS=0 on CPU: the CPUs the worker may run on, no more than its cgroup quota's
+    whole CPUs (torch's own default counts the machine's cores, over a Kubernetes CPU limit)."""
+    if config.torch_threads > 0 or resolve_device(config.device).type != "cpu":
+        return config
+    return dataclasses.replace(config, torch_threads=default_threads())
+
+
+def thread_pacer(policy: str, engine: Engine) -> ThreadPacer | None:
+    """CPU_THREAD_POLICY=adaptive on CPU with more than one thread and the kernel's per-thread
+    scheduler statistics: the pacer of the engine's thread count (call on the engine's thread,
+    which it starts at the full count). None otherwise."""
+    clock = WaitClock()
+    threads = torch.get_num_threads()
+    if policy != "adaptive" or engine.device.type != "cpu" or threads < 2 or not clock.available():
+        return None
+    pacer = ThreadPacer(ThreadGovernor(GovernorConfig(max_threads=threads), time.monotonic()), clock)
+    pacer.start()
+    return pacer

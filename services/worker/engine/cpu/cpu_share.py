@@ -1,0 +1,96 @@
+"""What share of the machine's CPUs the worker really gets: the CPUs it may run on, its cgroup's
+CPU quota (Kubernetes' CPU limit; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`), and how long its
+threads waited for a CPU (the kernel's run delay in /proc/self/task/*/schedstat, plus the time
+the quota throttled the cgroup, from its `cpu.stat`). thread_governor.py decides from these."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def allowed_cpus() -> int:
+    """The CPUs this process may run on (its affinity: a cpuset or taskset included)."""
+    return len(os.sched_getaffinity(0))
+
+
+def _cgroup_dirs(root: Path, proc_cgroup: Path) -> list[Path]:
+    """This process's cgroup directories that may hold CPU files: v2's, then v1's cpu controller."""
+    dirs = []
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return dirs
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if controllers == "":
+            dirs.append(root / relative)
+        elif "cpu" in controllers.split(","):
+            name = next((d for d in (controllers, "cpu,cpuacct", "cpu") if (root / d).is_dir()), "cpu")
+            dirs.append(root / name / relative)
+    return dirs
+
+
+def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/self/cgroup")) -> float | None:
+    """The CPUs the cgroup's quota allows (1.5 for `150000 100000`), or None without a quota."""
+    for directory in _cgroup_dirs(root, proc_cgroup):
+        try:
+            if (directory / "cpu.max").is_file():
+                quota, period = (directory / "cpu.max").read_text().split()[:2]
+                if quota != "max":
+                    return int(quota) / int(period)
+            elif (directory / "cpu.cfs_quota_us").is_file():
+                quota = int((directory / "cpu.cfs_quota_us").read_text())
+                period = int((directory / "cpu.cfs_period_us").read_text())
+                if quota > 0:
+                    return quota / period
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def default_threads(cpus: int | None = None, limit: float | None = None) -> int:
+    """Threads for the engine: the allowed CPUs, no more than the quota's whole CPUs, at least 1."""
+    cpus = allowed_cpus() if cpus is None else cpus
+    if limit is not None:
+        cpus = min(cpus, max(1, math.floor(limit + 1e-9)))
+    return max(1, cpus)
+
+
+class WaitClock:
+    """The seconds this process's threads have waited for a CPU so far: run delay summed over
+    its threads, plus the cgroup's throttled time when it has a quota. Read it before and
+    after a step; the difference is what the step waited."""
+
+    def __init__(self, tasks: Path = Path("/proc/self/task"), root: Path = CGROUP_ROOT,
+                 proc_cgroup: Path = Path("/proc/self/cgroup")) -> None:
+        self._tasks = tasks
+        self._throttle_files = [d / "cpu.stat" for d in _cgroup_dirs(root, proc_cgroup) if (d / "cpu.stat").is_file()]
+
+    def available(self) -> bool:
+        return any(self._tasks.glob("*/schedstat"))
+
+    def waited_s(self) -> float:
+        total_ns = 0
+        for path in self._tasks.glob("*/schedstat"):
+            try:
+                total_ns += int(path.read_text().split()[1])
+            except (OSError, ValueError, IndexError):
+                continue        # a thread that ended between the listing and the read
+        return total_ns / 1e9 + self._throttled_s()
+
+    def _throttled_s(self) -> float:
+        for path in self._throttle_files:
+            try:
+                fields = dict(line.split() for line in path.read_text().splitlines() if line.strip())
+            except (OSError, ValueError):
+                continue
+            if "throttled_usec" in fields:          # cgroup v2
+                return int(fields["throttled_usec"]) / 1e6
+            if "throttled_time" in fields:          # cgroup v1, nanoseconds
+                return int(fields["throttled_time"]) / 1e9
+        return 0.0

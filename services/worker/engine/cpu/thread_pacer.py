@@ -1,0 +1,52 @@
+"""The thread governor applied to the engine's steps (CPU_THREAD_POLICY=adaptive): called on the
+engine's thread after each step, it reads how long the process waited for a CPU since its last
+reading (cpu_share.WaitClock: at most every `sample_s`, ~0.1-0.3 ms a reading), asks the
+governor (thread_governor.py) and sets the engine thread's OpenMP team size, which torch's
+kernels and the C kernels (they pass torch.get_num_threads()) use from the next step on."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from services.worker.engine.cpu.cpu_share import WaitClock
+from services.worker.engine.cpu.thread_governor import ThreadGovernor
+
+log = logging.getLogger(__name__)
+
+
+class ThreadPacer:
+    def __init__(self, governor: ThreadGovernor, clock: WaitClock, sample_s: float = 0.05,
+                 now: Callable[[], float] = time.monotonic,
+                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+        self.governor = governor
+        self._clock = clock
+        self._sample_s = sample_s
+        self._now = now
+        self._set_threads = set_threads
+        self._read_at = now()
+        self._waited = clock.waited_s()
+        self.changes = 0
+
+    def start(self) -> None:
+        """Sets the governor's first count (call on the engine's thread)."""
+        self._set_threads(self.governor.threads)
+
+    def after_step(self) -> None:
+        """After a step, on the engine's thread."""
+        now = self._now()
+        if now - self._read_at < self._sample_s:
+            return
+        waited = self._clock.waited_s()
+        before = self.governor.threads
+        threads = self.governor.observe(now - self._read_at, waited - self._waited, now)
+        self._read_at, self._waited = now, waited
+        if threads != before:
+            self._set_threads(threads)
+            self.changes += 1
+            log.info("engine threads %d -> %d (%s)", before, threads,
+                     "probing for free cores" if self.governor.probing else
+                     "its cores are shared" if threads < before else "cores free again")
