@@ -64,6 +64,7 @@ class ThreadGovernor:
         self._probing_from: int | None = None      # the count a probe returns to if it fails
         self._probe_wait_s = config.probe_after_s
         self._changed_at_s = now_s
+        self.last_share = 0.0                       # the last judged window's waiting share
 
     @property
     def probing(self) -> bool:
@@ -78,10 +79,11 @@ class ThreadGovernor:
         window.waited_s += max(waited_s, 0.0)
         if self.probing:
             if window.wall_s >= self.config.probe_s:
-                self._end_probe(window.share(self.threads), now_s)
+                self.last_share = window.share(self.threads)
+                self._end_probe(self.last_share, now_s)
             return self.threads
         if window.wall_s >= self.config.window_s:
-            share = window.share(self.threads)
+            share = self.last_share = window.share(self.threads)
             self._window = _Window()
             if share >= self.config.high and self.threads > self.config.min_threads:
                 self._set(self.threads - 1, now_s)

@@ -47,6 +47,10 @@ class ThreadPacer:
         if threads != before:
             self._set_threads(threads)
             self.changes += 1
-            log.info("engine threads %d -> %d (%s)", before, threads,
-                     "probing for free cores" if self.governor.probing else
-                     "its cores are shared" if threads < before else "cores free again")
+            if threads < before and not self.governor.probing:
+                # An operator's signal: another process (or the CPU quota) takes the cores.
+                log.warning("engine threads %d -> %d: the threads waited for a CPU %.0f%% of their time",
+                            before, threads, 100 * self.governor.last_share)
+            else:
+                log.info("engine threads %d -> %d (%s)", before, threads,
+                         "probing for free cores" if self.governor.probing else "cores free again")
