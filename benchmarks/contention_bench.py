@@ -58,7 +58,7 @@ def child(policy: str, model_dir: str, steps: int) -> dict:
         started = time.perf_counter()
         engine.step(work)
         if pacer is not None:
-            pacer.after_step()
+            pacer.after_step(1)
         times.append(time.perf_counter() - started)
     return {"mean_ms": 1000 * statistics.fmean(times), "p50_ms": 1000 * statistics.median(times),
             "threads_end": torch.get_num_threads(), "changes": pacer.changes if pacer else 0}
@@ -81,12 +81,12 @@ def quota_cgroup(cpus: float) -> tuple[list[str], Path] | None:
     that starts a process inside it, and its directory; None where it cannot be made."""
     name = f"fairserve-bench-{uuid.uuid4().hex[:8]}"
     period = 100_000
-    for directory, files, procs in ((Path("/sys/fs/cgroup") / name, {"cpu.max": f"{int(cpus * period)} {period}"},
-                                     "cgroup.procs"),
-                                    (Path("/sys/fs/cgroup/cpu") / name, {"cpu.cfs_period_us": str(period),
-                                                                        "cpu.cfs_quota_us": str(int(cpus * period))},
-                                     "tasks")):
-        if not directory.parent.is_dir():
+    root = Path("/sys/fs/cgroup")
+    for directory, files, procs in ((root / name, {"cpu.max": f"{int(cpus * period)} {period}"}, "cgroup.procs"),
+                                    (root / "cpu" / name, {"cpu.cfs_period_us": str(period),
+                                                           "cpu.cfs_quota_us": str(int(cpus * period))}, "tasks")):
+        # v2 where the root is a cgroup2 mount (cgroup.controllers), v1 where a cpu controller is
+        if not (directory.parent / ("cgroup.controllers" if directory.parent == root else "cpu.cfs_quota_us")).is_file():
             continue
         try:
             directory.mkdir()

@@ -1,75 +1,83 @@
 """The engine's thread count on shared cores (engine/cpu/thread_governor.py, cpu_share.py,
-thread_pacer.py): one thread fewer when the threads wait for a CPU, probes back up with
-backoff, the cgroup quota read as Kubernetes sets it (v1 and v2), the waiting read from the
+thread_pacer.py): a trial at one thread fewer when the threads wait for a CPU, kept only when its
+steps cost less, trials back up and again with backoff, the cgroup quota read as Kubernetes sets it (v1 and v2), the waiting read from the
 kernel's per-thread statistics, and the pacer setting the count on the engine's thread."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
-from services.worker.engine.cpu.cpu_share import WaitClock, cgroup_cpu_limit, default_threads
+from services.worker.engine.cpu.cpu_share import WaitClock, cgroup_cpu_limit, default_threads, threads_within
 from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor
 from services.worker.engine.cpu.thread_pacer import ThreadPacer
 
 STEP_S = 0.1
 
 
-def run(governor: ThreadGovernor, seconds: float, share: float, start_s: float) -> float:
-    """Steps of STEP_S for `seconds`, each with threads x `share` of its time waited; returns the clock."""
-    now = start_s
-    while now < start_s + seconds - 1e-9:
-        now += STEP_S
-        governor.observe(STEP_S, STEP_S * governor.threads * share, now)
-    return now
+class Machine:
+    """Steps of one token on a simulated machine: `cost_ms[threads]` per step, and the waiting
+    share the threads see at each count."""
+
+    def __init__(self, governor: ThreadGovernor, cost_ms: dict[int, float], share: dict[int, float]) -> None:
+        self.governor, self.cost_ms, self.share, self.now = governor, cost_ms, share, 0.0
+        self.trials: list[tuple[float, int]] = []
+
+    def run(self, seconds: float) -> None:
+        end = self.now + seconds
+        while self.now < end:
+            threads = self.governor.threads
+            wall = self.cost_ms[threads] / 1000
+            self.now += wall
+            was_trial = self.governor.in_trial
+            self.governor.observe(wall, 1, wall * threads * self.share[threads], self.now)
+            if self.governor.in_trial and not was_trial:
+                self.trials.append((round(self.now, 1), self.governor.threads))
 
 
 def test_idle_cores_keep_every_thread() -> None:
+    machine = Machine(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), {2: 12, 1: 25}, {2: 0.01, 1: 0.0})
+    machine.run(30.0)
+    assert machine.governor.threads == 2 and machine.trials == []
+
+
+def test_a_collapse_moves_to_fewer_threads_within_a_second() -> None:
+    machine = Machine(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), {2: 400, 1: 25}, {2: 0.3, 1: 0.0})
+    machine.run(1.2)
+    assert machine.governor.threads == 1 and not machine.governor.in_trial
+    machine.run(60.0)
+    assert machine.governor.threads in (1, 2)
+    ups = [at for at, threads in machine.trials if threads == 2]
+    assert [round(b - a) for a, b in zip(ups, ups[1:])] == [10, 20]   # 5 s after, then backing off
+
+
+def test_waiting_that_costs_nothing_keeps_every_thread() -> None:
+    """The stack's own gateway and scheduler on the same cores: the threads wait a fifth of
+    their time, but two still step twice as fast as one, so the trials go back."""
+    machine = Machine(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), {2: 12, 1: 24}, {2: 0.25, 1: 0.0})
+    machine.run(120.0)
+    assert machine.governor.threads == 2 or machine.governor.in_trial
+    downs = [at for at, threads in machine.trials if threads == 1]
+    assert [round(b - a) for a, b in zip(downs, downs[1:])] == [5, 10, 21, 41]   # backing off
+    assert len(downs) * 0.3 / 120.0 < 0.02           # under 2 % of the time on trials
+
+
+def test_the_threads_come_back_when_the_competitor_leaves() -> None:
     governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
-    run(governor, 30.0, 0.01, 0.0)
-    assert governor.threads == 2 and not governor.probing
+    Machine(governor, {2: 400, 1: 25}, {2: 0.3, 1: 0.0}).run(2.0)
+    assert governor.threads == 1
+    free = Machine(governor, {2: 12, 1: 25}, {2: 0.0, 1: 0.0})
+    free.now = 2.0
+    free.run(10.0)
+    assert governor.threads == 2 and not governor.in_trial
 
 
-def test_waiting_for_a_cpu_drops_a_thread_within_a_window() -> None:
+def test_more_threads_step_down_one_at_a_time_to_the_floor() -> None:
     governor = ThreadGovernor(GovernorConfig(max_threads=4), 0.0)
-    run(governor, 0.5, 0.4, 0.0)
-    assert governor.threads == 3
-    run(governor, 1.0, 0.4, 0.5)
-    assert governor.threads == 1                     # and on to the floor
-    run(governor, 1.0, 0.9, 1.5)
-    assert governor.threads == 1                     # never below min_threads
-
-
-def test_slow_steps_are_judged_by_time_not_count() -> None:
-    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
-    governor.observe(0.4, 0.4 * 2 * 0.5, 0.4)        # a collapsed step: not half a second yet
-    assert governor.threads == 2
-    governor.observe(0.4, 0.4 * 2 * 0.5, 0.8)
-    assert governor.threads == 1
-
-
-def test_a_probe_that_still_waits_goes_back_and_backs_off() -> None:
-    governor = ThreadGovernor(GovernorConfig(max_threads=2, probe_after_s=5.0, probe_max_s=20.0), 0.0)
-    probes, now = [], 0.0
-    for _ in range(700):                             # 70 s; the competitor never leaves
-        was_probing = governor.probing
-        now += STEP_S
-        share = 0.5 if governor.threads == 2 else 0.0
-        governor.observe(STEP_S, STEP_S * governor.threads * share, now)
-        if governor.probing and not was_probing:
-            probes.append(now)
-    gaps = [round(b - a) for a, b in zip(probes, probes[1:])]
-    assert gaps[:3] == [10, 20, 20]                  # 5 s, then 10, 20, 20 (the most) after each return
-    assert governor.threads in (1, 2)
-
-
-def test_a_probe_on_free_cores_keeps_the_thread() -> None:
-    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
-    now = run(governor, 0.5, 0.5, 0.0)
-    assert governor.threads == 1
-    run(governor, 10.0, 0.0, now)                     # the competitor left
-    assert governor.threads == 2 and not governor.probing
+    Machine(governor, {4: 300, 3: 200, 2: 100, 1: 50}, {4: 0.5, 3: 0.5, 2: 0.5, 1: 0.5}).run(4.0)
+    assert governor.threads == 1                      # and never below min_threads
 
 
 def test_bounds_are_checked() -> None:
@@ -104,11 +112,12 @@ def test_a_cgroup_v1_quota_is_read(tmp_path: Path) -> None:
 
 
 def test_default_threads_stay_within_the_quota() -> None:
-    assert default_threads(cpus=8, limit=None) == 8
-    assert default_threads(cpus=8, limit=2.0) == 2
-    assert default_threads(cpus=8, limit=1.5) == 1
-    assert default_threads(cpus=2, limit=0.5) == 1
-    assert default_threads(cpus=2, limit=4.0) == 2
+    assert threads_within(8, None) == 8
+    assert threads_within(8, 2.0) == 2
+    assert threads_within(8, 1.5) == 1
+    assert threads_within(2, 0.5) == 1
+    assert threads_within(2, 4.0) == 2
+    assert 1 <= default_threads() <= len(os.sched_getaffinity(0))
 
 
 def test_the_wait_clock_sums_run_delay_and_throttling(tmp_path: Path) -> None:
@@ -146,9 +155,13 @@ def test_the_pacer_samples_and_sets_the_count() -> None:
     assert applied == [2]
     for _ in range(3):                               # faster than the sampling: nothing read
         now[0] += 0.01
-        pacer.after_step()
+        pacer.after_step(1)
     for _ in range(12):                              # 0.6 s at 2 threads, half of it waited
         now[0] += 0.05
         clock.waited += 0.05
-        pacer.after_step()
-    assert applied == [2, 1] and pacer.changes == 1
+        pacer.after_step(1)
+    assert applied == [2, 1] and pacer.governor.in_trial     # a trial at one thread
+    for _ in range(8):                               # 0.4 s of steps 5 times cheaper
+        now[0] += 0.05
+        pacer.after_step(5)
+    assert applied == [2, 1] and not pacer.governor.in_trial and pacer.governor.threads == 1

@@ -53,12 +53,16 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, proc_cgroup: Path = Path("/proc/s
     return None
 
 
-def default_threads(cpus: int | None = None, limit: float | None = None) -> int:
-    """Threads for the engine: the allowed CPUs, no more than the quota's whole CPUs, at least 1."""
-    cpus = allowed_cpus() if cpus is None else cpus
+def threads_within(cpus: int, limit: float | None) -> int:
+    """`cpus` threads, no more than a quota of `limit` CPUs holds whole (None: no quota), at least 1."""
     if limit is not None:
         cpus = min(cpus, max(1, math.floor(limit + 1e-9)))
     return max(1, cpus)
+
+
+def default_threads() -> int:
+    """Threads for the engine: the CPUs this process may run on, within its cgroup's quota."""
+    return threads_within(allowed_cpus(), cgroup_cpu_limit())
 
 
 class WaitClock:

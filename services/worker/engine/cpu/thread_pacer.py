@@ -1,6 +1,6 @@
 """The thread governor applied to the engine's steps (CPU_THREAD_POLICY=adaptive): called on the
-engine's thread after each step, it reads how long the process waited for a CPU since its last
-reading (cpu_share.WaitClock: at most every `sample_s`, ~0.1-0.3 ms a reading), asks the
+engine's thread after each step with the tokens it computed, it reads how long the process
+waited for a CPU since its last reading (cpu_share.WaitClock: at most every `sample_s`, ~0.1-0.3 ms a reading), asks the
 governor (thread_governor.py) and sets the engine thread's OpenMP team size, which torch's
 kernels and the C kernels (they pass torch.get_num_threads()) use from the next step on."""
 
@@ -29,28 +29,35 @@ class ThreadPacer:
         self._set_threads = set_threads
         self._read_at = now()
         self._waited = clock.waited_s()
+        self._tokens = 0
         self.changes = 0
 
     def start(self) -> None:
         """Sets the governor's first count (call on the engine's thread)."""
         self._set_threads(self.governor.threads)
 
-    def after_step(self) -> None:
-        """After a step, on the engine's thread."""
+    def after_step(self, tokens: int) -> None:
+        """After a step that computed `tokens` tokens, on the engine's thread."""
+        self._tokens += tokens
         now = self._now()
         if now - self._read_at < self._sample_s:
             return
         waited = self._clock.waited_s()
-        before = self.governor.threads
-        threads = self.governor.observe(now - self._read_at, waited - self._waited, now)
-        self._read_at, self._waited = now, waited
-        if threads != before:
-            self._set_threads(threads)
-            self.changes += 1
-            if threads < before and not self.governor.probing:
+        before, was_trial = self.governor.threads, self.governor.in_trial
+        threads = self.governor.observe(now - self._read_at, self._tokens, waited - self._waited, now)
+        self._read_at, self._waited, self._tokens = now, waited, 0
+        if threads == before:
+            if was_trial and not self.governor.in_trial and threads < self.governor.config.max_threads:
                 # An operator's signal: another process (or the CPU quota) takes the cores.
-                log.warning("engine threads %d -> %d: the threads waited for a CPU %.0f%% of their time",
-                            before, threads, 100 * self.governor.last_share)
-            else:
-                log.info("engine threads %d -> %d (%s)", before, threads,
-                         "probing for free cores" if self.governor.probing else "cores free again")
+                log.warning("engine threads: %d of %d kept, their steps cost less than with more (another "
+                            "process or the CPU quota takes the cores)", threads, self.governor.config.max_threads)
+            elif was_trial and not self.governor.in_trial:
+                log.info("engine threads: %d again, the cores are free", threads)
+            return
+        self._set_threads(threads)
+        self.changes += 1
+        if self.governor.in_trial:
+            log.info("engine threads %d -> %d on trial (the threads waited for a CPU %.0f%% of their time)",
+                     before, threads, 100 * self.governor.last_share)
+        elif was_trial:
+            log.info("engine threads %d -> %d: the trial was not faster", before, threads)
