@@ -244,10 +244,10 @@ class WorkerSchema(
         ))
     cpu_thread_policy: Literal[CPU_THREAD_POLICIES] = Field('adaptive',
         description=(
-            'on CPU, `adaptive` runs steps on one thread fewer while another process takes the '
-            "worker's cores (the threads' wait for a CPU, or the cgroup quota's throttling, above a "
-            "fifth of their time) and probes for the cores again with backoff (5-60 s), so a shared "
-            'host or a Kubernetes CPU limit slows steps instead of stalling each barrier for a time '
+            'on CPU, `adaptive` tries steps on one thread fewer when its threads wait for a CPU (or '
+            "the cgroup quota throttles them) a fifth of their time or more, keeps that count only "
+            'while its steps cost less per token, and tries more again with backoff (5-60 s), so '
+            'another process on the cores slows steps instead of stalling each barrier for a time '
             'slice; `fixed` keeps the count of TORCH_THREADS (by default the allowed CPUs, no more '
             "than the cgroup quota's whole CPUs)"
         ))
