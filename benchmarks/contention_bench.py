@@ -58,7 +58,7 @@ def child(policy: str, model_dir: str, steps: int) -> dict:
         started = time.perf_counter()
         engine.step(work)
         if pacer is not None:
-            pacer.after_step(1)
+            pacer.after_step(1, time.perf_counter() - started)
         times.append(time.perf_counter() - started)
     return {"mean_ms": 1000 * statistics.fmean(times), "p50_ms": 1000 * statistics.median(times),
             "threads_end": torch.get_num_threads(), "changes": pacer.changes if pacer else 0}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from services.worker.engine.cpu.cpu_share import WaitClock, cgroup_cpu_limit, default_threads, threads_within
-from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor
+from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor, relative_cost
 from services.worker.engine.cpu.thread_pacer import ThreadPacer
 
 STEP_S = 0.1
@@ -23,6 +23,7 @@ class Machine:
 
     def __init__(self, governor: ThreadGovernor, cost_ms: dict[int, float], share: dict[int, float]) -> None:
         self.governor, self.cost_ms, self.share, self.now = governor, cost_ms, share, 0.0
+        self.rows = 1
         self.trials: list[tuple[float, int]] = []
 
     def run(self, seconds: float) -> None:
@@ -32,7 +33,7 @@ class Machine:
             wall = self.cost_ms[threads] / 1000
             self.now += wall
             was_trial = self.governor.in_trial
-            self.governor.observe(wall, 1, wall * threads * self.share[threads], self.now)
+            self.governor.observe(wall, [(self.rows, wall)], wall * threads * self.share[threads], self.now)
             if self.governor.in_trial and not was_trial:
                 self.trials.append((round(self.now, 1), self.governor.threads))
 
@@ -155,13 +156,28 @@ def test_the_pacer_samples_and_sets_the_count() -> None:
     assert applied == [2]
     for _ in range(3):                               # faster than the sampling: nothing read
         now[0] += 0.01
-        pacer.after_step(1)
-    for _ in range(12):                              # 0.6 s at 2 threads, half of it waited
+        pacer.after_step(1, 0.01)
+    for _ in range(12):                              # 0.6 s of 50 ms decodes at 2 threads, half of it waited
         now[0] += 0.05
         clock.waited += 0.05
-        pacer.after_step(1)
+        pacer.after_step(1, 0.05)
     assert applied == [2, 1] and pacer.governor.in_trial     # a trial at one thread
-    for _ in range(8):                               # 0.4 s of steps 5 times cheaper
+    for _ in range(8):                               # 0.4 s of decodes 5 times cheaper
         now[0] += 0.05
-        pacer.after_step(5)
+        for _ in range(5):
+            pacer.after_step(1, 0.01)
     assert applied == [2, 1] and not pacer.governor.in_trial and pacer.governor.threads == 1
+
+
+def test_a_trial_is_judged_against_steps_of_the_same_rows() -> None:
+    """A prefill chunk, or a step of other rows, is no evidence: only decode steps of a row
+    count both sides saw are compared, and a trial with none goes back."""
+    steady = {8: [0.08, 2], 32: [0.4, 2]}           # 40 ms at 8 rows, 200 ms at 32
+    assert relative_cost({8: [0.02, 1]}, steady) == pytest.approx(0.5)
+    assert relative_cost({8: [0.02, 1], 32: [0.6, 3]}, steady) == pytest.approx((0.5 + 3 * 1.0) / 4)
+    assert relative_cost({16: [0.01, 1]}, steady) is None
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(32, 0.2)] * 3, 0.6, 0.6)        # waited half: a trial at one thread
+    assert governor.in_trial and governor.threads == 1
+    governor.observe(0.4, [], 0.0, 1.0)                      # prefill steps only: nothing to compare
+    assert governor.threads == 2 and not governor.in_trial

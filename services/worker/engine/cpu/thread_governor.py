@@ -9,26 +9,30 @@ wait at, and the step costs what that many threads cost.
 Waiting alone does not say which count is faster: the stack's own gateway and scheduler, on the
 same two cores, make the worker's threads wait a fifth of their time while two threads still
 decode twice as fast as one. So waiting only starts a trial, and the steps' measured cost
-decides (cost: wall time per token the steps computed, over a window of steps):
+decides (cost: the wall time of decode-only steps, compared between steps of the same number of
+rows, since a prefill chunk's tokens cost a fraction of a decode's and a step's rows change its
+cost):
 
     steady at n, a window (`window_s`) whose threads waited >= `high` of their time
         -> trial at n - 1 for `trial_s`
     steady below the most, `retry_s` after the last change
         -> trial at n + 1 for `trial_s`
-    a trial whose cost is below the steady cost / `margin` -> keep its count (steady there)
-    else -> back, and the next trial in that direction waits twice as long (up to `retry_max_s`)
+    a trial whose decode steps cost, row count for row count, below the steady ones / `margin`
+        -> keep its count (steady there)
+    else (or no step of a row count both saw) -> back, and the next trial in that direction
+        waits twice as long (up to `retry_max_s`)
 
 Windows are measured in time, not steps, so that steps slowed down by the contention itself
 (hundreds of ms each) are judged as soon as quick ones.
 
-Pure: it is given the wall time and tokens of the steps since its last call and the waiting
-measured across them, and answers the thread count to use from then on; cpu_share.py measures,
+Pure: it is given the wall time of the steps since its last call, each decode-only step's rows
+and wall time, and the waiting measured across them, and answers the thread count to use from then on; cpu_share.py measures,
 thread_pacer.py applies. Invariant: min_threads <= threads <= max_threads.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -47,14 +51,27 @@ class GovernorConfig:
 class _Window:
     wall_s: float = 0.0
     waited_s: float = 0.0
-    tokens: int = 0
+    decodes: dict[int, list[float]] = field(default_factory=dict)   # rows -> [wall seconds, steps]
 
     def share(self, threads: int) -> float:
         return self.waited_s / (self.wall_s * threads) if self.wall_s > 0 else 0.0
 
-    def cost(self) -> float:
-        """Wall seconds per computed token."""
-        return self.wall_s / max(self.tokens, 1)
+    def add_decodes(self, steps: list[tuple[int, float]]) -> None:
+        for rows, wall_s in steps:
+            total = self.decodes.setdefault(rows, [0.0, 0])
+            total[0] += wall_s
+            total[1] += 1
+
+
+def relative_cost(trial: dict[int, list[float]], steady: dict[int, list[float]]) -> float | None:
+    """The trial's decode steps' mean time over the steady ones', averaged over the row counts
+    both saw, weighted by the trial's steps; None when they share no row count."""
+    weighted = steps = 0.0
+    for rows, (wall_s, count) in trial.items():
+        if rows in steady and steady[rows][1] and count:
+            weighted += count * (wall_s / count) / (steady[rows][0] / steady[rows][1])
+            steps += count
+    return weighted / steps if steps else None
 
 
 class ThreadGovernor:
@@ -68,7 +85,7 @@ class ThreadGovernor:
         self.threads = config.max_threads
         self.last_share = 0.0               # the last steady window's waiting share
         self._window = _Window()
-        self._steady_cost: float | None = None
+        self._steady: dict[int, list[float]] = {}   # the last steady window's decode steps
         self._trial_from: int | None = None  # the steady count a trial returns to
         self._trial_direction = 0
         self._wait_s = {-1: 0.0, +1: config.retry_s}   # per direction, before its next trial
@@ -78,25 +95,26 @@ class ThreadGovernor:
     def in_trial(self) -> bool:
         return self._trial_from is not None
 
-    def observe(self, wall_s: float, tokens: int, waited_s: float, now_s: float) -> int:
-        """The steps since the last call: their wall time, the tokens they computed and the
-        process's waiting over them. Returns the count to use from the next step on."""
+    def observe(self, wall_s: float, decodes: list[tuple[int, float]], waited_s: float, now_s: float) -> int:
+        """The steps since the last call: their wall time, each decode-only step's (rows, wall
+        time), and the process's waiting over them. Returns the count to use from the next step on."""
         window = self._window
         window.wall_s += max(wall_s, 0.0)
-        window.tokens += max(tokens, 0)
         window.waited_s += max(waited_s, 0.0)
+        window.add_decodes(decodes)
         if self.in_trial:
             if window.wall_s >= self.config.trial_s:
-                self._end_trial(window.cost(), now_s)
+                self._end_trial(relative_cost(window.decodes, self._steady), now_s)
             return self.threads
         if window.wall_s >= self.config.window_s:
             self.last_share = window.share(self.threads)
-            self._steady_cost = window.cost()
+            if window.decodes:
+                self._steady = window.decodes
             self._window = _Window()
             waited = self.last_share >= self.config.high
-            if waited and self.threads > self.config.min_threads and self._ready(-1, now_s):
+            if waited and self.threads > self.config.min_threads and self._steady and self._ready(-1, now_s):
                 return self._start_trial(-1, now_s)
-        if self.threads < self.config.max_threads and self._steady_cost is not None and self._ready(+1, now_s):
+        if self.threads < self.config.max_threads and self._steady and self._ready(+1, now_s):
             return self._start_trial(+1, now_s)
         return self.threads
 
@@ -109,12 +127,11 @@ class ThreadGovernor:
         self._set(self.threads + direction, now_s)
         return self.threads
 
-    def _end_trial(self, cost: float, now_s: float) -> None:
+    def _end_trial(self, relative: float | None, now_s: float) -> None:
         returned_to, direction = self._trial_from, self._trial_direction
         self._trial_from = None
-        steady = self._steady_cost
-        if steady is not None and cost * self.config.margin < steady:
-            self._steady_cost = cost
+        if relative is not None and relative * self.config.margin < 1.0:
+            self._steady = self._window.decodes
             self._wait_s = {-1: 0.0, +1: self.config.retry_s}   # kept: a later change may go either way
             self._changed_at_s = now_s
             self._window = _Window()

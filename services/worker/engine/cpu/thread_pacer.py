@@ -1,5 +1,5 @@
 """The thread governor applied to the engine's steps (CPU_THREAD_POLICY=adaptive): called on the
-engine's thread after each step with the tokens it computed, it reads how long the process
+engine's thread after each step with its decode rows and wall time, it reads how long the process
 waited for a CPU since its last reading (cpu_share.WaitClock: at most every `sample_s`, ~0.1-0.3 ms a reading), asks the
 governor (thread_governor.py) and sets the engine thread's OpenMP team size, which torch's
 kernels and the C kernels (they pass torch.get_num_threads()) use from the next step on."""
@@ -29,23 +29,25 @@ class ThreadPacer:
         self._set_threads = set_threads
         self._read_at = now()
         self._waited = clock.waited_s()
-        self._tokens = 0
+        self._decodes: list[tuple[int, float]] = []
         self.changes = 0
 
     def start(self) -> None:
         """Sets the governor's first count (call on the engine's thread)."""
         self._set_threads(self.governor.threads)
 
-    def after_step(self, tokens: int) -> None:
-        """After a step that computed `tokens` tokens, on the engine's thread."""
-        self._tokens += tokens
+    def after_step(self, decode_rows: int, step_s: float) -> None:
+        """After a step on the engine's thread: its rows when every one was a decode (else 0)
+        and its wall time."""
+        if decode_rows:
+            self._decodes.append((decode_rows, step_s))
         now = self._now()
         if now - self._read_at < self._sample_s:
             return
         waited = self._clock.waited_s()
         before, was_trial = self.governor.threads, self.governor.in_trial
-        threads = self.governor.observe(now - self._read_at, self._tokens, waited - self._waited, now)
-        self._read_at, self._waited, self._tokens = now, waited, 0
+        threads = self.governor.observe(now - self._read_at, self._decodes, waited - self._waited, now)
+        self._read_at, self._waited, self._decodes = now, waited, []
         if threads == before:
             if was_trial and not self.governor.in_trial and threads < self.governor.config.max_threads:
                 # An operator's signal: another process (or the CPU quota) takes the cores.
