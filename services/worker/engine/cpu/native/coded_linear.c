@@ -62,9 +62,19 @@ typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
 
 /* ---- finding the codes -------------------------------------------------------------- */
 
-/* The largest float that both nonnegative x and y are integer multiples of (Euclid with the
- * exact fmodf), or 0 once it falls below `floor` (the group then needs too many levels). */
-static float grid_gcd(float x, float y, float floor) {
+/* The remainder of x / y as fmodf gives it, from the quotient's estimate (exact when it is
+ * the quotient; one off is put right, anything worse only ends in a grid the codes refuse). */
+static inline float quick_remainder(float x, float y) {
+    float r = fmaf(-truncf(x / y), y, x);
+    if (r < 0.0f) r += y;
+    else if (r >= y) r -= y;
+    return r;
+}
+
+/* The largest float that both nonnegative x and y are integer multiples of (Euclid), or 0 once
+ * it falls below `floor` (the group then needs too many levels). `quick`: quick_remainder
+ * instead of the exact fmodf (the codes check the grid afterwards). */
+static float grid_gcd(float x, float y, float floor, int quick) {
     if (x < y) {
         const float t = x;
         x = y;
@@ -72,7 +82,7 @@ static float grid_gcd(float x, float y, float floor) {
     }
     while (y > 0.0f) {
         if (y < floor) return 0.0f;
-        const float r = fmodf(x, y);
+        const float r = quick ? quick_remainder(x, y) : fmodf(x, y);
         x = y;
         y = r;
     }
@@ -169,31 +179,6 @@ static int group_range(const float *w, int64_t group, float *lo, float *hi, floa
 }
 #endif
 
-/* The remainder of x / y as fmodf gives it, from the quotient's estimate (exact when it is
- * the quotient; one off is put right, anything worse only ends in a grid the codes refuse). */
-static inline float quick_remainder(float x, float y) {
-    float r = fmaf(-truncf(x / y), y, x);
-    if (r < 0.0f) r += y;
-    else if (r >= y) r -= y;
-    return r;
-}
-
-/* grid_gcd with quick remainders. */
-static float quick_gcd(float x, float y, float floor) {
-    if (x < y) {
-        const float t = x;
-        x = y;
-        y = t;
-    }
-    while (y > 0.0f) {
-        if (y < floor) return 0.0f;
-        const float r = quick_remainder(x, y);
-        x = y;
-        y = r;
-    }
-    return x;
-}
-
 #if defined(__AVX512F__)
 /* gcd_grid's quick form 16 steps at a time: from the smallest step, the grid and the first
  * step off it, until none is; 0 when it finds none (the caller then searches exactly). */
@@ -212,7 +197,7 @@ static float vector_gcd_grid(const float *w, int64_t group, float lo, float hi, 
         }
         /* A step off the grid makes it smaller; one that does not (rounding) is left to the
          * exact search rather than tried again. */
-        const float next = quick_gcd(grid, w[k + __builtin_ctz(off)] - lo, floor);
+        const float next = grid_gcd(grid, w[k + __builtin_ctz(off)] - lo, floor, 1);
         if (!(next > 0.0f && next < grid)) return 0.0f;
         grid = next;
     }
@@ -232,10 +217,8 @@ static float gcd_grid(const float *w, int64_t group, float lo, float hi, int qui
         if (grid > 0.0f && rintf(quick ? step * inverse : step / grid) * grid == step) continue;  /* on the grid */
         if (grid == 0.0f) {
             grid = step;
-        } else if (!quick) {
-            grid = grid_gcd(grid, step, floor);
         } else {
-            grid = quick_gcd(grid, step, floor);
+            grid = grid_gcd(grid, step, floor, quick);
         }
         if (grid == 0.0f) return 0.0f;
         inverse = 1.0f / grid;
