@@ -6,9 +6,12 @@
 1. One worker: time to first token of a long prompt cold (a prefix never seen),
    the same prompt with a different last sentence (warm prefix), and the
    identical prompt again (exact match); the ratios cold/warm and cold/exact,
-   and where a request's time went: the worker's forward passes, and
-   everything outside them (HTTP, tokenizing, the index lookup, scheduling,
-   gRPC hops, proto conversion, block hashing).
+   and where a request's time went, from the services' own spans (exported
+   to a receiver in this process, benchmarks/span_sink.py): the client's
+   HTTP, the gateway's parsing and tokenizing, the hop to the scheduler, the
+   queue until the first step, the steps (the worker's forward and the rest
+   of each step: planning, gRPC, block hashing, applying the reply), and the
+   way back to the client's first SSE event.
 2. Two workers, eight sessions each repeating its own long prefix (all sessions
    at once, each session's turns one after another): the fraction of the
    repeated prefix tokens served from cache (usage.cached_tokens).
@@ -41,6 +44,7 @@ from typing import Any
 import httpx
 
 from benchmarks.machine import cpu_name
+from benchmarks.span_sink import SpanSink, Trace
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from fairserve.launcher.stack import Stack, StackPorts
 
@@ -58,9 +62,15 @@ class BenchSizes:
     session_prefix_tokens: int
 
 
-FULL = BenchSizes(prompt_tokens=1500, repeats=3, sessions=8, session_turns=3, session_prefix_tokens=512)
+FULL = BenchSizes(prompt_tokens=1500, repeats=5, sessions=8, session_turns=3, session_prefix_tokens=512)
 QUICK = BenchSizes(prompt_tokens=120, repeats=2, sessions=8, session_turns=3, session_prefix_tokens=64)
 N_CHOICES = 4
+
+
+STAGES = ("client to gateway", "tokenize", "gateway, other", "gateway to scheduler", "queue",
+          "worker forward", "steps, outside the forward", "back to the client")
+SPANS_NEEDED = ("POST /generate", "tokenize", "scheduler.Generate", "scheduler.request", "queue_wait",
+                "prefill_chunk", "worker.forward")
 
 
 @dataclass
@@ -68,7 +78,33 @@ class Timed:
     ttft_s: float
     prompt_tokens: int
     cached_tokens: int
-    forward_s: float      # the worker's forward passes for this request
+    stages_ms: dict[str, float]    # STAGES: where the time to the first token went
+
+
+def stages_of(trace: Trace, sent_ns: int, first_event_ns: int) -> dict[str, float]:
+    """Where a traced request's time to its first event went, in ms: consecutive stages
+    from the client's send to its first SSE event (one host's clock), so they add up
+    to the TTFT."""
+    post = trace.first("POST /generate")
+    generate = trace.first("scheduler.Generate")
+    request = trace.first("scheduler.request")
+    queue = trace.first("queue_wait")
+    chunks = trace.named("prefill_chunk")
+    assert post and generate and request and queue and chunks, f"trace {trace.trace_id} lacks spans"
+    tokenize = sum(span.duration_ms for span in trace.named("tokenize"))
+    # The prefill chunks' forwards: a decode step after the first token is in the trace too.
+    chunk_steps = {span.attributes.get("fairserve.step_id") for span in chunks}
+    forward = sum(span.duration_ms for span in trace.named("worker.forward")
+                  if span.attributes.get("fairserve.step_id") in chunk_steps)
+    steps = (chunks[-1].end_ns - chunks[0].start_ns) / 1e6
+    return {"client to gateway": (post.start_ns - sent_ns) / 1e6,
+            "tokenize": tokenize,
+            "gateway, other": (generate.start_ns - post.start_ns) / 1e6 - tokenize,
+            "gateway to scheduler": (request.start_ns - generate.start_ns) / 1e6,
+            "queue": (chunks[0].start_ns - request.start_ns) / 1e6,
+            "worker forward": forward,
+            "steps, outside the forward": steps - forward,
+            "back to the client": (first_event_ns - chunks[-1].end_ns) / 1e6}
 
 
 # ---- prompts -------------------------------------------------------------------------------
@@ -105,12 +141,6 @@ def scrape(port: int) -> str:
         return reply.read().decode()
 
 
-def metric_sum(text: str, family: str) -> float:
-    """Sum of a histogram's `_sum` over all its label sets."""
-    pattern = re.compile(rf"^{re.escape(family)}_sum(?:{{[^}}]*}})? ([0-9.eE+-]+)$", re.MULTILINE)
-    return sum(float(value) for value in pattern.findall(text))
-
-
 def prompt_tokens_computed(stack: Stack) -> float:
     """The workers' fairserve_worker_tokens_total{kind="prompt"}: prefill actually paid."""
     pattern = re.compile(r'^fairserve_worker_tokens_total\{[^}]*kind="prompt"[^}]*\} ([0-9.eE+-]+)$', re.MULTILINE)
@@ -132,26 +162,16 @@ def n_choices_row(stack: Stack, tokenizer: Any, sizes: BenchSizes, label: str) -
             f"({computed / len(prompt):.2f}× the prompt)")
 
 
-class StepClock:
-    """Reads the workers' total forward time (their step histograms)."""
-
-    def __init__(self, stack: Stack) -> None:
-        self._stack = stack
-
-    def read(self) -> float:
-        return sum(metric_sum(scrape(metrics_port), "fairserve_worker_step_seconds")
-                   for _, metrics_port in self._stack.ports.workers)
-
-
-def first_token(client: httpx.Client, base_url: str, prompt: str, clock: StepClock) -> Timed:
+def first_token(client: httpx.Client, base_url: str, prompt: str, sink: SpanSink) -> Timed:
     """One streamed /generate of a raw prompt with max_tokens 1; TTFT is the
-    time to the first SSE event."""
+    time to the first SSE event, its stages from the request's trace."""
     body = {"prompt": prompt, "raw": True, "max_tokens": 1, "ignore_eos": True, "temperature": 0,
             "stream": True}
-    forward_before = clock.read()
-    ttft = None
+    first_event_ns = None
     usage: dict[str, int] = {}
+    sent_ns = time.time_ns()
     started = time.perf_counter()
+    ttft = None
     with client.stream("POST", f"{base_url}/generate", json=body, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
@@ -159,38 +179,52 @@ def first_token(client: httpx.Client, base_url: str, prompt: str, clock: StepClo
                 continue
             if ttft is None:
                 ttft = time.perf_counter() - started
+                first_event_ns = time.time_ns()
             if '"usage"' in line:
                 usage = json.loads(line[len("data: "):])["usage"]
-    time.sleep(0.3)   # let the scheduler send the step that frees the sequence
-    forward_after = clock.read()
-    assert ttft is not None and usage, "no events from /generate"
-    return Timed(ttft, usage["prompt_tokens"], usage["cached_tokens"], forward_after - forward_before)
+    assert ttft is not None and first_event_ns is not None and usage, "no events from /generate"
+    traces = sink.wait_traces(1, "POST /generate", sent_ns, needs=SPANS_NEEDED)
+    assert traces, "the request's spans did not arrive"
+    return Timed(ttft, usage["prompt_tokens"], usage["cached_tokens"],
+                 stages_of(traces[0], sent_ns, first_event_ns))
 
 
-def ttft_rows(stack: Stack, tokenizer: Any, sizes: BenchSizes) -> list[tuple[str, str]]:
-    clock = StepClock(stack)
+def ttft_rows(stack: Stack, tokenizer: Any, sizes: BenchSizes, sink: SpanSink
+              ) -> tuple[list[tuple[str, str]], str]:
     runs: dict[str, list[Timed]] = {"cold": [], "warm": [], "exact": []}
     # One keep-alive client, as a real one would: building a client costs tens of ms.
     with httpx.Client() as client:
-        first_token(client, stack.url, "Warm up the engine.", clock)
+        first_token(client, stack.url, "Warm up the engine.", sink)
         for repeat in range(sizes.repeats):
             body = long_body(tokenizer, 1000 + repeat, sizes.prompt_tokens)
-            runs["cold"].append(first_token(client, stack.url, body + last_sentence(0), clock))
-            runs["warm"].append(first_token(client, stack.url, body + last_sentence(repeat + 1), clock))
-            runs["exact"].append(first_token(client, stack.url, body + last_sentence(0), clock))
+            runs["cold"].append(first_token(client, stack.url, body + last_sentence(0), sink))
+            runs["warm"].append(first_token(client, stack.url, body + last_sentence(repeat + 1), sink))
+            runs["exact"].append(first_token(client, stack.url, body + last_sentence(0), sink))
     median = {kind: statistics.median(t.ttft_s for t in timed) for kind, timed in runs.items()}
     rows = []
     labels = {"cold": "cold", "warm": "warm prefix (different last sentence)", "exact": "identical prompt"}
     for kind, timed in runs.items():
-        forward = statistics.median(t.forward_s for t in timed)
-        outside = statistics.median(t.ttft_s - t.forward_s for t in timed)
         rows.append((f"TTFT, {labels[kind]}",
                      f"{median[kind] * 1000:,.1f} ms (prompt {timed[0].prompt_tokens:,} tokens, cached "
-                     f"{timed[0].cached_tokens:,}; worker forward {forward * 1000:,.1f} ms, outside the "
-                     f"forward {outside * 1000:,.1f} ms)"))
+                     f"{timed[0].cached_tokens:,})"))
     rows.append(("cold / warm prefix", f"**{median['cold'] / median['warm']:.1f}x**"))
     rows.append(("cold / identical", f"**{median['cold'] / median['exact']:.1f}x**"))
-    return rows
+    return rows, breakdown(runs, labels)
+
+
+def breakdown(runs: dict[str, list[Timed]], labels: dict[str, str]) -> str:
+    """A table of where the time to the first token went: each stage's median, in ms."""
+    kinds = list(runs)
+    lines = ["| stage (median ms) | " + " | ".join(labels[kind] for kind in kinds) + " |",
+             "|---|" + "---:|" * len(kinds)]
+    for stage in STAGES:
+        cells = [f"{statistics.median(t.stages_ms[stage] for t in runs[kind]):,.1f}" for kind in kinds]
+        lines.append(f"| {stage} | " + " | ".join(cells) + " |")
+    sums = [f"{statistics.median(sum(t.stages_ms.values()) for t in runs[kind]):,.1f}" for kind in kinds]
+    ttfts = [f"{statistics.median(t.ttft_s for t in runs[kind]) * 1000:,.1f}" for kind in kinds]
+    lines.append("| sum of the stages | " + " | ".join(sums) + " |")
+    lines.append("| TTFT measured by the client | " + " | ".join(ttfts) + " |")
+    return "\n".join(lines)
 
 
 # ---- sessions over two workers -------------------------------------------------------------
@@ -242,6 +276,23 @@ def start(model_dir: Path, num_workers: int, env: dict[str, str], log_dir: Path)
     return stack
 
 
+def other_rows(model_dir: Path, tokenizer: Any, sizes: BenchSizes, env: dict[str, str],
+               logs: Path) -> list[tuple[str, str]]:
+    """Parts 2 and 3 past the first stack: `n` choices all admitted at once, then the sessions."""
+    stack = start(model_dir, 1, {**env, "PREFIX_WAIT_MIN_TOKENS": "0"}, logs / "no-wait")
+    try:
+        rows = [n_choices_row(stack, tokenizer, sizes, "all admitted at once (PREFIX_WAIT_MIN_TOKENS=0)")]
+    finally:
+        stack.stop()
+    # Two workers share the CPUs: one thread each.
+    stack = start(model_dir, 2, {**env, "TORCH_THREADS": "1"}, logs / "sessions")
+    try:
+        rows += session_rows(stack, len(tokenizer), sizes)
+    finally:
+        stack.stop()
+    return rows
+
+
 def render(rows: list[tuple[str, str]], header: str) -> str:
     lines = [header, "", "| measure | value |", "|---|---|"]
     lines += [f"| {name} | {value} |" for name, value in rows]
@@ -252,6 +303,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny random model, small sizes")
     parser.add_argument("--model-dir", default="", help="default: the prepared default model")
+    parser.add_argument("--ttft-only", action="store_true", help="part 1 alone: the TTFTs and their stages")
     parser.add_argument("--logs", default="", help="where the services write logs (default: a temp dir)")
     args = parser.parse_args(argv)
     sizes = QUICK if args.quick else FULL
@@ -271,28 +323,24 @@ def main(argv: list[str] | None = None) -> None:
         logs = Path(args.logs) if args.logs else Path(scratch) / "logs"
         env = {"LOG_LEVEL": "warning", "WORKER_HEARTBEAT_INTERVAL_S": "0.5"}
 
-        stack = start(model_dir, 1, env, logs / "ttft")
+        sink = SpanSink.start()
+        stack = start(model_dir, 1, {**env, **sink.environment()}, logs / "ttft")
         try:
-            rows = ttft_rows(stack, tokenizer, sizes)
-            rows.append(n_choices_row(stack, tokenizer, sizes, "followers wait for the first prefill"))
+            rows, stages = ttft_rows(stack, tokenizer, sizes, sink)
+            if not args.ttft_only:
+                rows.append(n_choices_row(stack, tokenizer, sizes, "followers wait for the first prefill"))
         finally:
             stack.stop()
-        stack = start(model_dir, 1, {**env, "PREFIX_WAIT_MIN_TOKENS": "0"}, logs / "no-wait")
-        try:
-            rows.append(n_choices_row(stack, tokenizer, sizes, "all admitted at once (PREFIX_WAIT_MIN_TOKENS=0)"))
-        finally:
-            stack.stop()
-        # Two workers share the CPUs: one thread each.
-        stack = start(model_dir, 2, {**env, "TORCH_THREADS": "1"}, logs / "sessions")
-        try:
-            rows += session_rows(stack, len(tokenizer), sizes)
-        finally:
-            stack.stop()
+            sink.stop()
+        if not args.ttft_only:
+            rows += other_rows(model_dir, tokenizer, sizes, env, logs)
 
     header = (f"Model {model_dir.name}, through the gateway (`/generate` raw, streamed, max_tokens 1 for "
               f"TTFT; median of {sizes.repeats}); {cpu_name()}, "
               f"{os.cpu_count()} CPUs.")
     print(render(rows, header))
+    print("\nWhere the time to the first token went (the services' spans, median of each stage):\n")
+    print(stages)
 
 
 if __name__ == "__main__":

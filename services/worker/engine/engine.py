@@ -187,7 +187,7 @@ class Engine:
         return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
                             batch_tokens=sum(p.rows for p in planned),
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
-                            prompt_logits_hits=sum(1 for p in planned if p.cached_logits is not None),
+                            prompt_logits_hits=sum(1 for p in planned if p.kept is not None),
                             graph_replayed=self.graphs is not None and self.graphs.replays > replays,
                             draft_tokens=sum(len(p.drafts) for p in planned), accepted_tokens=totals.accepted,
                             screened_rows=logits_rows.screened, full_rows=logits_rows.full)

@@ -111,6 +111,9 @@ class RecordingSampler:
             self.rows.append((row.clone(), list(request.prompt_token_ids) + list(request.output_token_ids)))
         return self.inner.sample(logits, requests)
 
+    def adjusted_token_ids(self, request: SampleRequest) -> set[int]:
+        return self.inner.adjusted_token_ids(request)
+
 
 @dataclass
 class Driver:

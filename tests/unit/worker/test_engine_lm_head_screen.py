@@ -8,7 +8,7 @@ import torch
 
 from common.types import SamplingParams
 from services.worker.engine.config import EngineConfig
-from common.step import NewSequence, StepBatch, WorkItem
+from common.step import NewSequence, StepBatch, StepOutput, WorkItem
 from services.worker.engine.cpu.screen import screen_loader
 from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen
 from services.worker.engine.cpu.screen.screen_fbgemm import screening_available
@@ -97,14 +97,23 @@ def test_speculative_rows_are_screened_and_greedy_still_equals_generate() -> Non
     assert screened_rows(driver)[0] > 0
 
 
-def test_a_screened_row_is_not_kept_for_an_identical_prompt() -> None:
+def test_a_screened_prompt_serves_an_identical_one_that_wants_logprobs() -> None:
+    """The exact-match path keeps the prompt's last hidden state, not the screened row's
+    partial logits: an identical prompt asking for logprobs gets its full logits from it."""
     prompt = prompt_of(11)
     engine = make_engine("gemma3", lm_head_screen="on")
-    engine.step(StepBatch(new_sequences=[NewSequence("greedy", prompt)], work=[WorkItem("greedy", 1024)]))
+    first = engine.step(StepBatch(new_sequences=[NewSequence("greedy", prompt)], work=[WorkItem("greedy", 1024)]))
+    assert first.screened_rows == 1
+    engine.step(StepBatch(free_seq_ids=["greedy"]))
     wants_logprobs = SamplingParams(logprobs=True, top_logprobs=3)
     out = engine.step(StepBatch(new_sequences=[NewSequence("again", prompt, [], wants_logprobs)],
                                 work=[WorkItem("again", 1024)]))
-    assert out.prompt_logits_hits == 0 and out.full_rows == 1
+    assert (out.prompt_logits_hits, out.prompt_tokens, out.full_rows) == (1, 0, 1)
+    engine.step(StepBatch(free_seq_ids=["again"]))
+    # The greedy draw's screened row was kept: a third greedy request needs no LM head.
+    third = engine.step(StepBatch(new_sequences=[NewSequence("third", prompt)], work=[WorkItem("third", 1024)]))
+    assert (third.prompt_logits_hits, third.screened_rows, third.full_rows) == (1, 0, 0)
+    assert third.results[0].token_id == first.results[0].token_id
     reference = make_engine("gemma3", lm_head_screen="off")
     expected = reference.step(StepBatch(new_sequences=[NewSequence("x", prompt, [], wants_logprobs)],
                                         work=[WorkItem("x", 1024)]))
@@ -153,3 +162,28 @@ def test_auto_leaves_small_vocabularies_to_the_full_head() -> None:
     assert not engine.lm_head_screened
     with pytest.raises(ValueError, match="LM head screen mode"):
         make_engine("gemma3", lm_head_screen="sometimes")
+
+
+def test_an_identical_greedy_prompt_reuses_the_screened_row_and_another_draw_recomputes() -> None:
+    prompt = prompt_of(13)
+    engine = make_engine("gemma3", lm_head_screen="on")
+
+    def first_token(seq_id: str, params: SamplingParams = SamplingParams()) -> StepOutput:
+        out = engine.step(StepBatch(new_sequences=[NewSequence(seq_id, prompt, [], params)],
+                                    work=[WorkItem(seq_id, 1024)]))
+        engine.step(StepBatch(free_seq_ids=[seq_id]))
+        return out
+
+    cold = first_token("cold")
+    assert (cold.prompt_logits_hits, cold.screened_rows) == (0, 1)
+    again = first_token("again")
+    assert (again.prompt_logits_hits, again.prompt_tokens, again.screened_rows, again.full_rows) == (1, 0, 0, 0)
+    assert again.results[0].token_id == cold.results[0].token_id
+    # Top-3 sampling reads three best tokens: the greedy row does not serve it, the kept hidden state does.
+    top_k = first_token("top-k", SamplingParams(temperature=1.0, top_k=3, seed=7))
+    assert (top_k.prompt_logits_hits, top_k.prompt_tokens, top_k.screened_rows) == (1, 0, 1)
+    fresh = make_engine("gemma3", lm_head_screen="on")
+    want = fresh.step(StepBatch(new_sequences=[NewSequence("x", prompt, [], SamplingParams(temperature=1.0, top_k=3,
+                                                                                          seed=7))],
+                                work=[WorkItem("x", 1024)]))
+    assert top_k.results[0].token_id == want.results[0].token_id

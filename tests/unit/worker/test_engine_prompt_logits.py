@@ -1,6 +1,7 @@
-"""Identical prompts with their K/V and last-position logits cached skip the forward:
-the first token comes from the kept logits, the prompt's blocks are reused, and what
-follows is the same as a cold run's."""
+"""Identical prompts with their K/V and last position kept skip the forward: the first
+token comes from the kept rows of logits or the kept final hidden state, the prompt's
+blocks are reused, and what follows is the same as a cold run's. The cache itself:
+LRU, private copies, a screened row serving its own draw only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import torch
 from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.sampling.prompt_logits import PromptLogitsCache, prompt_key
+from services.worker.engine.sampling.prompt_logits import (MAX_SCREENED_PICKS, KeptPrompt, PromptLogitsCache,
+                                                          prompt_key)
 from tests.unit.worker.engine_helpers import (
     Driver,
     RecordingSampler,
@@ -147,7 +149,31 @@ def test_cache_keeps_its_own_copy() -> None:
     cache.put(prompt_key(0, [5]), row)
     row += 1
     stored = cache.get(prompt_key(0, [5]))
-    assert stored is not None and stored.tolist() == [0.0, 0.0, 0.0]
+    assert stored is not None and stored.hidden.tolist() == [0.0, 0.0, 0.0]
+
+
+def test_a_screened_row_serves_its_own_pick_only() -> None:
+    kept = KeptPrompt(torch.zeros(2))
+    screened = torch.tensor([float("-inf"), 3.0, float("-inf"), 1.0])
+    kept.keep_logits(screened, (1, ()))
+    assert torch.equal(kept.logits_for((1, ())), screened)
+    assert kept.logits_for((2, ())) is None          # reads more best tokens than it kept
+    assert kept.logits_for((1, (0,))) is None        # another token adjusted
+    assert kept.logits_for(None) is None             # a draw over the whole row
+    screened[1] = 0.0
+    assert kept.logits_for((1, ()))[1] == 3.0        # its own copy
+
+
+def test_a_complete_row_serves_every_draw_and_screened_rows_are_bounded() -> None:
+    kept = KeptPrompt(torch.zeros(2))
+    for count in range(1, MAX_SCREENED_PICKS + 2):
+        kept.keep_logits(torch.tensor([float(count), float("-inf")]), (count, ()))
+    assert kept.logits_for((1, ())) is None and len(kept.screened) == MAX_SCREENED_PICKS
+    complete = torch.tensor([1.0, 2.0])
+    kept.keep_logits(complete, None)
+    assert not kept.screened
+    for pick in (None, (1, ()), (7, (1,))):
+        assert torch.equal(kept.logits_for(pick), complete)
 
 
 def test_zero_capacity_keeps_nothing() -> None:

@@ -48,7 +48,7 @@ class GrammarMasker:
     def start(self, planned: list[Planned]) -> PendingMasks | None:
         """Starts the masks of the constrained plans that sample this step; None when there are none."""
         jobs = [plan for plan in planned
-                if plan.seq.grammar is not None and (plan.samples or plan.cached_logits is not None)]
+                if plan.seq.grammar is not None and (plan.samples or plan.kept is not None)]
         if not jobs:
             return None
         if self._executor is None:

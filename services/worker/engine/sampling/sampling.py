@@ -3,9 +3,11 @@
 Logits come from the full LM head, or for greedy and top-k rows from the LM head
 screen when the engine's accelerators plug one in and it is built (accelerators.py;
 cpu/lm_head_screen.py): exact where their draw can land, -inf elsewhere, which is all
-such a draw reads. An exact-match plan brings its
-cached logits instead. A row after drafts draws as if they were already output.
-Complete rows of whole prompts are kept for later identical prompts.
+such a draw reads. An exact-match plan brings its prompt's kept state instead
+(prompt_logits.py): a kept row that serves its draw, else the final hidden state its
+logits are computed from. A row after drafts draws as if they were already output.
+The hidden states of rows that end whole prompts, and the rows computed from them,
+are kept for later identical prompts.
 Constrained rows take the full LM head (their grammar may forbid every token a screen keeps
 exact) and their grammar masks (grammar_masks.py) just before the draw.
 """
@@ -20,7 +22,7 @@ from services.worker.engine.accelerators import HeadScreen
 from services.worker.engine.sampling.grammar_masks import PendingMasks
 from services.worker.engine.model import PreparedModel
 from services.worker.engine.step.planning import Planned
-from services.worker.engine.sampling.prompt_logits import PromptLogitsCache
+from services.worker.engine.sampling.prompt_logits import KeptPrompt, Pick, PromptLogitsCache
 from services.worker.engine.sampling.sampler import SampledToken, SampleRequest, Sampler, tokens_drawn_from
 
 
@@ -47,24 +49,26 @@ class StepSampler:
         holds the final hidden states of `sample_plans`' rows; the computed logits rows are
         counted by path into `logits_rows`; `masks`, the grammar masks of constrained rows."""
         sample_plans = list(sample_plans)
-        requests: list[SampleRequest] = []
-        rows: list[torch.Tensor] = []
-        if sample_plans:
-            assert hidden is not None
-            requests = _row_requests(sample_plans)
-            logits, complete = self.logits(hidden, requests)
-            logits_rows.screened = complete.count(False)
-            logits_rows.full = len(complete) - logits_rows.screened
-            rows.append(logits)
-            self._keep_prompt_logits(sample_plans, logits, complete)
-        reused = [p for p in planned if p.cached_logits is not None]
-        if reused:
-            sample_plans += reused
-            requests += [p.seq.request for p in reused]
-            rows.append(torch.stack([p.cached_logits for p in reused]))
+        rows_hidden = [hidden] if sample_plans else []
+        kept_of = self._keep_prompt_hidden(sample_plans, hidden) if sample_plans else {}
+        # Identical prompts (planning.py, _plan_exact) bring their kept state: a kept row that
+        # serves their draw, else their hidden state, whose logits are computed with the others'.
+        served: dict[int, torch.Tensor] = {}
+        for plan in planned:
+            if plan.kept is None:
+                continue
+            row = plan.kept.logits_for(self._pick_of(plan.seq.request))
+            if row is not None:
+                served[len(sample_plans)] = row
+            else:
+                kept_of[len(sample_plans)] = plan.kept
+                rows_hidden.append(plan.kept.hidden[None])
+            sample_plans.append(plan)
         if not sample_plans:
             return []
-        logits = rows[0] if len(rows) == 1 else torch.cat(rows)
+        requests = _row_requests(sample_plans)
+        computed = [row for row in range(len(sample_plans)) if row not in served]
+        logits = self._assemble(requests, rows_hidden, computed, served, kept_of, logits_rows)
         if masks is not None:
             requests = masks.attach(sample_plans, requests)
         sampled = self.sampler.sample(logits, requests)
@@ -112,17 +116,51 @@ class StepSampler:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.float()
 
-    def _keep_prompt_logits(self, sample_plans: list[Planned], logits: torch.Tensor, complete: list[bool]) -> None:
-        """Keeps complete rows only: a screened row serves its own request's draw, not
-        a later identical prompt that may sample differently or want logprobs."""
+    def _assemble(self, requests: list[SampleRequest], rows_hidden: list[torch.Tensor], computed: list[int],
+                  served: dict[int, torch.Tensor], kept_of: dict[int, KeptPrompt],
+                  logits_rows: LogitsRows) -> torch.Tensor:
+        """The logits of every sampling row: the `computed` rows' from their hidden states
+        (in order), the others' kept rows; the computed rows of whole prompts are kept."""
+        logits = None
+        if computed:
+            hidden = rows_hidden[0] if len(rows_hidden) == 1 else torch.cat(rows_hidden)
+            logits, complete = self.logits(hidden, [requests[row] for row in computed])
+            logits_rows.screened = complete.count(False)
+            logits_rows.full = len(complete) - logits_rows.screened
+            for index, row in enumerate(computed):
+                if row in kept_of:
+                    pick = None if complete[index] else self._pick_of(requests[row])
+                    kept_of[row].keep_logits(logits[index], pick)
+            if not served:
+                return logits
+        vocab = next(iter(served.values())).shape[0]
+        every = torch.empty(len(requests), vocab, dtype=torch.float32)
+        for row, kept in served.items():
+            every[row] = kept
+        if logits is not None:
+            every[computed] = logits.float()
+        return every
+
+    def _pick_of(self, request: SampleRequest) -> Pick | None:
+        """What a kept screened row must have served to serve this draw too (prompt_logits.py);
+        None when the draw needs the full row."""
+        count = tokens_drawn_from(request.params)
+        if count is None or request.params.constraint is not None:
+            return None
+        return count, tuple(sorted(self.sampler.adjusted_token_ids(request)))
+
+    def _keep_prompt_hidden(self, sample_plans: list[Planned], hidden: torch.Tensor) -> dict[int, KeptPrompt]:
+        """Keeps the final hidden state of each row that ends a prompt: a later identical
+        prompt computes its logits from it, for whatever draw or logprobs it asks. Returns
+        the entries by row, to keep the logits computed for them too."""
         if self.prompt_logits.capacity == 0:
-            return
+            return {}
+        kept: dict[int, KeptPrompt] = {}
         for row, plan in enumerate(sample_plans):
-            if not complete[row]:
-                continue
             key = plan.seq.prompt_key(self.block_size)
             if key is not None:
-                self.prompt_logits.put(key, logits[row])
+                kept[row] = self.prompt_logits.put(key, hidden[row])
+        return kept
 
 
 def _row_requests(sample_plans: list[Planned]) -> list[SampleRequest]:

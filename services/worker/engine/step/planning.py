@@ -17,15 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from common.block_hash import parent_of
 from common.types import TokenLogprob
 from common.step import SeqResult, StepError, WorkItem
 from services.worker.engine.kv.block_pool import BlockPool
 from services.worker.engine.kv.kv_cache import SLIDING_GROUP, PagedKVCache
 from services.worker.engine.kv.kv_policy import KvEvictor
-from services.worker.engine.sampling.prompt_logits import PromptLogitsCache
+from services.worker.engine.sampling.prompt_logits import KeptPrompt, PromptLogitsCache
 from services.worker.engine.step.sequences import Sequences, SequenceState
 from services.worker.engine.kv.sliding_blocks import SlidingBlocks
 from services.worker.engine.sampling.speculation import NgramIndex
@@ -40,7 +38,8 @@ class Planned:
     num_tokens: int
     cached_tokens: int
     result_index: int
-    cached_logits: torch.Tensor | None = None   # exact match: sample from these, compute nothing
+    # Exact match: the prompt's kept last position (its final hidden state, rows of logits).
+    kept: KeptPrompt | None = None
     drafts: list[int] = field(default_factory=list)   # speculative tokens verified after a decode
     # The chunk's scored prompt tokens (prompt_logprobs.py), from position prompt_logprobs_start on.
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
@@ -185,8 +184,9 @@ class StepPlanner:
         return Planned(seq, seq.num_computed, 1, 0, result_index, drafts=drafts)
 
     def _plan_exact(self, seq: SequenceState, result_index: int) -> Planned | None:
-        """An identical prompt whose last-position logits and every token's K/V are cached:
-        its blocks are reused (the partial last one copied) and nothing is computed."""
+        """An identical prompt whose last position's final hidden state and every token's K/V
+        are cached: its blocks are reused (the partial last one copied) and only its logits
+        are computed (sampling.py)."""
         key = seq.prompt_key(self.block_size)
         if key is None or not self.prompt_logits.contains(key):
             return None
@@ -205,13 +205,13 @@ class StepPlanner:
             tail_source = tail[0]
         if not self._allocate(seq, len(seq.tokens), blocks, tail_source, rest, full * self.block_size):
             return None
-        logits = self.prompt_logits.get(key)
-        assert logits is not None
+        kept = self.prompt_logits.get(key)
+        assert kept is not None
         seq.started = True
         seq.num_computed = len(seq.tokens)
         seq.num_registered_blocks = full
         self.pool.record_prefix_query(len(seq.tokens), len(seq.tokens))
-        return Planned(seq, len(seq.tokens), 0, len(seq.tokens), result_index, cached_logits=logits)
+        return Planned(seq, len(seq.tokens), 0, len(seq.tokens), result_index, kept=kept)
 
     def _find_cached(self, seq: SequenceState) -> tuple[list[int], tuple[int, int] | None]:
         """`seq`'s leading cached full blocks, and the cached block (full or a kept partial)
