@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := fairserve/v1/.stamp
 
-.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-lora-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-prefix bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-lora-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -72,6 +72,11 @@ bench-longkv: install prepare-model
 # needs a CPU with BF16 instructions; ARGS="--quick" checks it on the tiny model.
 bench-bf16: install prepare-model
 	$(PY) -m benchmarks.bf16_bench $(ARGS)
+
+# Prefix caching through the gateway: TTFT cold / warm prefix / identical and where each went
+# (the services' spans), sessions over two workers, n choices (~3 min; ARGS="--ttft-only")
+bench-prefix: install prepare-model
+	$(PY) -m benchmarks.prefix_cache_bench $(ARGS)
 
 # The engine's memory-saving settings (CPU_PREFILL_WEIGHTS=codes; lean: + narrow codes, no
 # screen) against its defaults: prefill and decode tok/s alternating, and each one's resident

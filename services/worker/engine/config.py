@@ -19,7 +19,7 @@ class EngineConfig:
     kv_hybrid: bool = True             # sliding-window layers keep their own, smaller cache (sliding_blocks.py)
     sliding_blocks: int = 0            # its blocks; 0 = num_blocks when that is given, else half the byte budget
     enable_prefix_caching: bool = True
-    prompt_logits_cache_size: int = 1024  # prompts whose last hidden state is kept (identical prompts skip the layers)
+    prompt_logits_cache_size: int = 32  # prompts whose last position is kept (identical prompts skip the forward)
     eviction_policy: str = "lru"       # lru | lfu (eviction.py)
     max_model_len: int = 0             # 0 = from the model config (capped at cpu_max_model_len on CPU)
     model_key: str = ""                # mixed into block hashes (use the model name)

@@ -100,3 +100,15 @@ def test_a_request_past_the_points_time_limit_is_cut_and_counted() -> None:
     run = asyncio.run(driver.closed(2, unique_requests(4, 8, seed=0)))
     assert len(run.records) == 2 and run.duration_s < 1.0
     assert all(r.outcome == "transport_error" and "time limit" in r.error for r in run.records)
+
+
+def test_a_dtype_reaches_every_system_as_its_own_setting(tmp_path) -> None:
+    from benchmarks.head_to_head.__main__ import launch_config, make_plan, parse_args
+    from benchmarks.head_to_head.systems import fairserve_dtype_env
+
+    args = parse_args(["--dtype", "bfloat16", "--systems", "fairserve"])
+    config = launch_config("fairserve", args, tmp_path, tmp_path / "logs", make_plan(args), {})
+    assert config.dtype == "bfloat16"
+    assert fairserve_dtype_env("bfloat16") == {"CPU_COMPUTE": "bfloat16"}
+    assert fairserve_dtype_env("float32") == {}      # the default: no setting at all
+    assert parse_args([]).dtype == "float32"
