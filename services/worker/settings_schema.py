@@ -222,7 +222,9 @@ class WorkerSchema(
     cpu_compute: Literal[CPU_COMPUTE_MODES] = Field('float32',
         description=(
             "`bfloat16` (opt-in, lossy) runs the decoder layers' GEMMs of wide steps (prefill chunks,"
-            ' and decode batches from a row count measured at start against the float32 path) in '
+            ' and decode batches, from the row count at which it measured faster at start than the '
+            'float32 path; where it is not faster even at a 256-row chunk the layers stay float32 '
+            'and a warning says so) in '
             'bfloat16 on oneDNN packs, with float32 inputs rounded and outputs widened back; norms, '
             'attention, the KV cache, the LM head and sampling stay float32, and steps of fewer rows '
             'keep their float32 path bit for bit. Coded layers then drop their float32 prefill packs '

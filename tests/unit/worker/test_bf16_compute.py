@@ -42,7 +42,8 @@ def test_the_threshold_is_where_bfloat16_wins_from_on() -> None:
     assert first_win({1: (1, 2), 4: (1, 2), 8: (1, 0.5), 16: (1, 0.5), 32: (1, 0.5)}) == 8
     assert first_win({1: (1, 0.5), 4: (1, 2), 8: (1, 0.5), 32: (1, 0.5)}) == 8    # a win below a loss is not taken
     assert first_win({1: (1, 0.5), 8: (1, 0.5), 32: (1, 0.5)}) == 1
-    assert first_win({1: (1, 2), 8: (1, 2), 32: (1, 2)}) == 33                      # prefill chunks only
+    assert first_win({1: (1, 2), 8: (1, 2), 32: (1, 2), 256: (1, 0.5)}) == 256      # prefill chunks only
+    assert first_win({1: (1, 0.5), 8: (1, 0.5), 32: (1, 0.5), 256: (1, 2)}) is None  # slower at a chunk: never
 
 
 def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
@@ -132,6 +133,22 @@ def test_the_engine_runs_its_layers_wide_steps_in_bfloat16(calibrated: None, cod
     assert max(differences) > 0                # bfloat16 really ran
     assert max(differences) < 0.1              # and stayed close (the tiny models' logits are O(1))
 
+
+
+@needs_bf16
+def test_where_bfloat16_is_slower_at_a_prefill_chunk_the_layers_stay_float32(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(bf16_compute, "measure",
+                        lambda linears, packs: {rows: (1.0, 0.5 if rows < 256 else 2.0) for rows in CALIBRATION_ROWS})
+    reference = build_model(CONFIGS["gemma3"]())
+    prompts = {"a": prompt_of(40, 1), "b": prompt_of(6, 2)}
+    with caplog.at_level("WARNING"):
+        engine = _engine(reference, cpu_compute="bfloat16")
+    assert engine.prepared.speedups.bfloat16 == bf16_compute.Bfloat16Compute(linears=0, min_rows=None)
+    assert bf16_compute.holds_bfloat16(engine.prepared.base.modules()) == 0
+    assert "not faster than float32" in caplog.text and "CPU_COMPUTE" in caplog.text
+    float32 = Driver(_engine(reference)).run(prompts, 6)
+    assert Driver(engine).run(prompts, 6) == float32        # exact: the float32 path throughout
 
 def _engine(model: torch.nn.Module, **config) -> Engine:
     return build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="bf16", **config),

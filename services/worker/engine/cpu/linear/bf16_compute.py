@@ -10,8 +10,11 @@ in bfloat16) and widen the output back to float32. Fewer rows keep their float32
 
 `min_rows` is measured at start on the model's own first layer, as the float32 kernels
 are picked: the smallest calibrated row count from which the bfloat16 GEMM is faster than
-the float32 path at that and every larger calibrated count; past the largest calibrated
-count (prefill) bfloat16 always serves. A linear whose few rows run from weight codes
+the float32 path at that and every larger calibrated count, the largest being a prefill
+chunk's 256 rows. Where bfloat16 is not faster even there (a CPU whose BF16 instructions
+do not pay for the conversions: an Intel Xeon with AVX512-BF16 ran the default model's
+prefill at 0.70x), no step runs in bfloat16 and nothing is copied: the layers stay
+float32, exact, and a warning says so. A linear whose few rows run from weight codes
 needs no float32 copy once bfloat16 takes every wider step: its float32 pack and weight
 are dropped (with the other unread copies, speedups.py), so the bfloat16 copy replaces
 the float32 pack (half its bytes). A linear
@@ -37,15 +40,16 @@ log = logging.getLogger(__name__)
 
 CPU_COMPUTE_MODES = ("float32", "bfloat16")          # CPU_COMPUTE
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-CALIBRATION_ROWS = (1, 4, 8, 16, 32)
+CALIBRATION_ROWS = (1, 4, 8, 16, 32, 256)   # 256: a prefill chunk's rows
 PACK_ROWS_HINT = 512
 
 
 @dataclass(frozen=True)
 class Bfloat16Compute:
-    """What CPU_COMPUTE=bfloat16 set up: how many linears hold a bfloat16 pack, from how many rows on."""
+    """What CPU_COMPUTE=bfloat16 set up: how many linears hold a bfloat16 pack, from how many rows
+    on (None: from none, bfloat16 being slower here at every calibrated size)."""
     linears: int
-    min_rows: int
+    min_rows: int | None
 
 
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
@@ -76,12 +80,12 @@ def pack_bfloat16(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16), PACK_ROWS_HINT)
 
 
-def first_win(seconds: dict[int, tuple[float, float]]) -> int:
+def first_win(seconds: dict[int, tuple[float, float]]) -> int | None:
     """The smallest row count from which bfloat16 (second) beats float32 (first) at it and
-    at every larger one in `seconds`; past the largest, bfloat16 serves anyway."""
-    rows = sorted(seconds)
-    chosen = rows[-1] + 1
-    for count in reversed(rows):
+    at every larger one in `seconds` (past the largest, as at the largest); None when it
+    does not beat it at the largest."""
+    chosen = None
+    for count in sorted(seconds, reverse=True):
         float32, bfloat16 = seconds[count]
         if bfloat16 >= float32:
             break
@@ -129,8 +133,14 @@ def apply_bfloat16(base: torch.nn.Module, timer: Timer | None = None) -> Bfloat1
     first = [pack_bfloat16(linear.weight) for linear in layers[0]]
     seconds = (timer or measure)(layers[0], first)
     min_rows = first_win(seconds)
+    timings = ", ".join(f"{rows} rows {f * 1000:.2f}/{b * 1000:.2f} ms" for rows, (f, b) in seconds.items())
+    if min_rows is None:
+        log.warning("CPU_COMPUTE=bfloat16: bfloat16 GEMMs are not faster than float32 on this CPU at any calibrated "
+                    "size, so the layers stay float32 (exact); unset CPU_COMPUTE to skip this calibration "
+                    "(float32/bfloat16: %s)", timings)
+        return Bfloat16Compute(linears=0, min_rows=None)
     log.info("CPU_COMPUTE=bfloat16: layer GEMMs of %d rows or more in bfloat16 (calibration, float32/bfloat16: %s)",
-             min_rows, ", ".join(f"{rows} rows {f * 1000:.2f}/{b * 1000:.2f} ms" for rows, (f, b) in seconds.items()))
+             min_rows, timings)
     for linear, pack in zip(layers[0], first):
         linear.use_bfloat16(pack, min_rows)
     for linears in layers[1:]:
