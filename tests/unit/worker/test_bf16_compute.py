@@ -35,6 +35,7 @@ def fake_timer(linears: list[PackedLinear], packs: list[torch.Tensor]) -> dict[i
 
 @pytest.fixture
 def calibrated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bf16_compute, "prefill_seconds", lambda linears: (1.0, 0.5))   # bfloat16 pays
     monkeypatch.setattr(bf16_compute, "measure", fake_timer)
 
 
@@ -136,19 +137,26 @@ def test_the_engine_runs_its_layers_wide_steps_in_bfloat16(calibrated: None, cod
 
 
 @needs_bf16
-def test_where_bfloat16_is_slower_at_a_prefill_chunk_the_layers_stay_float32(
-        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("found_by", ["the check before the speed-ups", "the layer calibration"])
+def test_where_bfloat16_is_slower_at_a_prefill_chunk_the_worker_runs_float32(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, found_by: str) -> None:
+    before = found_by == "the check before the speed-ups"
+    monkeypatch.setattr(bf16_compute, "prefill_seconds", lambda linears: (1.0, 2.0 if before else 0.5))
     monkeypatch.setattr(bf16_compute, "measure",
                         lambda linears, packs: {rows: (1.0, 0.5 if rows < 256 else 2.0) for rows in CALIBRATION_ROWS})
     reference = build_model(CONFIGS["gemma3"]())
+    snap_to_codes(reference)
     prompts = {"a": prompt_of(40, 1), "b": prompt_of(6, 2)}
     with caplog.at_level("WARNING"):
         engine = _engine(reference, cpu_compute="bfloat16")
     assert engine.prepared.speedups.bfloat16 == bf16_compute.Bfloat16Compute(linears=0, min_rows=None)
     assert bf16_compute.holds_bfloat16(engine.prepared.base.modules()) == 0
     assert "not faster than float32" in caplog.text and "CPU_COMPUTE" in caplog.text
-    float32 = Driver(_engine(reference)).run(prompts, 6)
-    assert Driver(engine).run(prompts, 6) == float32        # exact: the float32 path throughout
+    float32_engine = _engine(reference)
+    if before:   # the float32 worker in everything, what it keeps included
+        assert engine.prepared.speedups.prefill_weights == float32_engine.prepared.speedups.prefill_weights
+        assert engine.prepared.speedups.dropped_bytes == float32_engine.prepared.speedups.dropped_bytes
+    assert Driver(engine).run(prompts, 6) == Driver(float32_engine).run(prompts, 6)   # exact
 
 def _engine(model: torch.nn.Module, **config) -> Engine:
     return build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="bf16", **config),

@@ -11,6 +11,7 @@ gives the layers' linears bfloat16 packs for their wide steps (bf16_compute.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -23,7 +24,7 @@ from services.worker.engine.accelerators import Speedups
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.linear import weight_codes
 from services.worker.engine.cpu.linear.bf16_compute import (CPU_COMPUTE_MODES, Bfloat16Compute, apply_bfloat16,
-                                                     require_bfloat16_cpu)
+                                                     bfloat16_pays, require_bfloat16_cpu)
 from services.worker.engine.cpu.linear.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
 from services.worker.engine.cpu.linear.prefill_gemm import MODES as PREFILL_GEMM_MODES
 from services.worker.engine.cpu.linear.prefill_gemm import load_prefill_gemm
@@ -71,6 +72,10 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     place) and returns what was applied, with the LM head the engine calls."""
     target = _Target(config, device, dtype, kernel_cache_dir)
     _check_compute(target)
+    declined = config.cpu_compute == "bfloat16" and not bfloat16_pays(base)
+    if declined:    # everything below as for float32 (bf16_compute.py)
+        config = dataclasses.replace(config, cpu_compute="float32")
+        target = _Target(config, device, dtype, kernel_cache_dir)
     require_choice("CPU_PREFILL_WEIGHTS", config.cpu_prefill_weights, PREFILL_WEIGHTS_MODES)
     require_choice("CPU_PREFILL_GEMM", config.cpu_prefill_gemm, PREFILL_GEMM_MODES)
     done = CpuSpeedups(lm_head=lm_head, native_kernels=_native_kernels_enabled(target))
@@ -84,7 +89,8 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
             done.lm_head = PackedLinear(lm_head, done.linear_kernel.lm_head_max_rows, done.linear_kernel.kernel)
     done.native_linears = _route_few_rows_to_native(target, base, done.lm_head) if done.native_kernels else 0
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
-    done.bfloat16 = apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None
+    done.bfloat16 = (Bfloat16Compute(linears=0, min_rows=None) if declined
+                     else apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None)
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
     wide = _wide_from_codes(target, base, done.lm_head)
     done.prefill_weights = "codes" if wide is not None else "packs"

@@ -14,7 +14,9 @@ the float32 path at that and every larger calibrated count, the largest being a 
 chunk's 256 rows. Where bfloat16 is not faster even there (a CPU whose BF16 instructions
 do not pay for the conversions: an Intel Xeon with AVX512-BF16 ran the default model's
 prefill at 0.70x), no step runs in bfloat16 and nothing is copied: the layers stay
-float32, exact, and a warning says so. A linear whose few rows run from weight codes
+float32, exact, and a warning says so. That is checked first, before any speed-up is
+applied (`bfloat16_pays`, on the first layer's plain linears at 256 rows), so that such a
+worker is the float32 one in everything, its memory included. A linear whose few rows run from weight codes
 needs no float32 copy once bfloat16 takes every wider step: its float32 pack and weight
 are dropped (with the other unread copies, speedups.py), so the bfloat16 copy replaces
 the float32 pack (half its bytes). A linear
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 
 CPU_COMPUTE_MODES = ("float32", "bfloat16")          # CPU_COMPUTE
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
-CALIBRATION_ROWS = (1, 4, 8, 16, 32, 256)   # 256: a prefill chunk's rows
+PREFILL_ROWS = 256           # a prefill chunk's rows
+CALIBRATION_ROWS = (1, 4, 8, 16, 32, PREFILL_ROWS)
 PACK_ROWS_HINT = 512
 
 
@@ -73,6 +76,36 @@ def require_bfloat16_cpu(flags: set[str] | None = None) -> None:
                          f"({' or '.join(BF16_CPU_FLAGS)}); this one has neither: unset CPU_COMPUTE or use float32")
     if not onednn_bf16_packing_available():
         raise ValueError("CPU_COMPUTE=bfloat16 needs torch's oneDNN bfloat16 linear, which this torch build lacks")
+
+
+def prefill_seconds(linears: list[torch.nn.Linear]) -> tuple[float, float]:
+    """Seconds of `linears` (one layer's, unpacked) on a prefill chunk of PREFILL_ROWS rows:
+    (float32, bfloat16 on its oneDNN pack)."""
+    generator = torch.Generator().manual_seed(5)
+    inputs = [torch.rand(PREFILL_ROWS, linear.in_features, generator=generator) for linear in linears]
+    packs = [pack_bfloat16(linear.weight) for linear in linears]
+    biases = [_bfloat16(linear.bias) for linear in linears]
+    with torch.inference_mode():
+        return best_alternating((
+            lambda: [torch.nn.functional.linear(x, linear.weight, linear.bias) for linear, x in zip(linears, inputs)],
+            lambda: [bfloat16_linear(x, pack, bias) for x, pack, bias in zip(inputs, packs, biases)]), repeats=5)
+
+
+def bfloat16_pays(base: torch.nn.Module) -> bool:
+    """Whether the first decoder layer's linears run a prefill chunk faster in bfloat16 than
+    in float32 on this CPU; when not, a warning naming CPU_COMPUTE says the layers stay float32."""
+    layers = getattr(base, "layers", None) or []
+    linears = [m for m in layers[0].modules() if isinstance(m, torch.nn.Linear)] if len(layers) else []
+    if not linears:
+        return True     # apply_bfloat16 says what is wrong
+    float32, bfloat16 = prefill_seconds(linears)
+    if bfloat16 < float32:
+        return True
+    log.warning("CPU_COMPUTE=bfloat16: bfloat16 GEMMs are not faster than float32 on this CPU even at a "
+                "%d-row prefill chunk (the first layer's linears: %.2f ms in float32, %.2f in bfloat16), so "
+                "the worker runs float32 (exact); unset CPU_COMPUTE to skip this check",
+                PREFILL_ROWS, float32 * 1000, bfloat16 * 1000)
+    return False
 
 
 def pack_bfloat16(weight: torch.Tensor) -> torch.Tensor:
