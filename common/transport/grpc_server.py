@@ -23,6 +23,17 @@ REQUEST_ID_KEY = "x-request-id"
 REJECTION_KEY = "x-fairserve-rejection"
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_RECONNECT_BACKOFF_MS = 2000
+# gRPC core holds the calls that arrived before the server's loop picked them up, and past
+# 1,000 of them (3,000 for certain) it cancels new ones at random: a burst of 4,096 Generate
+# streams lost two thirds with a bare CANCELLED before the scheduler saw them. An internal
+# service admits its calls itself (the scheduler's queue limits answer 429-like refusals
+# that name their gate), so its servers take every call that arrives; only the gateway's
+# public port, capped by max_concurrent_rpcs, keeps core's limits.
+PENDING_CALLS = 1 << 20
+INTERNAL_SERVER_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.server.max_pending_requests", PENDING_CALLS),
+    ("grpc.server.max_pending_requests_hard_limit", PENDING_CALLS),
+]
 CHANNEL_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -42,7 +53,8 @@ class GrpcServer:
     the port serves its TLS; without (the gateway's public API), neither.
     max_receive_bytes lowers the largest request message it takes, `options`
     add the channel arguments and max_concurrent_rpcs caps the calls at once
-    (past it, RESOURCE_EXHAUSTED) of the gateway's public port. `interceptors`
+    (past it, RESOURCE_EXHAUSTED) of the gateway's public port; without it every call that
+    arrives is taken (INTERNAL_SERVER_OPTIONS). `interceptors`
     run after the token's check (a role's token: common/transport/worker_auth.py)."""
 
     def __init__(self, registrations: Iterable[Registration], service_names: Sequence[str],
@@ -56,6 +68,8 @@ class GrpcServer:
         server_options = CHANNEL_OPTIONS if max_receive_bytes is None else [
             *(option for option in CHANNEL_OPTIONS if option[0] != "grpc.max_receive_message_length"),
             ("grpc.max_receive_message_length", max_receive_bytes)]
+        if max_concurrent_rpcs is None:
+            server_options = [*server_options, *INTERNAL_SERVER_OPTIONS]
         self.server = grpc.aio.server(options=[*server_options, *options], interceptors=interceptors,
                                       maximum_concurrent_rpcs=max_concurrent_rpcs)
         for add, servicer in registrations:
