@@ -19,5 +19,6 @@ def test_quick_ttft_rows_and_their_stages(capsys) -> None:
             for cells in ([cell.strip() for cell in line.split("|")[1:-1]] for line in out.splitlines())
             if cells and cells[0] in names}
     assert all(stage in rows for stage in STAGES)
-    assert rows["sum of the stages"] == rows["TTFT measured by the client"]
+    for total, ttft in zip(rows["sum of the stages"], rows["TTFT measured by the client"]):
+        assert abs(total - ttft) <= 0.11      # one clock; each printed to 0.1 ms
     assert all(value > 0 for value in rows["worker forward"])
