@@ -32,6 +32,18 @@ from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import CoreConfig, PrefillMode
 
 
+def one_token_chunk_in_flight(request: RequestState) -> bool:
+    """Whether the request waits for its first chunk's reply before its next chunk is planned:
+    it has one token left to sample and that chunk, in flight, may bring it. The worker serves
+    a chunk past its end from its prefix cache (an identical or mostly cached prompt), sampling
+    at the prompt's end; a next chunk planned meanwhile would then be a decode whose token
+    max_tokens throws away: a whole wasted step at one stream, which every request arriving
+    behind it waits out. Requests with more tokens to come keep their chunks pipelined (that
+    next "chunk" is then their first decode), and so does every chunk once the first reply
+    has said what was cached."""
+    return (request.num_computed > 0 and request.cached_tokens is None
+            and request.max_tokens - len(request.output) <= 1)
+
 class StepPlanner:
     def __init__(self, config: CoreConfig, vtc: VirtualTokenCounter, book: RequestBook,
                  counts: CoreCounters, clock: Callable[[], float], new_id: Callable[[], str]) -> None:
@@ -106,7 +118,7 @@ class StepPlanner:
         # Once its last chunk is in flight, the next "chunk" is its first decode.
         wanted = min(request.worker_tokens - request.num_computed,
                      self._config.prefill_chunk_size, plan.token_budget)
-        if wanted <= 0 or not request.wants_more:
+        if wanted <= 0 or not request.wants_more or one_token_chunk_in_flight(request):
             return
         block_size, cap = worker.spec.block_size, request.kv_cap_tokens
         num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted, cap)

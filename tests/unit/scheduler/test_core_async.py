@@ -149,3 +149,34 @@ def test_the_pool_estimate_is_corrected_by_each_outcome() -> None:
     assert worker.available_blocks() == estimate_after_second + surprise
     h.deliver(h.core.apply_step("w0", engine.step(second)))
     assert worker.available_blocks() == worker.pool.available_blocks     # nothing in flight: the snapshot
+
+
+def test_a_one_token_request_waits_for_its_first_chunk_before_the_next() -> None:
+    """An identical prompt is served from the worker's cache past its first chunk, which samples
+    at the prompt's end: with max_tokens 1 a second chunk planned meanwhile would be a decode
+    whose token is thrown away. So a one-token request's second chunk waits for the first's
+    reply (a cold one pays that round trip once); longer requests keep their chunks pipelined."""
+    engine = CountingEngine(num_blocks=64, prefix_caching=True)
+    h = Harness(ASYNC, engine)
+    prompt = tuple(range(50, 83))                       # 33 tokens: 5 chunks of 8 when cold
+    for cached in (0, 32):
+        rid = h.submit(prompt, max_tokens=1).request_id
+        first, second = h.core.plan_step("w0"), h.core.plan_step("w0")
+        assert first is not None and [w.num_tokens for w in first.work] == [8]
+        assert second is None or not second.work        # nothing planned behind the first chunk
+        h.deliver(h.core.apply_step("w0", engine.step(first)))
+        if second is not None:
+            h.deliver(h.core.apply_step("w0", engine.step(second)))
+        h.run()
+        assert h.streams[rid].token_ids == reference_output(prompt, 1)
+        finish = h.streams[rid].finish
+        assert finish is not None and finish.usage.cached_tokens == cached
+        assert engine.sampled[rid] == 1                 # no forward sampled a token thrown away
+
+    longer = h.submit(prompt, max_tokens=3).request_id
+    first, second = h.core.plan_step("w0"), h.core.plan_step("w0")
+    assert first is not None and second is not None and second.work   # its next step is its first decode
+    h.deliver(h.core.apply_step("w0", engine.step(first)))
+    h.deliver(h.core.apply_step("w0", engine.step(second)))
+    h.run()
+    assert h.streams[longer].token_ids == reference_output(prompt, 3)
