@@ -36,6 +36,7 @@ class GatewaySettings:
     # global | tenant | user | auto (unset: tenant with API keys, else global); see cache_scope
     prefix_cache_scope: str = AUTO_SCOPE
     max_request_bytes: int = ONE_MIB
+    prompt_tokens_cache_tokens: int = 1 << 20   # PROMPT_TOKENS_CACHE_TOKENS (prompt_tokens_cache.py)
     default_max_tokens: int = 128
     max_model_len: int = 0          # 0: ask the workers through the scheduler
     max_tokens_limit: int = 0       # the most max_tokens any request may ask; 0: the context length
@@ -107,6 +108,7 @@ class GatewaySettings:
             metrics_port=values.metrics_port,
             prefix_cache_scope=values.prefix_cache_scope,
             max_request_bytes=values.max_request_bytes,
+            prompt_tokens_cache_tokens=values.prompt_tokens_cache_tokens,
             default_max_tokens=values.default_max_tokens,
             max_model_len=values.max_model_len,
             max_tokens_limit=values.max_tokens_limit,

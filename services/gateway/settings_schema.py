@@ -86,6 +86,13 @@ class GatewaySchema(
             "tenant can read another's prompt token by token from its own "
             '`usage.prompt_tokens_details.cached_tokens` and its timings (the gateway logs a warning)'
         ))
+    prompt_tokens_cache_tokens: int = Field(1048576, ge=0,
+        description=(
+            'token ids of recent prompts the gateway keeps (4 bytes each, least recently used '
+            'dropped first), so that a prompt sent again (best-of and pass@k clients, retries) is '
+            'not tokenized again; entries are shared as `PREFIX_CACHE_SCOPE` shares cached prefixes '
+            '(per tenant with keys, so no tenant times another\'s prompts; not kept under `user`); 0: off'
+        ))
     max_request_bytes: int = Field(1048576, ge=1024,
         description=(
             'larger bodies get 413'

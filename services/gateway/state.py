@@ -36,6 +36,7 @@ from services.gateway.requests.spec import Limits, TextInput, build_spec, prompt
 from services.gateway.tenancy.tenant_quota import TenantQuotas
 from services.gateway.tenancy.tenants import Tenant
 from services.gateway.requests.validation import check_text
+from services.gateway.text.prompt_tokens_cache import PromptTokensCache
 
 T = TypeVar("T")
 
@@ -109,21 +110,44 @@ class GatewayState:
         """The text API's spec (/generate, gRPC): a raw prompt is sent as is,
         else it becomes one user turn, which ends at the template's turn end."""
         build = raw_prompt_ids if request.raw else user_turn_ids
-        prompt_ids = await self.tokenize(build, require_text(request.prompt),
+        prompt_ids = await self.tokenize(build, require_text(request.prompt), tenant=tenant,
                                          kv_policy=request.fields.kv_policy)
         stops = () if request.raw else turn_stop_token_ids(self.tokenizer)
         fields = dataclasses.replace(request.fields, stop_token_ids=stops)
         return build_spec(fields, prompt_ids, await self.limits(), self.caller(tenant))
 
-    async def tokenize(self, build: Callable[..., list[int]], *args: Any,
+    @cached_property
+    def prompt_tokens(self) -> PromptTokensCache:
+        """Recent prompts' token ids (PROMPT_TOKENS_CACHE_TOKENS, prompt_tokens_cache.py)."""
+        return PromptTokensCache(self.settings.prompt_tokens_cache_tokens)
+
+    def prompt_tokens_salt(self, tenant: Tenant | None) -> str | None:
+        """Who may share a prompt's cached token ids: the prefix cache's scope (identity.py),
+        `global` everyone, `tenant` the tenant's own requests; None (not cached) under `user`
+        or a tenant scope without a tenant."""
+        scope = self.settings.cache_scope
+        if scope == "global":
+            return ""
+        if scope == "tenant" and tenant is not None:
+            return f"tenant:{tenant.name}"
+        return None
+
+    async def tokenize(self, build: Callable[..., list[int]], *args: Any, tenant: Tenant | None,
                        param: str = "prompt", kv_policy: str | None = None) -> list[int]:
         """Runs prompt building off the event loop (long prompts take a while); a
         text too long for the context is refused by its length before it is
-        tokenized (prompt_bound.py)."""
+        tokenized (prompt_bound.py). A prompt built the same way recently, by a
+        request that may share it (`tenant`), is not tokenized again."""
         tokenizer = await self.bounded_tokenizer(param, kv_policy)
+        cache = self.prompt_tokens
+        key = cache.key(self.prompt_tokens_salt(tenant), build, args, tokenizer.bound)
         try:
             with tracer().start_as_current_span("tokenize") as span:
-                ids = await asyncio.to_thread(build, tokenizer, *args)
+                ids = cache.get(key)
+                span.set_attribute("fairserve.prompt_tokens_cached", ids is not None)
+                if ids is None:
+                    ids = await asyncio.to_thread(build, tokenizer, *args)
+                    cache.put(key, ids)
                 span.set_attribute("fairserve.prompt_tokens", len(ids))
         except ChatTemplateError as error:
             raise bad_request(str(error), param, "invalid_messages") from None

@@ -51,6 +51,7 @@ from services.gateway.state import (
     until_disconnected,
 )
 from services.gateway.requests.unsupported import reject_unsupported
+from services.gateway.tenancy.tenants import Tenant
 from services.gateway.requests.validation import (
     MAX_TOP_LOGPROBS,
     SamplingInput,
@@ -132,7 +133,7 @@ async def completions(body: CompletionBody, request: Request) -> Response:
     reject_unsupported(body.model_extra)
     check_int("logprobs", body.logprobs, 0, MAX_TOP_LOGPROBS)
     prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
-    prompts = await _completion_prompts(state, body.prompt, body.add_special_tokens, body.kv_policy)
+    prompts = await _completion_prompts(state, body.prompt, body.add_special_tokens, body.kv_policy, info.tenant)
     fields = completion_fields(body)
     if body.echo and body.max_tokens == 0:
         fields = dataclasses.replace(fields, max_tokens=1)   # scores the prompt only (echo.py)
@@ -157,7 +158,7 @@ async def chat_completions(body: ChatCompletionBody, request: Request) -> Respon
     prompt_alternatives = check_prompt_logprobs(body.prompt_logprobs, bool(body.stream))
     chat = read_chat(body, state.tokenizer)
     prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools,
-                                      param="messages", kv_policy=body.kv_policy)
+                                      tenant=info.tenant, param="messages", kv_policy=body.kv_policy)
     if body.add_special_tokens:
         prompt_ids = with_special_tokens(state.tokenizer, prompt_ids)
     fields = constrain_tool_call(chat_fields(body, turn_stop_token_ids(state.tokenizer)), chat)
@@ -210,11 +211,11 @@ def _sampling_input(body: CompletionBody | ChatCompletionBody, logprobs: bool,
 
 
 async def _completion_prompts(state: GatewayState, prompt: Any, add_special_tokens: bool,
-                              kv_policy: str | None) -> list[list[int]]:
+                              kv_policy: str | None, tenant: Tenant | None) -> list[list[int]]:
     """The prompts as token ids; ids a client gave are checked in build_spec."""
     if isinstance(prompt, str):
         return [await state.tokenize(raw_prompt_ids, require_text(prompt), add_special_tokens,
-                                     kv_policy=kv_policy)]
+                                     tenant=tenant, kv_policy=kv_policy)]
     if not prompt:
         raise bad_request("The prompt is empty.", "prompt", "empty_prompt")
     if isinstance(prompt[0], int):   # one prompt of token ids: its length is no count of prompts
@@ -224,7 +225,7 @@ async def _completion_prompts(state: GatewayState, prompt: Any, add_special_toke
     if isinstance(prompt[0], list):
         return [list(ids) for ids in prompt]
     return [await state.tokenize(raw_prompt_ids, require_text(text), add_special_tokens,
-                                 kv_policy=kv_policy) for text in prompt]
+                                 tenant=tenant, kv_policy=kv_policy) for text in prompt]
 
 
 async def _choices(state: GatewayState, prompts: Sequence[list[int]], fields: RequestFields,

@@ -50,7 +50,8 @@ async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
         messages = read_messages(body.messages or [])
         tools = [tool.as_template() for tool in checked_tools(body.tools, state.tokenizer)]
         ids = await state.tokenize(_chat_ids, messages, tools, body.add_generation_prompt,
-                                   bool(body.add_special_tokens), param="messages")
+                                   bool(body.add_special_tokens), tenant=getattr(request.state, "tenant", None),
+                                   param="messages")
     reply: dict[str, Any] = {"count": len(ids), "max_model_len": (await state.limits()).max_model_len,
                              "tokens": ids}
     if body.return_token_strs:

@@ -101,6 +101,12 @@ class BoundedTokenizer:
         self._longest = longest
         self._param = param
 
+    @property
+    def bound(self) -> tuple[int | None, int | None, str]:
+        """What decides whether a text is refused here: the context, the longest token's
+        characters and the parameter an error names."""
+        return self._context, self._longest, self._param
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tokenizer, name)
 

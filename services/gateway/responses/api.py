@@ -79,7 +79,8 @@ async def create_response(body: ResponseCreateBody, request: Request) -> Respons
     conversation = _previous(state.responses, body.previous_response_id, owner) + input_messages(body)
     chat_request = chat_body(body, conversation)
     chat = read_chat(chat_request, state.tokenizer)
-    prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools, param="input")
+    prompt_ids = await state.tokenize(chat_prompt_ids, chat.messages, chat.template_tools, tenant=tenant,
+                                      param="input")
     fields = constrain_tool_call(chat_fields(chat_request, turn_stop_token_ids(state.tokenizer)), chat)
     spec = with_adapter(build_spec(fields, prompt_ids, await state.limits(), state.caller(tenant)), adapter)
     builder = _builder(body, adapter.name if adapter is not None else state.settings.model_id)
