@@ -50,11 +50,28 @@ class CountingKernel:
         return self.inner(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
 
 
-def varlen_engine(kind: str, kernel: CountingKernel, max_head_dim: int = 256, **config) -> Engine:
-    """The worker's engine with `kernel` as its prefill chunks' fused kernel."""
+class CountingPaged:
+    """Checks and counts the calls of a kernel reading the pool through slots, then runs it."""
+
+    def __init__(self, inner) -> None:
+        self.calls = 0
+        self.inner = inner
+
+    def __call__(self, q, k_cache, v_cache, key_slots, cu_seqlens_q, cu_seqlens_k, **kwargs):
+        assert int(cu_seqlens_k[-1]) == key_slots.shape[0] and int(cu_seqlens_q[-1]) == q.shape[0]
+        assert bool((cu_seqlens_k.diff() >= cu_seqlens_q.diff()).all())
+        assert int(key_slots.max()) < k_cache.shape[0] == v_cache.shape[0]
+        self.calls += 1
+        return self.inner(q, k_cache, v_cache, key_slots, cu_seqlens_q, cu_seqlens_k, **kwargs)
+
+
+def varlen_engine(kind: str, kernel: CountingKernel, max_head_dim: int = 256, paged=None, **config) -> Engine:
+    """The worker's engine with `kernel` as its prefill chunks' fused kernel (`paged`: its
+    entry reading the pool through slots)."""
     accelerators = dataclasses.replace(
         device_accelerators(),
-        prefill_kernel=lambda backend, device, dtype, cache_dir: VarlenKernel("reference", kernel, max_head_dim))
+        prefill_kernel=lambda backend, device, dtype, cache_dir: VarlenKernel("reference", kernel, max_head_dim,
+                                                                              paged=paged))
     model = build_model(copy.deepcopy(CONFIGS[kind]()))
     return Engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key=kind, **config), model=model,
                   accelerators=accelerators)
@@ -160,6 +177,38 @@ def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(
     assert_rows_match(reference, recorder, LOGITS_ATOL)
     # One call per layer per step with prefill chunks, carrying all of them.
     assert max(kernel.calls) >= 3
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "llama", "qwen2_sliding"])
+def test_chunks_reading_the_pool_through_slots_match_transformers(kind: str) -> None:
+    """The native kernel's paged entry: every chunk's keys read where the pool holds them (no
+    gathered copy), fresh chunks and ones that continue their sequence, past the window."""
+    native = load_native_prefill("native", torch.float32)
+    assert native is not None and native.paged is not None
+    kernel, paged = CountingKernel(native.function), CountingPaged(native.paged)
+    engine = varlen_engine(kind, kernel, paged=paged, prompt_logits_cache_size=0)
+    recorder = RecordingSampler(engine.sampler)
+    engine.sampler = recorder
+    prompts = {"short": prompt_of(3, 1), "mid": prompt_of(9, 2), "long": prompt_of(30, 3), "odd": prompt_of(17, 4)}
+    got = Driver(engine).run(prompts, 8, {"short": 64, "mid": 4, "long": 11, "odd": 5})
+    reference = reference_model(kind)
+    assert_greedy_matches(reference, prompts, got, 8)
+    assert_rows_match(reference, recorder, LOGITS_ATOL)
+    assert paged.calls and not kernel.calls
+
+
+def test_a_shared_prefix_read_through_slots() -> None:
+    native = load_native_prefill("native", torch.float32)
+    assert native is not None
+    paged = CountingPaged(native.paged)
+    engine = varlen_engine("gemma3", CountingKernel(native.function), paged=paged, prompt_logits_cache_size=0)
+    driver = Driver(engine)
+    base = prompt_of(21, 8)
+    driver.run({"first": base}, 4)
+    forked = base[:16] + prompt_of(6, 9)[1:]
+    got = driver.run({"forked": forked}, 4)
+    assert driver.cached["forked"] == 16 and paged.calls
+    assert got["forked"] == generate(reference_model("gemma3"), forked, 4)
 
 
 def test_shared_prefix_chunks_read_their_context_through_the_kernel() -> None:

@@ -183,3 +183,45 @@ def test_a_kernel_that_fails_its_check_is_not_used(tmp_path: Path, monkeypatch: 
     with pytest.raises(ValueError, match="start-up check failed"):
         load_native_prefill("native", torch.float32, cache_dir)
     assert any(cache_dir.iterdir())   # it did build
+
+
+def scattered(case: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The case's keys and values scattered over a pool twice their size: (k_cache, v_cache, slots)."""
+    generator = torch.Generator().manual_seed(seed)
+    k, v = case["k"], case["v"]
+    slots = torch.randperm(2 * k.shape[0], generator=generator)[:k.shape[0]]
+    k_cache = torch.randn(2 * k.shape[0], *k.shape[1:], generator=generator)
+    v_cache = torch.randn(2 * v.shape[0], *v.shape[1:], generator=generator)
+    k_cache[slots], v_cache[slots] = k, v
+    return k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("window", [None, 7, 40])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_paged_entry_reads_keys_through_their_slots(kernel: NativePrefillAttention, window: int | None,
+                                                        threads: int) -> None:
+    """Keys read where a pool holds them give the bits the contiguous entry gives on the
+    gathered copy: fresh chunks, continuing ones, several key blocks, grouped heads."""
+    case = packed_case(11, [(5, 5), (37, 37), (3, 70), (20, 300), (1, 129)], 4, 1, 32)
+    expected = run(kernel, case, window, threads)
+    k_cache, v_cache, slots = scattered(case, 12)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.paged(case["q"], k_cache, v_cache, slots, case["cu_seqlens_q"], case["cu_seqlens_k"],
+                           softmax_scale=case["q"].shape[-1] ** -0.5, window=window)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, expected)
+
+
+def test_the_paged_entry_refuses_what_it_cannot_read(kernel: NativePrefillAttention) -> None:
+    case = packed_case(13, [(4, 9)], 2, 1, 16)
+    k_cache, v_cache, slots = scattered(case, 14)
+    arguments = (case["cu_seqlens_q"], case["cu_seqlens_k"])
+    with pytest.raises(ValueError, match="inconsistent"):
+        kernel.paged(case["q"], k_cache, v_cache, slots[:-1], *arguments)             # a key without a slot
+    with pytest.raises(ValueError, match="inconsistent"):
+        kernel.paged(case["q"], k_cache.double(), v_cache.double(), slots, *arguments)  # another dtype
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.paged(case["q"], torch.cat([k_cache, k_cache], dim=2)[:, :, :16], v_cache, slots, *arguments)

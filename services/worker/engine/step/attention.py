@@ -9,7 +9,9 @@ through block tables. Per-step metadata rides along in the forward kwargs
 The packed batch is [1, T]: first the decodes (one token each), then prefill
 chunks (contiguous runs of rows). Decodes are attended to together with a
 right-aligned, padded gather; the prefill chunks go to one fused varlen call
-when a kernel is handed in (varlen.py), else each runs its own SDPA call.
+when a kernel is handed in (varlen.py): one that reads the pool through slots
+takes each chunk's context where it lies, another a gathered copy; without a
+kernel each chunk runs its own SDPA call.
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class StepMetadata:
     sliding_window: int = 0        # (in `sliding`) the group's window: no sliding layer may attend wider
     _varlen_inputs: dict[int | None, tuple[torch.Tensor, torch.Tensor, int, int]] = field(default_factory=dict)
     _decode_views: dict[int | None, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    _key_slots: dict[int | None, torch.Tensor] = field(default_factory=dict)
     _prefill_views: dict[tuple[int, int | None], tuple[int, torch.Tensor | None]] = field(default_factory=dict)
 
     def for_layer(self, cache_layer: int) -> StepMetadata:
@@ -119,6 +122,15 @@ class StepMetadata:
             inputs = (_cumulative(lens_q, device), _cumulative(lens_k, device), max(lens_q), max(lens_k))
             self._varlen_inputs[window] = inputs
         return inputs
+
+    def key_slots(self, window: int | None) -> torch.Tensor:
+        """The slots of every prefill chunk's keys under `window`, packed as varlen_inputs
+        counts them: each chunk's context from `first_key_position(chunk, window)` on."""
+        slots = self._key_slots.get(window)
+        if slots is None:
+            slots = torch.cat([chunk.context_slots[first_key_position(chunk, window):] for chunk in self.prefills])
+            self._key_slots[window] = slots
+        return slots
 
     def prefill_view(self, index: int, window: int | None) -> tuple[int, torch.Tensor | None]:
         """(first key position, bool mask [n, L] or None for plain causal) of prefill chunk `index`."""
@@ -243,7 +255,16 @@ def _sdpa_prefills(meta: StepMetadata, query: torch.Tensor, key: torch.Tensor, v
 def _varlen_prefill(meta: StepMetadata, kernel: VarlenKernel, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int | None,
                     scaling: float | None, out: torch.Tensor) -> None:
-    """All prefill chunks of the step in one fused call; writes their rows of `out`."""
+    """All prefill chunks of the step in one fused call; writes their rows of `out`. A kernel
+    that reads the paged pool through slots takes every chunk's keys where they are (the
+    chunks' own K/V were written above); otherwise they are gathered into one packed copy."""
+    first_row = meta.prefills[0].row_start
+    if kernel.paged is not None and k_cache.dtype == v_cache.dtype == query.dtype:
+        cu_seqlens_q, cu_seqlens_k, _, _ = meta.varlen_inputs(window)
+        out[first_row:] = kernel.paged(
+            query[0, :, first_row:].transpose(0, 1), k_cache, v_cache, meta.key_slots(window), cu_seqlens_q,
+            cu_seqlens_k, softmax_scale=scaling, window=window)
+        return
     keys: list[torch.Tensor] = []
     values: list[torch.Tensor] = []
     for chunk in meta.prefills:
@@ -256,7 +277,6 @@ def _varlen_prefill(meta: StepMetadata, kernel: VarlenKernel, query: torch.Tenso
             keys.append(_gather(k_cache, slots))
             values.append(_gather(v_cache, slots))
     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k = meta.varlen_inputs(window)
-    first_row = meta.prefills[0].row_start
     out[first_row:] = kernel.function(
         query[0, :, first_row:].transpose(0, 1), torch.cat(keys), torch.cat(values), cu_seqlens_q, cu_seqlens_k,
         max_seqlen_q, max_seqlen_k, softmax_scale=scaling, causal=True,

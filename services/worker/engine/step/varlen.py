@@ -18,6 +18,10 @@ import torch.nn.functional as F
 # (q [total_q, H, d], k [total_k, KVH, d], v [total_k, KVH, dv], cu_seqlens_q, cu_seqlens_k,
 #  max_seqlen_q, max_seqlen_k, softmax_scale=, causal=, window_size=(left, right)) -> [total_q, H, dv]
 VarlenFunction = Callable[..., torch.Tensor]
+# (q [total_q, H, d], k_cache [slots, KVH, d], v_cache [slots, KVH, dv], key_slots [total_k],
+#  cu_seqlens_q, cu_seqlens_k, softmax_scale=, window=) -> [total_q, H, dv]: causal, each chunk's keys
+#  read where the paged pool holds them (cpu/native_prefill.py).
+PagedVarlenFunction = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -26,6 +30,7 @@ class VarlenKernel:
     function: VarlenFunction
     max_head_dim: int
     head_dim_multiple: int = 1          # head dimensions the kernel takes are multiples of this
+    paged: PagedVarlenFunction | None = None   # the same kernel reading K/V through slots, if it can
 
     def supports(self, head_dim: int, value_dim: int) -> bool:
         return all(dim <= self.max_head_dim and dim % self.head_dim_multiple == 0 for dim in (head_dim, value_dim))

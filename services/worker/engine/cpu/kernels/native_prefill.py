@@ -45,6 +45,11 @@ class NativePrefillAttention:
         function.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 5
                              + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64])
         self._function = function
+        paged = library.fairserve_prefill_attention_paged
+        paged.restype = ctypes.c_int
+        paged.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 6
+                          + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64])
+        self._paged = paged
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
@@ -75,6 +80,34 @@ class NativePrefillAttention:
             raise MemoryError("native prefill attention could not allocate its scratch memory")
         return out
 
+    def paged(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
+              cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, *, softmax_scale: float | None = None,
+              window: int | None = None) -> torch.Tensor:
+        """The same attention with each chunk's keys read where the paged pool holds them:
+        k_cache [slots, KVH, d] and v_cache [slots, KVH, dv] (contiguous, q's dtype), key_slots
+        [total_k] the slot of each packed key (cu_seqlens_k's rows); causal, `window` keys at
+        most (None: all) -> [total_q, H, dv]."""
+        if q.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("native prefill attention needs contiguous caches and query heads")
+        slots = key_slots.to(torch.int64).contiguous()
+        cu_q = cu_seqlens_q.to(torch.int32).contiguous()
+        cu_k = cu_seqlens_k.to(torch.int32).contiguous()
+        total_q, heads, head_dim = q.shape
+        kv_heads, value_dim = k_cache.shape[1], v_cache.shape[2]
+        if (heads % kv_heads or k_cache.shape[2] != head_dim or v_cache.shape[:2] != k_cache.shape[:2]
+                or cu_q.shape != cu_k.shape or head_dim % VECTOR_WIDTH or value_dim % VECTOR_WIDTH
+                or slots.shape[0] != int(cu_k[-1]) or not (q.dtype == k_cache.dtype == v_cache.dtype)):
+            raise ValueError("inconsistent shapes for native prefill attention")
+        out = q.new_empty((total_q, heads, value_dim))
+        scale = softmax_scale if softmax_scale is not None else head_dim ** -0.5
+        failed = self._paged(
+            q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
+            out.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr(), cu_q.shape[0] - 1, heads, kv_heads, head_dim,
+            value_dim, window or 0, scale, torch.get_num_threads())
+        if failed:
+            raise MemoryError("native prefill attention could not allocate its scratch memory")
+        return out
+
 
 def load_native_prefill(backend: str, dtype: torch.dtype, cache_dir: Path | None = None) -> VarlenKernel | None:
     """The kernel for ATTENTION_BACKEND `backend` (`auto` or `native`) on CPU, or None for the
@@ -85,7 +118,7 @@ def load_native_prefill(backend: str, dtype: torch.dtype, cache_dir: Path | None
         return None
     kernel, problem = _load_checked(cache_dir or default_cache_dir())
     if kernel is not None:
-        return VarlenKernel("native", kernel, MAX_HEAD_DIM, VECTOR_WIDTH)
+        return VarlenKernel("native", kernel, MAX_HEAD_DIM, VECTOR_WIDTH, paged=kernel.paged)
     if backend == "native":
         raise ValueError(f"ATTENTION_BACKEND=native cannot be used: {problem}")
     log.warning("native prefill attention unavailable; prefill chunks use SDPA", extra={"reason": problem})
@@ -135,4 +168,12 @@ def check(kernel: NativePrefillAttention) -> str | None:
         error = float((out.double() - expected).abs().max())
         if not error <= CHECK_TOLERANCE * max(1.0, float(expected.abs().max())):
             return f"start-up check failed (max error {error:.3g})"
+        # The same keys scattered over a larger pool, read through their slots: the same bits.
+        slots = torch.randperm(2 * k.shape[0], generator=generator)[:k.shape[0]]
+        k_cache = torch.randn(2 * k.shape[0], kv_heads, head_dim, generator=generator)
+        v_cache = torch.randn(2 * k.shape[0], kv_heads, head_dim, generator=generator)
+        k_cache[slots], v_cache[slots] = k, v
+        paged = kernel.paged(q, k_cache, v_cache, slots, cu_q, cu_k, softmax_scale=scale, window=window)
+        if not torch.equal(paged, out):
+            return "start-up check failed (the paged entry differs from the contiguous one)"
     return None

@@ -22,6 +22,12 @@
  *   v    [total_k, KVH, dv] contiguous
  *   out  [total_q, H, dv]   contiguous
  *   cu_q, cu_k [chunks + 1] int32, the chunks' first rows in q and k
+ *
+ * The paged entry (fairserve_prefill_attention_paged) reads K and V where the paged KV pool
+ * holds them instead: k and v are the pool's [slots, KVH, d|dv] and key_rows [total_k] (int64)
+ * names the slot of each packed key, so a chunk that continues its sequence attends to its
+ * context without a gathered copy. Both entries run the same code: the contiguous one indexes
+ * its keys through 0, 1, 2, ...
  * d and dv must be multiples of LANES; H a multiple of KVH (a KV head's query heads consecutive).
  */
 
@@ -88,6 +94,7 @@ typedef struct {
     const float *q;
     int64_t q_token, q_head;
     const float *v;
+    const int64_t *key_rows;   /* packed key -> its row in k and v */
     float *out;
     int64_t heads, kv_heads, group, d, dv, window;
     float scale;
@@ -141,13 +148,14 @@ static void score_rows(const float *const *qrows, int rows, int vectors, const f
 
 /* o[r][e0 .. e0 + vectors * LANES) += sum_j p[r][j] * v_j[...] over keys [j0, j1). */
 static inline __attribute__((always_inline)) void value_pass(const float *p, int64_t p_stride, const int rows,
-                                                             const int vectors, const float *v, int64_t v_stride,
+                                                             const int vectors, const float *v,
+                                                             const int64_t *key_rows, int64_t v_stride,
                                                              int64_t j0, int64_t j1, float *o, int64_t o_stride) {
     vf acc[MR][NV];
     for (int r = 0; r < rows; r++)
         for (int n = 0; n < vectors; n++) acc[r][n] = loadv(o + r * o_stride + n * LANES);
     for (int64_t j = j0; j < j1; j++) {
-        const float *row = v + j * v_stride;
+        const float *row = v + key_rows[j] * v_stride;
         vf values[NV];
         for (int n = 0; n < vectors; n++) values[n] = loadv(row + n * LANES);
         for (int r = 0; r < rows; r++) {
@@ -163,12 +171,13 @@ static inline __attribute__((always_inline)) void value_pass(const float *p, int
     do {                                                                                                 \
         int64_t e = 0;                                                                                   \
         for (; e + NV * LANES <= dv; e += NV * LANES)                                                    \
-            value_pass(p, p_stride, ROWS, NV, v + e, v_stride, j0, j1, o + e, o_stride);                 \
-        for (; e < dv; e += LANES) value_pass(p, p_stride, ROWS, 1, v + e, v_stride, j0, j1, o + e, o_stride); \
+            value_pass(p, p_stride, ROWS, NV, v + e, key_rows, v_stride, j0, j1, o + e, o_stride);       \
+        for (; e < dv; e += LANES)                                                                       \
+            value_pass(p, p_stride, ROWS, 1, v + e, key_rows, v_stride, j0, j1, o + e, o_stride);        \
     } while (0)
 
-static void value_rows(const float *p, int64_t p_stride, int rows, const float *v, int64_t v_stride, int64_t dv,
-                       int64_t j0, int64_t j1, float *o, int64_t o_stride) {
+static void value_rows(const float *p, int64_t p_stride, int rows, const float *v, const int64_t *key_rows,
+                       int64_t v_stride, int64_t dv, int64_t j0, int64_t j1, float *o, int64_t o_stride) {
     for (; rows >= MR; rows -= MR, p += MR * p_stride, o += MR * o_stride) VALUE_ROWS(MR);
     REMAINING_ROWS(VALUE_ROWS);
 }
@@ -245,7 +254,8 @@ static void run_item(const problem_t *pb, const item_t *it, const int32_t *cu_q,
     }
     memset(sc->o, 0, (size_t)(rows * dv) * sizeof *sc->o);
     const int64_t lo = sc->lo[0], hi = sc->hi[rows - 1];
-    const float *v = pb->v + cu_k[it->chunk] * v_stride + it->kv_head * dv;
+    const float *v = pb->v + it->kv_head * dv;
+    const int64_t *key_rows = pb->key_rows + cu_k[it->chunk];
     for (int64_t b0 = lo / KEY_TILE * KEY_TILE; b0 < hi; b0 += KEY_BLOCK) {
         /* Whole vectors of keys up to the block's last visible one: past it, a score is never used. */
         const int64_t width = hi - b0 < KEY_BLOCK ? (hi - b0 + LANES - 1) / LANES * LANES : KEY_BLOCK;
@@ -257,7 +267,7 @@ static void run_item(const problem_t *pb, const item_t *it, const int32_t *cu_q,
             softmax_step(sc->s + r * KEY_BLOCK, width, b0, sc->lo[r], sc->hi[r], &sc->m[r], &sc->l[r],
                          sc->o + r * dv, dv);
         const int64_t j0 = lo > b0 ? lo - b0 : 0, j1 = hi - b0 < width ? hi - b0 : width;
-        value_rows(sc->s, KEY_BLOCK, (int)rows, v + b0 * v_stride, v_stride, dv, j0, j1, sc->o, dv);
+        value_rows(sc->s, KEY_BLOCK, (int)rows, v, key_rows + b0, v_stride, dv, j0, j1, sc->o, dv);
     }
     for (int64_t p = 0; p < it->count; p++)
         for (int64_t g = 0; g < group; g++) {
@@ -268,14 +278,16 @@ static void run_item(const problem_t *pb, const item_t *it, const int32_t *cu_q,
         }
 }
 
-/* K of one chunk and KV head, transposed into [tiles][d][KEY_TILE], zeros past its nk keys. */
-static void transpose_keys(const float *k, int64_t k_stride, int64_t nk, int64_t d, float *kt, int64_t tile) {
+/* K of one chunk and KV head (k: its head's first entry; key_rows: the chunk's), transposed
+ * into [tiles][d][KEY_TILE], zeros past its nk keys. */
+static void transpose_keys(const float *k, const int64_t *key_rows, int64_t k_stride, int64_t nk, int64_t d,
+                           float *kt, int64_t tile) {
     float *dst = kt + tile * d * KEY_TILE;
     const int64_t first = tile * KEY_TILE;
     for (int64_t j = 0; j < KEY_TILE; j++) {
         const int64_t key = first + j;
         if (key < nk) {
-            const float *src = k + key * k_stride;
+            const float *src = k + key_rows[key] * k_stride;
             for (int64_t e = 0; e < d; e++) dst[e * KEY_TILE + j] = src[e];
         } else {
             for (int64_t e = 0; e < d; e++) dst[e * KEY_TILE + j] = 0.0f;
@@ -288,11 +300,10 @@ static int by_cost(const void *a, const void *b) {
     return (x < y) - (x > y);
 }
 
-/* Returns 0, or 1 when scratch memory could not be had (nothing written then). */
-int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head, const float *k, const float *v,
-                                float *out, const int32_t *cu_q, const int32_t *cu_k, int64_t chunks,
-                                int64_t heads, int64_t kv_heads, int64_t d, int64_t dv, int64_t window, float scale,
-                                int64_t threads) {
+static int attend(const float *q, int64_t q_token, int64_t q_head, const float *k, const float *v,
+                  const int64_t *key_rows, float *out, const int32_t *cu_q, const int32_t *cu_k, int64_t chunks,
+                  int64_t heads, int64_t kv_heads, int64_t d, int64_t dv, int64_t window, float scale,
+                  int64_t threads) {
     const int64_t group = heads / kv_heads;
     const int64_t positions = group >= TILE_ROWS ? 1 : TILE_ROWS / group;
     int64_t items = 0, tiles = 0;
@@ -323,7 +334,7 @@ int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head,
             }
     }
     qsort(list, (size_t)items, sizeof *list, by_cost);
-    const problem_t pb = {q, q_token, q_head, v, out, heads, kv_heads, group, d, dv, window, scale};
+    const problem_t pb = {q, q_token, q_head, v, key_rows, out, heads, kv_heads, group, d, dv, window, scale};
     /* Every thread's scratch is allocated here, on the calling thread: memory a team thread
      * allocates comes from an arena of its own, which keeps what it frees resident. */
     const int64_t rows = positions * group, floats = rows * KEY_BLOCK + rows * dv + 2 * rows;
@@ -342,7 +353,7 @@ int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head,
             while (tile_base[c + 1] <= t) c++;
             const int64_t nk = cu_k[c + 1] - cu_k[c], per_head = (nk + KEY_TILE - 1) / KEY_TILE;
             const int64_t h = (t - tile_base[c]) / per_head, tile = (t - tile_base[c]) % per_head;
-            transpose_keys(k + (cu_k[c] * kv_heads + h) * d, kv_heads * d, nk, d,
+            transpose_keys(k + h * d, key_rows + cu_k[c], kv_heads * d, nk, d,
                            kt + (tile_base[c] + h * per_head) * d * KEY_TILE, tile);
         }
         const int64_t me = omp_get_thread_num();
@@ -365,4 +376,30 @@ int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head,
     free(scratch), free((void *)qrows), free(bounds);
     free(tile_base), free(list), free(kt);
     return 0;
+}
+
+/* Contiguous K and V, [total_k, KVH, d|dv]. Returns 0, or 1 when scratch memory could not be
+ * had (nothing written then). */
+int fairserve_prefill_attention(const float *q, int64_t q_token, int64_t q_head, const float *k, const float *v,
+                                float *out, const int32_t *cu_q, const int32_t *cu_k, int64_t chunks,
+                                int64_t heads, int64_t kv_heads, int64_t d, int64_t dv, int64_t window, float scale,
+                                int64_t threads) {
+    const int64_t total_k = cu_k[chunks];
+    int64_t *key_rows = malloc((size_t)(total_k ? total_k : 1) * sizeof *key_rows);
+    if (key_rows == NULL) return 1;
+    for (int64_t j = 0; j < total_k; j++) key_rows[j] = j;
+    const int failed = attend(q, q_token, q_head, k, v, key_rows, out, cu_q, cu_k, chunks, heads, kv_heads, d, dv,
+                              window, scale, threads);
+    free(key_rows);
+    return failed;
+}
+
+/* K and V where the paged pool holds them: k [slots, KVH, d], v [slots, KVH, dv], key_rows
+ * [total_k] the slot of each packed key. Returns 0, or 1 when scratch memory could not be had. */
+int fairserve_prefill_attention_paged(const float *q, int64_t q_token, int64_t q_head, const float *k,
+                                      const float *v, const int64_t *key_rows, float *out, const int32_t *cu_q,
+                                      const int32_t *cu_k, int64_t chunks, int64_t heads, int64_t kv_heads,
+                                      int64_t d, int64_t dv, int64_t window, float scale, int64_t threads) {
+    return attend(q, q_token, q_head, k, v, key_rows, out, cu_q, cu_k, chunks, heads, kv_heads, d, dv, window,
+                  scale, threads);
 }
