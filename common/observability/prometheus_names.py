@@ -94,6 +94,9 @@ GATEWAY_DEPENDENCY_UP = _family(GATEWAY, "dependency_up", GAUGE, ("dependency",)
                                 "scheduler, kvcache")
 GATEWAY_OUTPUT_TOKENS = _family(GATEWAY, "output_tokens_total", COUNTER, (),
                                 "Generated tokens sent to clients")
+GATEWAY_PROMPT_TOKENS_CACHE = _family(GATEWAY, "prompt_tokens_cache_lookups_total", COUNTER, ("result",),
+                                      "Prompts looked up in the cache of recent prompts' token ids "
+                                      "(PROMPT_TOKENS_CACHE_TOKENS): hit (not tokenized again) or miss")
 
 # Scheduler: SCHEDULER_METRICS_PORT (9101).
 SCHEDULER_REQUESTS = _family(SCHEDULER, "requests", GAUGE, ("state",),

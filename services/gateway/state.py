@@ -145,6 +145,8 @@ class GatewayState:
             with tracer().start_as_current_span("tokenize") as span:
                 ids = cache.get(key)
                 span.set_attribute("fairserve.prompt_tokens_cached", ids is not None)
+                if key is not None:
+                    self.metrics.prompt_tokens_cache["hit" if ids is not None else "miss"].inc()
                 if ids is None:
                     ids = await asyncio.to_thread(build, tokenizer, *args)
                     cache.put(key, ids)

@@ -108,6 +108,8 @@ async def test_a_tenant_hits_its_own_prompts_only(make_app: Callable[..., Any], 
     cache = app.state.gateway.prompt_tokens
     assert (cache.hits, len(cache)) == (1, 2)
     cache.check_invariants()
+    lookups = app.state.gateway.metrics.prompt_tokens_cache
+    assert (lookups["hit"]._value.get(), lookups["miss"]._value.get()) == (1, 2)
 
 
 async def test_without_keys_everyone_shares(make_app: Callable[..., Any], fake: FakeScheduler,
