@@ -96,11 +96,24 @@ def check(constraint: Constraint) -> str:
     from llguidance import LLMatcher
 
     check_size(constraint)
-    grammar = grammar_of(constraint)
-    error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
+    try:
+        grammar = grammar_of(constraint)
+        error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
+    except BaseException as failure:
+        if not is_library_panic(failure):
+            raise
+        # The library failed on this text itself (its own bug, e.g. cutting an error message
+        # inside a 4-byte character): the request's problem all the same, never the server's.
+        raise ConstraintError("the grammar library could not read this constraint") from None
     if error:
         raise ConstraintError(error.strip())
     return grammar
+
+
+def is_library_panic(failure: BaseException) -> bool:
+    """Whether `failure` is a panic of llguidance's Rust code: pyo3 raises it as a
+    PanicException, which derives from BaseException (no `except Exception` catches it)."""
+    return type(failure).__name__ == "PanicException"
 
 
 def _lark_text(text: str) -> str:
