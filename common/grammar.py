@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from common.types import Constraint, ConstraintKind
@@ -114,6 +116,18 @@ def is_library_panic(failure: BaseException) -> bool:
     """Whether `failure` is a panic of llguidance's Rust code: pyo3 raises it as a
     PanicException, which derives from BaseException (no `except Exception` catches it)."""
     return type(failure).__name__ == "PanicException"
+
+
+@contextmanager
+def panics_as_errors(what: str) -> Iterator[None]:
+    """Runs the block with a library panic raised again as a RuntimeError naming `what`, so
+    that the code around it (the worker's step isolation) handles it as any other error."""
+    try:
+        yield
+    except BaseException as failure:
+        if not is_library_panic(failure):
+            raise
+        raise RuntimeError(f"the grammar library failed on {what}: {str(failure)[:200]}") from None
 
 
 def _lark_text(text: str) -> str:

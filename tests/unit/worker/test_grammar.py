@@ -236,3 +236,35 @@ def test_the_most_choices_the_gateway_passes_still_match(grammars, hf_tokenizer)
         assert not state.banned()[token]
         state.advance([token])
     assert not state.banned()[EOS]
+
+
+class PanicException(BaseException):
+    """What pyo3 raises for a panic in the grammar library's Rust code: not an Exception."""
+
+
+def test_a_grammar_library_panic_fails_its_sequence_alone(hf_tokenizer, grammars, monkeypatch):
+    """A constraint the library panics on (past the gateway's check) must not take the step, and
+    with it every other tenant's sequence in the batch, down: the step's isolation sees an error."""
+    import llguidance
+
+    from common.grammar import check
+    from services.worker.engine.sampling import grammar as worker_grammar
+
+    constraint = Constraint(ConstraintKind.REGEX, "a+b")
+    grammar = check(constraint)
+
+    def panics(*_args, **_kwargs):
+        raise PanicException("index out of bounds")
+
+    monkeypatch.setattr(worker_grammar, "check", lambda _constraint: grammar)
+    monkeypatch.setattr(llguidance, "LLMatcher", panics)
+    engine = constrained_engine(hf_tokenizer, Grammars(grammars.tokenizer, grammars.vocab_size, [EOS]))
+    constrained = SamplingParams(constraint=constraint)
+    prompt = (2, 40, 41, 42, 43)
+    step = engine.step(StepBatch(
+        new_sequences=(NewSequence("plain", prompt, (), SamplingParams()),
+                       NewSequence("bad", prompt, (), constrained)),
+        work=(WorkItem("plain", len(prompt)), WorkItem("bad", len(prompt)))))
+    results = {result.seq_id: result for result in step.results}
+    assert results["plain"].sampled and not results["plain"].error
+    assert results["bad"].error is not None and not results["bad"].sampled

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from common.grammar import check, parser_limits
+from common.grammar import check, panics_as_errors, parser_limits
 from common.types import Constraint
 
 log = logging.getLogger(__name__)
@@ -124,8 +124,9 @@ class Grammars:
                 self._compiled.move_to_end(constraint)
         if compiled is None:
             import llguidance
-            compiled = llguidance.LLMatcher(self.tokenizer.get(), check(constraint), log_level=0,
-                                            limits=parser_limits())
+            with panics_as_errors("a constraint"):
+                compiled = llguidance.LLMatcher(self.tokenizer.get(), check(constraint), log_level=0,
+                                                limits=parser_limits())
             if compiled.is_error():
                 raise ValueError(f"constraint does not compile: {compiled.get_error()}")
             with self._lock:

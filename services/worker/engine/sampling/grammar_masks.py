@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from common.grammar import panics_as_errors
+
 from services.worker.engine.sampling.sampler import SampleRequest
 
 if TYPE_CHECKING:
@@ -60,5 +62,9 @@ _FORBIDDEN, _ALLOWED = np.float32(-np.inf), np.float32(0.0)
 
 
 def _masks(jobs: list[Planned]) -> dict[int, list[np.ndarray]]:
-    return {id(plan): [np.where(banned, _FORBIDDEN, _ALLOWED) for banned in plan.seq.grammar.banned_rows(plan.drafts)]
-            for plan in jobs}
+    # A panic of the grammar library becomes an error the step's isolation can pin on one
+    # sequence (isolation.py catches Exception; a panic is a BaseException).
+    with panics_as_errors("a mask"):
+        return {id(plan): [np.where(banned, _FORBIDDEN, _ALLOWED)
+                           for banned in plan.seq.grammar.banned_rows(plan.drafts)]
+                for plan in jobs}
