@@ -167,16 +167,21 @@ def test_chunked_prefill_through_one_varlen_call_per_layer_matches_transformers(
     kernel = CountingKernel(native_kernel() if inner == "native" else reference_varlen_attention)
     engine = varlen_engine(kind, kernel, prompt_logits_cache_size=0)
     assert engine.attention_kernel == "reference"
+    assert_chunked_prefill_matches_transformers(kind, engine)
+    # One call per layer per step with prefill chunks, carrying all of them.
+    assert max(kernel.calls) >= 3
+
+
+def assert_chunked_prefill_matches_transformers(kind: str, engine: Engine) -> None:
+    """Chunks continuing their sequences, several per step, longer than the sliding window (8):
+    the greedy tokens and every sampled row's logits of transformers' model."""
     recorder = RecordingSampler(engine.sampler)
     engine.sampler = recorder
-    # Chunks continuing their sequences, several per step, longer than the sliding window (8).
     prompts = {"short": prompt_of(3, 1), "mid": prompt_of(9, 2), "long": prompt_of(30, 3), "odd": prompt_of(17, 4)}
     got = Driver(engine).run(prompts, 8, {"short": 64, "mid": 4, "long": 11, "odd": 5})
     reference = reference_model(kind)
     assert_greedy_matches(reference, prompts, got, 8)
     assert_rows_match(reference, recorder, LOGITS_ATOL)
-    # One call per layer per step with prefill chunks, carrying all of them.
-    assert max(kernel.calls) >= 3
 
 
 @pytest.mark.parametrize("kind", ["gemma3", "llama", "qwen2_sliding"])
@@ -187,13 +192,7 @@ def test_chunks_reading_the_pool_through_slots_match_transformers(kind: str) -> 
     assert native is not None and native.paged is not None
     kernel, paged = CountingKernel(native.function), CountingPaged(native.paged)
     engine = varlen_engine(kind, kernel, paged=paged, prompt_logits_cache_size=0)
-    recorder = RecordingSampler(engine.sampler)
-    engine.sampler = recorder
-    prompts = {"short": prompt_of(3, 1), "mid": prompt_of(9, 2), "long": prompt_of(30, 3), "odd": prompt_of(17, 4)}
-    got = Driver(engine).run(prompts, 8, {"short": 64, "mid": 4, "long": 11, "odd": 5})
-    reference = reference_model(kind)
-    assert_greedy_matches(reference, prompts, got, 8)
-    assert_rows_match(reference, recorder, LOGITS_ATOL)
+    assert_chunked_prefill_matches_transformers(kind, engine)
     assert paged.calls and not kernel.calls
 
 
