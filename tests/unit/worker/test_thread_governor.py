@@ -51,7 +51,8 @@ def test_a_collapse_moves_to_fewer_threads_within_a_second() -> None:
     machine.run(60.0)
     assert machine.governor.threads in (1, 2)
     ups = [at for at, threads in machine.trials if threads == 2]
-    assert [round(b - a) for a, b in zip(ups, ups[1:])] == [10, 20]   # 5 s after, then backing off
+    # 5 s after, then backing off (each trial at 400 ms a step lasts the two steps it compares)
+    assert [round(b - a) for a, b in zip(ups, ups[1:])] == [11, 21]
 
 
 def test_waiting_that_costs_nothing_keeps_every_thread() -> None:
@@ -179,5 +180,41 @@ def test_a_trial_is_judged_against_steps_of_the_same_rows() -> None:
     governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
     governor.observe(0.6, [(32, 0.2)] * 3, 0.6, 0.6)        # waited half: a trial at one thread
     assert governor.in_trial and governor.threads == 1
-    governor.observe(0.4, [], 0.0, 1.0)                      # prefill steps only: nothing to compare
+    governor.observe(0.4, [], 0.0, 1.0)                      # prefill steps only: nothing to compare yet
+    assert governor.in_trial and governor.threads == 1
+    governor.observe(0.3, [(32, 0.35)], 0.0, 1.3)            # one decode of the same rows: no evidence yet
+    assert governor.in_trial
+    governor.observe(0.35, [(32, 0.35)], 0.0, 1.65)          # two: 1.75x as long
+    assert governor.threads == 2 and not governor.in_trial
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(32, 0.2)] * 3, 0.6, 0.6)
+    governor.observe(1.5, [], 0.0, 2.1)
+    governor.observe(1.5, [(16, 0.1)], 0.0, 3.6)             # 3 s of trial and still nothing to compare: back
+    assert governor.threads == 2 and not governor.in_trial
+
+
+def test_one_step_is_no_evidence() -> None:
+    """The warm-up's last 1-row decode, slowed by a burst of arrivals, starts no trial: one
+    step cannot say which count is faster."""
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(1, 0.041)], 0.4, 0.6)
+    assert governor.threads == 2 and not governor.in_trial
+
+
+def test_a_trial_is_judged_against_the_window_right_before_it_only() -> None:
+    """At 32 streams on idle cores: the warm-up's few slow decode steps, then a burst of
+    prefill steps while the gateway tokenizes 32 prompts (the threads wait). No trial may be
+    judged against the warm-up's steps, so none starts until a window has decode steps again;
+    and one that starts then is judged against that window's steps."""
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(1, 0.03)] * 20, 0.0, 0.6)        # warm-up: 1-row decodes at 30 ms
+    governor.observe(1.4, [], 1.9, 2.0)                      # a prefill step, waiting 68 %
+    assert governor.threads == 2 and not governor.in_trial
+    governor.observe(1.4, [], 1.9, 3.4)
+    assert governor.threads == 2 and not governor.in_trial
+    governor.observe(0.6, [(32, 0.15)] * 4, 0.4, 4.0)        # decodes again, still waiting a third
+    assert governor.in_trial and governor.threads == 1
+    governor.observe(0.3, [(1, 0.012)], 0.0, 4.3)            # a 1-row decode: the warm-up's count, not the window's
+    assert governor.in_trial
+    governor.observe(0.52, [(32, 0.26)] * 2, 0.0, 5.1)       # 32 rows at one thread: slower
     assert governor.threads == 2 and not governor.in_trial

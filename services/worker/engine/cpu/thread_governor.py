@@ -13,14 +13,22 @@ decides (cost: the wall time of decode-only steps, compared between steps of the
 rows, since a prefill chunk's tokens cost a fraction of a decode's and a step's rows change its
 cost):
 
-    steady at n, a window (`window_s`) whose threads waited >= `high` of their time
+    steady at n, a window (`window_s`) with decode steps whose threads waited >= `high` of
+    their time
         -> trial at n - 1 for `trial_s`
-    steady below the most, `retry_s` after the last change
+    steady below the most, `retry_s` after the last change, the last window with decode steps
         -> trial at n + 1 for `trial_s`
     a trial whose decode steps cost, row count for row count, below the steady ones / `margin`
         -> keep its count (steady there)
-    else (or no step of a row count both saw) -> back, and the next trial in that direction
-        waits twice as long (up to `retry_max_s`)
+    a trial with no step of a row count both saw yet -> on, up to `trial_max_s`
+    else -> back, and the next trial in that direction waits twice as long (up to `retry_max_s`)
+
+A trial is only ever judged against the window right before it, and on at least `min_steps`
+steps of a row count on each side: steps from longer ago ran on another load, and a single one
+is no evidence. At 32 streams on idle cores a trial judged on one 1-row decode step (the
+warm-up's last, slowed by the gateway tokenizing the 32 arriving prompts) kept one thread of
+two, and could not go back while the prefill steps, which it cannot compare, lasted: 93-99
+instead of 150-156 tokens/s for those runs.
 
 Windows are measured in time, not steps, so that steps slowed down by the contention itself
 (hundreds of ms each) are judged as soon as quick ones.
@@ -43,6 +51,8 @@ class GovernorConfig:
     margin: float = 1.2                 # how much cheaper a trial's steps must be to keep its count
     window_s: float = 0.5               # wall time of steps per judgement at a steady count
     trial_s: float = 0.3                # wall time of steps a trial lasts (one call at least)
+    trial_max_s: float = 3.0            # ... while it has no decode step to compare, at most
+    min_steps: int = 2                  # decode steps of one row count each side needs to be compared
     retry_s: float = 5.0                # first wait before a trial in a direction that failed
     retry_max_s: float = 60.0
 
@@ -63,12 +73,14 @@ class _Window:
             total[1] += 1
 
 
-def relative_cost(trial: dict[int, list[float]], steady: dict[int, list[float]]) -> float | None:
+def relative_cost(trial: dict[int, list[float]], steady: dict[int, list[float]],
+                  min_steps: int = 1) -> float | None:
     """The trial's decode steps' mean time over the steady ones', averaged over the row counts
-    both saw, weighted by the trial's steps; None when they share no row count."""
+    both saw at least `min_steps` times, weighted by the trial's steps; None when they share
+    no such row count."""
     weighted = steps = 0.0
     for rows, (wall_s, count) in trial.items():
-        if rows in steady and steady[rows][1] and count:
+        if rows in steady and steady[rows][1] >= min_steps and count >= min_steps:
             weighted += count * (wall_s / count) / (steady[rows][0] / steady[rows][1])
             steps += count
     return weighted / steps if steps else None
@@ -104,19 +116,26 @@ class ThreadGovernor:
         window.add_decodes(decodes)
         if self.in_trial:
             if window.wall_s >= self.config.trial_s:
-                self._end_trial(relative_cost(window.decodes, self._steady), now_s)
+                relative = relative_cost(window.decodes, self._steady, self.config.min_steps)
+                if relative is not None or window.wall_s >= self.config.trial_max_s:
+                    self._end_trial(relative, now_s)
             return self.threads
         if window.wall_s >= self.config.window_s:
             self.last_share = window.share(self.threads)
-            if window.decodes:
-                self._steady = window.decodes
+            self._steady = window.decodes       # only the last window's steps judge a trial
             self._window = _Window()
             waited = self.last_share >= self.config.high
-            if waited and self.threads > self.config.min_threads and self._steady and self._ready(-1, now_s):
+            if waited and self.threads > self.config.min_threads and self._judges() and self._ready(-1, now_s):
                 return self._start_trial(-1, now_s)
-        if self.threads < self.config.max_threads and self._steady and self._ready(+1, now_s):
+        if self.threads < self.config.max_threads and self._judges() and self._ready(+1, now_s):
             return self._start_trial(+1, now_s)
         return self.threads
+
+    def _judges(self) -> bool:
+        """Whether the last window's decode steps can judge a trial: `min_steps` of one row
+        count at least (one step is no evidence: the warm-up's last, slowed by a burst of
+        arrivals, once made one thread look faster)."""
+        return any(count >= self.config.min_steps for _, count in self._steady.values())
 
     def _ready(self, direction: int, now_s: float) -> bool:
         return now_s - self._changed_at_s >= self._wait_s[direction]
