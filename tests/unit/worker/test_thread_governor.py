@@ -188,8 +188,9 @@ def test_a_trial_is_judged_against_steps_of_the_same_rows() -> None:
     assert governor.threads == 2 and not governor.in_trial
     governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
     governor.observe(0.6, [(32, 0.2)] * 3, 0.6, 0.6)
-    governor.observe(1.5, [], 0.0, 2.1)
-    governor.observe(1.5, [(16, 0.1)], 0.0, 3.6)             # 3 s of trial and still nothing to compare: back
+    governor.observe(0.5, [], 0.0, 1.1)
+    assert governor.in_trial
+    governor.observe(0.6, [(16, 0.1)], 0.0, 1.7)             # over a second and still nothing to compare: back
     assert governor.threads == 2 and not governor.in_trial
 
 

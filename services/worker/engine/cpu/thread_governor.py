@@ -51,7 +51,7 @@ class GovernorConfig:
     margin: float = 1.2                 # how much cheaper a trial's steps must be to keep its count
     window_s: float = 0.5               # wall time of steps per judgement at a steady count
     trial_s: float = 0.3                # wall time of steps a trial lasts (one call at least)
-    trial_max_s: float = 3.0            # ... while it has no decode step to compare, at most
+    trial_max_s: float = 1.0            # ... while it has no decode step to compare, at most
     min_steps: int = 2                  # decode steps of one row count each side needs to be compared
     retry_s: float = 5.0                # first wait before a trial in a direction that failed
     retry_max_s: float = 60.0
