@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
 
 from services.scheduler.core.types import CoreConfig, FinishReason
-from common.step import StepOutput, StepBatch
+from common.step import SeqResult, StepBatch, StepError, StepOutput
 
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, hashed_next_token, reference_output
 from tests.unit.scheduler.harness import Harness
@@ -180,3 +181,27 @@ def test_a_one_token_request_waits_for_its_first_chunk_before_the_next() -> None
     h.deliver(h.core.apply_step("w0", engine.step(second)))
     h.run()
     assert h.streams[longer].token_ids == reference_output(prompt, 3)
+
+
+def test_a_one_token_request_whose_first_chunk_is_refused_plans_it_again() -> None:
+    """A first chunk refused for blocks is no longer in flight: the request, not the one
+    preempted to make room, must be planned again, though the worker reported tokens it
+    holds (a cached prefix) and no reply has said what was cached yet."""
+    engine = CountingEngine(num_blocks=64)
+    h = Harness(ASYNC, engine)
+    other = h.submit(range(200, 210), max_tokens=40).request_id
+    for _ in range(3):                                  # one step at a time: nothing left in flight
+        plan = h.core.plan_step("w0")
+        assert plan is not None
+        h.deliver(h.core.apply_step("w0", engine.step(plan)))
+    one = h.submit(tuple(range(50, 83)), max_tokens=1, priority=5).request_id    # the other is the victim
+    plan = h.core.plan_step("w0")
+    assert plan is not None
+    seq_id = next(item.seq_id for item in plan.work if item.num_tokens > 1)
+    outcome = engine.step(plan)
+    refused = tuple(SeqResult(seq_id=r.seq_id, num_computed_tokens=4, error=StepError.OUT_OF_BLOCKS)
+                    if r.seq_id == seq_id else r for r in outcome.results)
+    h.deliver(h.core.apply_step("w0", dataclasses.replace(outcome, results=refused)))
+    h.run()
+    assert h.streams[one].token_ids == reference_output(tuple(range(50, 83)), 1)
+    assert h.streams[other].finish is not None
