@@ -45,6 +45,7 @@ def one_token_chunk_in_flight(request: RequestState, in_flight: frozenset[str]) 
     return (request.cached_tokens is None and request.seq_id in in_flight
             and request.max_tokens - len(request.output) <= 1)
 
+
 class StepPlanner:
     def __init__(self, config: CoreConfig, vtc: VirtualTokenCounter, book: RequestBook,
                  counts: CoreCounters, clock: Callable[[], float], new_id: Callable[[], str]) -> None:
