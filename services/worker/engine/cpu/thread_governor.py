@@ -28,7 +28,7 @@ steps of a row count on each side: steps from longer ago ran on another load, an
 is no evidence. At 32 streams on idle cores a trial judged on one 1-row decode step (the
 warm-up's last, slowed by the gateway tokenizing the 32 arriving prompts) kept one thread of
 two, and could not go back while the prefill steps, which it cannot compare, lasted: 93-99
-instead of 150-156 tokens/s for those runs.
+tokens/s for those runs, 142-150 with these rules (156 with a fixed count).
 
 Windows are measured in time, not steps, so that steps slowed down by the contention itself
 (hundreds of ms each) are judged as soon as quick ones.
