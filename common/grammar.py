@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -98,15 +98,11 @@ def check(constraint: Constraint) -> str:
     from llguidance import LLMatcher
 
     check_size(constraint)
-    try:
+    # A panic is the library failing on this text itself (its own bug, e.g. cutting an error
+    # message inside a 4-byte character): the request's problem all the same, never the server's.
+    with panics_as(lambda _: ConstraintError("the grammar library could not read this constraint")):
         grammar = grammar_of(constraint)
         error = LLMatcher.validate_grammar(grammar, limits=parser_limits())
-    except BaseException as failure:
-        if not is_library_panic(failure):
-            raise
-        # The library failed on this text itself (its own bug, e.g. cutting an error message
-        # inside a 4-byte character): the request's problem all the same, never the server's.
-        raise ConstraintError("the grammar library could not read this constraint") from None
     if error:
         raise ConstraintError(error.strip())
     return grammar
@@ -119,15 +115,20 @@ def is_library_panic(failure: BaseException) -> bool:
 
 
 @contextmanager
-def panics_as_errors(what: str) -> Iterator[None]:
-    """Runs the block with a library panic raised again as a RuntimeError naming `what`, so
-    that the code around it (the worker's step isolation) handles it as any other error."""
+def panics_as(error: Callable[[BaseException], Exception]) -> Iterator[None]:
+    """Runs the block with a library panic raised again as `error(panic)`, an Exception that the
+    code around it handles (the gateway's 400s, the worker's step isolation)."""
     try:
         yield
     except BaseException as failure:
         if not is_library_panic(failure):
             raise
-        raise RuntimeError(f"the grammar library failed on {what}: {str(failure)[:200]}") from None
+        raise error(failure) from None
+
+
+def panic_error(what: str) -> Callable[[BaseException], Exception]:
+    """For `panics_as`: a RuntimeError naming `what` and the panic's message."""
+    return lambda failure: RuntimeError(f"the grammar library failed on {what}: {str(failure)[:200]}")
 
 
 def _lark_text(text: str) -> str:

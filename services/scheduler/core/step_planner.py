@@ -32,7 +32,7 @@ from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import CoreConfig, PrefillMode
 
 
-def one_token_chunk_in_flight(request: RequestState, in_flight: frozenset[str]) -> bool:
+def one_token_chunk_in_flight(request: RequestState, worker: WorkerState) -> bool:
     """Whether the request waits for its first chunk's reply before its next chunk is planned:
     it has one token left to sample and that chunk, in flight, may bring it. The worker serves
     a chunk past its end from its prefix cache (an identical or mostly cached prompt), sampling
@@ -40,10 +40,10 @@ def one_token_chunk_in_flight(request: RequestState, in_flight: frozenset[str]) 
     max_tokens throws away: a whole wasted step at one stream, which every request arriving
     behind it waits out. Requests with more tokens to come keep their chunks pipelined (that
     next "chunk" is then their first decode), and so does every chunk once the first reply
-    has said what was cached. `in_flight`: the sequences in the worker's steps in flight (a
-    first chunk refused for blocks is no longer in flight, and its request plans it again)."""
-    return (request.cached_tokens is None and request.seq_id in in_flight
-            and request.max_tokens - len(request.output) <= 1)
+    has said what was cached. Only a chunk in one of the worker's steps in flight holds it back
+    (a first chunk refused for blocks is no longer there, and its request plans it again)."""
+    return (request.cached_tokens is None and request.max_tokens - len(request.output) <= 1
+            and any(item.seq_id == request.seq_id for step in worker.in_flight for item in step.plan.work))
 
 
 class StepPlanner:
@@ -108,21 +108,19 @@ class StepPlanner:
             block_size=worker.spec.block_size)
 
     def _plan_prefill(self, worker: WorkerState, plan: StepBuilder) -> None:
-        in_flight = frozenset(item.seq_id for step in worker.in_flight for item in step.plan.work)
         for request in sorted(worker.prefilling, key=lambda r: r.running_key):
             if request.phase is not Phase.PREFILLING:
                 continue
             if plan.token_budget < 1:
                 return
-            self._plan_chunk(worker, plan, request, in_flight)
+            self._plan_chunk(worker, plan, request)
         self._plan_admissions(worker, plan)
 
-    def _plan_chunk(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
-                    in_flight: frozenset[str]) -> None:
+    def _plan_chunk(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
         # Once its last chunk is in flight, the next "chunk" is its first decode.
         wanted = min(request.worker_tokens - request.num_computed,
                      self._config.prefill_chunk_size, plan.token_budget)
-        if wanted <= 0 or not request.wants_more or one_token_chunk_in_flight(request, in_flight):
+        if wanted <= 0 or not request.wants_more or one_token_chunk_in_flight(request, worker):
             return
         block_size, cap = worker.spec.block_size, request.kv_cap_tokens
         num_tokens = tokens_that_fit(request.num_computed, plan.available_blocks, block_size, wanted, cap)

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from common.grammar import check, panics_as_errors, parser_limits
+from common.grammar import check, panic_error, panics_as, parser_limits
 from common.types import Constraint
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ class Grammars:
                 self._compiled.move_to_end(constraint)
         if compiled is None:
             import llguidance
-            with panics_as_errors("a constraint"):
+            with panics_as(panic_error("a constraint")):
                 compiled = llguidance.LLMatcher(self.tokenizer.get(), check(constraint), log_level=0,
                                                 limits=parser_limits())
             if compiled.is_error():

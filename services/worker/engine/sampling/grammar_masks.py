@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from common.grammar import panics_as_errors
+from common.grammar import panic_error, panics_as
 
 from services.worker.engine.sampling.sampler import SampleRequest
 
@@ -64,7 +64,7 @@ _FORBIDDEN, _ALLOWED = np.float32(-np.inf), np.float32(0.0)
 def _masks(jobs: list[Planned]) -> dict[int, list[np.ndarray]]:
     # A panic of the grammar library becomes an error the step's isolation can pin on one
     # sequence (isolation.py catches Exception; a panic is a BaseException).
-    with panics_as_errors("a mask"):
+    with panics_as(panic_error("a mask")):
         return {id(plan): [np.where(banned, _FORBIDDEN, _ALLOWED)
                            for banned in plan.seq.grammar.banned_rows(plan.drafts)]
                 for plan in jobs}
