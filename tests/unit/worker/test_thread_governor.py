@@ -219,3 +219,47 @@ def test_a_trial_is_judged_against_the_window_right_before_it_only() -> None:
     assert governor.in_trial
     governor.observe(0.52, [(32, 0.26)] * 2, 0.0, 5.1)       # 32 rows at one thread: slower
     assert governor.threads == 2 and not governor.in_trial
+
+
+def test_a_load_that_ends_during_a_trial_keeps_every_thread() -> None:
+    """At the served stack's switch from one stream to 32: the window before the trial held
+    1-row decodes slowed by the gateway tokenizing the arriving prompts, the trial's steps at
+    one thread came after the burst and look cheaper (0.7x). Back at two threads for a
+    confirmation, the burst over, two threads are faster: the trial goes back."""
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(1, 0.02)] * 30, 0.4, 0.6)        # 20 ms steps, waiting a third: a trial
+    assert governor.in_trial and governor.threads == 1
+    governor.observe(0.32, [(1, 0.014)] * 23, 0.0, 0.92)      # 14 ms at one thread: 0.7x, not sure
+    assert governor.confirming and governor.threads == 2
+    governor.observe(0.32, [(1, 0.012)] * 26, 0.0, 1.24)      # the burst is over: 12 ms at two
+    assert governor.threads == 2 and not governor.in_trial and not governor.last_kept
+    assert governor.last_relative == pytest.approx(14 / 12)
+
+
+def test_contention_that_lasts_is_kept_after_its_confirmation() -> None:
+    """A milder contention (one thread 0.73x the cost of two, not the collapse kept at once)
+    is confirmed by a window back at two threads and kept."""
+    machine = Machine(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), {2: 30, 1: 22}, {2: 0.3, 1: 0.0})
+    machine.run(2.0)
+    assert machine.governor.threads == 1 and not machine.governor.in_trial and machine.governor.last_kept
+    assert machine.trials == [(0.5, 1)]                       # the trial and its confirmation, once
+
+
+def test_a_collapse_is_kept_without_a_confirmation() -> None:
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(1, 0.2)] * 3, 0.6, 0.6)          # 200 ms steps: a busy process on a core
+    governor.observe(0.3, [(1, 0.025)] * 12, 0.0, 0.9)        # 25 ms at one thread: 0.125x
+    assert governor.threads == 1 and not governor.in_trial and governor.last_kept
+
+
+def test_a_confirmation_with_nothing_to_compare_goes_back() -> None:
+    """Prefill steps only, back at two threads: the trial is not kept (one thread fewer through
+    a long prefill, undisproved, is what cost a third of a c32 run)."""
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(1, 0.02)] * 30, 0.4, 0.6)
+    governor.observe(0.32, [(1, 0.014)] * 23, 0.0, 0.92)
+    assert governor.confirming
+    governor.observe(0.6, [], 0.0, 1.52)
+    assert governor.confirming                                # nothing comparable yet: on, up to a second
+    governor.observe(0.5, [], 0.0, 2.02)
+    assert governor.threads == 2 and not governor.in_trial and not governor.last_kept

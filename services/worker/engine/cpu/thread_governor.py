@@ -19,7 +19,9 @@ cost):
     steady below the most, `retry_s` after the last change, the last window with decode steps
         -> trial at n + 1 for `trial_s`
     a trial whose decode steps cost, row count for row count, below the steady ones / `margin`
-        -> keep its count (steady there)
+        -> keep its count (steady there); a trial down whose steps cost more than `sure` of
+           the steady ones first goes back for a confirmation (`trial_s`, up to `trial_max_s`)
+           and keeps its count only if its steps also cost below that window's / `margin`
     a trial with no step of a row count both saw yet -> on, up to `trial_max_s`
     else -> back, and the next trial in that direction waits twice as long (up to `retry_max_s`)
 
@@ -29,6 +31,14 @@ is no evidence. At 32 streams on idle cores a trial judged on one 1-row decode s
 warm-up's last, slowed by the gateway tokenizing the 32 arriving prompts) kept one thread of
 two, and could not go back while the prefill steps, which it cannot compare, lasted: 93-99
 tokens/s for those runs, 142-150 with these rules (156 with a fixed count).
+
+A trial down compared with the window before it alone mistakes a load that ends for one thread
+being faster: at the served stack's switch from one stream to 32, the window before the trial
+held 1-row decodes slowed by the gateway tokenizing 32 arriving prompts, the trial's did not, and
+one thread of two was kept for the prefill that followed (a c32 round at 90.6 tokens/s against
+114-121 beside it). A collapse (a busy process on the threads' core: steps 3-30x as long) is
+kept at once; a trial that is cheaper by less is compared again with a window back at the count
+it left, which a load that has ended no longer slows.
 
 Windows are measured in time, not steps, so that steps slowed down by the contention itself
 (hundreds of ms each) are judged as soon as quick ones.
@@ -49,6 +59,7 @@ class GovernorConfig:
     min_threads: int = 1
     high: float = 0.2                   # the waiting share that starts a trial at one thread fewer
     margin: float = 1.2                 # how much cheaper a trial's steps must be to keep its count
+    sure: float = 0.5                   # a trial down this much cheaper is kept without a confirmation
     window_s: float = 0.5               # wall time of steps per judgement at a steady count
     trial_s: float = 0.3                # wall time of steps a trial lasts (one call at least)
     trial_max_s: float = 1.0            # ... while it has no decode step to compare, at most
@@ -96,16 +107,24 @@ class ThreadGovernor:
         self.config = config
         self.threads = config.max_threads
         self.last_share = 0.0               # the last steady window's waiting share
+        self.last_relative: float | None = None   # the last judged trial's steps over the steady ones'
+        self.last_kept = False              # whether the last trial that ended kept its count
         self._window = _Window()
         self._steady: dict[int, list[float]] = {}   # the last steady window's decode steps
         self._trial_from: int | None = None  # the steady count a trial returns to
         self._trial_direction = 0
+        self._confirming: tuple[int, dict[int, list[float]]] | None = None   # a trial's count and steps, back at the steady count
         self._wait_s = {-1: 0.0, +1: config.retry_s}   # per direction, before its next trial
         self._changed_at_s = now_s
 
     @property
     def in_trial(self) -> bool:
-        return self._trial_from is not None
+        return self._trial_from is not None or self._confirming is not None
+
+    @property
+    def confirming(self) -> bool:
+        """Back at the count a trial down left, to compare that trial's steps once more."""
+        return self._confirming is not None
 
     def observe(self, wall_s: float, decodes: list[tuple[int, float]], waited_s: float, now_s: float) -> int:
         """The steps since the last call: their wall time, each decode-only step's (rows, wall
@@ -114,6 +133,12 @@ class ThreadGovernor:
         window.wall_s += max(wall_s, 0.0)
         window.waited_s += max(waited_s, 0.0)
         window.add_decodes(decodes)
+        if self._confirming is not None:
+            if window.wall_s >= self.config.trial_s:
+                relative = relative_cost(self._confirming[1], window.decodes, self.config.min_steps)
+                if relative is not None or window.wall_s >= self.config.trial_max_s:
+                    self._end_confirmation(relative, now_s)
+            return self.threads
         if self.in_trial:
             if window.wall_s >= self.config.trial_s:
                 relative = relative_cost(window.decodes, self._steady, self.config.min_steps)
@@ -149,15 +174,40 @@ class ThreadGovernor:
     def _end_trial(self, relative: float | None, now_s: float) -> None:
         returned_to, direction = self._trial_from, self._trial_direction
         self._trial_from = None
-        if relative is not None and relative * self.config.margin < 1.0:
-            self._steady = self._window.decodes
-            self._wait_s = {-1: 0.0, +1: self.config.retry_s}   # kept: a later change may go either way
-            self._changed_at_s = now_s
-            self._window = _Window()
-        else:
-            self._wait_s[direction] = min(max(self._wait_s[direction], self.config.retry_s / 2) * 2,
-                                          self.config.retry_max_s)
+        self.last_relative = relative
+        cheaper = relative is not None and relative * self.config.margin < 1.0
+        if cheaper and direction < 0 and relative > self.config.sure:
+            self._confirming = (self.threads, self._window.decodes)
             self._set(returned_to, now_s)
+        elif cheaper:
+            self._keep(self._window.decodes, now_s)
+        else:
+            self._back_off(direction, returned_to, now_s)
+
+    def _end_confirmation(self, relative: float | None, now_s: float) -> None:
+        """`relative`: the trial's steps against this window's, back at the count it left."""
+        trial_threads, trial_decodes = self._confirming
+        self._confirming = None
+        self.last_relative = relative
+        if relative is not None and relative * self.config.margin < 1.0:
+            self.threads = trial_threads
+            self._keep(trial_decodes, now_s)
+        else:
+            self._steady = self._window.decodes
+            self._back_off(-1, self.threads, now_s)
+
+    def _keep(self, decodes: dict[int, list[float]], now_s: float) -> None:
+        self.last_kept = True
+        self._steady = decodes
+        self._wait_s = {-1: 0.0, +1: self.config.retry_s}   # kept: a later change may go either way
+        self._changed_at_s = now_s
+        self._window = _Window()
+
+    def _back_off(self, direction: int, threads: int, now_s: float) -> None:
+        self.last_kept = False
+        self._wait_s[direction] = min(max(self._wait_s[direction], self.config.retry_s / 2) * 2,
+                                      self.config.retry_max_s)
+        self._set(threads, now_s)
 
     def _set(self, threads: int, now_s: float) -> None:
         self.threads = threads

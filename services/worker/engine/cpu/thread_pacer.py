@@ -45,21 +45,31 @@ class ThreadPacer:
         if now - self._read_at < self._sample_s:
             return
         waited = self._clock.waited_s()
-        before, was_trial = self.governor.threads, self.governor.in_trial
-        threads = self.governor.observe(now - self._read_at, self._decodes, waited - self._waited, now)
+        governor = self.governor
+        before, was_trial = governor.threads, governor.in_trial
+        threads = governor.observe(now - self._read_at, self._decodes, waited - self._waited, now)
         self._read_at, self._waited, self._decodes = now, waited, []
-        if threads == before:
-            if was_trial and not self.governor.in_trial and threads < self.governor.config.max_threads:
-                # An operator's signal: another process (or the CPU quota) takes the cores.
-                log.warning("engine threads: %d of %d kept, their steps cost less than with more (another "
-                            "process or the CPU quota takes the cores)", threads, self.governor.config.max_threads)
-            elif was_trial and not self.governor.in_trial:
-                log.info("engine threads: %d again, the cores are free", threads)
-            return
-        self._set_threads(threads)
-        self.changes += 1
-        if self.governor.in_trial:
+        if threads != before:
+            self._set_threads(threads)
+            self.changes += 1
+        if was_trial and not governor.in_trial:
+            self._log_outcome(threads)
+        elif threads != before and governor.confirming:
+            log.info("engine threads %d -> %d to confirm the trial (its steps cost %.2fx these)",
+                     before, threads, governor.last_relative)
+        elif threads != before and governor.in_trial:
             log.info("engine threads %d -> %d on trial (the threads waited for a CPU %.0f%% of their time)",
-                     before, threads, 100 * self.governor.last_share)
-        elif was_trial:
-            log.info("engine threads %d -> %d: the trial was not faster", before, threads)
+                     before, threads, 100 * governor.last_share)
+
+    def _log_outcome(self, threads: int) -> None:
+        governor = self.governor
+        relative = governor.last_relative
+        cost = f"{relative:.2f}x" if relative is not None else "not comparable"
+        if governor.last_kept and threads < governor.config.max_threads:
+            # An operator's signal: another process (or the CPU quota) takes the cores.
+            log.warning("engine threads: %d of %d kept, their steps cost less than with more (%s; another "
+                        "process or the CPU quota takes the cores)", threads, governor.config.max_threads, cost)
+        elif governor.last_kept:
+            log.info("engine threads: %d again, the cores are free (steps %s)", threads, cost)
+        else:
+            log.info("engine threads: %d, the trial was not faster (steps %s)", threads, cost)
