@@ -60,6 +60,7 @@ def device_accelerators() -> Accelerators:
         keep_freed_host_memory=host_memory.keep_freed_host_memory,
         bound_gemm_caches=host_memory.bound_gemm_caches,
         release_freed_host_memory=host_memory.release_freed_host_memory,
+        checkpoint_page_release=host_memory.checkpoint_page_release,
         default_kernel_dir=default_cache_dir,
         apply_speedups=apply_speedups,
         serve_tied_weight_from_codes=serve_tied_weight_from_codes,

@@ -171,6 +171,10 @@ def _no_gemm_cache_bound(entries: int) -> None:
     return None
 
 
+def _no_page_release() -> Callable[[int, int], object]:
+    return lambda address, nbytes: 0
+
+
 def _no_kernel_dir() -> Path | None:
     return None
 
@@ -211,6 +215,8 @@ class Accelerators:
     keep_freed_host_memory: Callable[[], object] = _nothing
     bound_gemm_caches: Callable[[int], object] = _no_gemm_cache_bound
     release_freed_host_memory: Callable[[], object] = _nothing
+    # After loading: (address, bytes) -> lets the checkpoint mapping's pages of a copied weight go.
+    checkpoint_page_release: Callable[[], Callable[[int, int], object]] = _no_page_release
     # Where compiled kernels are kept when KERNEL_CACHE_DIR is unset.
     default_kernel_dir: Callable[[], Path | None] = _no_kernel_dir
     # (base, lm_head, config, device, dtype, kernel_cache_dir) -> what was applied to the model.

@@ -7,6 +7,7 @@ speed-ups and the LM head screen that the engine's accelerators plug in
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,7 +54,7 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     if device.type == "cpu":
         accelerators.keep_freed_host_memory()
         accelerators.bound_gemm_caches(config.cpu_gemm_cache_entries)
-    model = model if model is not None else _load_model(config.model_dir, dtype)
+    model = model if model is not None else _load_model(config.model_dir, dtype, accelerators.checkpoint_page_release)
     model.to(device=device, dtype=dtype).eval()
     model.set_attn_implementation(ATTENTION_NAME)
     # Multimodal checkpoints (Gemma 4) wrap the text decoder; only the text path runs here.
@@ -98,26 +99,30 @@ def _serve_loras(config: EngineConfig, model: torch.nn.Module, speedups: Speedup
     return step, shapes
 
 
-def _load_model(model_dir: str, dtype: torch.dtype) -> torch.nn.Module:
+def _load_model(model_dir: str, dtype: torch.dtype,
+                page_release: Callable[[], Callable[[int, int], object]]) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    _own_weights(model)
+    _own_weights(model, page_release())
     return model
 
 
-def _own_weights(model: torch.nn.Module) -> None:
+def _own_weights(model: torch.nn.Module, release: Callable[[int, int], object]) -> None:
     """Weights loaded from safetensors are views of the file's memory mapping, and
     every page read stays resident as long as one of them lives. Copying each into
     memory of its own lets the mapping go, so that the weights the speed-ups replace
-    (by packs or codes) are really let go."""
+    (by packs or codes) are really let go; `release` lets each copied weight's mapped
+    pages go at once, so that the checkpoint is not resident twice while it is copied."""
     seen: set[int] = set()
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if id(tensor) in seen or tensor.device.type != "cpu":
                 continue
             seen.add(id(tensor))
-            tensor.data = tensor.data.clone()
+            loaded = tensor.data
+            tensor.data = loaded.clone()
+            release(loaded.data_ptr(), loaded.numel() * loaded.element_size())
 
 
 def _eos_token_ids(model: torch.nn.Module) -> list[int]:

@@ -53,7 +53,7 @@ class CpuSpeedups(Speedups):
     """What the core reads (accelerators.Speedups: the LM head, the linears' plan, the direct
     forward, counts), and what only the CPU's own paths and their tests read."""
     bfloat16: Bfloat16Compute | None = None    # CPU_COMPUTE=bfloat16: the layers' wide GEMMs
-    dropped_bytes: int = 0                 # weight copies the coded linears made unneeded, let go
+    dropped_bytes: int = 0                 # weight copies the coded linears made unneeded: let go, or packs never built
     prefill_weights: str = "packs"         # what the coded layers' wide steps multiply: packs or codes
     native_prefill_shapes: int = 0         # weight shapes whose wide steps the native GEMM serves
 
@@ -84,19 +84,40 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     done.fused_mlps = fuse_gated_mlps(base, native_ops) if native_ops is not None else 0
     done.linear_kernel = _packed_kernel_plan(target)
     if done.linear_kernel is not None:
-        pack_linears(base, {dtype: done.linear_kernel})
+        # The packs wait until the weight codes are known (`_pack_where_served`).
+        pack_linears(base, {dtype: done.linear_kernel}, pack=False)
         if isinstance(lm_head, torch.nn.Linear):
-            done.lm_head = PackedLinear(lm_head, done.linear_kernel.lm_head_max_rows, done.linear_kernel.kernel)
+            done.lm_head = PackedLinear(lm_head, done.linear_kernel.lm_head_max_rows, done.linear_kernel.kernel,
+                                        pack=False)
     done.native_linears = _route_few_rows_to_native(target, base, done.lm_head) if done.native_kernels else 0
     done.coded_linears = _route_few_rows_to_codes(target, base, done)
+    if config.cpu_compute == "bfloat16":
+        _pack_where_served(base, done.lm_head, None)   # its calibration times the layers' float32 packs
     done.bfloat16 = (Bfloat16Compute(linears=0, min_rows=None) if declined
                      else apply_bfloat16(base) if config.cpu_compute == "bfloat16" else None)
     done.direct = _direct_forward(target, base, native_ops, done.coded_linears)
     wide = _wide_from_codes(target, base, done.lm_head)
     done.prefill_weights = "codes" if wide is not None else "packs"
     done.native_prefill_shapes = wide.native_shapes() if wide is not None else 0
-    done.dropped_bytes = _drop_unserved_copies(base, done.lm_head, wide)
+    unbuilt = _pack_where_served(base, done.lm_head, wide)
+    done.dropped_bytes = unbuilt + _drop_unserved_copies(base, done.lm_head, wide)
     return done
+
+
+def _pack_where_served(base: torch.nn.Module, lm_head: torch.nn.Module, wide: WideFromCodes | None) -> int:
+    """Builds the deferred packs that some step will multiply: not the coded LM head's (its codes
+    and their tiles serve every row) nor those of the coded layers whose wide steps `wide`
+    expands from their codes. Packing every linear first and dropping these afterwards held
+    them all at once beside the float32 weights: the default model's worker peaked at 3.1 GB
+    while it started, to hold ~0.85 GB once ready (the LM head's pack alone 640 MB). Returns the
+    bytes of the packs not built (a float32 pack holds about its weight's bytes)."""
+    unbuilt = 0
+    for linear in _packed_linears(base, lm_head):
+        if linear.coded is None or (linear is not lm_head and wide is None):
+            linear.pack_now()
+        elif linear.deferred_rows_hint is not None and linear.weight is not None:
+            unbuilt += _nbytes(linear.weight)
+    return unbuilt
 
 
 def _wide_from_codes(target: _Target, base: torch.nn.Module, lm_head: torch.nn.Module) -> WideFromCodes | None:
@@ -139,7 +160,7 @@ def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide:
     for linear in _packed_linears(base, lm_head):
         weight, packed = linear.weight, linear.packed
         if linear is lm_head:
-            if linear.drop_pack():
+            if linear.drop_pack() and packed is not None:
                 dropped += _nbytes(packed)
         elif wide is not None and linear.coded is not None:
             linear.serve_wide_rows_from_codes(wide)

@@ -235,7 +235,10 @@ def _time_kernel(kernel: str, linears: list[torch.nn.Linear], repeats: int = 2) 
 
 class PackedLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Linear, max_packed_rows: int = MAX_PACKED_ROWS,
-                 kernel: str | None = None, pack_rows_hint: int = PACK_ROWS_HINT) -> None:
+                 kernel: str | None = None, pack_rows_hint: int = PACK_ROWS_HINT, pack: bool = True) -> None:
+        """`pack=False` defers the pack to `pack_now` (until then the plain weight serves the
+        steps the pack would): the engine packs only the linears whose weight codes leave a
+        step for the pack, so that no pack is built only to be dropped."""
         super().__init__()
         dtype = linear.weight.dtype
         kernel = kernel or _default_kernel(dtype) or "onednn"
@@ -256,7 +259,16 @@ class PackedLinear(torch.nn.Module):
         self.bf16_bias: torch.Tensor | None = None
         self.bf16_min_rows = ALL_ROWS
         self.wide: WideFromCodes | None = None          # CPU_PREFILL_WEIGHTS=codes: wide steps from the codes
-        self.register_buffer("packed", self._pack(kernel, pack_rows_hint), persistent=False)
+        self.deferred_rows_hint: int | None = None if pack else pack_rows_hint   # a pack to build (`pack_now`)
+        self.register_buffer("packed", self._pack(kernel, pack_rows_hint) if pack else None, persistent=False)
+
+    def pack_now(self) -> bool:
+        """Builds the deferred pack; False when none is deferred."""
+        if self.deferred_rows_hint is None or self.weight is None:
+            return False
+        self.packed = self._pack(self.kernel, self.deferred_rows_hint)
+        self.deferred_rows_hint = None
+        return True
 
     def _pack(self, kernel: str, rows_hint: int) -> torch.Tensor:
         with torch.no_grad():
@@ -269,7 +281,10 @@ class PackedLinear(torch.nn.Module):
         steps the coded kernel serves, so that the pack only runs prefill chunks."""
         if not kernel_available(kernel, self.weight.dtype):
             raise ValueError(f"no packed kernel for {self.weight.dtype} ({kernel}) on this CPU")
-        self.packed = self._pack(kernel, PREFILL_PACK_ROWS_HINT)
+        if self.deferred_rows_hint is not None:
+            self.deferred_rows_hint = PREFILL_PACK_ROWS_HINT
+        else:
+            self.packed = self._pack(kernel, PREFILL_PACK_ROWS_HINT)
         self.kernel, self.max_packed_rows = kernel, ALL_ROWS
 
     def drop_float32_weight(self) -> bool:
@@ -286,10 +301,11 @@ class PackedLinear(torch.nn.Module):
         return True
 
     def drop_pack(self) -> bool:
-        """Drops the pack: codes serve the few-row steps, the plain float32 weight the others."""
-        if self.coded is None or self.packed is None or self.weight is None:
+        """Drops the pack (or the deferred one): codes serve the few-row steps, the plain
+        float32 weight the others."""
+        if self.coded is None or (self.packed is None and self.deferred_rows_hint is None) or self.weight is None:
             return False
-        self.packed, self.max_packed_rows = None, 0
+        self.packed, self.max_packed_rows, self.deferred_rows_hint = None, 0, None
         return True
 
     def serve_all_rows_from_codes(self) -> bool:
@@ -307,7 +323,7 @@ class PackedLinear(torch.nn.Module):
         the codes by `wide` (coded_wide.py), the same values bit for bit."""
         if self.coded is None:
             return False
-        self.weight, self.packed, self.max_packed_rows = None, None, 0
+        self.weight, self.packed, self.max_packed_rows, self.deferred_rows_hint = None, None, 0, None
         self.native, self.native_max_rows, self.wide = None, 0, wide
         return True
 
@@ -364,7 +380,7 @@ class PackedLinear(torch.nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         if self.wide is not None:
             return self.wide(rows.contiguous(), self.coded, self.bias).view(*x.shape[:-1], self.out_features)
-        if rows.shape[0] > self.max_packed_rows:
+        if rows.shape[0] > self.max_packed_rows or self.packed is None:
             if self.weight is None and self.packed is None:
                 return self._from_code_tiles(x)
             if self.weight is None:
@@ -383,18 +399,19 @@ def bfloat16_linear(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor
     return torch.ops.mkldnn._linear_pointwise(rows.to(torch.bfloat16), packed, bias, "none", [], "").float()
 
 
-def pack_linears(module: torch.nn.Module, plans: dict[torch.dtype, KernelPlan] | None = None) -> int:
+def pack_linears(module: torch.nn.Module, plans: dict[torch.dtype, KernelPlan] | None = None,
+                 pack: bool = True) -> int:
     """Replaces every nn.Linear under `module` whose dtype has a plan (by default: a
-    packed kernel here) by a PackedLinear; returns how many."""
+    packed kernel here) by a PackedLinear (its pack deferred with `pack=False`); returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
             plan = _plan_for(child.weight.dtype, plans)
             if plan is not None:
-                setattr(module, name, PackedLinear(child, plan.layer_max_rows, plan.kernel))
+                setattr(module, name, PackedLinear(child, plan.layer_max_rows, plan.kernel, pack=pack))
                 count += 1
         else:
-            count += pack_linears(child, plans)
+            count += pack_linears(child, plans, pack)
     return count
 
 
