@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 from collections.abc import Callable
@@ -136,7 +137,9 @@ def checkpoint_page_release() -> Callable[[int, int], int]:
     return lambda address, nbytes: release_file_pages(address, nbytes, mappings)
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
+    """The C library, looked up once (`find_library` runs `ldconfig`: a process a call)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")

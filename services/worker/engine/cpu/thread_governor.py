@@ -113,7 +113,8 @@ class ThreadGovernor:
         self._steady: dict[int, list[float]] = {}   # the last steady window's decode steps
         self._trial_from: int | None = None  # the steady count a trial returns to
         self._trial_direction = 0
-        self._confirming: tuple[int, dict[int, list[float]]] | None = None   # a trial's count and steps, back at the steady count
+        # A trial down not yet kept: its count and steps, while back at the steady count.
+        self._confirming: tuple[int, dict[int, list[float]]] | None = None
         self._wait_s = {-1: 0.0, +1: config.retry_s}   # per direction, before its next trial
         self._changed_at_s = now_s
 
@@ -133,17 +134,15 @@ class ThreadGovernor:
         window.wall_s += max(wall_s, 0.0)
         window.waited_s += max(waited_s, 0.0)
         window.add_decodes(decodes)
-        if self._confirming is not None:
-            if window.wall_s >= self.config.trial_s:
-                relative = relative_cost(self._confirming[1], window.decodes, self.config.min_steps)
-                if relative is not None or window.wall_s >= self.config.trial_max_s:
-                    self._end_confirmation(relative, now_s)
-            return self.threads
         if self.in_trial:
             if window.wall_s >= self.config.trial_s:
-                relative = relative_cost(window.decodes, self._steady, self.config.min_steps)
+                # A confirmation: the trial's steps against this window's; a trial: this window's
+                # against the steady ones.
+                trial, steady = ((self._confirming[1], window.decodes) if self.confirming
+                                 else (window.decodes, self._steady))
+                relative = relative_cost(trial, steady, self.config.min_steps)
                 if relative is not None or window.wall_s >= self.config.trial_max_s:
-                    self._end_trial(relative, now_s)
+                    (self._end_confirmation if self.confirming else self._end_trial)(relative, now_s)
             return self.threads
         if window.wall_s >= self.config.window_s:
             self.last_share = window.share(self.threads)
