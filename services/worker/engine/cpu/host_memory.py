@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import functools
 import logging
 import os
 from collections.abc import Callable
@@ -113,33 +112,42 @@ def file_mappings(suffix: str = ".safetensors", maps: str = "/proc/self/maps") -
     return ranges
 
 
-def release_file_pages(address: int, nbytes: int, mappings: list[tuple[int, int]]) -> int:
+def release_file_pages(address: int, nbytes: int, mappings: list[tuple[int, int]],
+                       madvise: Callable[[int, int, int], int] | None = None) -> int:
     """Drops the resident pages wholly inside [address, address + nbytes) where that range
     lies in one of `mappings` (`file_mappings`: the kernel reads them from the file again
-    if they are read again); returns the bytes released (0 elsewhere, or without glibc)."""
+    if they are read again); returns the bytes released (0 elsewhere, or without glibc).
+    `madvise`: glibc's, looked up once by the caller (`_madvise`) for many calls."""
     start = -(-address // PAGE) * PAGE
     end = (address + nbytes) // PAGE * PAGE
     if end <= start or not any(low <= start and end <= high for low, high in mappings):
         return 0
-    libc = _glibc()
-    if libc is None:
+    madvise = madvise or _madvise()
+    if madvise is None:
         return 0
-    madvise = libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
     return end - start if madvise(start, end - start, MADV_DONTNEED) == 0 else 0
 
 
 def checkpoint_page_release() -> Callable[[int, int], int]:
     """`release_file_pages` over the checkpoint files mapped now (call after loading, before
-    copying the weights out)."""
-    mappings = file_mappings()
-    return lambda address, nbytes: release_file_pages(address, nbytes, mappings)
+    copying the weights out), with glibc looked up once: `find_library` runs `ldconfig`."""
+    mappings, madvise = file_mappings(), _madvise()
+    if madvise is None:
+        return lambda address, nbytes: 0
+    return lambda address, nbytes: release_file_pages(address, nbytes, mappings, madvise)
 
 
-@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    libc = _glibc()
+    if libc is None:
+        return None
+    madvise = libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    madvise.restype = ctypes.c_int
+    return madvise
+
+
 def _glibc() -> ctypes.CDLL | None:
-    """The C library, looked up once (`find_library` runs `ldconfig`: a process a call)."""
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name or "libc.so.6")
