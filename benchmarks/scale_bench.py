@@ -4,7 +4,10 @@ kvcache index and scheduler as processes of their own, that many simulated worke
 load driven through the scheduler's Generate that saturates the ideal (a full decode batch per
 worker). A row per count: output tok/s against the ideal (the one-worker row's rate times the
 count), efficiency, the scheduler's CPU per step and per token, the workers' idle gap between a
-step's end and the next step's start (p50/p99), and TTFT p50/p99.
+step's end and the next step's start (p50/p99), TTFT p50/p99, and the share of prompt tokens the
+workers served from their prefix caches (the simulated workers publish their blocks to the index;
+`--shared-prefix N` starts every prompt of a tenant with the same N tokens, as a system prompt
+would, so that the scheduler's cache-aware routing has matches to find).
 
     python -m benchmarks.scale_bench --workers 1,16,64 --seconds 20 --out FILE [--plot PNG]
     python -m benchmarks.scale_bench --quick        # seconds, 1 and 2 workers (the unit test)
@@ -31,6 +34,8 @@ STREAMS_PER_CONNECTION = 256
 @dataclass
 class LoadResult:
     tokens: int = 0
+    prompt_tokens: int = 0      # of the requests that finished in the window
+    cached_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
@@ -60,13 +65,24 @@ async def _stream(stub, request, result: LoadResult, window: tuple[float, float]
             result.tokens += len(event.tokens)
         if event.HasField("finish") and event.finish.finish_reason == "error":
             result.error(event.finish.message)
+        elif event.HasField("finish") and window[0] <= now < window[1]:
+            result.prompt_tokens += event.finish.usage.prompt_tokens
+            result.cached_tokens += event.finish.usage.cached_tokens
+
+
+def tenant_prefixes(tenants: int, tokens: int, seed: int = 1) -> list[list[int]]:
+    """Each tenant's shared prompt start (its system prompt), `tokens` long."""
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 30000) for _ in range(tokens)] for _ in range(tenants)]
 
 
 async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
-                max_tokens: int, tenants: int = 4) -> LoadResult:
-    """`concurrency` closed loops of Generate; tokens and TTFTs counted in the measured window."""
+                max_tokens: int, tenants: int = 4, shared_prefix: int = 0) -> LoadResult:
+    """`concurrency` closed loops of Generate; tokens and TTFTs counted in the measured window.
+    A prompt is its tenant's first `shared_prefix` tokens, then random ones to `prompt_tokens`."""
     from fairserve.v1 import scheduler_pb2
     rng, result = random.Random(0), LoadResult()
+    prefixes = tenant_prefixes(tenants, min(shared_prefix, prompt_tokens))
     start = time.monotonic()
     window = (start + warmup_s, start + warmup_s + seconds)
     counter = iter(range(1 << 62))
@@ -76,7 +92,8 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
         while time.monotonic() < window[1]:
             request = scheduler_pb2.GenerateRequest(
                 request_id=f"scale-{index}-{next(counter)}", max_tokens=max_tokens, ignore_eos=True,
-                prompt_token_ids=[rng.randrange(3, 30000) for _ in range(prompt_tokens)],
+                prompt_token_ids=prefixes[index % tenants] + [
+                    rng.randrange(3, 30000) for _ in range(prompt_tokens - len(prefixes[index % tenants]))],
                 client_id=f"tenant-{index % tenants}")
             try:
                 await _stream(stub, request, result, window)
@@ -107,7 +124,7 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
         load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
         gaps, busy = stack.worker_steps()
     seconds = args.seconds
-    steps = stack.steps_in_window
+    steps, index = stack.steps_in_window, stack.index_in_window
     cpu = stack.scheduler_cpu_in_window
     tok_s = load.tokens / seconds
     return {"workers": workers, "output_tok_s": round(tok_s, 1), "scheduler_cpu_util": round(cpu / seconds, 3),
@@ -119,13 +136,21 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "device_busy": round(busy, 3),
             "ttft_ms_p50": round(1000 * percentile(load.ttfts_s, 0.5), 1),
             "ttft_ms_p99": round(1000 * percentile(load.ttfts_s, 0.99), 1),
+            "cached_token_share": round(load.cached_tokens / load.prompt_tokens, 3) if load.prompt_tokens else 0.0,
+            "index_hit_token_share": _share(index.get("hit_tokens", 0), index.get("lookup_tokens", 0)),
+            "index_blocks": index.get("blocks", 0),
             "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
             "slowdown": args.slowdown}
 
 
 async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) -> LoadResult:
     await stack.wait_registered()
-    return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens)
+    return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens,
+                       shared_prefix=args.shared_prefix)
+
+
+def _share(part: int, whole: int) -> float:
+    return round(part / whole, 3) if whole else 0.0
 
 
 def with_ideal(rows: list[dict]) -> list[dict]:
@@ -139,12 +164,13 @@ def with_ideal(rows: list[dict]) -> list[dict]:
 
 def table(rows: list[dict]) -> str:
     lines = ["| workers | tok/s | ideal | efficiency | sched CPU | ms CPU/step | us CPU/token | gap p50/p99 ms "
-             "| TTFT p50/p99 ms |", "|---|---|---|---|---|---|---|---|---|"]
+             "| TTFT p50/p99 ms | cached |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['workers']} | {r['output_tok_s']:.0f} | {r['ideal_tok_s']:.0f} | {r['efficiency']:.2f} "
                      f"| {r['scheduler_cpu_util']:.2f} | {r['scheduler_cpu_ms_per_step']} "
                      f"| {r['scheduler_cpu_us_per_token']} | {r['dispatch_gap_ms_p50']:.1f}/"
-                     f"{r['dispatch_gap_ms_p99']:.1f} | {r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} |")
+                     f"{r['dispatch_gap_ms_p99']:.1f} | {r['ttft_ms_p50']:.0f}/{r['ttft_ms_p99']:.0f} "
+                     f"| {100 * r.get('cached_token_share', 0.0):.0f} % |")
     return "\n".join(lines)
 
 
@@ -179,6 +205,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="concurrent requests per worker (default: a full decode batch)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--shared-prefix", type=int, default=0,
+                        help="tokens every prompt of a tenant starts with (a system prompt; 0: none)")
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
     parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
     parser.add_argument("--logs", help="keep the processes' logs in this folder")
@@ -187,7 +215,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.quick:
         args.workers, args.seconds, args.warmup, args.tokens = "1,2", 2.0, 1.0, True
-        args.prompt_tokens, args.max_tokens = 16, 16
+        args.prompt_tokens, args.max_tokens, args.shared_prefix = 48, 16, 32
     return args
 
 

@@ -27,6 +27,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def grpc_aio_channel(address: str, interceptors: list):
+    import grpc
+    return grpc.aio.insecure_channel(address, interceptors=interceptors)
+
+
 @dataclass(frozen=True)
 class StackConfig:
     workers: int
@@ -46,6 +51,7 @@ class Stack:
         if config.tokens:
             self.env.update(INTERNAL_TOKEN=secrets.token_hex(16), WORKER_TOKEN=secrets.token_hex(16))
         kv_port, self.port = free_port(), free_port()
+        self.kv_port = kv_port
         self.env.update(KVCACHE_PORT=str(kv_port), KVCACHE_METRICS_PORT="0", KVCACHE_ADDR=f"127.0.0.1:{kv_port}",
                         SCHEDULER_PORT=str(self.port), SCHEDULER_METRICS_PORT="0",
                         MAX_BATCH_SIZE=str(config.max_batch), MAX_ACTIVE_KV_TOKENS=str(1 << 30),
@@ -59,6 +65,8 @@ class Stack:
         self.window = [0.0, 0.0]
         self.steps_in_window = 0
         self.scheduler_cpu_in_window = 0.0
+        self.index_in_window: dict[str, int] = {}   # the kvcache index's counters over the window
+        self._index_mark: dict[str, int] = {}
         self._channels: list = []
 
     def _start(self, *module: str) -> subprocess.Popen:
@@ -119,15 +127,29 @@ class Stack:
         raise TimeoutError(f"{self.config.workers} simulated workers did not register in {timeout_s} s")
 
     async def mark(self) -> None:
-        """The window's start: the scheduler's CPU and its workers' steps so far."""
+        """The window's start: the scheduler's CPU, its workers' steps and the index's counters so far."""
         self.window = [time.monotonic(), 0.0]
         self._mark = (process_cpu_seconds(self.scheduler.pid), await self._steps())
+        self._index_mark = await self._index_counters()
 
     async def mark_end(self) -> None:
         self.window[1] = time.monotonic()
         cpu, steps = process_cpu_seconds(self.scheduler.pid), await self._steps()
         self.scheduler_cpu_in_window = cpu - self._mark[0]
         self.steps_in_window = steps - self._mark[1]
+        index = await self._index_counters()
+        self.index_in_window = {name: value - self._index_mark.get(name, 0) for name, value in index.items()}
+        self.index_in_window["blocks"] = index["blocks"]     # indexed at the window's end, not a delta
+
+    async def _index_counters(self) -> dict[str, int]:
+        """The kvcache index's lookups and the blocks it holds (the workers' published caches)."""
+        from fairserve.v1 import common_pb2, kvindex_pb2_grpc
+        from common.transport.internal_auth import InternalAuth, token_interceptors
+        async with grpc_aio_channel(f"127.0.0.1:{self.kv_port}",
+                                    token_interceptors(InternalAuth.from_env(self.env).token)) as channel:
+            stats = await kvindex_pb2_grpc.KvIndexStub(channel).Stats(common_pb2.StatsRequest(), timeout=10)
+        return {"lookup_tokens": stats.lookup_tokens, "hit_tokens": stats.hit_tokens,
+                "blocks": sum(stats.blocks_by_worker.values())}
 
     async def _steps(self) -> int:
         return sum(worker.steps for worker in (await self._stats()).workers)

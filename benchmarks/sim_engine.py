@@ -15,8 +15,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from common.step import PoolStats, SeqResult, StepBatch, StepError, StepOutput
-from services.worker.engine.types import EngineInfo, StaleEpoch
+from benchmarks.sim_prefix_cache import SimPrefixCache
+from common.block_hash import extend_chain, salted_key
+from common.step import NewSequence, PoolStats, SeqResult, StepBatch, StepError, StepOutput
+from services.worker.engine.types import BlockEvent, EngineInfo, StaleEpoch
 
 SIM_VOCAB = 32000
 SIM_EOS = 2
@@ -48,8 +50,15 @@ class StepCosts:
 
 @dataclass
 class _Seq:
-    known: int          # prompt and output tokens
+    tokens: list[int]   # prompt and output tokens
+    key: str            # the block hashes' key (model key and cache salt)
+    chain: list[int]    # hashes of its computed full blocks, held in the prefix cache
     computed: int = 0
+    cached: int = 0     # prompt tokens taken from the cache, reported with its first result
+
+    @property
+    def known(self) -> int:
+        return len(self.tokens)
 
 
 def sim_token(position: int) -> int:
@@ -62,8 +71,10 @@ class SimEngine:
     its modelled duration in `pending_s` for the engine thread to wait out (sim_workers.py)."""
 
     def __init__(self, costs: StepCosts = StepCosts(), num_blocks: int = 48000, block_size: int = 16,
-                 max_model_len: int = 8192) -> None:
+                 max_model_len: int = 8192, model_key: str = "") -> None:
         self.costs = costs
+        self.model_key = model_key
+        self.cache = SimPrefixCache(block_size)
         self.block_size = block_size
         self.info = EngineInfo(model_name="simulated", block_size=block_size, num_blocks=num_blocks,
                                device="simulated", dtype="bfloat16", max_model_len=max_model_len,
@@ -72,6 +83,8 @@ class SimEngine:
         self.pending_s = 0.0
         self._seqs: dict[str, _Seq] = {}
         self._used_blocks = 0
+        self._hit_tokens = 0
+        self._query_tokens = 0
 
     def adopt_epoch(self, epoch: int) -> int:
         if epoch < self.epoch:
@@ -79,6 +92,8 @@ class SimEngine:
         if epoch == self.epoch:
             return 0
         self.epoch, freed = epoch, len(self._seqs)
+        for seq in self._seqs.values():
+            self.cache.release(seq.chain)
         self._seqs.clear()
         self._used_blocks = 0
         return freed
@@ -91,8 +106,9 @@ class SimEngine:
             seq = self._seqs.pop(seq_id, None)
             if seq is not None:
                 self._used_blocks -= self._blocks(seq.computed)
+                self.cache.release(seq.chain)
         for new in batch.new_sequences:
-            self._seqs[new.seq_id] = _Seq(len(new.prompt_token_ids) + len(new.output_token_ids))
+            self._seqs[new.seq_id] = self._start(new)
         results, decodes, prefill, seen = [], 0, 0, set()
         for item in batch.work:
             result, computed = self._work(item.seq_id, item.num_tokens, seen)
@@ -102,8 +118,23 @@ class SimEngine:
             else:
                 prefill += computed
         self.pending_s = self.costs.step_s(decodes, prefill)
+        self.cache.evict_to(self.info.num_blocks - self._used_blocks)
         return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=self.pending_s * 1000.0,
                           step_id=batch.step_id, batch_tokens=decodes + prefill, prompt_tokens=prefill)
+
+    def _start(self, new: NewSequence) -> _Seq:
+        """A new sequence from the longest cached prefix of its tokens' full blocks, short of
+        its last token (that one is computed, to be sampled from)."""
+        tokens = [*new.prompt_token_ids, *new.output_token_ids]
+        key = salted_key(self.model_key, new.cache_salt)
+        prompt_chain = self.cache.prompt_chain(tokens[:len(tokens) - 1], key)
+        chain = prompt_chain[:self.cache.cached_blocks(prompt_chain)]
+        self.cache.hold(chain)
+        computed = len(chain) * self.block_size
+        self._used_blocks += self._blocks(computed)
+        self._hit_tokens += computed
+        self._query_tokens += len(new.prompt_token_ids)
+        return _Seq(tokens, key, chain, computed, computed)
 
     def _work(self, seq_id: str, num_tokens: int, seen: set[str]) -> tuple[SeqResult, int]:
         seq = self._seqs.get(seq_id)
@@ -120,25 +151,36 @@ class SimEngine:
             return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, error=StepError.OUT_OF_BLOCKS), 0
         self._used_blocks += self._blocks(seq.computed + count) - self._blocks(seq.computed)
         seq.computed += count
+        self._cache_computed(seq)
+        cached, seq.cached = seq.cached, 0
         if seq.computed < seq.known:
-            return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed), count
+            return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, num_cached_tokens=cached), count
         token = sim_token(seq.known)
-        seq.known += 1
-        return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, sampled=True, token_id=token), count
+        seq.tokens.append(token)
+        return SeqResult(seq_id=seq_id, num_computed_tokens=seq.computed, num_cached_tokens=cached,
+                         sampled=True, token_id=token), count
 
-    def drain_events(self) -> list:
-        return []    # no prefix cache: nothing to publish to the index
+    def _cache_computed(self, seq: _Seq) -> None:
+        """The sequence's newly computed full blocks into the prefix cache (and its events)."""
+        start = len(seq.chain)
+        if seq.computed // self.block_size > start:
+            extend_chain(seq.chain, seq.tokens[:seq.computed], self.block_size, seq.key)
+            self.cache.store(seq.chain, start)
+
+    def drain_events(self) -> list[BlockEvent]:
+        return self.cache.drain_events()
 
     def running_sequences(self) -> int:
         return len(self._seqs)
 
     def pool_stats(self) -> PoolStats:
-        total = self.info.num_blocks
-        return PoolStats(total_blocks=total, free_blocks=total - self._used_blocks, cached_blocks=0,
-                         used_blocks=self._used_blocks)
+        total, cached = self.info.num_blocks, len(self.cache) - self.cache.held_blocks
+        return PoolStats(total_blocks=total, free_blocks=total - self._used_blocks - cached, cached_blocks=cached,
+                         used_blocks=self._used_blocks, evictions=self.cache.evictions,
+                         prefix_hit_tokens=self._hit_tokens, prefix_query_tokens=self._query_tokens)
 
-    def snapshot_chains(self) -> list:
-        return []
+    def snapshot_chains(self) -> list[tuple[int, list[int]]]:
+        return self.cache.snapshot_chains()
 
     def snapshot_partials(self) -> list:
         return []

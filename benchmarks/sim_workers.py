@@ -1,7 +1,9 @@
 """Many simulated workers in one process: each is the real WorkerService (services/worker/server.py)
 over a SimEngine (sim_engine.py), on a gRPC server of its own, registering and heartbeating with
 the scheduler through the real `keep_registered`, the worker token included when one is set
-(WORKER_TOKEN / INTERNAL_TOKEN, as a real worker reads them).
+(WORKER_TOKEN / INTERNAL_TOKEN, as a real worker reads them), and publishing its prefix cache's
+block events (sim_prefix_cache.py) to the kvcache index at KVCACHE_ADDR through the real
+`KvEventPublisher`, as a real worker does (none without KVCACHE_ADDR).
 
 The engine thread is replaced by `SimEngineThread`: a step's bookkeeping runs on the event loop,
 then the step's modelled time is waited out against the worker's own clock (a step queued behind
@@ -19,6 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
@@ -26,14 +29,18 @@ from fairserve.v1 import worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
 from benchmarks.sim_engine import SimEngine, StepCosts
+from services.kvcache.client import KvIndexClient
+from services.kvcache.publisher import KvEventPublisher
 from common.transport.grpc_server import GrpcServer, internal_channel
 from common.transport.internal_auth import InternalAuth
 from common.shutdown import stop_requests
 from common.transport.worker_auth import worker_token_from_env, worker_token_interceptors
+from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics
 from services.worker.server import EngineThread, WorkerService, keep_registered
 
 log = logging.getLogger("sim_workers")
+KV_PUBLISH_INTERVAL_S = 0.05    # the worker's default (KV_PUBLISH_INTERVAL_S)
 T = TypeVar("T")
 
 
@@ -61,12 +68,18 @@ class SimEngineThread(EngineThread):
 
 
 class SimWorker:
-    def __init__(self, index: int, costs: StepCosts, host: str, internal: InternalAuth) -> None:
+    def __init__(self, index: int, costs: StepCosts, host: str, internal: InternalAuth,
+                 kv_index: KvIndexClient | None = None, model_key: str = "") -> None:
         self.worker_id = f"sim-{index}"
-        self.thread = SimEngineThread(SimEngine(costs))
+        self.thread = SimEngineThread(SimEngine(costs, model_key=model_key))
         metrics = WorkerMetrics(CollectorRegistry(), self.worker_id, self.thread.engine.pool_stats(),
                                 {"device": "simulated"})
-        self.service = WorkerService(self.thread, self.worker_id, metrics)
+        self.publisher = (KvEventPublisher(self.worker_id, kv_index.publish, snapshot_source(self.thread.snapshot))
+                          if kv_index is not None else None)
+        self.service = WorkerService(self.thread, self.worker_id, metrics,
+                                     on_block_events=partial(add_events, self.publisher) if self.publisher else None,
+                                     kv_events_unacknowledged=lambda: self.publisher.unacknowledged
+                                     if self.publisher else 0)
         self.server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, self.service)],
                                  [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                                  host, 0, internal)
@@ -83,7 +96,10 @@ async def serve(count: int, scheduler: str, costs: StepCosts, host: str = "127.0
     env = dict(os.environ if env is None else env)
     internal = InternalAuth.from_env(env)
     token = worker_token_from_env(env, internal.token)
-    workers = [SimWorker(index, costs, host, internal) for index in range(count)]
+    # One index connection for all of them (a real worker has its own; the index tells them
+    # apart by worker id).
+    kv_index = KvIndexClient.connect(env["KVCACHE_ADDR"], auth=internal) if env.get("KVCACHE_ADDR") else None
+    workers = [SimWorker(index, costs, host, internal, kv_index, env.get("MODEL_KEY", "")) for index in range(count)]
     for worker in workers:
         await worker.server.start()
         await worker.server.set_serving(True)
@@ -91,6 +107,7 @@ async def serve(count: int, scheduler: str, costs: StepCosts, host: str = "127.0
     stop = asyncio.Event()
     tasks = [asyncio.create_task(keep_registered(channel, w.worker_id, f"{host}:{w.server.port}", w.service,
                                                  1.0, stop)) for w in workers]
+    tasks += [asyncio.create_task(w.publisher.run(KV_PUBLISH_INTERVAL_S, stop)) for w in workers if w.publisher]
     log.warning("simulated workers serving", extra={"count": count, "scheduler": scheduler})
     stops = stop_requests()
     await stops.graceful.wait()

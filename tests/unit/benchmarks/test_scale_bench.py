@@ -1,6 +1,7 @@
 """The scale benchmark's parts: the simulated engine keeps the step contract (chunked prefill, one
 sampled token per finished chunk, errors, frees, epochs), and `--quick` runs the real scheduler and
-kvcache with two simulated workers registering under WORKER_TOKEN and writes its rows."""
+kvcache with two simulated workers registering under WORKER_TOKEN, publishing their cached blocks to
+the index, and writes its rows."""
 
 from __future__ import annotations
 
@@ -53,3 +54,6 @@ def test_quick_mode_measures_real_scheduler_with_simulated_workers(tmp_path: Pat
     for row in rows:
         assert row["output_tok_s"] > 0 and row["errors"] == 0
         assert {"ideal_tok_s", "efficiency", "scheduler_cpu_ms_per_step", "ttft_ms_p99"} <= row.keys()
+        # Every prompt starts with its tenant's 32 of 48 tokens: the workers serve those from their
+        # caches, and the index holds the blocks they published and finds them for the routing.
+        assert row["cached_token_share"] > 0.5 and row["index_hit_token_share"] > 0.5 and row["index_blocks"] > 0
