@@ -36,6 +36,7 @@ class SchedulerSettings:
     vtc_input_weight: float = _CORE.vtc_input_weight
     vtc_output_weight: float = _CORE.vtc_output_weight
     prefix_wait_min_tokens: int = _CORE.prefix_wait_min_tokens
+    routing_load_slack: int = _CORE.routing_load_slack
     async_scheduling: bool = True
     # One or two greedy streams verify n-gram drafts by default: the same tokens, fewer forwards
     # where the text repeats itself (docs/benchmarks.md, "Speculative decoding").
@@ -77,6 +78,7 @@ class SchedulerSettings:
             vtc_input_weight=values.vtc_input_weight,
             vtc_output_weight=values.vtc_output_weight,
             prefix_wait_min_tokens=values.prefix_wait_min_tokens,
+            routing_load_slack=values.routing_load_slack,
             async_scheduling=values.async_scheduling,
             speculative_tokens=values.speculative_tokens,
             speculative_max_batch=values.speculative_max_batch,
@@ -105,6 +107,7 @@ class SchedulerSettings:
             heartbeat_timeout_s=self.worker_heartbeat_timeout_s,
             vtc_input_weight=self.vtc_input_weight, vtc_output_weight=self.vtc_output_weight,
             prefix_wait_min_tokens=self.prefix_wait_min_tokens,
+            routing_load_slack=self.routing_load_slack,
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
             speculative_sampled=self.speculative_sampled,

@@ -35,6 +35,7 @@ class SchedulerSchema(
         "speculative_max_batch",
         "speculative_sampled",
         "prefix_wait_min_tokens",
+        "routing_load_slack",
         "vtc_input_weight",
         "vtc_output_weight",
         "prefill_mode",
@@ -93,6 +94,14 @@ class SchedulerSchema(
             'a new request sharing at least this many prompt tokens with one being prefilled goes to '
             "that request's worker and waits until the shared blocks are computed, then skips them "
             '(`n` > 1 choices, bursts over one system prompt); `0` disables'
+        ))
+    routing_load_slack: int = Field(0, ge=0,
+        description=(
+            'cache-aware routing gives way to load: a worker holding the longest cached prefix of '
+            'a prompt is passed over for the least loaded once it holds more than this many '
+            'requests above that one and over 1.5x its load (a tenant whose prompts share a '
+            'system prompt spreads over the workers instead of queueing on one); `0`: half of '
+            '`MAX_BATCH_SIZE`'
         ))
     async_scheduling: bool = Field(True,
         description=(

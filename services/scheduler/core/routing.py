@@ -1,6 +1,11 @@
 """Which worker a request goes to: its session's worker while that one is
 there, else the worker holding (or about to hold) the longest prefix of its
 prompt that it can reuse (one of its own cache salt), else the least loaded.
+Cache affinity gives way to load (`balanced`): a worker more than `load_slack`
+requests and BALANCE_RATIO times above the least loaded one is not chosen for
+its cache, so a tenant whose prompts all share one system prompt spreads over
+the workers (each new one then caches the prompt) instead of queueing on the
+first that cached it while the others idle.
 A session remembers its last worker; sessions least recently used are
 forgotten first, and all of a worker's sessions when the worker goes. A
 session is its client's, salt's and id's together (session_key): a client that
@@ -17,6 +22,7 @@ from services.scheduler.core.state import WorkerState
 from services.scheduler.core.types import RequestSpec
 
 MAX_REMEMBERED_SESSIONS = 65536
+BALANCE_RATIO = 1.5      # with the slack: how far above the least loaded a cache holder may be
 
 
 def session_key(spec: RequestSpec) -> Hashable:
@@ -50,9 +56,19 @@ class SessionMap:
             del self._workers[session_id]
 
 
+def balanced(workers: Sequence[WorkerState], load_slack: int) -> list[WorkerState]:
+    """The workers not overloaded against the least loaded one: at most `load_slack` requests
+    above its load, or at most BALANCE_RATIO times it (so the least loaded is always one)."""
+    lightest = min(worker.load for worker in workers)
+    return [worker for worker in workers
+            if worker.load - lightest <= load_slack or worker.load <= lightest * BALANCE_RATIO]
+
+
 def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
-                  cached_prefix_tokens: Mapping[str, int], adapter: str = "") -> WorkerState | None:
-    """The session's worker if it is still there; otherwise the worker holding
+                  cached_prefix_tokens: Mapping[str, int], adapter: str = "",
+                  load_slack: int | None = None) -> WorkerState | None:
+    """The session's worker if it is still there; otherwise, among the workers not
+    overloaded (`balanced`; all of them with `load_slack` None), the one holding
     the longest cached prefix, ties going to one that served `adapter` lately (a LoRA
     adapter's requests: it likely holds the adapter), then to the least loaded, then to
     the one with the most never-used blocks (so cold prompts spread over idle workers
@@ -64,6 +80,8 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
         for worker in workers:
             if worker.worker_id == session_worker:
                 return worker
+    if load_slack is not None:
+        workers = balanced(workers, load_slack)
     return min(workers, key=lambda w: (-cached_prefix_tokens.get(w.worker_id, 0),
                                         bool(adapter) and adapter not in w.adapters, w.load,
                                         w.reserved_kv_tokens, -w.pool.free_blocks, w.worker_id))
@@ -87,14 +105,15 @@ def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
 
 def route(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[WorkerState], sessions: SessionMap,
           cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "",
-          adapter: str = "") -> WorkerState | None:
-    """The worker for a new request (None: no worker): its session's, else the
-    one holding or about to hold the longest prefix of `prompt` under its
-    `cache_salt` (the index's hints are looked up with it), else one holding its LoRA
-    `adapter`, else the least loaded. The chosen worker notes the adapter."""
+          adapter: str = "", load_slack: int | None = None) -> WorkerState | None:
+    """The worker for a new request (None: no worker): its session's, else among the
+    workers not overloaded (`balanced`, with `load_slack`) the one holding or about to
+    hold the longest prefix of `prompt` under its `cache_salt` (the index's hints are
+    looked up with it), else one holding its LoRA `adapter`, else the least loaded. The
+    chosen worker notes the adapter."""
     session_worker = sessions.get(session_id) if session_id else None
     hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens, cache_salt)
-    worker = choose_worker(workers, session_worker, hints, adapter)
+    worker = choose_worker(workers, session_worker, hints, adapter, load_slack)
     if worker is not None:
         worker.note_adapter(adapter)
     return worker

@@ -57,6 +57,7 @@ class SchedulerCore:
     def __init__(self, config: CoreConfig, clock: Callable[[], float],
                  new_id: Callable[[], str]) -> None:
         self._config = config
+        self._routing_load_slack = config.routing_load_slack or max(1, config.max_batch_size // 2)
         self._clock = clock
         self._new_id = new_id
         self._workers: dict[str, WorkerState] = {}
@@ -232,7 +233,7 @@ class SchedulerCore:
         there, or rejects it. `quota_admitted`: its tenant's quota holds it already (parked)."""
         worker = route(spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
                        cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt,
-                       spec.lora_name)
+                       spec.lora_name, self._routing_load_slack)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)

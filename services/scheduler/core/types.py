@@ -59,6 +59,10 @@ class CoreConfig:
     # prefilled goes to that request's worker and waits for the shared blocks
     # (prefix_share.py); 0 turns it off.
     prefix_wait_min_tokens: int = 64
+    # Cache affinity gives way to load (routing.py, `balanced`): a worker holding a request's
+    # prefix is passed over once it has more than this many requests above the least loaded
+    # worker and over BALANCE_RATIO times its load; 0: half of max_batch_size.
+    routing_load_slack: int = 0
     # Steps a worker may have in flight: 2 plans the next step while the worker
     # computes the current one (async scheduling), 1 waits for each result.
     max_steps_in_flight: int = 1

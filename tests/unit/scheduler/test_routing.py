@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.routing import SessionMap, choose_worker, prefix_hints, route
+from services.scheduler.core.routing import SessionMap, balanced, choose_worker, prefix_hints, route
 from services.scheduler.core.state import Phase
 
 from tests.unit.scheduler.plain_state import make_request, make_worker
@@ -58,3 +58,28 @@ def test_route_uses_the_session_then_the_hints_and_remembers_nothing_itself() ->
     assert route((1, 2, 3), "other", [first, second], sessions, {}, min_tokens=8) is first
     assert sessions.get("other") is None
     assert route((1, 2, 3), "", [], sessions, {}, min_tokens=8) is None
+
+
+def loaded(worker_id: str, requests: int):
+    worker = make_worker(worker_id)
+    worker.pending.extend(make_request(index) for index in range(requests))
+    return worker
+
+
+def test_balanced_keeps_workers_within_the_slack_or_the_ratio_of_the_least_loaded() -> None:
+    light, within_slack, within_ratio, over = loaded("w0", 20), loaded("w1", 24), loaded("w2", 30), loaded("w3", 31)
+    assert balanced([light, within_slack, within_ratio, over], load_slack=4) == [light, within_slack, within_ratio]
+    assert [w.worker_id for w in balanced([loaded("w0", 0), loaded("w1", 5)], load_slack=4)] == ["w0"]
+    assert [w.worker_id for w in balanced([loaded("w0", 0), loaded("w1", 4)], load_slack=4)] == ["w0", "w1"]
+
+
+def test_a_cache_holder_far_busier_than_the_least_loaded_gives_way() -> None:
+    holder, idle = loaded("w0", 20), loaded("w1", 0)
+    hints = {"w0": 96}
+    assert choose_worker([holder, idle], None, hints) is holder                 # no slack given: affinity
+    assert choose_worker([holder, idle], None, hints, load_slack=32) is holder  # within the slack
+    assert choose_worker([holder, idle], None, hints, load_slack=16) is idle    # past it: the least loaded
+    assert choose_worker([holder, idle], "w0", hints, load_slack=16) is holder  # a session stays put
+    both = loaded("w2", 1)
+    # Of the workers that hold the prefix and are not overloaded, the least loaded.
+    assert choose_worker([holder, idle, both], None, {"w0": 96, "w2": 96}, load_slack=16) is both
