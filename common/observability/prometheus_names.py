@@ -111,6 +111,10 @@ SCHEDULER_MIGRATIONS = _family(SCHEDULER, "migrations_total", COUNTER, (),
                                "Running requests resumed on another worker after theirs failed")
 SCHEDULER_REJECTIONS = _family(SCHEDULER, "rejections_total", COUNTER, ("gate",),
                                "Requests rejected, by gate: queue, never_fit, timeout")
+SCHEDULER_ROUTED = _family(SCHEDULER, "routed_total", COUNTER, ("reason",),
+                           "Requests placed on a worker, by why that one: `session` (its session's), "
+                           "`cache` (the longest cached prefix), `load` (a worker holding a longer prefix "
+                           "was overloaded: ROUTING_LOAD_SLACK), `least_loaded` (no cached prefix)")
 SCHEDULER_HOLDS = _family(SCHEDULER, "holds_total", COUNTER, ("gate",),
                           "Admissions held back, by gate: active_kv, cache_pool")
 SCHEDULER_QUEUE_WAIT = _family(SCHEDULER, "queue_wait_seconds", HISTOGRAM, (),

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from common.observability import prometheus_names as names
 
+from services.scheduler.core.routing import ROUTING_REASONS
 from services.scheduler.core.types import CoreStats, FinishReason, Gate, ClientCounter
 
 # Every label value is exported from the start, at 0, so rates work at once.
@@ -122,6 +123,7 @@ class _StatsCollector(Collector):
                         _with_zeros(stats.finished_by_reason, (r.value for r in FinishReason)), CounterMetricFamily)
         yield _by_label(names.SCHEDULER_REJECTIONS,
                         _with_zeros(stats.rejections, (g.value for g in REJECTION_GATES)), CounterMetricFamily)
+        yield _by_label(names.SCHEDULER_ROUTED, _with_zeros(stats.routed, ROUTING_REASONS), CounterMetricFamily)
         yield _by_label(names.SCHEDULER_HOLDS,
                         _with_zeros(stats.holds, (g.value for g in HOLD_GATES)), CounterMetricFamily)
         reserved = _gauge(names.SCHEDULER_RESERVED_KV_TOKENS)

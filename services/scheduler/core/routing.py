@@ -23,6 +23,10 @@ from services.scheduler.core.types import RequestSpec
 
 MAX_REMEMBERED_SESSIONS = 65536
 BALANCE_RATIO = 1.5      # with the slack: how far above the least loaded a cache holder may be
+# Why a request went where it went (`route_with_reason`; the scheduler counts them):
+# its session's worker; the one holding the longest cached prefix; not that one, which was
+# overloaded (`balanced`); no cached prefix anywhere, the least loaded.
+ROUTING_REASONS = ("session", "cache", "load", "least_loaded")
 
 
 def session_key(spec: RequestSpec) -> Hashable:
@@ -106,6 +110,15 @@ def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
 def route(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[WorkerState], sessions: SessionMap,
           cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "",
           adapter: str = "", load_slack: int | None = None) -> WorkerState | None:
+    """`route_with_reason`'s worker."""
+    return route_with_reason(prompt, session_id, workers, sessions, cached_prefix_tokens, min_tokens,
+                             cache_salt, adapter, load_slack)[0]
+
+
+def route_with_reason(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[WorkerState],
+                      sessions: SessionMap, cached_prefix_tokens: Mapping[str, int], min_tokens: int,
+                      cache_salt: str = "", adapter: str = "",
+                      load_slack: int | None = None) -> tuple[WorkerState | None, str]:
     """The worker for a new request (None: no worker): its session's, else among the
     workers not overloaded (`balanced`, with `load_slack`) the one holding or about to
     hold the longest prefix of `prompt` under its `cache_salt` (the index's hints are
@@ -114,6 +127,19 @@ def route(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[Worke
     session_worker = sessions.get(session_id) if session_id else None
     hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens, cache_salt)
     worker = choose_worker(workers, session_worker, hints, adapter, load_slack)
-    if worker is not None:
-        worker.note_adapter(adapter)
-    return worker
+    if worker is None:
+        return None, ""
+    worker.note_adapter(adapter)
+    return worker, routing_reason(worker, session_worker, workers, hints)
+
+
+def routing_reason(worker: WorkerState, session_worker: str | None, workers: Sequence[WorkerState],
+                   hints: Mapping[str, int]) -> str:
+    """Which of ROUTING_REASONS put a request on `worker` (chosen by `choose_worker`)."""
+    if worker.worker_id == session_worker:
+        return "session"
+    longest = max((hints.get(w.worker_id, 0) for w in workers if not w.draining), default=0)
+    held = hints.get(worker.worker_id, 0)
+    if held < longest:
+        return "load"
+    return "cache" if held else "least_loaded"

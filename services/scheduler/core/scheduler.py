@@ -38,7 +38,7 @@ from services.scheduler.core.fairness.vtc import VirtualTokenCounter
 from services.scheduler.core.fairness.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.faults.recovery import Parked, WorkerRecovery
 from services.scheduler.core.request_book import RequestBook
-from services.scheduler.core.routing import SessionMap, route, session_key
+from services.scheduler.core.routing import SessionMap, route_with_reason, session_key
 from services.scheduler.core.fairness.slot_fairness import preemption_victim
 from services.scheduler.core.state import InFlightStep, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
@@ -231,9 +231,10 @@ class SchedulerCore:
                quota_admitted: bool = False) -> SubmitResult:
         """Routes a request that passed the early gates to a serving worker and queues it
         there, or rejects it. `quota_admitted`: its tenant's quota holds it already (parked)."""
-        worker = route(spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
-                       cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt,
-                       spec.lora_name, self._routing_load_slack)
+        worker, reason = route_with_reason(
+            spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
+            cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt, spec.lora_name,
+            self._routing_load_slack)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)
@@ -256,6 +257,7 @@ class SchedulerCore:
         request = RequestState.arriving(spec, client_id, max_tokens, self._clock(),
                                         next(self._arrivals), worker.worker_id, kv_policy, cap)
         self._book.add(worker, request)
+        self._counts.count_route(reason)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
 
     def cancel(self, request_id: str) -> tuple[bool, list[RequestUpdate]]:

@@ -239,6 +239,7 @@ class CoreStats:
     migrations: int = 0             # running requests resumed on another worker after theirs failed
     rejections: dict[str, int] = field(default_factory=dict)
     holds: dict[str, int] = field(default_factory=dict)
+    routed: dict[str, int] = field(default_factory=dict)    # requests placed, by why that worker
     workers: tuple[WorkerSummary, ...] = ()
     clients: tuple[ClientCounter, ...] = ()
     reserved_kv_tokens: int = 0

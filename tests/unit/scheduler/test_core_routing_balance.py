@@ -30,6 +30,10 @@ def test_a_flood_over_one_cached_prefix_spreads_once_its_worker_is_overloaded() 
     # Another tenant's request that w0's cache would serve waits behind 8 requests, not 24.
     other = h.submit(SYSTEM + (999,), max_tokens=4, client_id="victim", hints=hints)
     assert Counter(placed)[h.core.worker_of(other.request_id)] == 8
+    # Counted by reason (fairserve_scheduler_routed_total): the first request w1 and w2 took went
+    # there because w0 was overloaded; every other one to a worker holding, or about to hold,
+    # the prompt.
+    assert h.core.stats().routed == {"cache": 23, "load": 2}
 
 def test_affinity_holds_within_the_slack() -> None:
     h = Harness(CoreConfig(max_batch_size=8, routing_load_slack=100),

@@ -50,6 +50,9 @@ def test_the_scheduler_exports_exactly_its_catalogued_families() -> None:
     assert ({"gate": "queue"}, 1.0) in samples["fairserve_scheduler_rejections_total"]
     assert ({"reason": "length"}, 2.0) in samples["fairserve_scheduler_finished_total"]
     assert ({"gate": "cache_pool"}, 0.0) in samples["fairserve_scheduler_holds_total"]
+    # Two placed (the third was refused before routing), on the one worker, no cached prefix.
+    assert ({"reason": "least_loaded"}, 2.0) in samples["fairserve_scheduler_routed_total"]
+    assert ({"reason": "load"}, 0.0) in samples["fairserve_scheduler_routed_total"]
     assert ({"state": "pending"}, 0.0) in samples["fairserve_scheduler_requests"]
     assert ({"policy": "vtc"}, 1.0) in samples["fairserve_scheduler_policy_info"]
     assert ({"worker": "w0"}, 1.0) in samples["fairserve_scheduler_worker_healthy"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.routing import SessionMap, balanced, choose_worker, prefix_hints, route
+from services.scheduler.core.routing import SessionMap, balanced, choose_worker, prefix_hints, route, route_with_reason
 from services.scheduler.core.state import Phase
 
 from tests.unit.scheduler.plain_state import make_request, make_worker
@@ -83,3 +83,24 @@ def test_a_cache_holder_far_busier_than_the_least_loaded_gives_way() -> None:
     both = loaded("w2", 1)
     # Of the workers that hold the prefix and are not overloaded, the least loaded.
     assert choose_worker([holder, idle, both], None, {"w0": 96, "w2": 96}, load_slack=16) is both
+
+
+def test_route_says_why_it_chose_the_worker() -> None:
+    holder, idle = loaded("w0", 20), loaded("w1", 0)
+    sessions = SessionMap()
+    sessions.remember("s", "w0")
+    prompt = (1, 2, 3)
+
+    def reason(session: str, hints: dict[str, int], slack: int | None = 16) -> tuple[str, str]:
+        worker, why = route_with_reason(prompt, session, [holder, idle], sessions, hints, min_tokens=8,
+                                        load_slack=slack)
+        return worker.worker_id, why
+
+    assert reason("s", {"w1": 3}) == ("w0", "session")
+    assert reason("", {"w0": 3}, slack=None) == ("w0", "cache")
+    assert reason("", {"w0": 3}) == ("w1", "load")              # w0 holds more but is overloaded
+    assert reason("", {"w1": 3}) == ("w1", "cache")
+    assert reason("", {}) == ("w1", "least_loaded")
+    holder.draining = True                                       # a draining holder passed over is not load
+    assert reason("", {"w0": 3}) == ("w1", "least_loaded")
+    assert route_with_reason(prompt, "", [], sessions, {}, min_tokens=8) == (None, "")

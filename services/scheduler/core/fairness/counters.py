@@ -24,6 +24,7 @@ class CoreCounters:
     finished: Counter[str] = field(default_factory=Counter)
     rejections: Counter[str] = field(default_factory=Counter)
     holds: Counter[str] = field(default_factory=Counter)
+    routed: Counter[str] = field(default_factory=Counter)   # requests placed, by routing.ROUTING_REASONS
     queue_waits: list[float] = field(default_factory=list)  # since the last drain
 
     def count_admission(self, queue_wait_s: float) -> None:
@@ -35,6 +36,9 @@ class CoreCounters:
 
     def count_rejection(self, gate: Gate) -> None:
         self.rejections[gate.value] += 1
+
+    def count_route(self, reason: str) -> None:
+        self.routed[reason] += 1
 
     def count_hold(self, request: RequestState, gate: Gate) -> None:
         if gate not in request.held_by:
@@ -72,7 +76,7 @@ def core_stats(policy: Policy, counters: CoreCounters, workers: Iterable[WorkerS
         active=sum(len(w.active) for w in workers),
         admitted=counters.admitted, finished=sum(counters.finished.values()),
         preemptions=counters.preemptions, migrations=counters.migrations,
-        rejections=dict(counters.rejections), holds=dict(counters.holds),
+        rejections=dict(counters.rejections), holds=dict(counters.holds), routed=dict(counters.routed),
         workers=summaries, clients=clients,
         reserved_kv_tokens=sum(w.reserved_kv_tokens for w in workers),
         finished_by_reason=dict(counters.finished),
