@@ -27,11 +27,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def grpc_aio_channel(address: str, interceptors: list):
-    import grpc
-    return grpc.aio.insecure_channel(address, interceptors=interceptors)
-
-
 @dataclass(frozen=True)
 class StackConfig:
     workers: int
@@ -143,11 +138,13 @@ class Stack:
 
     async def _index_counters(self) -> dict[str, int]:
         """The kvcache index's lookups and the blocks it holds (the workers' published caches)."""
-        from fairserve.v1 import common_pb2, kvindex_pb2_grpc
-        from common.transport.internal_auth import InternalAuth, token_interceptors
-        async with grpc_aio_channel(f"127.0.0.1:{self.kv_port}",
-                                    token_interceptors(InternalAuth.from_env(self.env).token)) as channel:
-            stats = await kvindex_pb2_grpc.KvIndexStub(channel).Stats(common_pb2.StatsRequest(), timeout=10)
+        from common.transport.internal_auth import InternalAuth
+        from services.kvcache.client import KvIndexClient
+        client = KvIndexClient.connect(f"127.0.0.1:{self.kv_port}", 10.0, InternalAuth.from_env(self.env))
+        try:
+            stats = await client.stats()
+        finally:
+            await client.close()
         return {"lookup_tokens": stats.lookup_tokens, "hit_tokens": stats.hit_tokens,
                 "blocks": sum(stats.blocks_by_worker.values())}
 
