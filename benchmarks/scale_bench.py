@@ -1,7 +1,7 @@
 """How many workers one scheduler keeps busy (docs/scaling.md): for each worker count, the real
 kvcache index and scheduler as processes of their own, that many simulated workers
 (sim_workers.py: the real worker server over a step-time model) in one more, and a closed-loop
-load driven through the scheduler's Generate that saturates the ideal (a full decode batch per
+load driven through the scheduler's GenerateMany (or Generate) that saturates the ideal (a full decode batch per
 worker). A row per count: output tok/s against the ideal (the one-worker row's rate times the
 count), efficiency, the scheduler's CPU per step and per token, the workers' idle gap between a
 step's end and the next step's start (p50/p99), TTFT p50/p99, and the share of prompt tokens the
@@ -52,10 +52,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _stream(stub, request, result: LoadResult, window: tuple[float, float]) -> None:
+async def _stream(events, result: LoadResult, window: tuple[float, float]) -> None:
     started = time.monotonic()
     first = True
-    async for event in stub.Generate(request):
+    async for event in events:
         now = time.monotonic()
         if event.tokens and first:
             first = False
@@ -77,11 +77,17 @@ def tenant_prefixes(tenants: int, tokens: int, seed: int = 1) -> list[list[int]]
 
 
 async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
-                max_tokens: int, tenants: int = 4, shared_prefix: int = 0) -> LoadResult:
-    """`concurrency` closed loops of Generate; tokens and TTFTs counted in the measured window.
-    A prompt is its tenant's first `shared_prefix` tokens, then random ones to `prompt_tokens`."""
+                max_tokens: int, tenants: int = 4, shared_prefix: int = 0, stream: str = "multiplexed",
+                gateways: int = 4) -> LoadResult:
+    """`concurrency` closed loops of requests; tokens and TTFTs counted in the measured window.
+    A prompt is its tenant's first `shared_prefix` tokens, then random ones to `prompt_tokens`.
+    `stream`: `multiplexed`, the loops' requests over `gateways` GenerateMany calls (the
+    gateway's own client, scheduler_streams.py: one call per gateway process); `per_request`,
+    a Generate call each, STREAMS_PER_CONNECTION to a connection."""
     from fairserve.v1 import scheduler_pb2
+    from services.gateway.streaming.scheduler_streams import SchedulerStreams
     rng, result = random.Random(0), LoadResult()
+    calls = [SchedulerStreams(stack.scheduler_stub(index), lambda: None) for index in range(gateways)]
     prefixes = tenant_prefixes(tenants, min(shared_prefix, prompt_tokens))
     start = time.monotonic()
     window = (start + warmup_s, start + warmup_s + seconds)
@@ -89,6 +95,7 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
 
     async def loop(index: int) -> None:
         stub = stack.scheduler_stub(index // STREAMS_PER_CONNECTION)
+        mux = calls[index % gateways]
         while time.monotonic() < window[1]:
             request = scheduler_pb2.GenerateRequest(
                 request_id=f"scale-{index}-{next(counter)}", max_tokens=max_tokens, ignore_eos=True,
@@ -96,7 +103,8 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
                     rng.randrange(3, 30000) for _ in range(prompt_tokens - len(prefixes[index % tenants]))],
                 client_id=f"tenant-{index % tenants}")
             try:
-                await _stream(stub, request, result, window)
+                await _stream(stub.Generate(request) if stream == "per_request" else
+                              mux.generate(request, request.request_id, ""), result, window)
             except asyncio.CancelledError:
                 raise
             except Exception as error:   # noqa: BLE001  (a refused or broken stream counts, the loop goes on)
@@ -113,6 +121,8 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    for call in calls:
+        await call.close()
     return result
 
 
@@ -140,13 +150,13 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "index_hit_token_share": _share(index.get("hit_tokens", 0), index.get("lookup_tokens", 0)),
             "index_blocks": index.get("blocks", 0),
             "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
-            "slowdown": args.slowdown}
+            "slowdown": args.slowdown, "stream": args.stream}
 
 
 async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) -> LoadResult:
     await stack.wait_registered()
     return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens,
-                       shared_prefix=args.shared_prefix)
+                       shared_prefix=args.shared_prefix, stream=args.stream, gateways=args.gateways)
 
 
 def _share(part: int, whole: int) -> float:
@@ -207,6 +217,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt of a tenant starts with (a system prompt; 0: none)")
+    parser.add_argument("--stream", default="multiplexed", choices=["multiplexed", "per_request"],
+                        help="requests over one GenerateMany call per gateway (as the gateway sends them), "
+                             "or a Generate call each")
+    parser.add_argument("--gateways", type=int, default=4, help="GenerateMany calls the load spreads over")
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
     parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
     parser.add_argument("--logs", help="keep the processes' logs in this folder")

@@ -164,8 +164,11 @@ def kvcache_stats_to_dict(stats: IndexStats) -> dict[str, Any]:
     }
 
 
-def _retry_after_s(error: grpc.aio.AioRpcError) -> int | None:
-    for key, value in error.trailing_metadata() or ():
+Metadata = tuple[tuple[str, str | bytes], ...]
+
+
+def _retry_after_s(metadata: Metadata) -> int | None:
+    for key, value in metadata:
         if key == "retry-after":
             try:
                 return max(1, int(float(value)))
@@ -174,31 +177,31 @@ def _retry_after_s(error: grpc.aio.AioRpcError) -> int | None:
     return None
 
 
-def _refused(error: grpc.aio.AioRpcError) -> bool:
-    """Whether the scheduler itself refused the request (it marks its refusals)."""
-    return _rejection_gate(error) is not None
-
-
-def _rejection_gate(error: grpc.aio.AioRpcError) -> str | None:
-    for key, value in error.trailing_metadata() or ():
+def _rejection_gate(metadata: Metadata) -> str | None:
+    """The scheduler marks its own refusals (with the gate that refused)."""
+    for key, value in metadata:
         if key == REJECTION_KEY:
             return str(value)
     return None
 
 
 def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
-    code = error.code()
-    details = error.details() or ""
+    return backend_error_from_status(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
+
+
+def backend_error_from_status(code: grpc.StatusCode, details: str, metadata: Metadata) -> BackendError:
+    """A scheduler call's status (a Generate call's, or a GenerateMany stream's refusal)
+    as the gateway's error."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        quota = _rejection_gate(error) == QUOTA_GATE
-        return Overloaded(details, _retry_after_s(error) or DEFAULT_RETRY_AFTER_S,
+        quota = _rejection_gate(metadata) == QUOTA_GATE
+        return Overloaded(details, _retry_after_s(metadata) or DEFAULT_RETRY_AFTER_S,
                           code="tenant_quota_exceeded" if quota else "queue_full")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return InvalidGeneration(details)
-    if code == grpc.StatusCode.UNAVAILABLE and not _refused(error):
-        return SchedulerLost(details or "the scheduler is unavailable", _retry_after_s(error))
+    if code == grpc.StatusCode.UNAVAILABLE and _rejection_gate(metadata) is None:
+        return SchedulerLost(details or "the scheduler is unavailable", _retry_after_s(metadata))
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable(details or "the scheduler is unavailable", _retry_after_s(error))
+        return Unavailable(details or "the scheduler is unavailable", _retry_after_s(metadata))
     return BackendError(f"scheduler error {code.name}: {details}")
 
 

@@ -57,7 +57,8 @@ def warn_if_internal_ports_open(settings: GatewaySettings) -> None:
 async def serve(settings: GatewaySettings) -> None:
     warn_if_internal_ports_open(settings)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
-    backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr, settings.internal)
+    backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr, settings.internal,
+                              multiplexed=settings.scheduler_stream == "multiplexed")
     app = create_app(settings, backend, tokenizer)
     grpc_server = GrpcServer(
         [(add_text_api, TextGenerationServicer(app.state.gateway))],

@@ -58,6 +58,7 @@ class GatewaySettings:
     # How long a request whose scheduler was lost waits for it to return, then
     # goes on as a continuation (continuation.py); 0: it fails at once.
     scheduler_recovery_s: float = 30.0
+    scheduler_stream: str = "multiplexed"   # or per_request (streaming/scheduler_streams.py)
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
     drain_timeout_s: float = 30.0   # on SIGTERM, how long generations in flight may take to end
     tool_call_parser: str = "hermes"   # how chat replies' tool calls are read (tool_parsers/)
@@ -125,6 +126,7 @@ class GatewaySettings:
             grpc_max_streams_per_connection=values.gateway_grpc_max_streams_per_connection,
             grpc_max_concurrent_rpcs=values.gateway_grpc_max_concurrent_rpcs,
             scheduler_recovery_s=values.scheduler_recovery_s,
+            scheduler_stream=values.scheduler_stream,
             responses_ttl_s=values.responses_ttl_s,
             responses_max_per_tenant=values.responses_max_per_tenant,
             internal=internal,

@@ -37,6 +37,7 @@ class GatewaySchema(
         "gateway_grpc_max_connections",
         "gateway_grpc_max_streams_per_connection",
         "gateway_grpc_max_concurrent_rpcs",
+        "scheduler_stream",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | {"api_keys", "admin_keys"}
     api_keys: str = Field('',
@@ -158,6 +159,13 @@ class GatewaySchema(
     gateway_grpc_max_concurrent_rpcs: int = Field(1024, ge=1,
         description=(
             'calls in flight on the public gRPC port; past it `RESOURCE_EXHAUSTED`'
+        ))
+    scheduler_stream: Literal['multiplexed', 'per_request'] = Field('multiplexed',
+        description=(
+            'how requests travel to the scheduler: `multiplexed`, all of them over one gRPC call '
+            '(`GenerateMany`), the scheduler writing one message per step for every request that '
+            'made tokens; `per_request`, a `Generate` call each, a message per token (what older '
+            'gateways do; the scheduler serves both at once)'
         ))
     scheduler_recovery_s: float = Field(30.0, ge=0.0,
         description=(

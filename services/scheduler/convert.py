@@ -42,6 +42,13 @@ def rejection_metadata(rejection: Rejection) -> tuple[tuple[str, str], ...]:
     return metadata
 
 
+def refusal_to_proto(rejection: Rejection) -> scheduler_pb2.StreamRefusal:
+    """A rejection on a GenerateMany stream: the status and trailing metadata a
+    Generate call would end with."""
+    return scheduler_pb2.StreamRefusal(code=REJECTION_CODES[rejection.gate].value[0], message=rejection.message,
+                                       metadata=dict(rejection_metadata(rejection)))
+
+
 def request_spec_from_proto(message: scheduler_pb2.GenerateRequest) -> RequestSpec:
     return RequestSpec(
         request_id=message.request_id,

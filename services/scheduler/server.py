@@ -11,7 +11,8 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,7 @@ import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from common.transport.grpc_server import GrpcServer, internal_channel, request_id_from
+from common.observability.logs import request_id_var
 from common.transport.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
 from common.step_convert import step_batch_to_proto, step_output_from_proto
@@ -27,7 +29,7 @@ from common.transport.worker_auth import worker_role_check
 
 from services.scheduler import convert
 from services.scheduler.address_check import HostFacts, check_peer_address
-from services.scheduler.core.types import Rejection, RequestUpdate
+from services.scheduler.core.types import Gate, Rejection, RequestUpdate, SubmitResult
 from services.scheduler.core.scheduler import SchedulerCore
 from common.step import StepBatch
 from services.scheduler.detached import DetachedLog
@@ -40,12 +42,14 @@ from services.scheduler.registration import (
 )
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.step_link import StepFailed, step_link
+from services.scheduler.stream_mux import StreamConnection, StreamInUse
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 INFO_TIMEOUT_S = 10.0
 MAX_REAPER_INTERVAL_S = 0.25
+MAX_STREAM_MESSAGE_BYTES = 1 << 20     # a GenerateMany message's events, about
 
 
 @dataclass
@@ -76,7 +80,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._epochs = EpochClock()
         self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal,
                                  on_availability=metrics.set_kv_index_up)
-        self._streams: dict[str, asyncio.Queue[RequestUpdate]] = {}
+        self._streams: dict[str, Callable[[RequestUpdate], None]] = {}   # where each request's updates go
         self._traces = RequestTraces()     # spans of traced requests (request_traces.py)
         self._links: dict[str, _WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None
@@ -99,36 +103,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def Generate(self, request: scheduler_pb2.GenerateRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
-        trace_id = request_id_from(context)
-        spec = convert.request_spec_from_proto(request)
-        hints: dict[str, int] = {}
-        # Asked even with one worker: the lookups feed the index's hit rate,
-        # and they carry the request id into the kvcache service's logs. With
-        # one worker there is nothing to route, so the request does not wait.
-        workers = self._core.worker_ids()
-        if workers:
-            lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id, spec.cache_salt)
-            if len(workers) > 1:
-                hints = await lookup
-            else:
-                self._background(lookup)
-        result = self._core.submit(spec, hints)
-        if request.detached and result.rejection is None:
-            self._detached.open(result.request_id, request, spec.client_id, request.authenticated)
+        queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
+        result = await self._admit(request, request_id_from(context) or "",
+                                   traceparent_from_metadata(context.invocation_metadata()), queue.put_nowait)
         if result.rejection is not None:
-            log.info("request rejected", extra={"gate": result.rejection.gate.value,
-                                                "reason": result.rejection.message})
             await self._refuse(context, result.rejection)
         request_id = result.request_id
-        self._traces.start(request_id, traceparent_from_metadata(context.invocation_metadata()),
-                           (trace_id,) if trace_id else ())
-        log.info("request queued", extra={"scheduler_request_id": request_id, "worker_id": result.worker_id,
-                                          "client_id": spec.client_id, "prompt_tokens": len(spec.prompt_token_ids),
-                                          "max_tokens": spec.max_tokens, "cached_prefix_tokens": hints,
-                                          "resumed_tokens": len(spec.resume_token_ids)})
-        queue: asyncio.Queue[RequestUpdate] = asyncio.Queue()
-        self._streams[request_id] = queue
-        self._wake(result.worker_id)
         ended = False
         reason = "cancelled"
         try:
@@ -148,14 +128,149 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                 if finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
-            self._traces.finished(request_id, reason)
-            if not ended and request.detached:
-                log.info("the caller of a detached request left; it goes on",
-                         extra={"scheduler_request_id": request_id})
-            elif not ended:  # the client went away: stop generating for it
-                log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
-                self._cancel(request_id)
+            self._end_stream(request_id, ended, reason, request.detached)
+
+    async def GenerateMany(self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.StreamEvents]:
+        """Many requests over one call (stream_mux.py): one message carries every event
+        ready when the writer wakes, at most MAX_STREAM_MESSAGE_BYTES of them."""
+        connection = StreamConnection()
+        admissions: set[asyncio.Task[None]] = set()
+        reader = asyncio.create_task(self._read_streams(request_iterator, connection, admissions))
+        try:
+            while True:
+                if reader.done() and not reader.cancelled() and isinstance(reader.exception(), StreamInUse):
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(reader.exception()))
+                if not connection.pending:
+                    if reader.done() and not connection.open and not connection.admitting:
+                        return      # the caller sends no more and every request has ended
+                    waiting = asyncio.ensure_future(connection.ready.wait())
+                    await asyncio.wait((waiting, reader) if not reader.done() else (waiting,),
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                for message in self._stream_messages(connection):
+                    yield message
+        finally:
+            reader.cancel()
+            for task in list(admissions):
+                task.cancel()
+            for stream in list(connection.open.values()):
+                with _logging_as(stream.trace_id):
+                    self._end_stream(stream.request_id, False, "cancelled", stream.detached)
+            connection.open.clear()
+
+    async def _read_streams(self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest],
+                            connection: StreamConnection, admissions: set[asyncio.Task[None]]) -> None:
+        async for message in request_iterator:
+            for submit in message.submit:
+                if connection.in_use(submit.stream):
+                    raise StreamInUse(f"stream {submit.stream} is in use on this call")
+                connection.begin(submit.stream)
+                task = asyncio.create_task(self._admit_stream(submit, connection))
+                admissions.add(task)
+                task.add_done_callback(admissions.discard)
+            for stream in message.cancel:
+                ended = connection.cancel(stream)
+                if ended is not None:
+                    with _logging_as(ended.trace_id):
+                        self._end_stream(ended.request_id, False, "cancelled", ended.detached)
+        # The caller sends nothing more; its open requests still get their events.
+        while admissions:
+            await asyncio.wait(set(admissions))
+
+    async def _admit_stream(self, submit: scheduler_pb2.StreamSubmit, connection: StreamConnection) -> None:
+        request = submit.request
+        if submit.trace_id:
+            request_id_var.set(submit.trace_id)
+        try:
+            result = await self._admit(request, submit.trace_id, submit.traceparent,
+                                       lambda update: connection.put(submit.stream, update))
+        except Exception:
+            log.exception("admitting a request failed")
+            connection.refused(submit.stream)
+            connection.put(submit.stream, RequestUpdate(request.request_id, rejection=Rejection(
+                Gate.INVALID, "the scheduler could not admit the request")))
+            return
+        if result.rejection is not None:
+            connection.refused(submit.stream)
+            connection.put(submit.stream, RequestUpdate(result.request_id, rejection=result.rejection))
+        elif not connection.opened(submit.stream, result.request_id, request.detached, submit.trace_id):
+            connection.close(submit.stream)
+            self._end_stream(result.request_id, False, "cancelled", request.detached)
+
+    def _stream_messages(self, connection: StreamConnection) -> Iterable[scheduler_pb2.StreamEvents]:
+        """The waiting events as messages; a refused or finished stream is ended as its
+        event is taken (as Generate ends its call)."""
+        events: list[scheduler_pb2.StreamEvent] = []
+        size = 0
+        for stream, update in connection.take():
+            current = connection.open.get(stream)
+            if update.rejection is not None:
+                if current is not None:      # refused after admission (a hold that timed out)
+                    connection.close(stream)
+                    with _logging_as(current.trace_id):
+                        self._end_stream(update.request_id, True, "rejected", current.detached)
+                event = scheduler_pb2.StreamEvent(stream=stream, refusal=convert.refusal_to_proto(update.rejection))
+            else:
+                if current is None or current.request_id != update.request_id:
+                    continue        # its caller cancelled it
+                event = scheduler_pb2.StreamEvent(stream=stream, event=convert.generate_event_to_proto(update))
+                if update.finish is not None:
+                    connection.close(stream)
+                    with _logging_as(current.trace_id):
+                        self._log_finish(update.request_id, update)
+                        self._end_stream(update.request_id, True, update.finish.reason.value, current.detached)
+            events.append(event)
+            size += event.ByteSize()
+            if size >= MAX_STREAM_MESSAGE_BYTES:
+                yield scheduler_pb2.StreamEvents(events=events)
+                events, size = [], 0
+        if events:
+            yield scheduler_pb2.StreamEvents(events=events)
+
+    async def _admit(self, request: scheduler_pb2.GenerateRequest, trace_id: str, traceparent: str,
+                     sink: Callable[[RequestUpdate], None]) -> SubmitResult:
+        """Submits a request to the core (after asking the index where its prompt is
+        cached); once admitted, its updates go to `sink` and its worker is woken."""
+        spec = convert.request_spec_from_proto(request)
+        hints: dict[str, int] = {}
+        # Asked even with one worker: the lookups feed the index's hit rate,
+        # and they carry the request id into the kvcache service's logs. With
+        # one worker there is nothing to route, so the request does not wait.
+        workers = self._core.worker_ids()
+        if workers:
+            lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id, spec.cache_salt)
+            if len(workers) > 1:
+                hints = await lookup
+            else:
+                self._background(lookup)
+        result = self._core.submit(spec, hints)
+        if request.detached and result.rejection is None:
+            self._detached.open(result.request_id, request, spec.client_id, request.authenticated)
+        if result.rejection is not None:
+            log.info("request rejected", extra={"gate": result.rejection.gate.value,
+                                                "reason": result.rejection.message})
+            return result
+        self._traces.start(result.request_id, traceparent, (trace_id,) if trace_id else ())
+        log.info("request queued", extra={"scheduler_request_id": result.request_id, "worker_id": result.worker_id,
+                                          "client_id": spec.client_id, "prompt_tokens": len(spec.prompt_token_ids),
+                                          "max_tokens": spec.max_tokens, "cached_prefix_tokens": hints,
+                                          "resumed_tokens": len(spec.resume_token_ids)})
+        self._streams[result.request_id] = sink
+        self._wake(result.worker_id)
+        return result
+
+    def _end_stream(self, request_id: str, ended: bool, reason: str, detached: bool) -> None:
+        """A request's events stop going to its caller: it ended, or its caller left
+        (then it is cancelled, unless detached)."""
+        self._streams.pop(request_id, None)
+        self._traces.finished(request_id, reason)
+        if not ended and detached:
+            log.info("the caller of a detached request left; it goes on",
+                     extra={"scheduler_request_id": request_id})
+        elif not ended:  # the client went away: stop generating for it
+            log.info("request cancelled by the client", extra={"scheduler_request_id": request_id})
+            self._cancel(request_id)
 
     @staticmethod
     async def _refuse(context: grpc.aio.ServicerContext, rejection: Rejection) -> None:
@@ -383,9 +498,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _deliver(self, updates: Iterable[RequestUpdate]) -> None:
         for update in updates:
             self._detached.note(update)
-            queue = self._streams.get(update.request_id)
-            if queue is not None:
-                queue.put_nowait(update)
+            sink = self._streams.get(update.request_id)
+            if sink is not None:
+                sink(update)
 
     def _wake(self, worker_id: str | None) -> None:
         link = self._links.get(worker_id) if worker_id else None
@@ -395,6 +510,17 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _wake_all(self) -> None:
         for link in self._links.values():
             link.wake.set()
+
+
+@contextmanager
+def _logging_as(trace_id: str) -> Iterator[None]:
+    """Logs within carry a GenerateMany stream's request id (and so its trace id), as a
+    Generate call's handler's logs do."""
+    token = request_id_var.set(trace_id or None)
+    try:
+        yield
+    finally:
+        request_id_var.reset(token)
 
 
 def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest, error: Exception,

@@ -14,10 +14,11 @@ from opentelemetry import trace
 
 from common.transport.grpc_server import internal_channel, request_metadata
 from common.transport.internal_auth import InternalAuth
-from common.observability.tracing import traceparent_metadata, tracer
+from common.observability.tracing import traceparent, traceparent_metadata, tracer
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from services.gateway import convert
 from services.kvcache.client import KvIndexClient
+from services.gateway.streaming.scheduler_streams import SchedulerStreams
 from services.gateway.requests.backend import (
     BackendError,
     GenerationEvent,
@@ -33,9 +34,14 @@ PROBE_TIMEOUT_S = 2.0
 
 
 class SchedulerClient:
-    def __init__(self, scheduler_addr: str, kvcache_addr: str, auth: InternalAuth = InternalAuth()) -> None:
+    """`multiplexed`: requests go over one GenerateMany call (scheduler_streams.py), else
+    a Generate call each (SCHEDULER_STREAM)."""
+
+    def __init__(self, scheduler_addr: str, kvcache_addr: str, auth: InternalAuth = InternalAuth(),
+                 multiplexed: bool = True) -> None:
         self._scheduler_channel = internal_channel(scheduler_addr, auth)
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
+        self._streams = SchedulerStreams(self._scheduler, self._seen) if multiplexed else None
         self._kvcache = KvIndexClient.connect(kvcache_addr, PROBE_TIMEOUT_S, auth)
         self._model_info: ModelInfo | None = None  # once fully known, kept
         # Whether the scheduler has answered since the gateway started: only then is
@@ -52,6 +58,9 @@ class SchedulerClient:
             call = self._scheduler.Attach(
                 scheduler_pb2.AttachRequest(request_id=request_id, client_id=spec.client_id),
                 metadata=metadata)
+        elif self._streams is not None:
+            call = _StreamCall(self._streams.generate(convert.generate_request_to_proto(spec, request_id),
+                                                      trace_id or request_id, traceparent(span)))
         else:
             call = self._scheduler.Generate(
                 convert.generate_request_to_proto(spec, request_id), metadata=metadata)
@@ -72,8 +81,11 @@ class SchedulerClient:
         finally:
             # Closing the stream early (client gone, stop string) cancels the
             # RPC, which the scheduler turns into a cancelled request.
-            call.cancel()
+            await call.cancel() if isinstance(call, _StreamCall) else call.cancel()
             span.end()
+
+    def _seen(self) -> None:
+        self.scheduler_seen = True
 
     async def cancel(self, request_id: str) -> bool:
         try:
@@ -143,5 +155,20 @@ class SchedulerClient:
         return info
 
     async def close(self) -> None:
+        if self._streams is not None:
+            await self._streams.close()
         await self._scheduler_channel.close()
         await self._kvcache.close()
+
+
+class _StreamCall:
+    """A request on the GenerateMany call, read as a Generate call is."""
+
+    def __init__(self, events: AsyncIterator[scheduler_pb2.GenerateEvent]) -> None:
+        self._events = events
+
+    def __aiter__(self) -> AsyncIterator[scheduler_pb2.GenerateEvent]:
+        return self._events
+
+    async def cancel(self) -> None:
+        await self._events.aclose()   # type: ignore[attr-defined]

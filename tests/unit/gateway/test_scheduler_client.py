@@ -1,4 +1,6 @@
-"""The gRPC scheduler client against in-process scheduler/worker servicers."""
+"""The gRPC scheduler client against in-process scheduler/worker servicers, with its
+requests over one GenerateMany call (the default) and over a Generate call each: the
+same events, refusals, losses and cancels either way."""
 
 from __future__ import annotations
 
@@ -64,6 +66,36 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.cancelled_streams += 1
             raise
 
+    async def GenerateMany(self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest],
+                           context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.StreamEvents]:
+        """Each submit served by Generate above, its status made a refusal."""
+        out: asyncio.Queue[scheduler_pb2.StreamEvent] = asyncio.Queue()
+        tasks: dict[int, asyncio.Task[None]] = {}
+
+        async def serve(submit: scheduler_pb2.StreamSubmit) -> None:
+            stream_context = _StreamContext(submit)
+            try:
+                async for event in self.Generate(submit.request, stream_context):  # type: ignore[arg-type]
+                    out.put_nowait(scheduler_pb2.StreamEvent(stream=submit.stream, event=event))
+            except _Aborted as refusal:
+                out.put_nowait(scheduler_pb2.StreamEvent(stream=submit.stream, refusal=scheduler_pb2.StreamRefusal(
+                    code=refusal.code.value[0], message=refusal.message,
+                    metadata=dict(stream_context.trailing))))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                for submit in message.submit:
+                    tasks[submit.stream] = asyncio.create_task(serve(submit))
+                for stream in message.cancel:
+                    tasks[stream].cancel()
+
+        reader = asyncio.create_task(read())
+        try:
+            while True:
+                yield scheduler_pb2.StreamEvents(events=[await out.get()])
+        finally:
+            reader.cancel()
+
     async def Cancel(self, request: scheduler_pb2.CancelRequest,
                      context: grpc.aio.ServicerContext) -> scheduler_pb2.CancelResponse:
         self.cancel_ids.append(request.request_id)
@@ -83,15 +115,38 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.ModelInfo(max_model_len=777, vocab_size=384, default_kv_policy="sink")
 
 
-@pytest.fixture
-async def backend() -> AsyncIterator[tuple[SchedulerClient, SchedulerServicer, GrpcServer]]:
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        self.code, self.message = code, message
+
+
+class _StreamContext:
+    """What Generate above asks of its context, for a GenerateMany stream."""
+
+    def __init__(self, submit: scheduler_pb2.StreamSubmit) -> None:
+        self._metadata = (("x-request-id", submit.trace_id),)
+        self.trailing: tuple[tuple[str, str], ...] = ()
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self._metadata
+
+    def set_trailing_metadata(self, metadata: tuple[tuple[str, str], ...]) -> None:
+        self.trailing = metadata
+
+    async def abort(self, code: grpc.StatusCode, message: str) -> None:
+        raise _Aborted(code, message)
+
+
+@pytest.fixture(params=["multiplexed", "per_request"])
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[tuple[SchedulerClient, SchedulerServicer, GrpcServer]]:
     scheduler = SchedulerServicer()
     server = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, scheduler)],
                         ["fairserve.v1.Scheduler"], "127.0.0.1", 0)
     await server.start()
     await server.set_serving(True)
     address = f"127.0.0.1:{server.port}"
-    client = SchedulerClient(address, address)  # the same server answers the kvcache probe
+    # the same server answers the kvcache probe
+    client = SchedulerClient(address, address, multiplexed=request.param == "multiplexed")
     yield client, scheduler, server
     await client.close()
     await server.stop(0)
