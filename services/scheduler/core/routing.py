@@ -18,7 +18,8 @@ from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 
 from services.scheduler.core.prefix_share import shared_prefix_tokens
-from services.scheduler.core.state import WorkerState
+from services.scheduler.core.recent_prefixes import RecentPrefixes
+from services.scheduler.core.state import RequestState, WorkerState
 from services.scheduler.core.types import RequestSpec
 
 MAX_REMEMBERED_SESSIONS = 65536
@@ -92,18 +93,27 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
 
 
 def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
-                 cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "") -> dict[str, int]:
+                 cached_prefix_tokens: Mapping[str, int], min_tokens: int, cache_salt: str = "",
+                 recent: RecentPrefixes | None = None) -> dict[str, int]:
     """The index's cached-prefix hints (worker_id -> tokens), raised where a
     worker is about to hold a longer prefix: one of its queued or prefilling
     requests with the same `cache_salt` shares it (prefix_share.py; 0
-    `min_tokens` turns that off)."""
+    `min_tokens` turns that off). `recent` finds those requests by how they start
+    (recent_prefixes.py); without it each worker's lists are scanned."""
     hints = dict(cached_prefix_tokens)
     if min_tokens <= 0 or len(workers) < 2:     # nothing to choose between
         return hints
-    for worker in workers:
-        shared = shared_prefix_tokens(prompt, [*worker.pending, *worker.prefilling], min_tokens, cache_salt)
-        if shared > hints.get(worker.worker_id, 0):
-            hints[worker.worker_id] = shared
+    if recent is not None:
+        by_worker: dict[str, list[RequestState]] = {}
+        for request in recent.candidates(prompt, cache_salt):
+            by_worker.setdefault(request.worker_id, []).append(request)
+        others = {worker.worker_id: by_worker.get(worker.worker_id, [])[::-1] for worker in workers}
+    else:
+        others = {worker.worker_id: [*worker.pending, *worker.prefilling] for worker in workers}
+    for worker_id, queued in others.items():
+        shared = shared_prefix_tokens(prompt, queued, min_tokens, cache_salt) if queued else 0
+        if shared > hints.get(worker_id, 0):
+            hints[worker_id] = shared
     return hints
 
 
@@ -118,14 +128,15 @@ def route(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[Worke
 def route_with_reason(prompt: tuple[int, ...], session_id: Hashable, workers: Sequence[WorkerState],
                       sessions: SessionMap, cached_prefix_tokens: Mapping[str, int], min_tokens: int,
                       cache_salt: str = "", adapter: str = "",
-                      load_slack: int | None = None) -> tuple[WorkerState | None, str]:
+                      load_slack: int | None = None,
+                      recent: RecentPrefixes | None = None) -> tuple[WorkerState | None, str]:
     """The worker for a new request (None: no worker): its session's, else among the
     workers not overloaded (`balanced`, with `load_slack`) the one holding or about to
     hold the longest prefix of `prompt` under its `cache_salt` (the index's hints are
     looked up with it), else one holding its LoRA `adapter`, else the least loaded. The
     chosen worker notes the adapter."""
     session_worker = sessions.get(session_id) if session_id else None
-    hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens, cache_salt)
+    hints = prefix_hints(prompt, workers, cached_prefix_tokens, min_tokens, cache_salt, recent)
     worker = choose_worker(workers, session_worker, hints, adapter, load_slack)
     if worker is None:
         return None, ""

@@ -37,10 +37,11 @@ from services.scheduler.core.in_flight import dispatch, retire
 from services.scheduler.core.fairness.vtc import VirtualTokenCounter
 from services.scheduler.core.fairness.quotas import TenantQuotas, TenantUsage
 from services.scheduler.core.faults.recovery import Parked, WorkerRecovery
+from services.scheduler.core.recent_prefixes import RecentPrefixes
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.routing import SessionMap, route_with_reason, session_key
 from services.scheduler.core.fairness.slot_fairness import preemption_victim
-from services.scheduler.core.state import InFlightStep, RequestState, WorkerState
+from services.scheduler.core.state import InFlightStep, Phase, RequestState, WorkerState
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.step_planner import StepPlanner
 from services.scheduler.core.stopping import take_tokens
@@ -68,6 +69,7 @@ class SchedulerCore:
         # The book's maps: the loop reads the first two; the accounting tests
         # check all three are empty once every request has ended.
         self._requests, self._by_seq = self._book.requests, self._book.by_seq
+        self._recent = RecentPrefixes(config.prefix_wait_min_tokens, self._waits_unstarted)
         self._waiting_by_client = self._book.waiting
         self._sessions = SessionMap()
         self._failover = Failover(self._book, self._sessions, config.max_active_kv_tokens, config.max_migrations)
@@ -234,7 +236,7 @@ class SchedulerCore:
         worker, reason = route_with_reason(
             spec.prompt_token_ids, session_key(spec), list(self._workers.values()), self._sessions,
             cached_prefix_tokens, self._config.prefix_wait_min_tokens, spec.cache_salt, spec.lora_name,
-            self._routing_load_slack)
+            self._routing_load_slack, self._recent)
         assert worker is not None   # reject_early: there is a worker
         prompt_len = len(spec.prompt_token_ids)
         limit = gates.tokens_limit(self._config.max_tokens_limit, worker.spec.max_model_len)
@@ -257,8 +259,14 @@ class SchedulerCore:
         request = RequestState.arriving(spec, client_id, max_tokens, self._clock(),
                                         next(self._arrivals), worker.worker_id, kv_policy, cap)
         self._book.add(worker, request)
+        self._recent.add(request)
         self._counts.count_route(reason)
         return SubmitResult(request_id=spec.request_id, worker_id=worker.worker_id)
+
+    def _waits_unstarted(self, request: RequestState) -> bool:
+        """Whether a request is still the book's and queued or prefilling (recent_prefixes.py)."""
+        return self._requests.get(request.request_id) is request and request.phase in (
+            Phase.PENDING, Phase.PREFILLING)
 
     def cancel(self, request_id: str) -> tuple[bool, list[RequestUpdate]]:
         """Ends a request now; its sequence is freed in its worker's next step."""
