@@ -105,7 +105,7 @@ class Stack:
 
     async def _stats(self):
         from fairserve.v1 import common_pb2
-        return await self.scheduler_stub().Stats(common_pb2.StatsRequest(), timeout=10)
+        return await self.scheduler_stub().Stats(common_pb2.StatsRequest(), timeout=60)
 
     async def wait_registered(self, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s

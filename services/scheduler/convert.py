@@ -114,16 +114,33 @@ def model_info_to_proto(infos: Sequence[worker_pb2.WorkerInfo], default_kv_polic
 
 def generate_event_to_proto(update: RequestUpdate) -> scheduler_pb2.GenerateEvent:
     event = scheduler_pb2.GenerateEvent()
+    fill_generate_event(event, update)
+    return event
+
+
+def add_stream_event(message: scheduler_pb2.StreamEvents, stream: int, update: RequestUpdate) -> int:
+    """Appends `update` to a GenerateMany message as `stream`'s event (built in place:
+    a third of the time of building it apart); returns about the bytes it adds."""
+    item = message.events.add(stream=stream)
+    if update.rejection is not None:
+        item.refusal.CopyFrom(refusal_to_proto(update.rejection))
+        return item.ByteSize()
+    fill_generate_event(item.event, update)
+    plain = not update.prompt_logprobs and all(token.logprob is None for token in update.tokens)
+    return 8 + 6 * len(update.tokens) if plain and update.finish is None else item.ByteSize()
+
+
+def fill_generate_event(event: scheduler_pb2.GenerateEvent, update: RequestUpdate) -> None:
     for token in update.tokens:
         item = event.tokens.add(token_id=token.token_id)
         if token.logprob is not None:
             item.logprob.CopyFrom(logprob_to_proto(token.logprob))
-    event.prompt_logprobs.extend(logprob_to_proto(logprob) for logprob in update.prompt_logprobs)
+    if update.prompt_logprobs:
+        event.prompt_logprobs.extend(logprob_to_proto(logprob) for logprob in update.prompt_logprobs)
     if update.finish is not None:
         event.finish.CopyFrom(scheduler_pb2.FinishEvent(
             finish_reason=update.finish.reason.value, usage=usage_to_proto(update.finish.usage),
             message=update.finish.message, queue_wait_ms=queue_wait_ms(update.finish)))
-    return event
 
 
 def queue_wait_ms(finish: Finish) -> float:

@@ -11,8 +11,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +19,6 @@ import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from common.transport.grpc_server import GrpcServer, internal_channel, request_id_from
-from common.observability.logs import request_id_var
 from common.transport.peer import MAX_PEER_CHARS
 from common.sequence_ids import request_id_of
 from common.step_convert import step_batch_to_proto, step_output_from_proto
@@ -29,7 +27,7 @@ from common.transport.worker_auth import worker_role_check
 
 from services.scheduler import convert
 from services.scheduler.address_check import HostFacts, check_peer_address
-from services.scheduler.core.types import Gate, Rejection, RequestUpdate, SubmitResult
+from services.scheduler.core.types import Rejection, RequestUpdate, SubmitResult
 from services.scheduler.core.scheduler import SchedulerCore
 from common.step import StepBatch
 from services.scheduler.detached import DetachedLog
@@ -42,14 +40,13 @@ from services.scheduler.registration import (
 )
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.step_link import StepFailed, step_link
-from services.scheduler.stream_mux import StreamConnection, StreamInUse
+from services.scheduler.generate_many import GenerateMany
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 INFO_TIMEOUT_S = 10.0
 MAX_REAPER_INTERVAL_S = 0.25
-MAX_STREAM_MESSAGE_BYTES = 1 << 20     # a GenerateMany message's events, about
 
 
 @dataclass
@@ -86,6 +83,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._reaper: asyncio.Task[None] | None = None
         self._background_tasks: set[asyncio.Task[object]] = set()
         self._detached = DetachedLog(settings.detached_ttl_s, clock)
+        self._many = GenerateMany(self._admit, self._end_stream, self._log_finish)
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
@@ -132,101 +130,8 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def GenerateMany(self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest],
                            context: grpc.aio.ServicerContext) -> AsyncIterator[scheduler_pb2.StreamEvents]:
-        """Many requests over one call (stream_mux.py): one message carries every event
-        ready when the writer wakes, at most MAX_STREAM_MESSAGE_BYTES of them."""
-        connection = StreamConnection()
-        admissions: set[asyncio.Task[None]] = set()
-        reader = asyncio.create_task(self._read_streams(request_iterator, connection, admissions))
-        try:
-            while True:
-                if reader.done() and not reader.cancelled() and isinstance(reader.exception(), StreamInUse):
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(reader.exception()))
-                if not connection.pending:
-                    if reader.done() and not connection.open and not connection.admitting:
-                        return      # the caller sends no more and every request has ended
-                    waiting = asyncio.ensure_future(connection.ready.wait())
-                    await asyncio.wait((waiting, reader) if not reader.done() else (waiting,),
-                                       return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
-                for message in self._stream_messages(connection):
-                    yield message
-        finally:
-            reader.cancel()
-            for task in list(admissions):
-                task.cancel()
-            for stream in list(connection.open.values()):
-                with _logging_as(stream.trace_id):
-                    self._end_stream(stream.request_id, False, "cancelled", stream.detached)
-            connection.open.clear()
-
-    async def _read_streams(self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest],
-                            connection: StreamConnection, admissions: set[asyncio.Task[None]]) -> None:
-        async for message in request_iterator:
-            for submit in message.submit:
-                if connection.in_use(submit.stream):
-                    raise StreamInUse(f"stream {submit.stream} is in use on this call")
-                connection.begin(submit.stream)
-                task = asyncio.create_task(self._admit_stream(submit, connection))
-                admissions.add(task)
-                task.add_done_callback(admissions.discard)
-            for stream in message.cancel:
-                ended = connection.cancel(stream)
-                if ended is not None:
-                    with _logging_as(ended.trace_id):
-                        self._end_stream(ended.request_id, False, "cancelled", ended.detached)
-        # The caller sends nothing more; its open requests still get their events.
-        while admissions:
-            await asyncio.wait(set(admissions))
-
-    async def _admit_stream(self, submit: scheduler_pb2.StreamSubmit, connection: StreamConnection) -> None:
-        request = submit.request
-        if submit.trace_id:
-            request_id_var.set(submit.trace_id)
-        try:
-            result = await self._admit(request, submit.trace_id, submit.traceparent,
-                                       lambda update: connection.put(submit.stream, update))
-        except Exception:
-            log.exception("admitting a request failed")
-            connection.refused(submit.stream)
-            connection.put(submit.stream, RequestUpdate(request.request_id, rejection=Rejection(
-                Gate.INVALID, "the scheduler could not admit the request")))
-            return
-        if result.rejection is not None:
-            connection.refused(submit.stream)
-            connection.put(submit.stream, RequestUpdate(result.request_id, rejection=result.rejection))
-        elif not connection.opened(submit.stream, result.request_id, request.detached, submit.trace_id):
-            connection.close(submit.stream)
-            self._end_stream(result.request_id, False, "cancelled", request.detached)
-
-    def _stream_messages(self, connection: StreamConnection) -> Iterable[scheduler_pb2.StreamEvents]:
-        """The waiting events as messages; a refused or finished stream is ended as its
-        event is taken (as Generate ends its call)."""
-        events: list[scheduler_pb2.StreamEvent] = []
-        size = 0
-        for stream, update in connection.take():
-            current = connection.open.get(stream)
-            if update.rejection is not None:
-                if current is not None:      # refused after admission (a hold that timed out)
-                    connection.close(stream)
-                    with _logging_as(current.trace_id):
-                        self._end_stream(update.request_id, True, "rejected", current.detached)
-                event = scheduler_pb2.StreamEvent(stream=stream, refusal=convert.refusal_to_proto(update.rejection))
-            else:
-                if current is None or current.request_id != update.request_id:
-                    continue        # its caller cancelled it
-                event = scheduler_pb2.StreamEvent(stream=stream, event=convert.generate_event_to_proto(update))
-                if update.finish is not None:
-                    connection.close(stream)
-                    with _logging_as(current.trace_id):
-                        self._log_finish(update.request_id, update)
-                        self._end_stream(update.request_id, True, update.finish.reason.value, current.detached)
-            events.append(event)
-            size += event.ByteSize()
-            if size >= MAX_STREAM_MESSAGE_BYTES:
-                yield scheduler_pb2.StreamEvents(events=events)
-                events, size = [], 0
-        if events:
-            yield scheduler_pb2.StreamEvents(events=events)
+        async for message in self._many.serve(request_iterator, context):
+            yield message
 
     async def _admit(self, request: scheduler_pb2.GenerateRequest, trace_id: str, traceparent: str,
                      sink: Callable[[RequestUpdate], None]) -> SubmitResult:
@@ -510,17 +415,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _wake_all(self) -> None:
         for link in self._links.values():
             link.wake.set()
-
-
-@contextmanager
-def _logging_as(trace_id: str) -> Iterator[None]:
-    """Logs within carry a GenerateMany stream's request id (and so its trace id), as a
-    Generate call's handler's logs do."""
-    token = request_id_var.set(trace_id or None)
-    try:
-        yield
-    finally:
-        request_id_var.reset(token)
 
 
 def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest, error: Exception,
