@@ -158,7 +158,7 @@ def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
             last_step_ms=w.last_step_ms, last_batch_size=w.last_batch_size, steps=w.steps,
             evictions=w.evictions, used_blocks=w.used_blocks)
             for w in stats.workers],
-        clients=[scheduler_pb2.ClientCounter(client_id=c.client_id, counter=c.counter,
+        clients=[scheduler_pb2.ClientCounter(client_id=c.client_id, counter=c.counter, charged=c.charged,
                                              served_tokens=c.served_tokens, weight=c.weight)
                  for c in stats.clients],
         policy=stats.policy.value, reserved_kv_tokens=stats.reserved_kv_tokens,

@@ -41,6 +41,7 @@ from services.scheduler.registration import (
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.step_link import StepFailed, step_link
 from services.scheduler.generate_many import GenerateMany
+from services.scheduler.peer_exchange import exchange_with_peers
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
+        if self._settings.peers:
+            self._background(exchange_with_peers(self._settings.peers, self._settings.peer_exchange_s,
+                                                 self._settings.internal, self._core.charge_elsewhere))
 
     async def close(self) -> None:
         if self._reaper is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from common.settings.env import SettingsError
 from common.transport.internal_auth import InternalAuth
 from common.step import KvPolicy
 
@@ -32,6 +33,8 @@ class SchedulerSettings:
     max_queue_len: int = _CORE.max_queue_len
     queue_timeout_s: float = _CORE.queue_timeout_s
     kvcache_addr: str = "127.0.0.1:50071"
+    peers: tuple[str, ...] = ()     # SCHEDULER_PEERS (peer_exchange.py)
+    peer_exchange_s: float = 0.1
     worker_heartbeat_timeout_s: float = _CORE.heartbeat_timeout_s
     vtc_input_weight: float = _CORE.vtc_input_weight
     vtc_output_weight: float = _CORE.vtc_output_weight
@@ -74,6 +77,8 @@ class SchedulerSettings:
             max_queue_len=values.max_queue_len,
             queue_timeout_s=values.queue_timeout_s,
             kvcache_addr=values.kvcache_addr,
+            peers=_peers(values.scheduler_peers),
+            peer_exchange_s=values.peer_exchange_s,
             worker_heartbeat_timeout_s=values.worker_heartbeat_timeout_s,
             vtc_input_weight=values.vtc_input_weight,
             vtc_output_weight=values.vtc_output_weight,
@@ -121,3 +126,13 @@ class SchedulerSettings:
     def heartbeat_interval_s(self) -> float:
         """What workers are told: three heartbeats fit in one timeout."""
         return self.worker_heartbeat_timeout_s / 3.0
+
+
+def _peers(value: str) -> tuple[str, ...]:
+    """SCHEDULER_PEERS: `host:port` entries, comma-separated."""
+    peers = tuple(peer.strip() for peer in value.split(",") if peer.strip())
+    for peer in peers:
+        host, _, port = peer.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SettingsError(f"SCHEDULER_PEERS={value!r} is invalid: {peer!r} is not host:port")
+    return peers

@@ -39,6 +39,7 @@ class SchedulerSchema(
         "vtc_input_weight",
         "vtc_output_weight",
         "prefill_mode",
+        "peer_exchange_s",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | WorkerTokenFields.secrets
     scheduler_host: str = Field('127.0.0.1',
@@ -48,6 +49,17 @@ class SchedulerSchema(
     scheduler_port: int = Field(50051, ge=0, le=65535,
         description=(
             "the scheduler's gRPC port (gateways and workers dial it)"
+        ))
+    scheduler_peers: str = Field('',
+        description=(
+            'the other scheduler shards, comma-separated `host:port`: each shard serves its own '
+            'workers, and every `PEER_EXCHANGE_S` adds its peers\' service to each tenant\'s '
+            'fairness counter, so a tenant served on several shards is ordered by its service on all '
+            'of them (docs/scaling.md). Empty: one scheduler'
+        ))
+    peer_exchange_s: float = Field(0.1, gt=0.0,
+        description=(
+            'how often a shard reads its `SCHEDULER_PEERS` counters'
         ))
     scheduler_metrics_port: int = Field(9101, ge=0, le=65535,
         description=(

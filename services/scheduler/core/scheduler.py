@@ -355,6 +355,11 @@ class SchedulerCore:
         """A tenant's generations in flight and queued, and its refusals (core/quotas.py)."""
         return self._quotas.usage(tenant)
 
+    def charge_elsewhere(self, charges: Mapping[str, float]) -> None:
+        """Clients' service on other scheduler shards (peer_counters.py), for fairness here."""
+        for client_id, normalized in charges.items():
+            self._vtc.charge_elsewhere(client_id, normalized)
+
     def stats(self) -> CoreStats:
         return core_stats(self._config.policy, self._counts, self._workers.values(), self._vtc.snapshot(),
                           now=self._clock(), heartbeat_timeout_s=self._config.heartbeat_timeout_s,

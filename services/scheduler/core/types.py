@@ -225,6 +225,7 @@ class ClientCounter:
     counter: float          # weighted tokens over the client's weight
     served_tokens: int
     weight: float = 1.0
+    charged: float = 0.0    # cumulative, this scheduler's own requests only (peer_counters.py)
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ class VirtualTokenCounter:
         self._clients = CounterLevel()
         self._users: dict[str, CounterLevel] = {}
         self._weights: dict[str, float] = {}
+        self._charged: dict[str, float] = {}   # each client's own charges, cumulative
 
     # ---- reading ----
 
@@ -110,7 +111,7 @@ class VirtualTokenCounter:
     def snapshot(self) -> tuple[ClientCounter, ...]:
         clients = self._clients
         return tuple(ClientCounter(client_id=c, counter=clients.values[c], served_tokens=clients.served.get(c, 0),
-                                   weight=self.weight(c))
+                                   weight=self.weight(c), charged=self._charged.get(c, 0.0))
                      for c in sorted(clients.values))
 
     def __len__(self) -> int:
@@ -148,6 +149,15 @@ class VirtualTokenCounter:
         normalized = cost / self.weight(client_id)
         self._clients.charge(client_id, normalized, num_tokens)
         self._user_level(client_id).charge(user, normalized, num_tokens)
+        self._charged[client_id] = self._charged.get(client_id, 0.0) + normalized
+
+    def charge_elsewhere(self, client_id: str, normalized: float) -> None:
+        """Service another scheduler shard gave the client (its counter's growth there,
+        already over the weight): added to the client's counter here when it has one (a
+        client that arrives later is lifted to the waiting clients' level anyway). Not
+        counted as served here, nor reported as this scheduler's own charge."""
+        if client_id in self._clients.values and normalized > 0:
+            self._clients.values[client_id] += normalized
 
     # ---- forgetting ----
 
@@ -158,6 +168,7 @@ class VirtualTokenCounter:
         for client_id in client_ids:
             self._users.pop(client_id, None)
             self._weights.pop(client_id, None)
+            self._charged.pop(client_id, None)
 
     def forget_users(self, client_id: str, users: Iterable[str]) -> None:
         level = self._users.get(client_id)

@@ -1,0 +1,117 @@
+"""Fairness across scheduler shards (SCHEDULER_PEERS): the growth of a peer's own charges
+(peer_charges.py) added to this shard's counters, and two shards in lockstep where one
+tenant can only be served on the first (its cache or sessions live there) while another
+is served on both. Without the exchange each shard splits itself evenly and the pinned
+tenant gets a quarter of all tokens; with it, the first shard sees how much the other
+tenant gets on the second and serves the pinned one first, which is what one scheduler
+over all the workers would do."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+from common.transport.grpc_server import GrpcServer
+from common.transport.internal_auth import InternalAuth
+from services.scheduler.core.fairness.peer_charges import PeerCharges
+from services.scheduler.core.fairness.vtc import VirtualTokenCounter
+from services.scheduler.core.types import CoreConfig, Policy
+from services.scheduler.peer_exchange import exchange_with_peers
+
+from tests.unit.scheduler.fake_worker import FakeEngine
+from tests.unit.scheduler.harness import Harness
+
+
+def test_growth_starts_from_a_baseline_and_restarts_when_a_figure_goes_down() -> None:
+    charges = PeerCharges()
+    assert charges.growth("p", {"a": 10.0}) == {}                      # the first read: a baseline
+    assert charges.growth("p", {"a": 25.0, "b": 4.0}) == {"a": 15.0, "b": 4.0}
+    assert charges.growth("p", {"a": 25.0, "b": 4.0}) == {}
+    assert charges.growth("p", {"a": 3.0}) == {"a": 3.0}                # forgotten, then back
+    assert charges.growth("q", {"a": 99.0}) == {}                        # each peer its own baseline
+
+
+def test_service_elsewhere_raises_a_known_clients_counter_only() -> None:
+    vtc = VirtualTokenCounter(1.0, 2.0)
+    vtc.lift_on_arrival("a", [])
+    vtc.charge_output("a", 3)
+    vtc.charge_elsewhere("a", 10.0)
+    vtc.charge_elsewhere("stranger", 10.0)      # no counter here: lifted on arrival instead
+    (counter,) = vtc.snapshot()
+    assert counter.client_id == "a" and counter.counter == pytest.approx(16.0)
+    assert counter.served_tokens == 3 and counter.charged == pytest.approx(6.0)   # its own only
+    assert len(vtc) == 1
+
+
+PROMPT, MAX_TOKENS, BACKLOG = 8, 8, 6
+
+
+def _served_shares(exchange: bool, steps: int = 300) -> dict[str, float]:
+    config = CoreConfig(policy=Policy.VTC, max_batch_size=2, vtc_input_weight=1.0, vtc_output_weight=1.0)
+    shards = [Harness(config, FakeEngine(num_blocks=4096)) for _ in range(2)]
+    tenants = {0: ("pinned", "spread"), 1: ("spread",)}
+    charges = [PeerCharges(), PeerCharges()]
+    mine: dict[tuple[int, str], list[str]] = {}
+    submitted = 0
+    served = {"pinned": 0, "spread": 0}
+    for _ in range(steps):
+        for index, shard in enumerate(shards):
+            for tenant in tenants[index]:   # each tenant keeps BACKLOG requests waiting on its shards
+                ids = mine.setdefault((index, tenant), [])
+                ids[:] = [rid for rid in ids if not shard.streams[rid].done]
+                while len(ids) < BACKLOG:
+                    submitted += 1
+                    ids.append(shard.submit(range(submitted * 100, submitted * 100 + PROMPT),
+                                            max_tokens=MAX_TOKENS, client_id=tenant).request_id)
+        before = [{c.client_id: c.served_tokens for c in shard.core.stats().clients} for shard in shards]
+        for shard in shards:
+            shard.step()
+        for index, shard in enumerate(shards):
+            for client in shard.core.stats().clients:
+                served[client.client_id] += client.served_tokens - before[index].get(client.client_id, 0)
+        if exchange:
+            for index, shard in enumerate(shards):
+                peer = shards[1 - index].core.stats().clients
+                shard.core.charge_elsewhere(charges[index].growth("peer", {c.client_id: c.charged for c in peer}))
+    total = sum(served.values())
+    return {tenant: tokens / total for tenant, tokens in served.items()}
+
+
+def test_a_tenant_pinned_to_one_shard_gets_its_fair_share_only_with_the_exchange() -> None:
+    alone = _served_shares(exchange=False)
+    shared = _served_shares(exchange=True)
+    assert alone["pinned"] == pytest.approx(0.25, abs=0.05)     # half of one shard of two
+    assert shared["pinned"] == pytest.approx(0.5, abs=0.07)     # as one scheduler over both
+
+
+class _Peer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self) -> None:
+        self.charged = {"a": 1.0}
+
+    async def Stats(self, request: object, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
+        return scheduler_pb2.SchedulerStats(clients=[scheduler_pb2.ClientCounter(client_id=c, charged=v)
+                                                     for c, v in self.charged.items()])
+
+
+async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() -> None:
+    peer = _Peer()
+    server = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, peer)],
+                        ["fairserve.v1.Scheduler"], "127.0.0.1", 0)
+    await server.start()
+    received: list[dict[str, float]] = []
+    task = asyncio.create_task(exchange_with_peers([f"127.0.0.1:{server.port}", "127.0.0.1:1"], 0.02,
+                                                   InternalAuth(), lambda grown: received.append(dict(grown))))
+    await asyncio.sleep(0.3)                     # a baseline read, then nothing has grown
+    peer.charged = {"a": 4.0, "b": 2.0}
+    for _ in range(200):
+        if received:
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await server.stop(0)
+    assert received[0] == {"a": 3.0, "b": 2.0}
+    assert common_pb2.StatsRequest() is not None
