@@ -155,8 +155,11 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
 
 async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) -> LoadResult:
     await stack.wait_registered()
-    return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens,
-                       shared_prefix=args.shared_prefix, stream=args.stream, gateways=args.gateways)
+    try:
+        return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens,
+                           shared_prefix=args.shared_prefix, stream=args.stream, gateways=args.gateways)
+    finally:
+        await stack.close_channels()
 
 
 def _share(part: int, whole: int) -> float:

@@ -103,6 +103,12 @@ class Stack:
                 interceptors=token_interceptors(InternalAuth.from_env(self.env).token)))
         return scheduler_pb2_grpc.SchedulerStub(self._channels[channel])
 
+    async def close_channels(self) -> None:
+        """Before the load's event loop ends (grpc's poller would call into a closed loop)."""
+        for channel in self._channels:
+            await channel.close()
+        self._channels.clear()
+
     async def _stats(self):
         from fairserve.v1 import common_pb2
         return await self.scheduler_stub().Stats(common_pb2.StatsRequest(), timeout=60)
