@@ -37,6 +37,7 @@ class LoadResult:
     prompt_tokens: int = 0      # of the requests that finished in the window
     cached_tokens: int = 0
     ttfts_s: list[float] = field(default_factory=list)
+    tokens_by_tenant: dict[str, int] = field(default_factory=dict)
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
 
@@ -52,7 +53,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _stream(events, result: LoadResult, window: tuple[float, float]) -> None:
+async def _stream(events, result: LoadResult, window: tuple[float, float], tenant: str = "") -> None:
     started = time.monotonic()
     first = True
     async for event in events:
@@ -63,6 +64,7 @@ async def _stream(events, result: LoadResult, window: tuple[float, float]) -> No
                 result.ttfts_s.append(now - started)
         if window[0] <= now < window[1]:
             result.tokens += len(event.tokens)
+            result.tokens_by_tenant[tenant] = result.tokens_by_tenant.get(tenant, 0) + len(event.tokens)
         if event.HasField("finish") and event.finish.finish_reason == "error":
             result.error(event.finish.message)
         elif event.HasField("finish") and window[0] <= now < window[1]:
@@ -78,33 +80,47 @@ def tenant_prefixes(tenants: int, tokens: int, seed: int = 1) -> list[list[int]]
 
 async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
                 max_tokens: int, tenants: int = 4, shared_prefix: int = 0, stream: str = "multiplexed",
-                gateways: int = 4) -> LoadResult:
+                gateways: int = 4, pin_tenant: bool = False, authenticated: bool = False) -> LoadResult:
     """`concurrency` closed loops of requests; tokens and TTFTs counted in the measured window.
     A prompt is its tenant's first `shared_prefix` tokens, then random ones to `prompt_tokens`.
     `stream`: `multiplexed`, the loops' requests over `gateways` GenerateMany calls (the
     gateway's own client, scheduler_streams.py: one call per gateway process); `per_request`,
-    a Generate call each, STREAMS_PER_CONNECTION to a connection."""
+    a Generate call each, STREAMS_PER_CONNECTION to a connection. With shards, each request goes
+    to the shard with the fewest of the driver's requests in flight (a gateway's own count);
+    with `pin_tenant`, tenant-0's all go to the first shard (as its cache or sessions would hold
+    it there) and the other tenants' take the shards in turn (as their own prefixes and sessions
+    would spread them); `authenticated`: the tenants are API-key tenants, ordered by VTC."""
     from fairserve.v1 import scheduler_pb2
     from services.gateway.streaming.scheduler_streams import SchedulerStreams
     rng, result = random.Random(0), LoadResult()
-    calls = [SchedulerStreams(stack.scheduler_stub(index), lambda: None) for index in range(gateways)]
+    shards = stack.config.shards
+    calls = [[SchedulerStreams(stack.scheduler_stub(index, shard), lambda: None) for shard in range(shards)]
+             for index in range(gateways)]
+    in_flight = [0] * shards
+    turns = iter(range(1 << 62))
     prefixes = tenant_prefixes(tenants, min(shared_prefix, prompt_tokens))
     start = time.monotonic()
     window = (start + warmup_s, start + warmup_s + seconds)
     counter = iter(range(1 << 62))
 
     async def loop(index: int) -> None:
-        stub = stack.scheduler_stub(index // STREAMS_PER_CONNECTION)
-        mux = calls[index % gateways]
+        tenant = f"tenant-{index % tenants}"
         while time.monotonic() < window[1]:
+            if not pin_tenant:
+                shard = min(range(shards), key=in_flight.__getitem__)
+            else:
+                shard = 0 if index % tenants == 0 else next(turns) % shards
+            stub = stack.scheduler_stub(index // STREAMS_PER_CONNECTION, shard)
+            mux = calls[index % gateways][shard]
             request = scheduler_pb2.GenerateRequest(
                 request_id=f"scale-{index}-{next(counter)}", max_tokens=max_tokens, ignore_eos=True,
                 prompt_token_ids=prefixes[index % tenants] + [
                     rng.randrange(3, 30000) for _ in range(prompt_tokens - len(prefixes[index % tenants]))],
-                client_id=f"tenant-{index % tenants}")
+                client_id=tenant, authenticated=authenticated)
+            in_flight[shard] += 1
             try:
                 await _stream(stub.Generate(request) if stream == "per_request" else
-                              mux.generate(request, request.request_id, ""), result, window)
+                              mux.generate(request, request.request_id, ""), result, window, tenant)
             except asyncio.CancelledError:
                 raise
             except Exception as error:   # noqa: BLE001  (a refused or broken stream counts, the loop goes on)
@@ -112,6 +128,8 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
                 if time.monotonic() < window[1]:   # not the end of the run cancelling it
                     result.error(f"{code().name}: {error.details()}" if callable(code) else repr(error))
                 await asyncio.sleep(0.05)
+            finally:
+                in_flight[shard] -= 1
 
     tasks = [asyncio.create_task(loop(index)) for index in range(concurrency)]
     await asyncio.sleep(window[0] - time.monotonic())
@@ -121,15 +139,17 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-    for call in calls:
-        await call.close()
+    for gateway in calls:
+        for call in gateway:
+            await call.close()
     return result
 
 
 def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
-                         profile=profile, log_dir=args.logs, log_level=args.log_level)
+                         profile=profile, log_dir=args.logs, log_level=args.log_level,
+                         shards=min(args.shards, workers), exchange=not args.no_exchange)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
         gaps, busy = stack.worker_steps()
@@ -150,14 +170,19 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "index_hit_token_share": _share(index.get("hit_tokens", 0), index.get("lookup_tokens", 0)),
             "index_blocks": index.get("blocks", 0),
             "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
-            "slowdown": args.slowdown, "stream": args.stream}
+            "slowdown": args.slowdown, "stream": args.stream, "shards": config.shards,
+            "exchange": config.exchange and config.shards > 1,
+            "scheduler_cpu_util_by_shard": [round(value / seconds, 3) for value in stack.scheduler_cpu_by_shard],
+            "tenant_token_shares": {tenant: round(tokens / load.tokens, 3) for tenant, tokens
+                                    in sorted(load.tokens_by_tenant.items())} if load.tokens else {}}
 
 
 async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) -> LoadResult:
     await stack.wait_registered()
     try:
         return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens,
-                           shared_prefix=args.shared_prefix, stream=args.stream, gateways=args.gateways)
+                           shared_prefix=args.shared_prefix, stream=args.stream, gateways=args.gateways,
+                           tenants=args.tenants, pin_tenant=args.pin_tenant, authenticated=args.vtc)
     finally:
         await stack.close_channels()
 
@@ -224,6 +249,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="requests over one GenerateMany call per gateway (as the gateway sends them), "
                              "or a Generate call each")
     parser.add_argument("--gateways", type=int, default=4, help="GenerateMany calls the load spreads over")
+    parser.add_argument("--shards", type=int, default=1,
+                        help="schedulers, each with its share of the workers and the others as SCHEDULER_PEERS")
+    parser.add_argument("--no-exchange", action="store_true", help="shards do not exchange their tenants' service")
+    parser.add_argument("--tenants", type=int, default=4)
+    parser.add_argument("--pin-tenant", action="store_true",
+                        help="tenant-0's requests all go to the first shard (its cache or sessions there), "
+                             "the other tenants' take the shards in turn")
+    parser.add_argument("--vtc", action="store_true",
+                        help="the tenants are authenticated (API keys): ordered by VTC, not arrival")
     parser.add_argument("--tokens", action="store_true", help="INTERNAL_TOKEN and WORKER_TOKEN set everywhere")
     parser.add_argument("--profile", help="a folder for the scheduler's cProfile stats, one file per count")
     parser.add_argument("--logs", help="keep the processes' logs in this folder")

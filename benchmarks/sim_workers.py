@@ -69,8 +69,8 @@ class SimEngineThread(EngineThread):
 
 class SimWorker:
     def __init__(self, index: int, costs: StepCosts, host: str, internal: InternalAuth,
-                 kv_index: KvIndexClient | None = None, model_key: str = "") -> None:
-        self.worker_id = f"sim-{index}"
+                 kv_index: KvIndexClient | None = None, model_key: str = "", name: str = "sim-") -> None:
+        self.worker_id = f"{name}{index}"
         self.thread = SimEngineThread(SimEngine(costs, model_key=model_key))
         metrics = WorkerMetrics(CollectorRegistry(), self.worker_id, self.thread.engine.pool_stats(),
                                 {"device": "simulated"})
@@ -92,14 +92,15 @@ def write_stats(workers: list[SimWorker], path: str) -> None:
 
 
 async def serve(count: int, scheduler: str, costs: StepCosts, host: str = "127.0.0.1",
-                env: dict[str, str] | None = None, stats_out: str | None = None) -> None:
+                env: dict[str, str] | None = None, stats_out: str | None = None, name: str = "sim-") -> None:
     env = dict(os.environ if env is None else env)
     internal = InternalAuth.from_env(env)
     token = worker_token_from_env(env, internal.token)
     # One index connection for all of them (a real worker has its own; the index tells them
     # apart by worker id).
     kv_index = KvIndexClient.connect(env["KVCACHE_ADDR"], auth=internal) if env.get("KVCACHE_ADDR") else None
-    workers = [SimWorker(index, costs, host, internal, kv_index, env.get("MODEL_KEY", "")) for index in range(count)]
+    workers = [SimWorker(index, costs, host, internal, kv_index, env.get("MODEL_KEY", ""), name)
+               for index in range(count)]
     for worker in workers:
         await worker.server.start()
         await worker.server.set_serving(True)
@@ -127,10 +128,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--slowdown", type=float, default=1.0, help="every step this many times as long")
     parser.add_argument("--stats-out", help="write the steps' idle gaps here (JSON) on SIGTERM")
     parser.add_argument("--costs", help="JSON step costs (sim_engine.StepCosts.from_json)")
+    parser.add_argument("--name", default="sim-", help="worker ids are this and an index")
     args = parser.parse_args(argv)
     costs = (StepCosts.from_json(args.costs) if args.costs else StepCosts()).scaled(args.slowdown)
     logging.basicConfig(level=logging.WARNING)
-    asyncio.run(serve(args.count, args.scheduler, costs, stats_out=args.stats_out))
+    asyncio.run(serve(args.count, args.scheduler, costs, stats_out=args.stats_out, name=args.name))
 
 
 if __name__ == "__main__":

@@ -57,3 +57,15 @@ def test_quick_mode_measures_real_scheduler_with_simulated_workers(tmp_path: Pat
         # Every prompt starts with its tenant's 32 of 48 tokens: the workers serve those from their
         # caches, and the index holds the blocks they published and finds them for the routing.
         assert row["cached_token_share"] > 0.5 and row["index_hit_token_share"] > 0.5 and row["index_blocks"] > 0
+
+
+def test_quick_mode_with_two_shards_each_serving_its_workers(tmp_path: Path) -> None:
+    """Two schedulers (SCHEDULER_PEERS each other), a worker each, the load through GenerateMany
+    to each shard; tenant-0 pinned to the first shard, VTC ordering: both shards serve, and every
+    tenant gets tokens."""
+    out = tmp_path / "rows.json"
+    main(["--quick", "--shards", "2", "--pin-tenant", "--vtc", "--out", str(out)])
+    two = json.loads(out.read_text())["rows"][1]
+    assert two["shards"] == 2 and two["exchange"] and two["errors"] == 0 and two["output_tok_s"] > 0
+    assert len(two["scheduler_cpu_util_by_shard"]) == 2 and all(u > 0 for u in two["scheduler_cpu_util_by_shard"])
+    assert set(two["tenant_token_shares"]) == {f"tenant-{n}" for n in range(4)}
