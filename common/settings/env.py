@@ -91,3 +91,13 @@ class EnvReader:
 def split_list(value: str) -> tuple[str, ...]:
     """A comma-separated setting's items, blanks dropped."""
     return tuple(item.strip() for item in value.split(",") if item.strip())
+
+
+def address_list(name: str, value: str) -> tuple[str, ...]:
+    """A comma-separated list of `host:port` addresses; SettingsError names `name` otherwise."""
+    addresses = split_list(value)
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise SettingsError(f"{name}={value!r} is invalid: {address!r} is not host:port")
+    return addresses

@@ -24,6 +24,7 @@ from services.gateway.doors.grpc_api import add_to_server as add_text_api
 from services.gateway.doors.grpc_api import public_grpc_limits
 from services.gateway.http_limits import uvicorn_limits
 from services.gateway.streaming.scheduler_client import SchedulerClient
+from services.gateway.streaming.shards import ShardedScheduler
 from services.gateway.settings import GatewaySettings
 from services.gateway.text.text_tokenizer import TextTokenizer
 
@@ -54,11 +55,20 @@ def warn_if_internal_ports_open(settings: GatewaySettings) -> None:
                     "INTERNAL_TOKEN (and WORKER_TOKEN on the scheduler and workers)")
 
 
+def scheduler_backend(settings: GatewaySettings) -> SchedulerClient | ShardedScheduler:
+    """The scheduler, or its shards (SCHEDULER_SHARDS)."""
+    def client(address: str) -> SchedulerClient:
+        return SchedulerClient(address, settings.kvcache_addr, settings.internal,
+                               multiplexed=settings.scheduler_stream == "multiplexed")
+    if not settings.scheduler_shards:
+        return client(settings.scheduler_addr)
+    return ShardedScheduler([client(address) for address in settings.scheduler_shards], settings.scheduler_shards)
+
+
 async def serve(settings: GatewaySettings) -> None:
     warn_if_internal_ports_open(settings)
     tokenizer = await asyncio.to_thread(load_tokenizer, settings)
-    backend = SchedulerClient(settings.scheduler_addr, settings.kvcache_addr, settings.internal,
-                              multiplexed=settings.scheduler_stream == "multiplexed")
+    backend = scheduler_backend(settings)
     app = create_app(settings, backend, tokenizer)
     grpc_server = GrpcServer(
         [(add_text_api, TextGenerationServicer(app.state.gateway))],
@@ -77,7 +87,8 @@ async def serve(settings: GatewaySettings) -> None:
     log.info("gateway listening", extra={"http_port": settings.port,
                                          "grpc_port": grpc_server.port,
                                          "metrics_port": settings.metrics_port or settings.port,
-                                         "scheduler": settings.scheduler_addr,
+                                         "scheduler": ",".join(settings.scheduler_shards)
+                                                      or settings.scheduler_addr,
                                          "prefix_cache_scope": settings.cache_scope,
                                          "served_model_names": ",".join(settings.model_names)})
     if settings.tenants.enabled and settings.cache_scope == "global":

@@ -9,7 +9,7 @@ from pathlib import Path
 from common.transport.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
-from common.settings.env import SettingsError
+from common.settings.env import SettingsError, address_list
 from services.gateway.settings_schema import GatewaySchema
 from services.gateway.tenancy.identity import AUTO_SCOPE, cache_scope_for
 from services.gateway.models.served_names import default_served_name, served_names
@@ -59,6 +59,7 @@ class GatewaySettings:
     # goes on as a continuation (continuation.py); 0: it fails at once.
     scheduler_recovery_s: float = 30.0
     scheduler_stream: str = "multiplexed"   # or per_request (streaming/scheduler_streams.py)
+    scheduler_shards: tuple[str, ...] = ()  # SCHEDULER_SHARDS (streaming/shards.py); (): scheduler_addr
     internal: InternalAuth = InternalAuth()   # for its calls to the scheduler and kvcache
     drain_timeout_s: float = 30.0   # on SIGTERM, how long generations in flight may take to end
     tool_call_parser: str = "hermes"   # how chat replies' tool calls are read (tool_parsers/)
@@ -127,6 +128,7 @@ class GatewaySettings:
             grpc_max_concurrent_rpcs=values.gateway_grpc_max_concurrent_rpcs,
             scheduler_recovery_s=values.scheduler_recovery_s,
             scheduler_stream=values.scheduler_stream,
+            scheduler_shards=address_list("SCHEDULER_SHARDS", values.scheduler_shards),
             responses_ttl_s=values.responses_ttl_s,
             responses_max_per_tenant=values.responses_max_per_tenant,
             internal=internal,

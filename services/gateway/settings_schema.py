@@ -38,6 +38,7 @@ class GatewaySchema(
         "gateway_grpc_max_streams_per_connection",
         "gateway_grpc_max_concurrent_rpcs",
         "scheduler_stream",
+        "scheduler_shards",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | {"api_keys", "admin_keys"}
     api_keys: str = Field('',
@@ -166,6 +167,13 @@ class GatewaySchema(
             '(`GenerateMany`), the scheduler writing one message per step for every request that '
             'made tokens; `per_request`, a `Generate` call each, a message per token (what older '
             'gateways do; the scheduler serves both at once)'
+        ))
+    scheduler_shards: str = Field('',
+        description=(
+            'scheduler shards, comma-separated `host:port` (each serving its own workers, named in '
+            "one another's `SCHEDULER_PEERS`; docs/scaling.md): a request goes to its session's or "
+            "user's shard, else the one with the fewest of this gateway's requests in flight; a shard "
+            'that is lost is passed over for 2 s. Empty: `SCHEDULER_ADDR` alone'
         ))
     scheduler_recovery_s: float = Field(30.0, ge=0.0,
         description=(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from common.settings.env import SettingsError
+from common.settings.env import address_list
 from common.transport.internal_auth import InternalAuth
 from common.step import KvPolicy
 
@@ -77,7 +77,7 @@ class SchedulerSettings:
             max_queue_len=values.max_queue_len,
             queue_timeout_s=values.queue_timeout_s,
             kvcache_addr=values.kvcache_addr,
-            peers=_peers(values.scheduler_peers),
+            peers=address_list("SCHEDULER_PEERS", values.scheduler_peers),
             peer_exchange_s=values.peer_exchange_s,
             worker_heartbeat_timeout_s=values.worker_heartbeat_timeout_s,
             vtc_input_weight=values.vtc_input_weight,
@@ -127,12 +127,3 @@ class SchedulerSettings:
         """What workers are told: three heartbeats fit in one timeout."""
         return self.worker_heartbeat_timeout_s / 3.0
 
-
-def _peers(value: str) -> tuple[str, ...]:
-    """SCHEDULER_PEERS: `host:port` entries, comma-separated."""
-    peers = tuple(peer.strip() for peer in value.split(",") if peer.strip())
-    for peer in peers:
-        host, _, port = peer.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise SettingsError(f"SCHEDULER_PEERS={value!r} is invalid: {peer!r} is not host:port")
-    return peers
