@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from services.scheduler.core.state import RequestState
 
-PER_KEY = 64
+PER_KEY = 256
 SWEEP_EVERY = 4096
 
 Key = tuple[str, tuple[int, ...]]
