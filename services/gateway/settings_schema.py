@@ -172,8 +172,10 @@ class GatewaySchema(
         description=(
             'scheduler shards, comma-separated `host:port` (each serving its own workers, named in '
             "one another's `SCHEDULER_PEERS`; docs/scaling.md): a request goes to its session's or "
-            "user's shard, else the one with the fewest of this gateway's requests in flight; a shard "
-            'that is lost is passed over for 2 s. Empty: `SCHEDULER_ADDR` alone'
+            "user's shard, else to the shard whose worker holds the longest cached prefix of its prompt "
+            "(the kvcache index) unless that shard is overloaded, else the one with the fewest of this "
+            "gateway's requests in flight; a shard that is lost is passed over for 2 s. Empty: "
+            '`SCHEDULER_ADDR` alone'
         ))
     scheduler_recovery_s: float = Field(30.0, ge=0.0,
         description=(

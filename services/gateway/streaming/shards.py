@@ -1,19 +1,27 @@
 """The gateway over scheduler shards (SCHEDULER_SHARDS): several schedulers, each serving
 its own workers and exchanging their tenants' service for fairness (the scheduler's
 SCHEDULER_PEERS; docs/scaling.md). A request goes to its session's shard (its KV cache is
-there), else to the shard with the fewest of this gateway's requests in flight; a shard
-whose connection was lost is passed over for LOST_SHARD_S, so the continuation of a
-request it held (continuation.py) resumes on another. Cancels and detached requests go
-to the shard that holds them; stats and readiness gather all shards."""
+there); else to the shard of the worker the kvcache index says holds the longest cached
+prefix of its prompt (the index holds every shard's workers' blocks), unless that shard
+is overloaded (more than SHARD_LOAD_SLACK of this gateway's requests in flight above, and
+1.5x, the least loaded one); else to the least loaded. A shard whose connection was lost
+is passed over for LOST_SHARD_S, so the continuation of a request it held
+(continuation.py) resumes on another. Cancels and detached requests go to the shard that
+holds them; stats and readiness gather all shards."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
+
+import grpc
+
+from common.block_hash import adapter_id, adapter_salt
 
 from services.gateway.requests.backend import (
     BackendError,
@@ -25,14 +33,21 @@ from services.gateway.requests.backend import (
     SchedulerView,
 )
 from services.gateway.streaming.scheduler_client import SchedulerClient
+from services.kvcache.client import KvIndexClient
+
+log = logging.getLogger(__name__)
 
 LOST_SHARD_S = 2.0
 REMEMBERED_REQUESTS = 100_000     # request id -> shard, for cancels and attaches
+WORKER_MAP_S = 2.0                # how often which worker is on which shard is asked again
+SHARD_LOAD_SLACK = 16
+LOOKUP_TIMEOUT_S = 0.25
+INDEX_PAUSE_S = 5.0               # after a failed lookup, place by load alone this long
 
 
 class ShardedScheduler:
     def __init__(self, shards: Sequence[SchedulerClient], names: Sequence[str],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, index: KvIndexClient | None = None) -> None:
         if len(shards) != len(names) or not shards:
             raise ValueError("one name per shard, at least one shard")
         self._shards = list(shards)
@@ -41,13 +56,20 @@ class ShardedScheduler:
         self._in_flight = [0] * len(shards)
         self._lost_until = [0.0] * len(shards)
         self._placed: OrderedDict[str, int] = OrderedDict()
+        self._index = index
+        self._worker_shard: dict[str, int] = {}
+        self._map_asked_at = -WORKER_MAP_S
+        self._map_task: asyncio.Task[None] | None = None
+        self._index_paused_until = 0.0
 
     @property
     def scheduler_seen(self) -> bool:
         return any(shard.scheduler_seen for shard in self._shards)
 
-    def choose(self, spec: GenerationSpec) -> int:
-        """The shard for a new request: its session's, else the least loaded reachable one."""
+    def choose(self, spec: GenerationSpec, cached: Mapping[str, int] | None = None) -> int:
+        """The shard for a new request: its session's; else the shard of the worker with the
+        longest cached prefix (`cached`: worker id -> tokens, the index's answer) unless it is
+        overloaded; else the least loaded reachable one."""
         reachable = [index for index in range(len(self._shards)) if self._lost_until[index] <= self._clock()]
         candidates = reachable or list(range(len(self._shards)))
         sticky = spec.session_id or spec.user
@@ -56,13 +78,54 @@ class ShardedScheduler:
             preferred = int.from_bytes(digest[:8], "big") % len(self._shards)
             if preferred in candidates:
                 return preferred
-        return min(candidates, key=lambda index: (self._in_flight[index], index))
+        least = min(candidates, key=lambda index: (self._in_flight[index], index))
+        holders = sorted(((tokens, worker) for worker, tokens in (cached or {}).items()
+                          if self._worker_shard.get(worker) in candidates and tokens > 0), reverse=True)
+        if holders:
+            shard = self._worker_shard[holders[0][1]]
+            lightest = self._in_flight[least]
+            if self._in_flight[shard] <= max(lightest + SHARD_LOAD_SLACK, 1.5 * lightest):
+                return shard
+        return least
+
+    async def _place(self, spec: GenerationSpec, request_id: str) -> int:
+        """`choose`, with the index asked where the prompt is cached (not for a session's
+        request, nor while the index does not answer)."""
+        self._refresh_worker_map()
+        cached: dict[str, int] = {}
+        if (self._index is not None and self._worker_shard and not (spec.session_id or spec.user)
+                and self._clock() >= self._index_paused_until):
+            salt = adapter_salt(spec.cache_salt, adapter_id(spec.lora_name, spec.lora_digest))
+            try:
+                result = await self._index.lookup_tokens(spec.prompt_token_ids, request_id, salt)
+                cached = {match.worker_id: match.matched_tokens for match in result.matches}
+            except grpc.aio.AioRpcError as error:
+                self._index_paused_until = self._clock() + INDEX_PAUSE_S
+                log.warning("kv index lookup failed; placing requests by load for a while",
+                            extra={"error": error.code().name, "pause_s": INDEX_PAUSE_S})
+        return self.choose(spec, cached)
+
+    def _refresh_worker_map(self) -> None:
+        if self._clock() - self._map_asked_at < WORKER_MAP_S or (self._map_task and not self._map_task.done()):
+            return
+        self._map_asked_at = self._clock()
+        self._map_task = asyncio.create_task(self._ask_worker_map())
+
+    async def _ask_worker_map(self) -> None:
+        answers = await asyncio.gather(*(client.scheduler_stats() for client in self._shards),
+                                       return_exceptions=True)
+        mapping = dict(self._worker_shard)
+        for shard, answer in enumerate(answers):
+            if isinstance(answer, SchedulerView):
+                mapping = {worker: owner for worker, owner in mapping.items() if owner != shard}
+                mapping.update({worker.worker_id: shard for worker in answer.workers})
+        self._worker_shard = mapping
 
     async def generate(self, spec: GenerationSpec, request_id: str,
                        trace_id: str = "") -> AsyncIterator[GenerationEvent]:
         shard = self._placed.get(request_id) if spec.attach else None
         if shard is None:
-            shard = self.choose(spec)
+            shard = await self._place(spec, request_id)
         self._remember(request_id, shard)
         self._in_flight[shard] += 1
         try:
@@ -122,8 +185,12 @@ class ShardedScheduler:
         return ModelInfo()
 
     async def close(self) -> None:
+        if self._map_task is not None:
+            self._map_task.cancel()
         for client in self._shards:
             await client.close()
+        if self._index is not None:
+            await self._index.close()
 
     def _remember(self, request_id: str, shard: int) -> None:
         self._placed[request_id] = shard

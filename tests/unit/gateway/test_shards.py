@@ -10,13 +10,15 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import grpc
 import pytest
 
 from common.transport.grpc_server import GrpcServer
-from fairserve.v1 import scheduler_pb2_grpc
+from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.kvcache.kv_types import LookupResult, WorkerMatch
 from services.gateway.requests.backend import SchedulerLost
 from services.gateway.streaming.scheduler_client import SchedulerClient
-from services.gateway.streaming.shards import ShardedScheduler
+from services.gateway.streaming.shards import SHARD_LOAD_SLACK, ShardedScheduler
 
 from tests.unit.gateway.test_scheduler_client import SchedulerServicer, request
 
@@ -91,3 +93,74 @@ async def test_a_lost_shard_is_passed_over_and_stats_gather_both(shards: Any) ->
     readiness = await backend.readiness()
     assert readiness.ready and len(readiness.degraded) >= 1          # served, one shard down
     await asyncio.sleep(0)
+
+
+class _Index:
+    """The kvcache index's lookup: `matches` for every prompt; fails when `down`."""
+
+    def __init__(self) -> None:
+        self.matches: dict[str, int] = {}
+        self.down = False
+        self.salts: list[str] = []
+
+    async def lookup_tokens(self, token_ids: Any, request_id: Any = None, cache_salt: str = "") -> Any:
+        self.salts.append(cache_salt)
+        if self.down:
+            raise _unavailable()
+        return LookupResult(matches=tuple(WorkerMatch(worker_id=w, matched_blocks=t // 16, matched_tokens=t)
+                                          for w, t in self.matches.items()), block_size=16)
+
+    async def close(self) -> None:
+        return None
+
+
+def _unavailable() -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+
+
+class _NamedWorker(SchedulerServicer):
+    def __init__(self, worker_id: str) -> None:
+        super().__init__()
+        self.worker_id = worker_id
+
+    async def Stats(self, request: Any, context: Any) -> scheduler_pb2.SchedulerStats:
+        return scheduler_pb2.SchedulerStats(workers=[scheduler_pb2.WorkerSummary(
+            worker_id=self.worker_id, address=self.worker_address, healthy=True)])
+
+
+async def test_a_cached_prompt_goes_to_the_shard_of_its_worker_unless_that_shard_is_overloaded() -> None:
+    servicers = [_NamedWorker("wa"), _NamedWorker("wb")]
+    servers = [await _server(servicer) for servicer in servicers]
+    addresses = [f"127.0.0.1:{server.port}" for server in servers]
+    index = _Index()
+    backend = ShardedScheduler([SchedulerClient(a, a) for a in addresses], addresses, index=index)  # type: ignore[arg-type]
+    try:
+        [event async for event in backend.generate(request(), "warm")]   # learns which worker is where
+        for _ in range(100):
+            if backend.choose(request(), {"wb": 64}) == 1:
+                break
+            await asyncio.sleep(0.02)
+        index.matches = {"wb": 64, "wa": 16}           # wb, on the second shard, holds the longer prefix
+        events = [event async for event in backend.generate(request(max_tokens=1), "cached")]
+        assert events[-1].finish is not None and servicers[1].requests[-1].request_id == "cached"
+        assert index.salts[-1] == request().cache_salt       # looked up under the request's salt
+        # Past the slack the holder's shard is passed over for the least loaded.
+        before = [len(servicer.requests) for servicer in servicers]
+        held = [aclosing(backend.generate(request(max_tokens=500), f"h{n}")) for n in range(40)]
+        for stack in held:
+            await anext(await stack.__aenter__())
+        placed = [len(servicer.requests) - count for servicer, count in zip(servicers, before)]
+        assert placed[0] + placed[1] == 40 and placed[1] > placed[0] > 0, placed
+        assert placed[1] - placed[0] <= SHARD_LOAD_SLACK + 1, placed
+        for stack in held:
+            await stack.__aexit__(None, None, None)
+        # A failing index: placed by load, and not asked again for a while.
+        index.down = True
+        asked = len(index.salts)
+        [event async for event in backend.generate(request(max_tokens=1), "down1")]
+        [event async for event in backend.generate(request(max_tokens=1), "down2")]
+        assert len(index.salts) == asked + 1
+    finally:
+        await backend.close()
+        for server in servers:
+            await server.stop(0)
