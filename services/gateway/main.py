@@ -24,8 +24,7 @@ from services.gateway.doors.grpc_api import add_to_server as add_text_api
 from services.gateway.doors.grpc_api import public_grpc_limits
 from services.gateway.http_limits import uvicorn_limits
 from services.gateway.streaming.scheduler_client import SchedulerClient
-from services.gateway.streaming.shards import LOOKUP_TIMEOUT_S, ShardedScheduler
-from services.kvcache.client import KvIndexClient
+from services.gateway.streaming.shards import ShardedScheduler
 from services.gateway.settings import GatewaySettings
 from services.gateway.text.text_tokenizer import TextTokenizer
 
@@ -63,9 +62,8 @@ def scheduler_backend(settings: GatewaySettings) -> SchedulerClient | ShardedSch
                                multiplexed=settings.scheduler_stream == "multiplexed")
     if not settings.scheduler_shards:
         return client(settings.scheduler_addr)
-    index = KvIndexClient.connect(settings.kvcache_addr, LOOKUP_TIMEOUT_S, settings.internal)
-    return ShardedScheduler([client(address) for address in settings.scheduler_shards], settings.scheduler_shards,
-                            index=index)
+    shards = [client(address) for address in settings.scheduler_shards]
+    return ShardedScheduler(shards, settings.scheduler_shards, index=shards[0].cached_prefix_tokens)
 
 
 async def serve(settings: GatewaySettings) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
@@ -31,6 +31,7 @@ from services.gateway.requests.backend import (
 
 log = logging.getLogger(__name__)
 PROBE_TIMEOUT_S = 2.0
+LOOKUP_TIMEOUT_S = 0.25     # a prefix lookup for routing: past it, the request goes by load
 
 
 class SchedulerClient:
@@ -43,6 +44,8 @@ class SchedulerClient:
         self._scheduler = scheduler_pb2_grpc.SchedulerStub(self._scheduler_channel)
         self._streams = SchedulerStreams(self._scheduler, self._seen) if multiplexed else None
         self._kvcache = KvIndexClient.connect(kvcache_addr, PROBE_TIMEOUT_S, auth)
+        self._kvcache_addr, self._auth = kvcache_addr, auth
+        self._lookups: KvIndexClient | None = None     # made on first use (shards.py)
         self._model_info: ModelInfo | None = None  # once fully known, kept
         # Whether the scheduler has answered since the gateway started: only then is
         # a failed connection a lost scheduler worth waiting for (continuation.py).
@@ -116,6 +119,18 @@ class SchedulerClient:
         self.scheduler_seen = True
         return convert.scheduler_view_from_proto(reply)
 
+    async def cached_prefix_tokens(self, token_ids: Sequence[int], request_id: str,
+                                   cache_salt: str) -> dict[str, int]:
+        """worker id -> the cached prefix of `token_ids` under `cache_salt` it holds, from the
+        kvcache index (routing between scheduler shards); Unavailable when the index fails."""
+        if self._lookups is None:
+            self._lookups = KvIndexClient.connect(self._kvcache_addr, LOOKUP_TIMEOUT_S, self._auth)
+        try:
+            result = await self._lookups.lookup_tokens(token_ids, request_id, cache_salt)
+        except grpc.aio.AioRpcError as error:
+            raise Unavailable(f"kvcache lookup failed: {error.code().name}") from None
+        return {match.worker_id: match.matched_tokens for match in result.matches}
+
     async def kvcache_stats(self) -> dict[str, Any]:
         try:
             stats = await self._kvcache.stats()
@@ -159,6 +174,8 @@ class SchedulerClient:
             await self._streams.close()
         await self._scheduler_channel.close()
         await self._kvcache.close()
+        if self._lookups is not None:
+            await self._lookups.close()
 
 
 class _StreamCall:

@@ -16,10 +16,8 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
-
-import grpc
 
 from common.block_hash import adapter_id, adapter_salt
 
@@ -30,10 +28,10 @@ from services.gateway.requests.backend import (
     ModelInfo,
     Readiness,
     SchedulerLost,
+    SchedulerBackend,
     SchedulerView,
+    Unavailable,
 )
-from services.gateway.streaming.scheduler_client import SchedulerClient
-from services.kvcache.client import KvIndexClient
 
 log = logging.getLogger(__name__)
 
@@ -41,13 +39,17 @@ LOST_SHARD_S = 2.0
 REMEMBERED_REQUESTS = 100_000     # request id -> shard, for cancels and attaches
 WORKER_MAP_S = 2.0                # how often which worker is on which shard is asked again
 SHARD_LOAD_SLACK = 16
-LOOKUP_TIMEOUT_S = 0.25
 INDEX_PAUSE_S = 5.0               # after a failed lookup, place by load alone this long
 
 
+# The kvcache index's answer for routing: (prompt token ids, request id, cache salt) ->
+# worker id -> cached prefix tokens (SchedulerClient.cached_prefix_tokens).
+Lookup = Callable[[Sequence[int], str, str], Awaitable[dict[str, int]]]
+
+
 class ShardedScheduler:
-    def __init__(self, shards: Sequence[SchedulerClient], names: Sequence[str],
-                 clock: Callable[[], float] = time.monotonic, index: KvIndexClient | None = None) -> None:
+    def __init__(self, shards: Sequence[SchedulerBackend], names: Sequence[str],
+                 clock: Callable[[], float] = time.monotonic, index: Lookup | None = None) -> None:
         if len(shards) != len(names) or not shards:
             raise ValueError("one name per shard, at least one shard")
         self._shards = list(shards)
@@ -97,12 +99,11 @@ class ShardedScheduler:
                 and self._clock() >= self._index_paused_until):
             salt = adapter_salt(spec.cache_salt, adapter_id(spec.lora_name, spec.lora_digest))
             try:
-                result = await self._index.lookup_tokens(spec.prompt_token_ids, request_id, salt)
-                cached = {match.worker_id: match.matched_tokens for match in result.matches}
-            except grpc.aio.AioRpcError as error:
+                cached = await self._index(spec.prompt_token_ids, request_id, salt)
+            except Unavailable as error:
                 self._index_paused_until = self._clock() + INDEX_PAUSE_S
                 log.warning("kv index lookup failed; placing requests by load for a while",
-                            extra={"error": error.code().name, "pause_s": INDEX_PAUSE_S})
+                            extra={"error": str(error), "pause_s": INDEX_PAUSE_S})
         return self.choose(spec, cached)
 
     def _refresh_worker_map(self) -> None:
@@ -189,8 +190,6 @@ class ShardedScheduler:
             self._map_task.cancel()
         for client in self._shards:
             await client.close()
-        if self._index is not None:
-            await self._index.close()
 
     def _remember(self, request_id: str, shard: int) -> None:
         self._placed[request_id] = shard

@@ -10,13 +10,11 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
-import grpc
 import pytest
 
 from common.transport.grpc_server import GrpcServer
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc
-from services.kvcache.kv_types import LookupResult, WorkerMatch
-from services.gateway.requests.backend import SchedulerLost
+from services.gateway.requests.backend import SchedulerLost, Unavailable
 from services.gateway.streaming.scheduler_client import SchedulerClient
 from services.gateway.streaming.shards import SHARD_LOAD_SLACK, ShardedScheduler
 
@@ -103,19 +101,11 @@ class _Index:
         self.down = False
         self.salts: list[str] = []
 
-    async def lookup_tokens(self, token_ids: Any, request_id: Any = None, cache_salt: str = "") -> Any:
+    async def __call__(self, token_ids: Any, request_id: str, cache_salt: str) -> dict[str, int]:
         self.salts.append(cache_salt)
         if self.down:
-            raise _unavailable()
-        return LookupResult(matches=tuple(WorkerMatch(worker_id=w, matched_blocks=t // 16, matched_tokens=t)
-                                          for w, t in self.matches.items()), block_size=16)
-
-    async def close(self) -> None:
-        return None
-
-
-def _unavailable() -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata())
+            raise Unavailable("kvcache lookup failed: UNAVAILABLE")
+        return dict(self.matches)
 
 
 class _NamedWorker(SchedulerServicer):
@@ -133,7 +123,7 @@ async def test_a_cached_prompt_goes_to_the_shard_of_its_worker_unless_that_shard
     servers = [await _server(servicer) for servicer in servicers]
     addresses = [f"127.0.0.1:{server.port}" for server in servers]
     index = _Index()
-    backend = ShardedScheduler([SchedulerClient(a, a) for a in addresses], addresses, index=index)  # type: ignore[arg-type]
+    backend = ShardedScheduler([SchedulerClient(a, a) for a in addresses], addresses, index=index)
     try:
         [event async for event in backend.generate(request(), "warm")]   # learns which worker is where
         for _ in range(100):
