@@ -1,5 +1,5 @@
 """What a worker id may be, for the worker that makes its own (services/worker/settings.py)
-and the scheduler that checks it at registration (services/scheduler/registration.py):
+and the scheduler that checks it at registration (services/scheduler/workers/registration.py):
 letters, digits, '.', '_' and '-', starting with a letter or digit, at most 128 characters."""
 
 from __future__ import annotations

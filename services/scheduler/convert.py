@@ -17,7 +17,7 @@ from common.transport.grpc_server import REJECTION_KEY
 from services.scheduler.core.types import (
     CoreStats, Finish, Gate, Rejection, RequestSpec, RequestUpdate, WorkerSpec, TenantQuota,
 )
-from services.scheduler.registration import WorkerFigures
+from services.scheduler.workers.registration import AddressNotOwned, WorkerFigures, WorkerIdTaken
 
 N = TypeVar("N", int, float)
 
@@ -165,3 +165,15 @@ def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
         waiting_for_worker=stats.waiting_for_worker, worker_wait_s=stats.worker_wait_s,
         worker_recovery_s=stats.worker_recovery_s,
     )
+
+
+def registration_status(error: Exception, worker_id: str, address: str) -> tuple[grpc.StatusCode, str]:
+    """The status a refused registration ends with."""
+    if isinstance(error, AddressNotOwned):
+        return grpc.StatusCode.PERMISSION_DENIED, str(error)
+    if isinstance(error, WorkerIdTaken):
+        return grpc.StatusCode.ALREADY_EXISTS, str(error)
+    if isinstance(error, grpc.aio.AioRpcError):
+        return grpc.StatusCode.UNAVAILABLE, (f"could not reach worker {worker_id} at {address}: "
+                                             f"{error.code().name} {error.details()}")
+    return grpc.StatusCode.INVALID_ARGUMENT, str(error)

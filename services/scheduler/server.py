@@ -26,20 +26,20 @@ from common.observability.tracing import traceparent_from_metadata
 from common.transport.worker_auth import worker_role_check
 
 from services.scheduler import convert
-from services.scheduler.address_check import HostFacts, check_peer_address
+from services.scheduler.workers.address_check import HostFacts, check_peer_address
 from services.scheduler.core.types import Rejection, RequestUpdate, SubmitResult
 from services.scheduler.core.scheduler import SchedulerCore
 from common.step import StepBatch
 from services.scheduler.detached import DetachedLog
-from services.scheduler.epochs import EpochClock
+from services.scheduler.workers.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request_traces import RequestTraces
-from services.scheduler.registration import (
-    AddressNotOwned, RegistrationError, WorkerIdTaken, check_rebind, check_registration, check_worker_figures,
+from services.scheduler.workers.registration import (
+    RegistrationError, check_rebind, check_registration, check_worker_figures,
 )
 from services.scheduler.settings import SchedulerSettings
-from services.scheduler.step_link import StepFailed, step_link
+from services.scheduler.workers.step_link import StepFailed, step_link
 from services.scheduler.generate_many import GenerateMany
 from services.scheduler.peer_exchange import exchange_with_peers
 
@@ -238,7 +238,10 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         except (grpc.aio.AioRpcError, RegistrationError) as error:
             if channel is not None:
                 await channel.close()
-            await context.abort(*_registration_failure(request, error, context.peer()))
+            code, message = convert.registration_status(error, request.worker_id, request.address)
+            log.warning("worker registration refused", extra={"code": code.name, "reason": message,
+                                                              "peer": context.peer()[:MAX_PEER_CHARS]})
+            await context.abort(code, message)
         await self._unlink(request.worker_id)
         spec = convert.worker_spec_from_proto(info, request.worker_id, request.address,
                                               self._epochs.next(after=request.epoch))
@@ -419,23 +422,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     def _wake_all(self) -> None:
         for link in self._links.values():
             link.wake.set()
-
-
-def _registration_failure(request: scheduler_pb2.RegisterWorkerRequest, error: Exception,
-                          peer: str) -> tuple[grpc.StatusCode, str]:
-    """The status a refused registration ends with, logged with the caller's address."""
-    code, message = grpc.StatusCode.INVALID_ARGUMENT, str(error)
-    if isinstance(error, AddressNotOwned):
-        code = grpc.StatusCode.PERMISSION_DENIED
-    elif isinstance(error, WorkerIdTaken):
-        code = grpc.StatusCode.ALREADY_EXISTS
-    elif isinstance(error, grpc.aio.AioRpcError):
-        code = grpc.StatusCode.UNAVAILABLE
-        message = (f"could not reach worker {request.worker_id} at {request.address}: "
-                   f"{error.code().name} {error.details()}")
-    log.warning("worker registration refused", extra={"code": code.name, "reason": message,
-                                                      "peer": peer[:MAX_PEER_CHARS]})
-    return code, message
 
 
 class SchedulerServer:

@@ -13,9 +13,9 @@ from pydantic import Field
 
 from common.observability.logs import LOG_LEVELS
 from common.step import KV_POLICIES
-from services.scheduler.address_check import ADDRESS_CHECKS
+from services.scheduler.workers.address_check import ADDRESS_CHECKS
 from services.scheduler.core.types import Policy, PrefillMode
-from services.scheduler.step_link import STEP_TRANSPORTS
+from services.scheduler.workers.step_link import STEP_TRANSPORTS
 
 from common.settings.shared import (
     InternalAuthFields, WorkerTokenFields, TracingFields, KvcacheAddrFields,

@@ -128,7 +128,7 @@ def test_worker_id_default_is_unique_per_host_and_valid_for_the_scheduler(monkey
     import os
     import socket
 
-    from services.scheduler.registration import check_worker_id
+    from services.scheduler.workers.registration import check_worker_id
 
     monkeypatch.setattr(socket, "gethostname", lambda: hostname)
     worker_id = WorkerSettings.from_env({}).worker_id

@@ -15,8 +15,8 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 from common.transport.grpc_server import insecure_channel
 from common.transport.peer import IPAddress, peer_host, peer_ip
-from services.scheduler.address_check import HostFacts, check_peer_address, is_local_address
-from services.scheduler.registration import AddressNotOwned, WorkerIdTaken, check_rebind
+from services.scheduler.workers.address_check import HostFacts, check_peer_address, is_local_address
+from services.scheduler.workers.registration import AddressNotOwned, WorkerIdTaken, check_rebind
 from services.scheduler.server import SchedulerServer
 from services.scheduler.settings import SchedulerSettings
 

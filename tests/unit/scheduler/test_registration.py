@@ -11,7 +11,7 @@ import pytest
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from common.transport.grpc_server import GrpcServer, insecure_channel
-from services.scheduler.registration import (
+from services.scheduler.workers.registration import (
     RegistrationError, WorkerFigures, check_address, check_worker_figures, check_worker_id,
 )
 from services.scheduler.server import SchedulerServer

@@ -12,7 +12,7 @@ from fairserve.v1 import scheduler_pb2
 from common.transport.grpc_server import REJECTION_KEY
 from services.gateway.requests.backend import SchedulerLost, Unavailable
 from services.gateway.convert import backend_error_from_rpc
-from services.scheduler.epochs import EpochClock
+from services.scheduler.workers.epochs import EpochClock
 
 from tests.unit.scheduler.fake_worker import reference_output
 from tests.unit.scheduler.test_transport import PROMPT, _request, make_stack  # noqa: F401 (a fixture)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from fairserve.v1 import worker_pb2
 
-from services.scheduler.step_link import StepFailed, StreamSteps, UnarySteps, step_link
+from services.scheduler.workers.step_link import StepFailed, StreamSteps, UnarySteps, step_link
 
 
 class ScriptedCall:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from common.transport.peer import IPAddress, parse_ip, peer_ip
 
-from services.scheduler.registration import AddressNotOwned
+from services.scheduler.workers.registration import AddressNotOwned
 
 ADDRESS_CHECKS = ("peer", "off")
 RESOLVE_TIMEOUT_S = 5.0
