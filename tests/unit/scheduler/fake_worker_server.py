@@ -83,14 +83,21 @@ class FakeWorkerProcess:
     async def start(self, heartbeat_s: float = 0.05) -> None:
         await self._server.start()
         stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+        await self._register(stub)
+        self._heartbeats = asyncio.create_task(self._beat(stub, heartbeat_s))
+
+    async def _register(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
         reply = await stub.RegisterWorker(scheduler_pb2.RegisterWorkerRequest(
             worker_id=self.worker_id, address=self.address), timeout=5)
         self.epoch = reply.epoch
-        self._heartbeats = asyncio.create_task(self._beat(stub, heartbeat_s))
 
     async def _beat(self, stub: scheduler_pb2_grpc.SchedulerStub, interval_s: float) -> None:
+        """Heartbeats; registers again when the scheduler no longer knows it
+        (a late heartbeat on a loaded machine timed it out), as a real worker does."""
         while True:
-            await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=5)
+            reply = await stub.Heartbeat(scheduler_pb2.HeartbeatRequest(worker_id=self.worker_id), timeout=5)
+            if not reply.known:
+                await self._register(stub)
             await asyncio.sleep(interval_s)
 
     def stop_heartbeats(self) -> None:
