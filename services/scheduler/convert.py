@@ -15,7 +15,7 @@ from common.convert import logprob_to_proto, sampling_from_proto, usage_to_proto
 from common.transport.grpc_server import REJECTION_KEY
 
 from services.scheduler.core.types import (
-    CoreStats, Finish, Gate, Rejection, RequestSpec, RequestUpdate, WorkerSpec, TenantQuota,
+    CoreStats, Finish, Gate, QuotaUsage, Rejection, RequestSpec, RequestUpdate, WorkerSpec, TenantQuota,
 )
 from services.scheduler.workers.registration import AddressNotOwned, WorkerFigures, WorkerIdTaken
 
@@ -82,6 +82,20 @@ def tenant_quota_from_proto(message: scheduler_pb2.TenantQuota) -> TenantQuota:
         requests_per_s=_limit(message.requests_per_s), burst=_limit(message.burst),
         tokens_per_minute=_limit(message.tokens_per_minute), max_request_s=_limit(message.max_request_s),
     )
+
+
+def tenant_quota_to_proto(quota: TenantQuota) -> scheduler_pb2.TenantQuota:
+    """None ("no limit") as zero."""
+    return scheduler_pb2.TenantQuota(
+        max_in_flight=quota.max_in_flight or 0, max_queued=quota.max_queued or 0,
+        requests_per_s=quota.requests_per_s or 0.0, burst=quota.burst or 0,
+        tokens_per_minute=quota.tokens_per_minute or 0, max_request_s=quota.max_request_s or 0.0)
+
+
+def quota_usages_from_proto(stats: scheduler_pb2.SchedulerStats) -> list[QuotaUsage]:
+    """A peer shard's tenants' holds on their quotas."""
+    return [QuotaUsage(u.tenant, tenant_quota_from_proto(u.quota), u.in_flight, u.queued, u.admitted,
+                       u.charged_tokens) for u in stats.quotas]
 
 
 def _limit(value: N) -> N | None:
@@ -164,6 +178,9 @@ def stats_to_proto(stats: CoreStats) -> scheduler_pb2.SchedulerStats:
         policy=stats.policy.value, reserved_kv_tokens=stats.reserved_kv_tokens,
         waiting_for_worker=stats.waiting_for_worker, worker_wait_s=stats.worker_wait_s,
         worker_recovery_s=stats.worker_recovery_s,
+        quotas=[scheduler_pb2.TenantQuotaUsage(
+            tenant=u.tenant, quota=tenant_quota_to_proto(u.quota), in_flight=u.in_flight, queued=u.queued,
+            admitted=u.admitted, charged_tokens=u.charged_tokens) for u in stats.quotas],
     )
 
 

@@ -89,8 +89,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
         if self._settings.peers:
-            self._background(exchange_with_peers(self._settings.peers, self._settings.peer_exchange_s,
-                                                 self._settings.internal, self._core.charge_elsewhere))
+            self._background(exchange_with_peers(
+                self._settings.peers, self._settings.peer_exchange_s, self._settings.internal,
+                self._core.charge_elsewhere,
+                quotas=lambda peer, stats: self._core.note_peer_quotas(peer, convert.quota_usages_from_proto(stats)),
+                lost=self._core.forget_peer))
 
     async def close(self) -> None:
         if self._reaper is not None:

@@ -356,15 +356,25 @@ class SchedulerCore:
         return self._quotas.usage(tenant)
 
     def charge_elsewhere(self, charges: Mapping[str, float]) -> None:
-        """Clients' service on other scheduler shards (peer_counters.py), for fairness here."""
+        """Clients' service on other scheduler shards (fairness/peer_charges.py), for fairness here."""
         for client_id, normalized in charges.items():
             self._vtc.charge_elsewhere(client_id, normalized)
+
+    def note_peer_quotas(self, peer: str, usages: list[QuotaUsage]) -> None:
+        """A peer shard's tenants' holds and spending, counted against their quotas here
+        (fairness/peer_quotas.py)."""
+        self._quotas.note_peer(peer, usages)
+
+    def forget_peer(self, peer: str) -> None:
+        """A peer shard stopped answering: what its tenants held there no longer counts here."""
+        self._quotas.forget_peer(peer)
 
     def stats(self) -> CoreStats:
         return core_stats(self._config.policy, self._counts, self._workers.values(), self._vtc.snapshot(),
                           now=self._clock(), heartbeat_timeout_s=self._config.heartbeat_timeout_s,
                           waiting_for_worker=len(self._recovery), waiting_since_s=self._recovery.oldest_s(),
-                          worker_recovery_s=self._config.worker_recovery_s)
+                          worker_recovery_s=self._config.worker_recovery_s,
+                          quotas=tuple(self._quotas.report()))
 
     def _count_rejection(self, request_id: str, rejection: Rejection) -> SubmitResult:
         self._counts.count_rejection(rejection.gate)

@@ -132,6 +132,18 @@ class TenantQuota:
 
 
 @dataclass(frozen=True)
+class QuotaUsage:
+    """One tenant's hold on its quota at one scheduler, as scheduler shards exchange it
+    (fairness/peer_quotas.py)."""
+    tenant: str
+    quota: TenantQuota      # the tenant's limits, as its latest request there carried them
+    in_flight: int
+    queued: int
+    admitted: int           # requests charged to its rate budget there, cumulative
+    charged_tokens: int     # tokens charged to its token budget there, cumulative
+
+
+@dataclass(frozen=True)
 class WorkerSpec:
     worker_id: str
     address: str
@@ -250,3 +262,4 @@ class CoreStats:
     waiting_for_worker: int = 0
     worker_wait_s: float = 0.0
     worker_recovery_s: float = 0.0
+    quotas: tuple[QuotaUsage, ...] = ()   # every tenant with a quota here (for the other shards)

@@ -13,7 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from services.scheduler.core.state import RequestState, WorkerState
-from services.scheduler.core.types import ClientCounter, CoreStats, FinishReason, Gate, Policy, WorkerSummary
+from services.scheduler.core.types import (ClientCounter, CoreStats, FinishReason, Gate, Policy, QuotaUsage,
+                                          WorkerSummary)
 
 
 @dataclass
@@ -64,7 +65,7 @@ def summarize_worker(worker: WorkerState, healthy: bool) -> WorkerSummary:
 def core_stats(policy: Policy, counters: CoreCounters, workers: Iterable[WorkerState],
                clients: tuple[ClientCounter, ...], now: float, heartbeat_timeout_s: float,
                waiting_for_worker: int = 0, waiting_since_s: float | None = None,
-               worker_recovery_s: float = 0.0) -> CoreStats:
+               worker_recovery_s: float = 0.0, quotas: tuple[QuotaUsage, ...] = ()) -> CoreStats:
     workers = list(workers)
     summaries = tuple(summarize_worker(w, healthy=not w.draining and
                                        now - w.last_heartbeat_s <= heartbeat_timeout_s)
@@ -82,5 +83,5 @@ def core_stats(policy: Policy, counters: CoreCounters, workers: Iterable[WorkerS
         finished_by_reason=dict(counters.finished),
         waiting_for_worker=waiting_for_worker,
         worker_wait_s=now - waiting_since_s if waiting_since_s is not None else 0.0,
-        worker_recovery_s=worker_recovery_s,
+        worker_recovery_s=worker_recovery_s, quotas=quotas,
     )

@@ -20,6 +20,11 @@ A resubmission (the gateway lost its scheduler and sends admitted work again)
 is never refused and not charged again: it was admitted once, and a tenant
 does not pay twice for a scheduler's loss. It still counts in flight.
 
+With scheduler shards (SCHEDULER_PEERS) the limits are the tenant's over all of
+them: what it holds on the other shards counts against its in-flight and queued
+limits here, and what it spent there is charged to its budgets here
+(peer_quotas.py), up to one exchange period behind.
+
 Pure: no transport; the clock is injected.
 """
 
@@ -30,7 +35,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.scheduler.core.budget import Budget
-from services.scheduler.core.types import TenantQuota
+from services.scheduler.core.fairness.peer_quotas import PeerHolds
+from services.scheduler.core.types import QuotaUsage, TenantQuota
 
 BUSY_RETRY_AFTER_S = 1
 
@@ -64,6 +70,8 @@ class _Tenant:
         self.in_flight = 0
         self.queued = 0
         self.refused = 0
+        self.admitted = 0         # requests charged to the rate budget here, cumulative
+        self.charged_tokens = 0   # tokens charged to the token budget here, cumulative
         self.rate: Budget | None = None
         self.tokens: Budget | None = None
         self._clock = clock
@@ -100,6 +108,7 @@ class TenantQuotas:
         self._clock = clock
         self._tenants: dict[str, _Tenant] = {}
         self._held: dict[str, _Held] = {}
+        self._peers = PeerHolds()
 
     def admit(self, request_id: str, tenant: str, quota: TenantQuota | None, prompt_tokens: int,
               resubmitted: bool = False, started: bool = False) -> QuotaRefusal | None:
@@ -116,8 +125,10 @@ class TenantQuotas:
                 return refusal
             if state.rate is not None:
                 state.rate.take(1)
+                state.admitted += 1
             if state.tokens is not None:
                 state.tokens.charge(prompt_tokens)
+                state.charged_tokens += prompt_tokens
         state.in_flight += 1
         state.queued += not started
         limit = quota.max_request_s
@@ -132,6 +143,7 @@ class TenantQuotas:
         state = self._tenants[held.tenant]
         if state.tokens is not None:
             state.tokens.charge(count)
+            state.charged_tokens += count
         if held.queued:
             held.queued = False
             state.queued -= 1
@@ -144,8 +156,33 @@ class TenantQuotas:
         state = self._tenants[held.tenant]
         state.in_flight -= 1
         state.queued -= held.queued
+        self._forget_if_idle(held.tenant, state)
+
+    def _forget_if_idle(self, name: str, state: _Tenant) -> None:
         if state.idle:
-            del self._tenants[held.tenant]
+            del self._tenants[name]
+
+    # ---- across scheduler shards (peer_quotas.py) ----
+
+    def report(self) -> list[QuotaUsage]:
+        """Every tenant with a quota here: what it holds, and what this scheduler charged it."""
+        return [QuotaUsage(name, state.quota, state.in_flight, state.queued, state.admitted,
+                           state.charged_tokens) for name, state in self._tenants.items()]
+
+    def note_peer(self, peer: str, usages: list[QuotaUsage]) -> None:
+        """A peer shard's report: its holds count against the limits here, and what its
+        tenants spent there since its last report is charged to their budgets here."""
+        for spend in self._peers.note(peer, usages):
+            state = self._tenant(spend.tenant, spend.quota)
+            if state.rate is not None and spend.requests:
+                state.rate.charge(spend.requests)
+            if state.tokens is not None and spend.tokens:
+                state.tokens.charge(spend.tokens)
+            self._forget_if_idle(spend.tenant, state)
+
+    def forget_peer(self, peer: str) -> None:
+        """The peer stopped answering: its holds no longer count here."""
+        self._peers.forget(peer)
 
     def overdue(self) -> list[tuple[str, float]]:
         """(request id, its max_request_s) of each request past its deadline."""
@@ -167,12 +204,12 @@ class TenantQuotas:
             state.reshape(quota)
         return state
 
-    @staticmethod
-    def _check(name: str, state: _Tenant, prompt_tokens: int) -> QuotaRefusal | None:
+    def _check(self, name: str, state: _Tenant, prompt_tokens: int) -> QuotaRefusal | None:
         quota = state.quota
-        if quota.max_in_flight is not None and state.in_flight >= quota.max_in_flight:
+        in_flight_elsewhere, queued_elsewhere = self._peers.held(name)
+        if quota.max_in_flight is not None and state.in_flight + in_flight_elsewhere >= quota.max_in_flight:
             return _busy(name, "in_flight", f"{quota.max_in_flight} generations in flight")
-        if quota.max_queued is not None and state.queued >= quota.max_queued:
+        if quota.max_queued is not None and state.queued + queued_elsewhere >= quota.max_queued:
             return _busy(name, "queued", f"{quota.max_queued} generations waiting for their first token")
         if state.rate is not None:
             wait_s = state.rate.wait_s(1)
