@@ -3,7 +3,9 @@
 the growth of the peer's own charges to its counters (core/fairness/peer_charges.py)
 and hands its tenants' quota holds to `quotas` (core/fairness/peer_quotas.py). A peer
 that does not answer is skipped until it does (`lost` is told, once): its service
-meanwhile is counted when it answers again (its figures are cumulative)."""
+meanwhile is counted when it answers again (its figures are cumulative). A peer that
+answers with this scheduler's own instance id is this scheduler (SCHEDULER_PEERS may
+list every shard, itself included: one setting for all of them) and is left out."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 async def exchange_with_peers(peers: Sequence[str], interval_s: float, auth: InternalAuth,
-                              charge: Callable[[Mapping[str, float]], None],
+                              charge: Callable[[Mapping[str, float]], None], instance_id: str = "",
                               quotas: Callable[[str, scheduler_pb2.SchedulerStats], None] = lambda *_: None,
                               lost: Callable[[str], None] = lambda _: None) -> None:
     """Runs until cancelled: each peer's growth since the last read goes to `charge`, its
@@ -34,7 +36,7 @@ async def exchange_with_peers(peers: Sequence[str], interval_s: float, auth: Int
     try:
         while True:
             await asyncio.sleep(interval_s)
-            for peer, stub in stubs.items():
+            for peer, stub in list(stubs.items()):
                 try:
                     stats = await stub.Stats(common_pb2.StatsRequest(), timeout=max(1.0, 5 * interval_s))
                 except grpc.aio.AioRpcError as error:
@@ -47,6 +49,10 @@ async def exchange_with_peers(peers: Sequence[str], interval_s: float, auth: Int
                 if peer in silent:
                     silent.discard(peer)
                     log.info("scheduler peer answering again", extra={"peer": peer})
+                if instance_id and stats.instance_id == instance_id:
+                    log.info("SCHEDULER_PEERS names this scheduler itself: left out", extra={"peer": peer})
+                    del stubs[peer]
+                    continue
                 grown = charges.growth(peer, {client.client_id: client.charged for client in stats.clients})
                 if grown:
                     charge(grown)

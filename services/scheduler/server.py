@@ -75,6 +75,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._metrics = metrics
         self._hosts = hosts
         self._core = SchedulerCore(settings.core_config(), clock, new_id)
+        self._instance_id = new_id()      # told to peer shards, so that one naming itself leaves it out
         self._epochs = EpochClock()
         self._kv = KvIndexRouter(settings.kvcache_addr, clock, auth=settings.internal,
                                  on_availability=metrics.set_kv_index_up)
@@ -91,7 +92,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self._settings.peers:
             self._background(exchange_with_peers(
                 self._settings.peers, self._settings.peer_exchange_s, self._settings.internal,
-                self._core.charge_elsewhere,
+                self._core.charge_elsewhere, self._instance_id,
                 quotas=lambda peer, stats: self._core.note_peer_quotas(peer, convert.quota_usages_from_proto(stats)),
                 lost=self._core.forget_peer))
 
@@ -221,7 +222,9 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return entry.request  # type: ignore[return-value]
 
     async def Stats(self, request: object, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
-        return convert.stats_to_proto(self._core.stats())
+        stats = convert.stats_to_proto(self._core.stats())
+        stats.instance_id = self._instance_id
+        return stats
 
     async def GetModelInfo(self, request: scheduler_pb2.ModelInfoRequest,
                            context: grpc.aio.ServicerContext) -> scheduler_pb2.ModelInfo:

@@ -43,6 +43,7 @@ from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered
 from services.worker.settings import WorkerSettings
+from services.worker.shard_choice import choose_shard
 from services.worker.wiring import build_engine, thread_pacer, with_cpu_threads
 
 log = logging.getLogger("worker")
@@ -94,7 +95,10 @@ async def serve(settings: WorkerSettings) -> None:
     stops = stop_requests()
     stop = asyncio.Event()
     # The only channel that carries the worker token (common/transport/worker_auth.py).
-    scheduler_channel = internal_channel(settings.scheduler_addr, settings.internal,
+    scheduler_addr = settings.scheduler_addr
+    if settings.scheduler_shards:
+        scheduler_addr = await choose_shard(settings.scheduler_shards, settings.internal, settings.worker_id)
+    scheduler_channel = internal_channel(scheduler_addr, settings.internal,
                                          worker_token_interceptors(settings.worker_token))
     registration = asyncio.create_task(keep_registered(
         scheduler_channel, settings.worker_id, address, service, settings.heartbeat_interval_s, stop))

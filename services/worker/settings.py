@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from common.transport.internal_auth import InternalAuth
 from common.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
-from common.settings.env import SettingsError
+from common.settings.env import SettingsError, address_list
 from services.worker.settings_schema import WorkerSchema
 from common.transport.worker_auth import worker_token_from_env
 from common.worker_ids import MAX_WORKER_ID_LENGTH
@@ -116,6 +116,7 @@ class WorkerSettings:
     drain_timeout_s: float = 30.0  # on SIGTERM, how long it may keep serving what it holds
     worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/transport/worker_auth.py)
     cpu_thread_policy: str = "adaptive"   # engine/cpu/thread_governor.py
+    scheduler_shards: tuple[str, ...] = ()   # SCHEDULER_SHARDS (shard_choice.py); (): scheduler_addr
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
@@ -138,6 +139,7 @@ class WorkerSettings:
             engine=engine_config_from_env(env),
             internal=internal,
             drain_timeout_s=values.drain_timeout_s,
+            scheduler_shards=address_list("SCHEDULER_SHARDS", values.scheduler_shards),
             worker_token=worker_token_from_env(env, internal.token),
             cpu_thread_policy=values.cpu_thread_policy,
         )

@@ -69,6 +69,7 @@ class WorkerSchema(
         "grammar_tokenizer",
         "worker_heartbeat_interval_s",
         "kv_publish_interval_s",
+        "scheduler_shards",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | WorkerTokenFields.secrets
     worker_host: str = Field('127.0.0.1',
@@ -344,6 +345,12 @@ class WorkerSchema(
         description=(
             "seconds between the worker's heartbeats to the scheduler (it leaves the rotation after "
             '`WORKER_HEARTBEAT_TIMEOUT_S` of silence)'
+        ))
+    scheduler_shards: str = Field('',
+        description=(
+            'scheduler shards, comma-separated `host:port` (docs/scaling.md): at start the worker '
+            'joins the one with the fewest workers among those that answer (ties spread by a hash of '
+            'its id) instead of `SCHEDULER_ADDR`. Empty: `SCHEDULER_ADDR`'
         ))
     kv_publish_interval_s: float = Field(0.05, ge=0.001,
         description=(

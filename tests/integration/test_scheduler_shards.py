@@ -1,5 +1,7 @@
-"""Two scheduler shards behind one gateway (tiny model): each shard serves its own worker
-and names the other in SCHEDULER_PEERS; the gateway (SCHEDULER_SHARDS) spreads requests
+"""Two scheduler shards behind one gateway (tiny model), set up as the Helm chart does: the
+second shard's SCHEDULER_PEERS lists both shards, itself included (it leaves itself out),
+and its worker, given SCHEDULER_SHARDS instead of an address, joins the shard with fewer
+workers (the second: the first has worker-0); the gateway (SCHEDULER_SHARDS) spreads requests
 over both, /stats shows both shards' workers, and when one shard is killed mid-stream its
 requests go on, as continuations, on the other: every stream ends with what it gives
 undisturbed, and no client sees an error."""
@@ -31,15 +33,16 @@ def shards(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         # The second shard and its worker, then the gateway again over both shards.
         stack._spawn("scheduler-2", "services.scheduler.main", {
             "SCHEDULER_PORT": str(second), "SCHEDULER_METRICS_PORT": str(second_metrics),
-            "SCHEDULER_PEERS": first})
+            "SCHEDULER_PEERS": f"{first},127.0.0.1:{second}"})
         stack.wait_serving("scheduler-2", f"127.0.0.1:{second}", 60)
         worker_port, worker_metrics = free_port(), free_port()
         stack._spawn("worker-2", "services.worker.main", {
             "WORKER_PORT": str(worker_port), "WORKER_METRICS_PORT": str(worker_metrics),
-            "WORKER_ID": "worker-2", "SCHEDULER_ADDR": f"127.0.0.1:{second}"})
+            "WORKER_ID": "worker-2", "SCHEDULER_SHARDS": f"{first},127.0.0.1:{second}"})
         stack.kill("gateway")
         stack._spawn("gateway", "services.gateway.main", {"SCHEDULER_SHARDS": f"{first},127.0.0.1:{second}"})
         stack.wait_ready(120)
+        stack.second_metrics_port = second_metrics   # type: ignore[attr-defined]
         yield stack
     finally:
         stack.stop()
@@ -61,6 +64,13 @@ async def test_requests_spread_over_the_shards_and_survive_one_killed(shards: St
             await asyncio.sleep(0.25)
         stats = (await client.get("/stats")).json()
         assert _workers(stats) == {"worker-0", "worker-2"}, stats["scheduler"]
+        healthy = 'fairserve_scheduler_worker_healthy{worker="%s"} 1.0'
+        for _ in range(100):     # the second shard's metrics are published every reaper tick
+            on_second = httpx.get(f"http://127.0.0.1:{shards.second_metrics_port}/metrics").text  # type: ignore[attr-defined]
+            if healthy % "worker-2" in on_second:
+                break
+            await asyncio.sleep(0.1)
+        assert healthy % "worker-2" in on_second and 'worker="worker-0"' not in on_second
         assert all(stats["scheduler"]["shards"].values())
 
         seen = {name: Streamed() for name in bodies}

@@ -79,7 +79,8 @@ def test_the_chart_has_every_object_the_issue_asks_for() -> None:
     for kind in ("Deployment", "Service", "ConfigMap", "NetworkPolicy", "PodDisruptionBudget",
                  "HorizontalPodAutoscaler", "ScaledObject", "ServiceMonitor", "PrometheusRule", "Ingress"):
         assert kind in kinds, kind
-    assert kinds.count("Deployment") == 5
+    assert kinds.count("Deployment") == 4      # and the scheduler's, a StatefulSet with shards:
+    assert "kind: {{ if $sharded }}StatefulSet{{ else }}Deployment{{ end }}" in template_texts()["scheduler.yaml"]
     autoscaler = (TEMPLATES / "worker-autoscaler.yaml").read_text()
     assert autoscaler.count("name: worker\n") >= 2 and "vllm:num_requests_waiting" in autoscaler
 
@@ -127,6 +128,35 @@ def test_helm_template_renders_valid_objects(mode: str) -> None:
         if obj["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
             continue
         kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+@pytest.mark.skipif(HELM is None, reason="no helm binary (requirements.txt installs helm-binary)")
+def test_scheduler_shards_render_a_statefulset_named_in_the_config() -> None:
+    import kubernetes_validate
+
+    def render(*values: str) -> dict[tuple[str, str], dict]:
+        args = [arg for value in values for arg in ("--set", value)]
+        text = subprocess.run([HELM, "template", "fairserve", str(CHART), *args], capture_output=True, text=True,
+                              check=True).stdout
+        return {(obj["kind"], obj["metadata"]["name"]): obj for obj in yaml.safe_load_all(text) if obj}
+
+    single, sharded = render(), render("scheduler.shards=3")
+    assert ("Deployment", "scheduler") in single and "SCHEDULER_SHARDS" not in \
+        single[("ConfigMap", "fairserve-config")]["data"]
+    assert ("Deployment", "scheduler") not in sharded
+    shards = sharded[("StatefulSet", "scheduler")]
+    assert shards["spec"]["replicas"] == 3 and shards["spec"]["serviceName"] == "scheduler"
+    assert shards["spec"]["template"] == single[("Deployment", "scheduler")]["spec"]["template"]
+    assert sharded[("Service", "scheduler")]["spec"]["clusterIP"] == "None"
+    config = sharded[("ConfigMap", "fairserve-config")]["data"]
+    addresses = "scheduler-0.scheduler:50051,scheduler-1.scheduler:50051,scheduler-2.scheduler:50051"
+    assert config["SCHEDULER_SHARDS"] == config["SCHEDULER_PEERS"] == addresses
+    for obj in sharded.values():
+        if not obj["apiVersion"].startswith(("keda.sh/", "monitoring.coreos.com/")):
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    refused = subprocess.run([HELM, "template", "fairserve", str(CHART), "--set", "scheduler.shards=0"],
+                             capture_output=True, text=True)
+    assert refused.returncode != 0 and "shards" in refused.stderr
 
 
 @pytest.mark.skipif(HELM is None, reason="no helm binary (requirements.txt installs helm-binary)")

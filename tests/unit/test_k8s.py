@@ -214,3 +214,20 @@ def test_the_model_is_a_volume_filled_at_start_not_part_of_an_image() -> None:
     assert {"name": "models", "mountPath": "/models", "readOnly": True} in _container(render(K8S), "gateway")["volumeMounts"]
     assert {"name": "models", "mountPath": "/models"} in _container(render(K8S), "worker")["volumeMounts"]
     assert init["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_the_shards_overlay_runs_a_statefulset_of_schedulers_named_in_the_config() -> None:
+    objects = render(K8S / "overlays" / "shards")
+    kinds = _by_kind(objects)
+    assert ("Deployment", "scheduler") not in kinds
+    shards = kinds[("StatefulSet", "scheduler")]["spec"]
+    assert shards["serviceName"] == "scheduler" and kinds[("Service", "scheduler")]["spec"]["clusterIP"] == "None"
+    single = _by_kind(render(K8S / "overlays" / "cpu"))[("Deployment", "scheduler")]["spec"]
+    assert shards["template"] == single["template"]          # the same pod, only more of them
+    config = kinds[("ConfigMap", "fairserve-config")]["data"]
+    addresses = ",".join(f"scheduler-{i}.scheduler:50051" for i in range(shards["replicas"]))
+    assert config["SCHEDULER_SHARDS"] == config["SCHEDULER_PEERS"] == addresses
+    assert ("Deployment", "worker") in kinds and ("Deployment", "gateway") in kinds
+    for obj in objects:
+        if obj["apiVersion"] not in CUSTOM_RESOURCES:
+            kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)

@@ -159,6 +159,19 @@ def test_network_policies_allow_exactly_the_architecture(target: str) -> None:
     assert allowed_paths(objects) == EXPECTED
 
 
+def test_scheduler_shards_may_read_one_another_and_nothing_more() -> None:
+    """Two scheduler pods (the shards overlay's StatefulSet): each may call the other's gRPC
+    port (SCHEDULER_PEERS), not its metrics port (Prometheus only)."""
+    objects = render(K8S / "overlays" / "shards")
+    policies = [obj for obj in objects if obj["kind"] == "NetworkPolicy"]
+    (shards,) = [obj for obj in objects if obj["kind"] == "StatefulSet"]
+    labels = shards["spec"]["template"]["metadata"]["labels"]
+    first, second = ("scheduler-0", NAMESPACE, labels), ("scheduler-1", NAMESPACE, labels)
+    assert direction_allows(policies, "Egress", first, second, 50051)
+    assert direction_allows(policies, "Ingress", second, first, 50051)
+    assert not direction_allows(policies, "Ingress", second, first, 9101)
+
+
 def test_the_default_deny_covers_every_fairserve_pod() -> None:
     objects = render(K8S)
     (deny,) = [o for o in objects if o["kind"] == "NetworkPolicy"

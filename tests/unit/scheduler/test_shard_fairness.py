@@ -90,10 +90,14 @@ def test_a_tenant_pinned_to_one_shard_gets_its_fair_share_only_with_the_exchange
 class _Peer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self) -> None:
         self.charged = {"a": 1.0}
+        self.instance_id = ""
+        self.calls = 0
 
     async def Stats(self, request: object, context: grpc.aio.ServicerContext) -> scheduler_pb2.SchedulerStats:
+        self.calls += 1
         return scheduler_pb2.SchedulerStats(clients=[scheduler_pb2.ClientCounter(client_id=c, charged=v)
-                                                     for c, v in self.charged.items()])
+                                                     for c, v in self.charged.items()],
+                                            instance_id=self.instance_id)
 
 
 async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() -> None:
@@ -115,3 +119,32 @@ async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() 
     await server.stop(0)
     assert received[0] == {"a": 3.0, "b": 2.0}
     assert common_pb2.StatsRequest() is not None
+
+
+async def test_a_scheduler_named_among_its_own_peers_leaves_itself_out() -> None:
+    """SCHEDULER_PEERS may list every shard, this one included (one setting for a
+    StatefulSet): the peer answering with this scheduler's instance id is never counted."""
+    myself, other = _Peer(), _Peer()
+    servers = [GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, peer)],
+                          ["fairserve.v1.Scheduler"], "127.0.0.1", 0) for peer in (myself, other)]
+    for server in servers:
+        await server.start()
+    myself.instance_id, other.instance_id = "me", "other"
+    grown_by_call: list[dict[str, float]] = []
+    read: list[str] = []
+    task = asyncio.create_task(exchange_with_peers(
+        [f"127.0.0.1:{server.port}" for server in servers], 0.02, InternalAuth(),
+        lambda grown: grown_by_call.append(dict(grown)), "me", quotas=lambda peer, stats: read.append(peer)))
+    await asyncio.sleep(0.2)
+    myself.charged = other.charged = {"a": 5.0}
+    for _ in range(200):
+        if grown_by_call:
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    for server in servers:
+        await server.stop(0)
+    assert grown_by_call == [{"a": 4.0}]                     # the other's growth only, once
+    assert set(read) == {f"127.0.0.1:{servers[1].port}"}
+    assert myself.calls == 1                                 # asked once, then left out

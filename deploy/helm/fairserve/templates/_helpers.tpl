@@ -4,6 +4,16 @@ app.kubernetes.io/name: {{ . }}
 app.kubernetes.io/part-of: fairserve
 {{- end }}
 
+{{/* Every scheduler shard's address, comma-separated: scheduler-<i>.scheduler:50051 (the
+StatefulSet's pods behind the headless Service), for SCHEDULER_SHARDS and SCHEDULER_PEERS. */}}
+{{- define "fairserve.schedulerShards" -}}
+{{- $addresses := list -}}
+{{- range $i := until (int .Values.scheduler.shards) -}}
+{{- $addresses = append $addresses (printf "scheduler-%d.scheduler:50051" $i) -}}
+{{- end -}}
+{{- join "," $addresses -}}
+{{- end }}
+
 {{/* <prefix><service>:<tag>; a worker with GPUs takes the CUDA build, <tag>-cuda (`make image VARIANT=cuda`). */}}
 {{- define "fairserve.image" -}}
 {{ .root.Values.image.prefix }}{{ .service }}:{{ .root.Values.image.tag }}{{ if and (eq .service "worker") (gt (int .root.Values.worker.gpu) 0) }}-cuda{{ end }}
