@@ -80,6 +80,7 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
         detached=spec.detached,
         attachment=spec.attachment,
         lora_name=spec.lora_name, lora_path=spec.lora_path, lora_digest=spec.lora_digest,
+        index_asked=spec.index_answer is not None, cached_prefix_tokens=dict(spec.index_answer or ()),
     )
 
 

@@ -150,8 +150,11 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         # Asked even with one worker: the lookups feed the index's hit rate,
         # and they carry the request id into the kvcache service's logs. With
         # one worker there is nothing to route, so the request does not wait.
+        # A gateway over shards asked already, to pick this shard: its answer is used.
         workers = self._core.worker_ids()
-        if workers:
+        if request.index_asked:
+            hints = dict(request.cached_prefix_tokens)
+        elif workers:
             lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id, spec.cache_salt)
             if len(workers) > 1:
                 hints = await lookup

@@ -55,6 +55,10 @@ class GenerationSpec:
     lora_name: str = ""
     lora_path: str = ""
     lora_digest: str = ""
+    # The kvcache index's answer, (worker id, cached prefix tokens) pairs, when the gateway asked
+    # it to pick a scheduler shard (streaming/shards.py): the scheduler uses it instead of asking
+    # again. None: not asked.
+    index_answer: tuple[tuple[str, int], ...] | None = None
 
 
 @dataclass(frozen=True)

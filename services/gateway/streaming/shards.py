@@ -17,6 +17,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from common.block_hash import adapter_id, adapter_salt
@@ -90,11 +91,12 @@ class ShardedScheduler:
                 return shard
         return least
 
-    async def _place(self, spec: GenerationSpec, request_id: str) -> int:
+    async def _place(self, spec: GenerationSpec, request_id: str) -> tuple[int, GenerationSpec]:
         """`choose`, with the index asked where the prompt is cached (not for a session's
-        request, nor while the index does not answer)."""
+        request, nor while the index does not answer); the spec carries the index's answer
+        on to the shard, which then routes among its workers without asking again."""
         self._refresh_worker_map()
-        cached: dict[str, int] = {}
+        cached: dict[str, int] | None = None
         if (self._index is not None and self._worker_shard and not (spec.session_id or spec.user)
                 and self._clock() >= self._index_paused_until):
             salt = adapter_salt(spec.cache_salt, adapter_id(spec.lora_name, spec.lora_digest))
@@ -104,7 +106,10 @@ class ShardedScheduler:
                 self._index_paused_until = self._clock() + INDEX_PAUSE_S
                 log.warning("kv index lookup failed; placing requests by load for a while",
                             extra={"error": str(error), "pause_s": INDEX_PAUSE_S})
-        return self.choose(spec, cached)
+        shard = self.choose(spec, cached)
+        if cached is not None:
+            spec = replace(spec, index_answer=tuple(sorted(cached.items())))
+        return shard, spec
 
     def _refresh_worker_map(self) -> None:
         if self._clock() - self._map_asked_at < WORKER_MAP_S or (self._map_task and not self._map_task.done()):
@@ -126,7 +131,7 @@ class ShardedScheduler:
                        trace_id: str = "") -> AsyncIterator[GenerationEvent]:
         shard = self._placed.get(request_id) if spec.attach else None
         if shard is None:
-            shard = await self._place(spec, request_id)
+            shard, spec = await self._place(spec, request_id)
         self._remember(request_id, shard)
         self._in_flight[shard] += 1
         try:

@@ -134,6 +134,8 @@ async def test_a_cached_prompt_goes_to_the_shard_of_its_worker_unless_that_shard
         events = [event async for event in backend.generate(request(max_tokens=1), "cached")]
         assert events[-1].finish is not None and servicers[1].requests[-1].request_id == "cached"
         assert index.salts[-1] == request().cache_salt       # looked up under the request's salt
+        sent = servicers[1].requests[-1]                      # the answer goes on: the shard asks no more
+        assert sent.index_asked and dict(sent.cached_prefix_tokens) == {"wb": 64, "wa": 16}
         # Past the slack the holder's shard is passed over for the least loaded.
         before = [len(servicer.requests) for servicer in servicers]
         held = [aclosing(backend.generate(request(max_tokens=500), f"h{n}")) for n in range(40)]
@@ -150,6 +152,8 @@ async def test_a_cached_prompt_goes_to_the_shard_of_its_worker_unless_that_shard
         [event async for event in backend.generate(request(max_tokens=1), "down1")]
         [event async for event in backend.generate(request(max_tokens=1), "down2")]
         assert len(index.salts) == asked + 1
+        last = next(s.requests[-1] for s in servicers if s.requests[-1].request_id == "down2")
+        assert not last.index_asked                           # not asked: the shard asks itself
     finally:
         await backend.close()
         for server in servers:

@@ -72,3 +72,37 @@ async def test_the_salt_reaches_the_index_lookup_and_the_worker(stack) -> None:
         await asyncio.sleep(0.01)
     assert [(tuple(lookup.token_ids), lookup.cache_salt) for lookup in index.lookups] == [
         (PROMPT, "tenant-a"), (PROMPT, "tenant-b"), (PROMPT, "tenant-a"), (PROMPT, "")]
+
+
+async def test_a_gateways_index_answer_routes_the_request_without_a_second_lookup() -> None:
+    """A gateway over shards asked the index to pick the shard (index_asked): the scheduler
+    routes by that answer among its two workers and does not ask the index again; a request
+    without it is looked up as before."""
+    index = RecordingIndex()
+    index_server = GrpcServer([(kvindex_pb2_grpc.add_KvIndexServicer_to_server, index)],
+                              ["fairserve.v1.KvIndex"], "127.0.0.1", 0)
+    await index_server.start()
+    server = SchedulerServer(SchedulerSettings(port=0, metrics_port=0, kvcache_addr=f"127.0.0.1:{index_server.port}"))
+    await server.start()
+    workers = [FakeWorkerProcess(FakeEngine(), worker_id, f"127.0.0.1:{server.port}") for worker_id in ("w0", "w1")]
+    channel = insecure_channel(f"127.0.0.1:{server.port}")
+    try:
+        for worker in workers:
+            await worker.start()
+        stub = scheduler_pb2_grpc.SchedulerStub(channel)
+        for name in ("w0", "w1"):        # each worker's claimed prefix sends the request to it
+            request = scheduler_pb2.GenerateRequest(request_id=f"to-{name}", prompt_token_ids=PROMPT, max_tokens=1,
+                                                    index_asked=True, cached_prefix_tokens={name: 16})
+            [event async for event in stub.Generate(request, timeout=10)]
+            (engine,) = [worker.engine for worker in workers if worker.worker_id == name]
+            assert any(new.seq_id.startswith(f"to-{name}") for step in engine.steps for new in step.new_sequences)
+        assert index.lookups == []
+        plain = scheduler_pb2.GenerateRequest(request_id="plain", prompt_token_ids=PROMPT, max_tokens=1)
+        [event async for event in stub.Generate(plain, timeout=10)]
+        assert len(index.lookups) == 1
+    finally:
+        for worker in workers:
+            await worker.stop()
+        await channel.close()
+        await server.stop(0)
+        await index_server.stop(0)
