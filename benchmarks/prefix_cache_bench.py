@@ -5,13 +5,16 @@
 
 1. One worker: time to first token of a long prompt cold (a prefix never seen),
    the same prompt with a different last sentence (warm prefix), and the
-   identical prompt again (exact match); the ratios cold/warm and cold/exact,
-   and where a request's time went, from the services' own spans (exported
-   to a receiver in this process, benchmarks/span_sink.py): the client's
-   HTTP, the gateway's parsing and tokenizing, the hop to the scheduler, the
-   queue until the first step, the steps (the worker's forward and the rest
-   of each step: planning, gRPC, block hashing, applying the reply), and the
-   way back to the client's first SSE event.
+   identical prompt again (exact match), and the ratios cold/warm and
+   cold/exact, on a stack as deployed by default (tracing off). Then, on a
+   second stack with tracing on, the same requests and where their time went,
+   from the services' own spans (exported to a receiver in this process,
+   benchmarks/span_sink.py): the client's HTTP, the gateway's parsing and
+   tokenizing, the hop to the scheduler, the queue until the first step, the
+   steps (the worker's forward and the rest of each step: planning, gRPC,
+   block hashing, applying the reply), and the way back to the client's first
+   SSE event. The traced TTFTs are printed beside the untraced ones: exporting
+   the spans costs CPU on the same cores while the next request runs.
 2. Two workers, eight sessions each repeating its own long prefix (all sessions
    at once, each session's turns one after another): the fraction of the
    repeated prefix tokens served from cache (usage.cached_tokens).
@@ -162,9 +165,9 @@ def n_choices_row(stack: Stack, tokenizer: Any, sizes: BenchSizes, label: str) -
             f"({computed / len(prompt):.2f}× the prompt)")
 
 
-def first_token(client: httpx.Client, base_url: str, prompt: str, sink: SpanSink) -> Timed:
+def first_token(client: httpx.Client, base_url: str, prompt: str, sink: SpanSink | None) -> Timed:
     """One streamed /generate of a raw prompt with max_tokens 1; TTFT is the
-    time to the first SSE event, its stages from the request's trace."""
+    time to the first SSE event, its stages from the request's trace (with a sink)."""
     body = {"prompt": prompt, "raw": True, "max_tokens": 1, "ignore_eos": True, "temperature": 0,
             "stream": True}
     first_event_ns = None
@@ -183,14 +186,19 @@ def first_token(client: httpx.Client, base_url: str, prompt: str, sink: SpanSink
             if '"usage"' in line:
                 usage = json.loads(line[len("data: "):])["usage"]
     assert ttft is not None and first_event_ns is not None and usage, "no events from /generate"
+    if sink is None:
+        return Timed(ttft, usage["prompt_tokens"], usage["cached_tokens"], {})
     traces = sink.wait_traces(1, "POST /generate", sent_ns, needs=SPANS_NEEDED)
     assert traces, "the request's spans did not arrive"
     return Timed(ttft, usage["prompt_tokens"], usage["cached_tokens"],
                  stages_of(traces[0], sent_ns, first_event_ns))
 
 
-def ttft_rows(stack: Stack, tokenizer: Any, sizes: BenchSizes, sink: SpanSink
-              ) -> tuple[list[tuple[str, str]], str]:
+LABELS = {"cold": "cold", "warm": "warm prefix (different last sentence)", "exact": "identical prompt"}
+
+
+def first_tokens(stack: Stack, tokenizer: Any, sizes: BenchSizes, sink: SpanSink | None) -> dict[str, list[Timed]]:
+    """Each repeat: a new document cold, with another last sentence (warm), and again (exact)."""
     runs: dict[str, list[Timed]] = {"cold": [], "warm": [], "exact": []}
     # One keep-alive client, as a real one would: building a client costs tens of ms.
     with httpx.Client() as client:
@@ -200,19 +208,23 @@ def ttft_rows(stack: Stack, tokenizer: Any, sizes: BenchSizes, sink: SpanSink
             runs["cold"].append(first_token(client, stack.url, body + last_sentence(0), sink))
             runs["warm"].append(first_token(client, stack.url, body + last_sentence(repeat + 1), sink))
             runs["exact"].append(first_token(client, stack.url, body + last_sentence(0), sink))
+    return runs
+
+
+def ttft_rows(runs: dict[str, list[Timed]]) -> list[tuple[str, str]]:
+    """The TTFT medians and the two ratios."""
     median = {kind: statistics.median(t.ttft_s for t in timed) for kind, timed in runs.items()}
     rows = []
-    labels = {"cold": "cold", "warm": "warm prefix (different last sentence)", "exact": "identical prompt"}
     for kind, timed in runs.items():
-        rows.append((f"TTFT, {labels[kind]}",
+        rows.append((f"TTFT, {LABELS[kind]}",
                      f"{median[kind] * 1000:,.1f} ms (prompt {timed[0].prompt_tokens:,} tokens, cached "
                      f"{timed[0].cached_tokens:,})"))
     rows.append(("cold / warm prefix", f"**{median['cold'] / median['warm']:.1f}x**"))
     rows.append(("cold / identical", f"**{median['cold'] / median['exact']:.1f}x**"))
-    return rows, breakdown(runs, labels)
+    return rows
 
 
-def breakdown(runs: dict[str, list[Timed]], labels: dict[str, str]) -> str:
+def breakdown(runs: dict[str, list[Timed]], labels: dict[str, str] = LABELS) -> str:
     """A table of where the time to the first token went: each stage's median, in ms."""
     kinds = list(runs)
     lines = ["| stage (median ms) | " + " | ".join(labels[kind] for kind in kinds) + " |",
@@ -323,12 +335,17 @@ def main(argv: list[str] | None = None) -> None:
         logs = Path(args.logs) if args.logs else Path(scratch) / "logs"
         env = {"LOG_LEVEL": "warning", "WORKER_HEARTBEAT_INTERVAL_S": "0.5"}
 
-        sink = SpanSink.start()
-        stack = start(model_dir, 1, {**env, **sink.environment()}, logs / "ttft")
+        stack = start(model_dir, 1, env, logs / "ttft")     # as deployed: tracing off
         try:
-            rows, stages = ttft_rows(stack, tokenizer, sizes, sink)
+            rows = ttft_rows(first_tokens(stack, tokenizer, sizes, None))
             if not args.ttft_only:
                 rows.append(n_choices_row(stack, tokenizer, sizes, "followers wait for the first prefill"))
+        finally:
+            stack.stop()
+        sink = SpanSink.start()
+        stack = start(model_dir, 1, {**env, **sink.environment()}, logs / "traced")
+        try:
+            stages = breakdown(first_tokens(stack, tokenizer, sizes, sink))
         finally:
             stack.stop()
             sink.stop()
@@ -339,7 +356,8 @@ def main(argv: list[str] | None = None) -> None:
               f"TTFT; median of {sizes.repeats}); {cpu_name()}, "
               f"{os.cpu_count()} CPUs.")
     print(render(rows, header))
-    print("\nWhere the time to the first token went (the services' spans, median of each stage):\n")
+    print("\nWhere the time to the first token went, on a second stack with tracing on (the services' "
+          "spans, median of each stage; exporting them takes CPU beside the requests):\n")
     print(stages)
 
 

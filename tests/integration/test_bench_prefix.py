@@ -1,4 +1,5 @@
-"""`make bench-prefix ARGS="--quick --ttft-only"`: the tiny model on the whole stack, traced;
+"""`make bench-prefix ARGS="--quick --ttft-only"`: the tiny model on the whole stack, untraced
+for the TTFTs and traced for their stages;
 the identical prompt is served from cache entirely, and the table of stages from the
 services' spans adds up to each measured time to first token."""
 
