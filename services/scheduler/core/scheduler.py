@@ -410,8 +410,8 @@ class SchedulerCore:
 
     def _stream(self, worker: WorkerState, request: RequestState, tokens: tuple[int, ...],
                 logprobs: tuple[TokenLogprob | None, ...]) -> RequestUpdate:
-        out, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids,
-                                  lambda: self._vtc.charge_output(request.client_id, user=request.user))
+        out, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids)
+        self._vtc.charge_output(request.client_id, len(out), user=request.user)
         self._quotas.produced(request.request_id, len(out))
         finish = self._finish(request, reason) if reason is not None else None
         return RequestUpdate(request.request_id, tokens=out, finish=finish,

@@ -10,7 +10,7 @@ lets its grammar win over min_tokens, so its EOS marks a complete match and ends
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 
 from common.types import TokenLogprob
 
@@ -34,16 +34,14 @@ def finish_reason(spec: RequestSpec, max_tokens: int, generated: int, token_id: 
 
 
 def take_tokens(request: RequestState, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None],
-                eos_token_ids: Collection[int], on_token: Callable[[], None]
-                ) -> tuple[tuple[TokenOut, ...], FinishReason | None]:
+                eos_token_ids: Collection[int]) -> tuple[tuple[TokenOut, ...], FinishReason | None]:
     """Appends a step's sampled tokens to the request's output up to the first
     one that finishes it (speculative tokens past a stop or max_tokens are
-    dropped), calling on_token for each one kept; returns them and the finish
-    reason, if any."""
+    dropped); returns the ones kept (what the request is charged for) and the
+    finish reason, if any."""
     out: list[TokenOut] = []
     for index, token_id in enumerate(tokens):
         request.output.append(token_id)
-        on_token()
         out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
         reason = finish_reason(request.spec, request.max_tokens, len(request.output), token_id, eos_token_ids)
         if reason is not None:

@@ -52,12 +52,11 @@ def test_ignore_eos_keeps_the_stop_tokens() -> None:
 
 def test_take_tokens_keeps_tokens_up_to_the_first_that_finishes() -> None:
     request = make_request(1, prompt=(5,), max_tokens=3)
-    charged: list[int] = []
-    out, reason = take_tokens(request, (7, 8, 9, 10), (None,), EOS, lambda: charged.append(1))
+    out, reason = take_tokens(request, (7, 8, 9, 10), (None,), EOS)
     assert [token.token_id for token in out] == [7, 8, 9] and reason is FinishReason.LENGTH
-    assert request.output[-3:] == [7, 8, 9] and len(charged) == 3
+    assert request.output[-3:] == [7, 8, 9]       # the 10 after max_tokens is dropped, never charged
     request = make_request(2, prompt=(5,), max_tokens=10)
-    out, reason = take_tokens(request, (7, 1, 9), (), EOS, lambda: None)
+    out, reason = take_tokens(request, (7, 1, 9), (), EOS)
     assert [token.token_id for token in out] == [7, 1] and reason is FinishReason.STOP
-    out, reason = take_tokens(make_request(3, prompt=(5,), max_tokens=10), (7, 8), (), EOS, lambda: None)
+    out, reason = take_tokens(make_request(3, prompt=(5,), max_tokens=10), (7, 8), (), EOS)
     assert len(out) == 2 and reason is None
