@@ -23,9 +23,11 @@ if __name__ == "__main__":
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Awaitable
 from functools import partial
 from pathlib import Path
 
+import grpc
 from fairserve.v1 import worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
@@ -43,7 +45,7 @@ from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered
 from services.worker.settings import WorkerSettings
-from services.worker.shard_choice import choose_shard
+from services.worker.shard_choice import SHARD_LOST_S, ShardLink, follow_shards
 from services.worker.wiring import build_engine, thread_pacer, with_cpu_threads
 
 log = logging.getLogger("worker")
@@ -94,27 +96,44 @@ async def serve(settings: WorkerSettings) -> None:
 
     stops = stop_requests()
     stop = asyncio.Event()
-    # The only channel that carries the worker token (common/transport/worker_auth.py).
-    scheduler_addr = settings.scheduler_addr
-    if settings.scheduler_shards:
-        scheduler_addr = await choose_shard(settings.scheduler_shards, settings.internal, settings.worker_id)
-    scheduler_channel = internal_channel(scheduler_addr, settings.internal,
-                                         worker_token_interceptors(settings.worker_token))
-    registration = asyncio.create_task(keep_registered(
-        scheduler_channel, settings.worker_id, address, service, settings.heartbeat_interval_s, stop))
+    registration, link = _start_registration(settings, address, service, stop)
     tasks = [registration, asyncio.create_task(publisher.run(settings.kv_publish_interval_s, stop))]
     await stops.graceful.wait()
     # Leaving: no more heartbeats or registering again (the drain's calls count as
     # heartbeats); Steps are served until the scheduler has taken over.
     registration.cancel()
-    await leave(scheduler_channel, settings.worker_id, settings.drain_timeout_s, stops.now)
+    if link.channel is not None:
+        await leave(link.channel, settings.worker_id, settings.drain_timeout_s, stops.now)
     stop.set()
     log.info("worker stopping")
     await server.stop()
     await asyncio.gather(*tasks, return_exceptions=True)
     engine_thread.shutdown()
-    await scheduler_channel.close()
+    if link.channel is not None:
+        await link.channel.close()
     await kv_client.close()
+
+
+def _start_registration(settings: WorkerSettings, address: str, service: WorkerService,
+                        stop: asyncio.Event) -> tuple[asyncio.Task[None], ShardLink]:
+    """Keeps the worker registered with its scheduler, or with the scheduler shard with the
+    fewest workers, choosing again when that one is lost (shard_choice.py); the link holds
+    the channel its drain will leave through."""
+    def connect(scheduler_addr: str) -> grpc.aio.Channel:
+        # The only channel that carries the worker token (common/transport/worker_auth.py).
+        return internal_channel(scheduler_addr, settings.internal, worker_token_interceptors(settings.worker_token))
+
+    def register(channel: grpc.aio.Channel, lost_after_s: float | None = None) -> Awaitable[None]:
+        return keep_registered(channel, settings.worker_id, address, service, settings.heartbeat_interval_s, stop,
+                               lost_after_s)
+
+    link = ShardLink()
+    if settings.scheduler_shards:
+        return asyncio.create_task(follow_shards(
+            settings.scheduler_shards, settings.internal, settings.worker_id, connect,
+            partial(register, lost_after_s=SHARD_LOST_S), link, stop)), link
+    link.channel = connect(settings.scheduler_addr)
+    return asyncio.create_task(register(link.channel)), link
 
 
 def main() -> None:

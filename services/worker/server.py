@@ -205,11 +205,15 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
 
 
 async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: str,
-                          service: WorkerService, interval_s: float, stop: asyncio.Event) -> None:
+                          service: WorkerService, interval_s: float, stop: asyncio.Event,
+                          lost_after_s: float | None = None) -> None:
     """Registers with the scheduler, then heartbeats; registers again whenever
-    the scheduler says it does not know us (it restarted, or timed us out)."""
+    the scheduler says it does not know us (it restarted, or timed us out).
+    Returns when `stop` is set, or (with `lost_after_s`) once the scheduler has
+    not been reached for that long (a shard gone: shard_choice.py chooses again)."""
     stub = scheduler_pb2_grpc.SchedulerStub(channel)
     registered = False
+    unreachable_since: float | None = None
     while not stop.is_set():
         try:
             if not registered:
@@ -231,6 +235,12 @@ async def keep_registered(channel: grpc.aio.Channel, worker_id: str, address: st
             refused = error.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
             log.warning("scheduler refused the worker" if refused else "scheduler unreachable",
                         extra={"code": error.code().name, **({"reason": error.details()} if refused else {})})
+            if not refused:
+                unreachable_since = unreachable_since if unreachable_since is not None else time.monotonic()
+                if lost_after_s is not None and time.monotonic() - unreachable_since >= lost_after_s:
+                    return
+        else:
+            unreachable_since = None
         try:
             await asyncio.wait_for(stop.wait(), timeout=interval_s if registered else RETRY_REGISTRATION_S)
         except asyncio.TimeoutError:

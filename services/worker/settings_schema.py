@@ -350,7 +350,8 @@ class WorkerSchema(
         description=(
             'scheduler shards, comma-separated `host:port` (docs/scaling.md): at start the worker '
             'joins the one with the fewest workers among those that answer (ties spread by a hash of '
-            'its id) instead of `SCHEDULER_ADDR`. Empty: `SCHEDULER_ADDR`'
+            'its id), and chooses again when its shard has been unreachable for 60 s, instead of '
+            '`SCHEDULER_ADDR`. Empty: `SCHEDULER_ADDR`'
         ))
     kv_publish_interval_s: float = Field(0.05, ge=0.001,
         description=(

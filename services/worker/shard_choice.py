@@ -5,16 +5,17 @@ serves them all: at start a worker asks every shard how many workers it has and 
 the one with the fewest, ties going to the shard that ranks highest for this worker
 id (rendezvous hashing), so workers that start together spread over the shards
 instead of all joining the first. No shard answering, it takes its rendezvous shard
-and registers there as soon as it answers. A worker stays with its shard until it
-restarts (a shard is a StatefulSet pod: restarted, it comes back at the same address
-and its workers register again)."""
+and registers there as soon as it answers. A worker stays with its shard while it can
+reach it (a shard is a StatefulSet pod: restarted, it comes back at the same address
+and its workers register again); one it has not reached for SHARD_LOST_S (a shard
+scaled away, or gone for good) it leaves, and chooses again among the others."""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 import grpc
 from fairserve.v1 import common_pb2, scheduler_pb2_grpc
@@ -25,6 +26,7 @@ from common.transport.internal_auth import InternalAuth
 log = logging.getLogger(__name__)
 
 ASK_TIMEOUT_S = 2.0
+SHARD_LOST_S = 60.0      # unreachable this long, a worker's shard is left for another
 
 
 def pick_shard(worker_counts: Mapping[str, int | None], worker_id: str) -> str:
@@ -58,6 +60,31 @@ async def choose_shard(shards: Sequence[str], auth: InternalAuth, worker_id: str
     choice = pick_shard(dict(zip(shards, counts)), worker_id)
     log.info("scheduler shard chosen", extra={"shard": choice, "workers_by_shard": dict(zip(shards, counts))})
     return choice
+
+
+class ShardLink:
+    """The channel to the shard the worker serves now (None before the first choice):
+    its drain leaves through it."""
+
+    def __init__(self) -> None:
+        self.channel: grpc.aio.Channel | None = None
+
+
+async def follow_shards(shards: Sequence[str], auth: InternalAuth, worker_id: str,
+                        connect: Callable[[str], grpc.aio.Channel],
+                        register: Callable[[grpc.aio.Channel], Awaitable[None]],
+                        link: ShardLink, stop: asyncio.Event) -> None:
+    """Chooses a shard, connects (`connect`) and stays registered there (`register`,
+    which returns when `stop` is set or the shard has been unreachable too long); then,
+    unless stopping, chooses again. Runs until `stop` is set or it is cancelled."""
+    while not stop.is_set():
+        address = await choose_shard(shards, auth, worker_id)
+        if link.channel is not None:
+            await link.channel.close()
+        link.channel = connect(address)
+        await register(link.channel)
+        if not stop.is_set():
+            log.warning("scheduler shard lost: choosing again", extra={"shard": address})
 
 
 async def _workers_at(address: str, auth: InternalAuth) -> int | None:
