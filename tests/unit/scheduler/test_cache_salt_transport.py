@@ -33,14 +33,20 @@ class RecordingIndex(kvindex_pb2_grpc.KvIndexServicer):
         return kvindex_pb2.LookupResponse(block_size=4)
 
 
-@pytest.fixture
-async def stack() -> AsyncIterator[tuple[scheduler_pb2_grpc.SchedulerStub, RecordingIndex, FakeEngine]]:
+async def _index_and_scheduler() -> tuple[RecordingIndex, GrpcServer, SchedulerServer]:
+    """A recording index and a real scheduler that asks it."""
     index = RecordingIndex()
     index_server = GrpcServer([(kvindex_pb2_grpc.add_KvIndexServicer_to_server, index)],
                               ["fairserve.v1.KvIndex"], "127.0.0.1", 0)
     await index_server.start()
     server = SchedulerServer(SchedulerSettings(port=0, metrics_port=0, kvcache_addr=f"127.0.0.1:{index_server.port}"))
     await server.start()
+    return index, index_server, server
+
+
+@pytest.fixture
+async def stack() -> AsyncIterator[tuple[scheduler_pb2_grpc.SchedulerStub, RecordingIndex, FakeEngine]]:
+    index, index_server, server = await _index_and_scheduler()
     worker = FakeWorkerProcess(FakeEngine(), "w0", f"127.0.0.1:{server.port}")
     await worker.start()
     channel = insecure_channel(f"127.0.0.1:{server.port}")
@@ -78,12 +84,7 @@ async def test_a_gateways_index_answer_routes_the_request_without_a_second_looku
     """A gateway over shards asked the index to pick the shard (index_asked): the scheduler
     routes by that answer among its two workers and does not ask the index again; a request
     without it is looked up as before."""
-    index = RecordingIndex()
-    index_server = GrpcServer([(kvindex_pb2_grpc.add_KvIndexServicer_to_server, index)],
-                              ["fairserve.v1.KvIndex"], "127.0.0.1", 0)
-    await index_server.start()
-    server = SchedulerServer(SchedulerSettings(port=0, metrics_port=0, kvcache_addr=f"127.0.0.1:{index_server.port}"))
-    await server.start()
+    index, index_server, server = await _index_and_scheduler()
     workers = [FakeWorkerProcess(FakeEngine(), worker_id, f"127.0.0.1:{server.port}") for worker_id in ("w0", "w1")]
     channel = insecure_channel(f"127.0.0.1:{server.port}")
     try:

@@ -9,6 +9,7 @@ over all the workers would do."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 import pytest
@@ -100,23 +101,35 @@ class _Peer(scheduler_pb2_grpc.SchedulerServicer):
                                             instance_id=self.instance_id)
 
 
-async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() -> None:
-    peer = _Peer()
+async def _serve(peer: _Peer) -> GrpcServer:
     server = GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, peer)],
                         ["fairserve.v1.Scheduler"], "127.0.0.1", 0)
     await server.start()
+    return server
+
+
+async def _until_then_stop(condition: Callable[[], bool], task: asyncio.Task[None],
+                           servers: list[GrpcServer]) -> None:
+    """Waits (4 s at most) for `condition`, then stops the exchange and the peers."""
+    for _ in range(200):
+        if condition():
+            break
+        await asyncio.sleep(0.02)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    for server in servers:
+        await server.stop(0)
+
+
+async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() -> None:
+    peer = _Peer()
+    server = await _serve(peer)
     received: list[dict[str, float]] = []
     task = asyncio.create_task(exchange_with_peers([f"127.0.0.1:{server.port}", "127.0.0.1:1"], 0.02,
                                                    InternalAuth(), lambda grown: received.append(dict(grown))))
     await asyncio.sleep(0.3)                     # a baseline read, then nothing has grown
     peer.charged = {"a": 4.0, "b": 2.0}
-    for _ in range(200):
-        if received:
-            break
-        await asyncio.sleep(0.02)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    await server.stop(0)
+    await _until_then_stop(lambda: bool(received), task, [server])
     assert received[0] == {"a": 3.0, "b": 2.0}
     assert common_pb2.StatsRequest() is not None
 
@@ -125,10 +138,7 @@ async def test_a_scheduler_named_among_its_own_peers_leaves_itself_out() -> None
     """SCHEDULER_PEERS may list every shard, this one included (one setting for a
     StatefulSet): the peer answering with this scheduler's instance id is never counted."""
     myself, other = _Peer(), _Peer()
-    servers = [GrpcServer([(scheduler_pb2_grpc.add_SchedulerServicer_to_server, peer)],
-                          ["fairserve.v1.Scheduler"], "127.0.0.1", 0) for peer in (myself, other)]
-    for server in servers:
-        await server.start()
+    servers = [await _serve(peer) for peer in (myself, other)]
     myself.instance_id, other.instance_id = "me", "other"
     grown_by_call: list[dict[str, float]] = []
     read: list[str] = []
@@ -137,14 +147,7 @@ async def test_a_scheduler_named_among_its_own_peers_leaves_itself_out() -> None
         lambda grown: grown_by_call.append(dict(grown)), "me", quotas=lambda peer, stats: read.append(peer)))
     await asyncio.sleep(0.2)
     myself.charged = other.charged = {"a": 5.0}
-    for _ in range(200):
-        if grown_by_call:
-            break
-        await asyncio.sleep(0.02)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
-    for server in servers:
-        await server.stop(0)
+    await _until_then_stop(lambda: bool(grown_by_call), task, servers)
     assert grown_by_call == [{"a": 4.0}]                     # the other's growth only, once
     assert set(read) == {f"127.0.0.1:{servers[1].port}"}
     assert myself.calls == 1                                 # asked once, then left out
