@@ -79,9 +79,9 @@ async def follow_shards(shards: Sequence[str], auth: InternalAuth, worker_id: st
     unless stopping, chooses again. Runs until `stop` is set or it is cancelled."""
     while not stop.is_set():
         address = await choose_shard(shards, auth, worker_id)
-        if link.channel is not None:
-            await link.channel.close()
-        link.channel = connect(address)
+        left, link.channel = link.channel, connect(address)     # the drain never finds a closed one
+        if left is not None:
+            await left.close()
         await register(link.channel)
         if not stop.is_set():
             log.warning("scheduler shard lost: choosing again", extra={"shard": address})
