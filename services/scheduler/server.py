@@ -41,7 +41,7 @@ from services.scheduler.workers.registration import (
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.workers.step_link import StepFailed, step_link
 from services.scheduler.generate_many import GenerateMany
-from services.scheduler.peer_exchange import exchange_with_peers
+from services.scheduler.peer_exchange import exchange_with_peers, scheduler_peer_handlers
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +92,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         if self._settings.peers:
             self._background(exchange_with_peers(
                 self._settings.peers, self._settings.peer_exchange_s, self._settings.internal,
-                self._core.charge_elsewhere, self._instance_id,
-                quotas=lambda peer, stats: self._core.note_peer_quotas(peer, convert.quota_usages_from_proto(stats)),
-                lost=self._core.forget_peer))
+                scheduler_peer_handlers(self._core, self._metrics), self._instance_id))
 
     async def close(self) -> None:
         if self._reaper is not None:

@@ -38,6 +38,7 @@ def test_the_scheduler_exports_exactly_its_catalogued_families() -> None:
     metrics.publish(h.core.stats())
     metrics.observe_step("w0", 0.01)
     metrics.observe_queue_waits(h.core.drain_queue_waits())
+    metrics.set_peer_up("scheduler-1.scheduler:50051", True)      # with SCHEDULER_PEERS
     samples = _scrape(metrics)
     exported = {names.family_of_series(name) for name in samples}
     assert None not in exported, [n for n in samples if names.family_of_series(n) is None]

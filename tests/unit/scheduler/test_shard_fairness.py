@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import replace
 
 import grpc
 import pytest
-from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from prometheus_client import generate_latest
 
 from common.transport.grpc_server import GrpcServer
 from common.transport.internal_auth import InternalAuth
 from services.scheduler.core.fairness.peer_charges import PeerCharges
 from services.scheduler.core.fairness.vtc import VirtualTokenCounter
 from services.scheduler.core.types import CoreConfig, Policy
-from services.scheduler.peer_exchange import exchange_with_peers
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.peer_exchange import PeerHandlers, exchange_with_peers, scheduler_peer_handlers
 
 from tests.unit.scheduler.fake_worker import FakeEngine
 from tests.unit.scheduler.harness import Harness
@@ -122,16 +125,23 @@ async def _until_then_stop(condition: Callable[[], bool], task: asyncio.Task[Non
 
 
 async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() -> None:
+    """The growth of the answering peer's charges; the silent one on the peer gauge at 0
+    (its quota holds forgotten), the answering one at 1."""
     peer = _Peer()
     server = await _serve(peer)
     received: list[dict[str, float]] = []
+    metrics = SchedulerMetrics()
+    core = Harness(CoreConfig(), FakeEngine(num_blocks=64)).core
+    handlers = replace(scheduler_peer_handlers(core, metrics), charge=lambda grown: received.append(dict(grown)))
     task = asyncio.create_task(exchange_with_peers([f"127.0.0.1:{server.port}", "127.0.0.1:1"], 0.02,
-                                                   InternalAuth(), lambda grown: received.append(dict(grown))))
+                                                   InternalAuth(), handlers))
     await asyncio.sleep(0.3)                     # a baseline read, then nothing has grown
     peer.charged = {"a": 4.0, "b": 2.0}
     await _until_then_stop(lambda: bool(received), task, [server])
     assert received[0] == {"a": 3.0, "b": 2.0}
-    assert common_pb2.StatsRequest() is not None
+    exported = generate_latest(metrics.registry).decode()
+    assert f'fairserve_scheduler_peer_up{{peer="127.0.0.1:{server.port}"}} 1.0' in exported
+    assert 'fairserve_scheduler_peer_up{peer="127.0.0.1:1"} 0.0' in exported
 
 
 async def test_a_scheduler_named_among_its_own_peers_leaves_itself_out() -> None:
@@ -142,12 +152,15 @@ async def test_a_scheduler_named_among_its_own_peers_leaves_itself_out() -> None
     myself.instance_id, other.instance_id = "me", "other"
     grown_by_call: list[dict[str, float]] = []
     read: list[str] = []
+    left_out: list[str] = []
+    handlers = PeerHandlers(lambda grown: grown_by_call.append(dict(grown)),
+                            quotas=lambda peer, stats: read.append(peer), itself=left_out.append)
     task = asyncio.create_task(exchange_with_peers(
-        [f"127.0.0.1:{server.port}" for server in servers], 0.02, InternalAuth(),
-        lambda grown: grown_by_call.append(dict(grown)), "me", quotas=lambda peer, stats: read.append(peer)))
+        [f"127.0.0.1:{server.port}" for server in servers], 0.02, InternalAuth(), handlers, "me"))
     await asyncio.sleep(0.2)
     myself.charged = other.charged = {"a": 5.0}
     await _until_then_stop(lambda: bool(grown_by_call), task, servers)
     assert grown_by_call == [{"a": 4.0}]                     # the other's growth only, once
     assert set(read) == {f"127.0.0.1:{servers[1].port}"}
     assert myself.calls == 1                                 # asked once, then left out
+    assert left_out == [f"127.0.0.1:{servers[0].port}"]
