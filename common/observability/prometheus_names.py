@@ -134,8 +134,9 @@ SCHEDULER_CLIENT_SERVED_TOKENS = _family(SCHEDULER, "client_served_tokens_total"
                                          "Tokens served to each fairness client")
 SCHEDULER_KV_INDEX_UP = _family(SCHEDULER, "kv_index_up", GAUGE, (),
                                 "1 while routing uses the KV index; 0 while its lookups fail and are paused")
-SCHEDULER_PEER_UP = _family(SCHEDULER, "peer_up", GAUGE, ("peer",),
-                            "1 while a scheduler shard named in SCHEDULER_PEERS answers its reads; 0 while it does not")
+SCHEDULER_PEERS = _family(SCHEDULER, "peers", GAUGE, ("state",),
+                          "Scheduler shards named in SCHEDULER_PEERS, by whether they answer this one's reads "
+                          "(answering, silent)")
 SCHEDULER_POLICY = _family(SCHEDULER, "policy_info", GAUGE, ("policy",),
                            "Always 1; the label names the scheduling policy")
 

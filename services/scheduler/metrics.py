@@ -162,7 +162,9 @@ class SchedulerMetrics:
         self._queue_wait = Histogram(wait.name, wait.help, buckets=wait.buckets, registry=self.registry)
         self._kv_index_up = names.gauge(names.SCHEDULER_KV_INDEX_UP, self.registry)
         self._kv_index_up.set(1)
-        self._peer_up = names.gauge(names.SCHEDULER_PEER_UP, self.registry)
+        self._peers = names.gauge(names.SCHEDULER_PEERS, self.registry)
+        self._peer_answers: dict[str, bool] = {}
+        self._count_peers()
 
     def set_kv_index_up(self, up: bool) -> None:
         """Whether routing uses the KV index now (kv_router.KvIndexRouter)."""
@@ -170,14 +172,18 @@ class SchedulerMetrics:
 
     def set_peer_up(self, peer: str, up: bool) -> None:
         """Whether a peer shard answers the exchange's reads (peer_exchange.py)."""
-        self._peer_up.labels(peer=peer).set(1 if up else 0)
+        self._peer_answers[peer] = up
+        self._count_peers()
 
     def forget_peer(self, peer: str) -> None:
         """A peer that turned out to be this scheduler: not a peer."""
-        try:
-            self._peer_up.remove(peer)
-        except KeyError:
-            pass
+        self._peer_answers.pop(peer, None)
+        self._count_peers()
+
+    def _count_peers(self) -> None:
+        answering = sum(self._peer_answers.values())
+        self._peers.labels(state="answering").set(answering)
+        self._peers.labels(state="silent").set(len(self._peer_answers) - answering)
 
     def publish(self, stats: CoreStats) -> None:
         self.snapshot = stats

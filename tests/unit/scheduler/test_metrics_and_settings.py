@@ -38,7 +38,6 @@ def test_the_scheduler_exports_exactly_its_catalogued_families() -> None:
     metrics.publish(h.core.stats())
     metrics.observe_step("w0", 0.01)
     metrics.observe_queue_waits(h.core.drain_queue_waits())
-    metrics.set_peer_up("scheduler-1.scheduler:50051", True)      # with SCHEDULER_PEERS
     samples = _scrape(metrics)
     exported = {names.family_of_series(name) for name in samples}
     assert None not in exported, [n for n in samples if names.family_of_series(n) is None]
@@ -93,3 +92,18 @@ def test_settings_defaults_and_env() -> None:
 def test_invalid_settings_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(SettingsError, match=name):
         SchedulerSettings.from_env({name: value})
+
+
+def test_peer_shards_are_counted_by_whether_they_answer() -> None:
+    metrics = SchedulerMetrics()
+
+    def peers() -> dict[str, float]:
+        return {labels["state"]: value for labels, value in _scrape(metrics)["fairserve_scheduler_peers"]}
+
+    assert peers() == {"answering": 0.0, "silent": 0.0}          # no SCHEDULER_PEERS
+    metrics.set_peer_up("s0:50051", True)
+    metrics.set_peer_up("s1:50051", False)
+    assert peers() == {"answering": 1.0, "silent": 1.0}
+    metrics.set_peer_up("s1:50051", True)
+    metrics.forget_peer("s0:50051")                               # it was this scheduler itself
+    assert peers() == {"answering": 1.0, "silent": 0.0}

@@ -140,8 +140,8 @@ async def test_the_exchange_reads_each_peer_and_goes_on_past_one_that_is_down() 
     await _until_then_stop(lambda: bool(received), task, [server])
     assert received[0] == {"a": 3.0, "b": 2.0}
     exported = generate_latest(metrics.registry).decode()
-    assert f'fairserve_scheduler_peer_up{{peer="127.0.0.1:{server.port}"}} 1.0' in exported
-    assert 'fairserve_scheduler_peer_up{peer="127.0.0.1:1"} 0.0' in exported
+    assert 'fairserve_scheduler_peers{state="answering"} 1.0' in exported
+    assert 'fairserve_scheduler_peers{state="silent"} 1.0' in exported
 
 
 async def test_a_scheduler_named_among_its_own_peers_leaves_itself_out() -> None:
