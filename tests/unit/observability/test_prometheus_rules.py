@@ -22,7 +22,8 @@ PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(PROMTOOL is None,
                                     reason="no promtool (Debian: apt-get install prometheus)")
 SLO_ALERTS = {"FairserveTTFTHigh", "FairserveTPOTHigh", "FairserveErrorRatioHigh", "FairserveQueueDeep",
-              "FairserveSchedulerDown", "FairserveWorkerDown", "FairserveKvPoolFull"}
+              "FairserveSchedulerDown", "FairserveWorkerDown", "FairserveKvPoolFull",
+              "FairserveSchedulerPeerSilent"}
 
 
 def rules() -> list[dict]:
