@@ -103,7 +103,7 @@ def seq_result_from_proto(message: worker_pb2.SeqResult) -> SeqResult:
         num_cached_tokens=message.num_cached_tokens, sampled=message.sampled,
         token_id=message.token_id,
         logprob=logprob_from_proto(message.logprob) if message.HasField("logprob") else None,
-        error=_STEP_ERRORS.get(message.error, StepError.INTERNAL), more_token_ids=tuple(message.more_token_ids),
+        error=step_error_from_proto(message.error), more_token_ids=tuple(message.more_token_ids),
         more_logprobs=tuple(map(logprob_from_proto, more_logprobs)) if more_logprobs else (),
         prompt_logprobs=tuple(map(logprob_from_proto, prompt_logprobs)) if prompt_logprobs else (),
         prompt_logprobs_start=message.prompt_logprobs_start,
