@@ -190,9 +190,17 @@ def backend_error_from_rpc(error: grpc.aio.AioRpcError) -> BackendError:
     return backend_error_from_status(error.code(), error.details() or "", tuple(error.trailing_metadata() or ()))
 
 
+# The status gRPC's asyncio client gives a call whose connection broke under an
+# operation in flight (a message being sent or read when the scheduler process
+# died): made on this side, never sent by the scheduler, which gives no INTERNAL.
+LOCAL_TRANSPORT_FAILURE = "Internal error from Core"
+
+
 def backend_error_from_status(code: grpc.StatusCode, details: str, metadata: Metadata) -> BackendError:
     """A scheduler call's status (a Generate call's, or a GenerateMany stream's refusal)
-    as the gateway's error."""
+    as the gateway's error. A lost connection (UNAVAILABLE without the scheduler's
+    own mark, or the client's own INTERNAL for a transport that broke mid-call) is
+    SchedulerLost, which a resumable generation survives."""
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         quota = _rejection_gate(metadata) == QUOTA_GATE
         return Overloaded(details, _retry_after_s(metadata) or DEFAULT_RETRY_AFTER_S,
@@ -201,6 +209,8 @@ def backend_error_from_status(code: grpc.StatusCode, details: str, metadata: Met
         return InvalidGeneration(details)
     if code == grpc.StatusCode.UNAVAILABLE and _rejection_gate(metadata) is None:
         return SchedulerLost(details or "the scheduler is unavailable", _retry_after_s(metadata))
+    if code == grpc.StatusCode.INTERNAL and details == LOCAL_TRANSPORT_FAILURE:
+        return SchedulerLost("the connection to the scheduler broke mid-call", None)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return Unavailable(details or "the scheduler is unavailable", _retry_after_s(metadata))
     return BackendError(f"scheduler error {code.name}: {details}")

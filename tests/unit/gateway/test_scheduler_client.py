@@ -16,7 +16,9 @@ from common.convert import sampling_from_proto
 from common.transport.grpc_server import REJECTION_KEY, GrpcServer
 from common.types import SamplingParams
 from fairserve.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from services.gateway.convert import LOCAL_TRANSPORT_FAILURE, backend_error_from_status
 from services.gateway.requests.backend import (
+    BackendError,
     GenerationSpec,
     InvalidGeneration,
     ModelInfo,
@@ -199,6 +201,16 @@ async def test_rejections_become_backend_errors(backend: Any) -> None:
     assert not down.ready and down.degraded == ("scheduler", "kvcache")
     assert await dead.model_info() == ModelInfo()  # unreachable: unknown, asked again later
     await dead.close()
+
+
+def test_a_connection_broken_mid_call_is_a_lost_scheduler_and_a_scheduler_fault_is_not() -> None:
+    # gRPC's asyncio client makes this INTERNAL itself when the connection breaks under
+    # a message in flight (seen when a scheduler was killed mid-stream): the request is
+    # to be resumed, not failed. An INTERNAL the scheduler sends is a fault of its own.
+    lost = backend_error_from_status(grpc.StatusCode.INTERNAL, LOCAL_TRANSPORT_FAILURE, ())
+    assert isinstance(lost, SchedulerLost)
+    fault = backend_error_from_status(grpc.StatusCode.INTERNAL, "index out of range", ())
+    assert type(fault) is BackendError and "INTERNAL" in fault.message
 
 
 async def test_closing_the_stream_cancels_the_rpc(backend: Any) -> None:
