@@ -45,7 +45,7 @@ from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered
 from services.worker.settings import WorkerSettings
-from services.worker.shard_choice import SHARD_LOST_S, ShardLink, follow_shards
+from services.worker.shard_choice import SHARD_LOST_S, Rebalancing, ShardLink, follow_shards
 from services.worker.wiring import build_engine, thread_pacer, with_cpu_threads
 
 log = logging.getLogger("worker")
@@ -117,8 +117,8 @@ async def serve(settings: WorkerSettings) -> None:
 def _start_registration(settings: WorkerSettings, address: str, service: WorkerService,
                         stop: asyncio.Event) -> tuple[asyncio.Task[None], ShardLink]:
     """Keeps the worker registered with its scheduler, or with the scheduler shard with the
-    fewest workers, choosing again when that one is lost (shard_choice.py); the link holds
-    the channel its drain will leave through."""
+    fewest workers, choosing again when that one is lost and moving when the shards drift
+    apart (shard_choice.py); the link holds the channel its drain will leave through."""
     def connect(scheduler_addr: str) -> grpc.aio.Channel:
         # The only channel that carries the worker token (common/transport/worker_auth.py).
         return internal_channel(scheduler_addr, settings.internal, worker_token_interceptors(settings.worker_token))
@@ -127,11 +127,15 @@ def _start_registration(settings: WorkerSettings, address: str, service: WorkerS
         return keep_registered(channel, settings.worker_id, address, service, settings.heartbeat_interval_s, stop,
                                lost_after_s)
 
+    def leave_for_another(channel: grpc.aio.Channel) -> Awaitable[object]:
+        return leave(channel, settings.worker_id, settings.drain_timeout_s, stop)
+
     link = ShardLink()
     if settings.scheduler_shards:
         return asyncio.create_task(follow_shards(
             settings.scheduler_shards, settings.internal, settings.worker_id, connect,
-            partial(register, lost_after_s=SHARD_LOST_S), link, stop)), link
+            partial(register, lost_after_s=SHARD_LOST_S), link, stop,
+            Rebalancing(settings.shard_rebalance_s, leave_for_another))), link
     link.channel = connect(settings.scheduler_addr)
     return asyncio.create_task(register(link.channel)), link
 

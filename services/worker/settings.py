@@ -117,6 +117,7 @@ class WorkerSettings:
     worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/transport/worker_auth.py)
     cpu_thread_policy: str = "adaptive"   # engine/cpu/thread_governor.py
     scheduler_shards: tuple[str, ...] = ()   # SCHEDULER_SHARDS (shard_choice.py); (): scheduler_addr
+    shard_rebalance_s: float = 30.0          # SCHEDULER_SHARD_REBALANCE_S (shard_choice.py); 0: off
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> "WorkerSettings":
@@ -140,6 +141,7 @@ class WorkerSettings:
             internal=internal,
             drain_timeout_s=values.drain_timeout_s,
             scheduler_shards=address_list("SCHEDULER_SHARDS", values.scheduler_shards),
+            shard_rebalance_s=values.scheduler_shard_rebalance_s,
             worker_token=worker_token_from_env(env, internal.token),
             cpu_thread_policy=values.cpu_thread_policy,
         )

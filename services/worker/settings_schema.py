@@ -70,6 +70,7 @@ class WorkerSchema(
         "worker_heartbeat_interval_s",
         "kv_publish_interval_s",
         "scheduler_shards",
+        "scheduler_shard_rebalance_s",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | WorkerTokenFields.secrets
     worker_host: str = Field('127.0.0.1',
@@ -352,6 +353,13 @@ class WorkerSchema(
             'joins the one with the fewest workers among those that answer (ties spread by a hash of '
             'its id), and chooses again when its shard has been unreachable for 60 s, instead of '
             '`SCHEDULER_ADDR`. Empty: `SCHEDULER_ADDR`'
+        ))
+    scheduler_shard_rebalance_s: float = Field(30.0, ge=0,
+        description=(
+            'with `SCHEDULER_SHARDS`, seconds between looks at how many workers each shard has: when '
+            "the worker's shard has two or more than the emptiest, half the difference drains and "
+            'moves there (its requests resume on the shard\'s other workers). 0: a worker stays '
+            'with its shard while it can reach it'
         ))
     kv_publish_interval_s: float = Field(0.05, ge=0.001,
         description=(
