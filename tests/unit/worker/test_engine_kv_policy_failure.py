@@ -60,9 +60,9 @@ def assert_same(before: dict[str, object], after: dict[str, object]) -> None:
 def fail_next_forward(engine: Engine) -> None:
     inner = engine.forward.hidden_states
 
-    def failing(input_ids, positions, meta):
+    def failing(input_ids, positions, meta, keep=None):
         engine.forward.hidden_states = inner      # once
-        inner(input_ids, positions, meta)         # K/V written, then the failure
+        inner(input_ids, positions, meta, keep)   # K/V written, then the failure
         raise Injected("the forward failed")
 
     engine.forward.hidden_states = failing
@@ -96,10 +96,10 @@ def test_a_poisoned_neighbour_costs_the_lossy_sequence_nothing(kind: str, policy
     clean, clean_recorder = started(kind, policy)
     inner = engine.forward.hidden_states
 
-    def guarded(input_ids, positions, meta):
+    def guarded(input_ids, positions, meta, keep=None):
         if bool((input_ids == POISON).any()):
             raise Injected("a poisoned row")
-        return inner(input_ids, positions, meta)
+        return inner(input_ids, positions, meta, keep)
 
     engine.forward.hidden_states = guarded
     poisoned = NewSequence("p", tuple(prompt_of(6, 2) + [POISON]), ())

@@ -26,11 +26,11 @@ def poison_forward(engine: Engine, always: bool = False) -> list[int]:
     hidden_states = engine.forward.hidden_states
     calls: list[int] = []
 
-    def guarded(input_ids, positions, meta):
+    def guarded(input_ids, positions, meta, keep=None):
         calls.append(int(input_ids.numel()))
         if always or bool((input_ids == POISON).any()):
             raise Poisoned("a poisoned row")
-        return hidden_states(input_ids, positions, meta)
+        return hidden_states(input_ids, positions, meta, keep)
 
     engine.forward.hidden_states = guarded
     return calls

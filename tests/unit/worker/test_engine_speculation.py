@@ -143,9 +143,9 @@ def test_decodes_with_drafts_attend_as_decode_rows_through_the_decode_kernel() -
     seen = []
     hidden_states = engine.forward.hidden_states
 
-    def spy(input_ids, positions, meta):
+    def spy(input_ids, positions, meta, keep=None):
         seen.append((meta.num_tokens, meta.num_decodes, len(meta.prefills), meta.decode_ctx_lens.tolist()))
-        return hidden_states(input_ids, positions, meta)
+        return hidden_states(input_ids, positions, meta, keep)
 
     engine.forward.hidden_states = spy
     prompts = {"a": repetitive_prompt(6, 4), "b": repetitive_prompt(5, 5, salt=1)}

@@ -67,11 +67,16 @@ class Forward:
             return order, rows
         inputs = build_step_inputs(order, self.pool, self.kv, self.cache_layer, self.device,
                                    varlen=self.varlen, decode_kernel=self.decode_kernel, sliding=self.sliding)
+        # Only the rows that sample are read past the last layer, unless a prompt's logprobs
+        # read every row: the direct forward finishes that layer for them alone.
+        keep = (torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+                if self.direct is not None and self.lora is None and not inputs.score_runs
+                and len(inputs.sample_rows) < len(inputs.input_ids) else None)
         if self.lora is not None:
             with self.lora.serving(self._lora_rows(order)):
                 hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
         else:
-            hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta)
+            hidden = self.hidden_states(inputs.input_ids, inputs.positions, inputs.meta, keep)
         for meta in (inputs.meta, inputs.meta.sliding):
             if meta is not None and meta.scores is not None:
                 meta.scores.commit()     # each group's layers add to the same block scores
@@ -80,12 +85,16 @@ class Forward:
                 score(run, hidden[run.first_row:run.first_row + run.count])
         if not inputs.sample_plans:
             return [], hidden[:0]
+        if keep is not None:
+            return inputs.sample_plans, hidden
         return inputs.sample_plans, hidden[torch.tensor(inputs.sample_rows, device=self.device)]
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
-        """The base model's last hidden states of the packed rows, [T, hidden]."""
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: StepMetadata,
+                      keep: torch.Tensor | None = None) -> torch.Tensor:
+        """The base model's last hidden states of the packed rows, [T, hidden]; with `keep`
+        (row indices; the direct forward only), of those rows alone, in that order."""
         if self.direct is not None:
-            return self.direct(input_ids, positions, meta)
+            return self.direct(input_ids, positions, meta, keep)
         return self.base(input_ids=input_ids[None], position_ids=positions[None],
                          attention_mask=self.mask_by_type, use_cache=False,
                          paged_metadata=meta).last_hidden_state[0]
