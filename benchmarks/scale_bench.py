@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import sys
 import time
@@ -145,11 +146,26 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     return result
 
 
+# Output tokens/s one scheduler keeps up with (docs/scaling.md, measured with GenerateMany: 24-29k
+# on one core of the Zen 4 VM, at ~30-35 µs of its CPU a token). The default layout gives each
+# shard at most this much of the workers' ideal rate.
+SCHEDULER_TOKENS_PER_S = 28_000
+
+
+def default_shards(workers: int, costs: StepCosts) -> int:
+    """The layout docs/scaling.md recommends for `workers` such workers: one scheduler while their
+    decode rate (a full batch every decode step) is within SCHEDULER_TOKENS_PER_S, else as many
+    shards as that rate needs (64 H200-class workers: 8)."""
+    rate = workers * costs.decode_batch * 1000.0 / costs.decode_ms
+    return max(1, min(workers, math.ceil(rate / SCHEDULER_TOKENS_PER_S)))
+
+
 def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
+    shards = default_shards(workers, costs) if args.shards == "auto" else min(int(args.shards), workers)
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
                          profile=profile, log_dir=args.logs, log_level=args.log_level,
-                         shards=min(args.shards, workers), exchange=not args.no_exchange)
+                         shards=shards, exchange=not args.no_exchange)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
         gaps, busy = stack.worker_steps()
@@ -249,8 +265,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="requests over one GenerateMany call per gateway (as the gateway sends them), "
                              "or a Generate call each")
     parser.add_argument("--gateways", type=int, default=4, help="GenerateMany calls the load spreads over")
-    parser.add_argument("--shards", type=int, default=1,
-                        help="schedulers, each with its share of the workers and the others as SCHEDULER_PEERS")
+    parser.add_argument("--shards", default="auto", type=_shards_arg,
+                        help="schedulers, each with its share of the workers and the others as SCHEDULER_PEERS; "
+                             "auto: the layout docs/scaling.md recommends for each count (one scheduler per "
+                             f"{SCHEDULER_TOKENS_PER_S:,} tokens/s of the workers' decode rate)")
     parser.add_argument("--no-exchange", action="store_true", help="shards do not exchange their tenants' service")
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--pin-tenant", action="store_true",
@@ -268,6 +286,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         args.workers, args.seconds, args.warmup, args.tokens = "1,2", 2.0, 1.0, True
         args.prompt_tokens, args.max_tokens, args.shared_prefix = 48, 16, 32
     return args
+
+
+def _shards_arg(value: str) -> str:
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError("a count of schedulers (1 or more), or auto")
+    return value
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

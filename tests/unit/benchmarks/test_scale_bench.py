@@ -10,10 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.scale_bench import main, with_ideal
+from benchmarks.scale_bench import default_shards, main, parse, with_ideal
 from benchmarks.sim_engine import SimEngine, StepCosts
 from common.step import NewSequence, StepBatch, StepError, WorkItem
 from services.worker.engine.types import StaleEpoch
+
+
+def test_the_default_layout_is_one_scheduler_until_its_measured_limit_then_shards() -> None:
+    h200 = StepCosts()          # a decode step of 20 ms for 64 sequences: 3,200 tokens/s a worker
+    assert [default_shards(n, h200) for n in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 8]
+    assert default_shards(128, h200.scaled(32)) == 1        # 32x slower workers: one keeps up
+    assert default_shards(2, StepCosts(decode_ms=1, decode_batch=1000)) == 2   # never more than workers
+    assert parse(["--workers", "64"]).shards == "auto" and parse(["--shards", "3"]).shards == "3"
+    with pytest.raises(SystemExit):
+        parse(["--shards", "0"])
 
 
 def test_sim_engine_prefills_in_chunks_then_decodes() -> None:
