@@ -135,6 +135,28 @@ async def _workers_of(address: str) -> list[str]:
         await channel.close()
 
 
+async def _until_listed(address: str, worker_id: str, present: bool = True) -> bool:
+    for _ in range(400):
+        if (worker_id in await _workers_of(address)) == present:
+            return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+async def _tear_down(stop: asyncio.Event, task: asyncio.Task[None] | None, link: ShardLink,
+                     processes: list[FakeWorkerProcess], worker: GrpcServer, servers: list[SchedulerServer]) -> None:
+    stop.set()
+    if task is not None:
+        await asyncio.wait_for(task, 10)
+    if link.channel is not None:
+        await link.channel.close()
+    for process in processes:
+        await process.stop()
+    await worker.stop(0)
+    for server in servers:
+        await server.stop(0)
+
+
 async def test_a_worker_whose_shard_is_gone_registers_with_another() -> None:
     servers = [SchedulerServer(replace(BASE)) for _ in range(2)]
     worker = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, FakeWorkerServicer(FakeEngine(), "w"))],
@@ -154,36 +176,12 @@ async def test_a_worker_whose_shard_is_gone_registers_with_another() -> None:
             addresses, InternalAuth(), "w", lambda address: internal_channel(address, InternalAuth()),
             lambda channel: keep_registered(channel, "w", f"127.0.0.1:{worker.port}", _Service(), 0.05, stop,
                                             lost_after_s=0.3), link, stop))
-        for _ in range(200):
-            if "w" in await _workers_of(addresses[0]):
-                break
-            await asyncio.sleep(0.02)
-        assert "w" in await _workers_of(addresses[0])           # the shard with fewer workers
+        assert await _until_listed(addresses[0], "w")           # the shard with fewer workers
         await servers[0].stop(0)                                 # scaled away
-        for _ in range(300):
-            if "w" in await _workers_of(addresses[1]):
-                break
-            await asyncio.sleep(0.02)
+        assert await _until_listed(addresses[1], "w")
         assert sorted(await _workers_of(addresses[1])) == ["other", "w"]
     finally:
-        stop.set()
-        if task is not None:
-            await asyncio.wait_for(task, 10)
-        if link.channel is not None:
-            await link.channel.close()
-        for process in others:
-            await process.stop()
-        await worker.stop(0)
-        for server in servers:
-            await server.stop(0)
-
-
-async def _until_listed(address: str, worker_id: str, present: bool = True) -> bool:
-    for _ in range(400):
-        if (worker_id in await _workers_of(address)) == present:
-            return True
-        await asyncio.sleep(0.02)
-    return False
+        await _tear_down(stop, task, link, others, worker, servers)
 
 
 async def test_a_worker_moves_from_a_fuller_shard_after_draining_there() -> None:
@@ -222,13 +220,4 @@ async def test_a_worker_moves_from_a_fuller_shard_after_draining_there() -> None
         await asyncio.sleep(0.4)                               # 1 against 1: it stays
         assert await _workers_of(b) == ["w"] and len(drained_from) == 1
     finally:
-        stop.set()
-        if task is not None:
-            await asyncio.wait_for(task, 10)
-        if link.channel is not None:
-            await link.channel.close()
-        for process in fixed.values():
-            await process.stop()
-        await worker.stop(0)
-        for server in servers:
-            await server.stop(0)
+        await _tear_down(stop, task, link, list(fixed.values()), worker, servers)
