@@ -20,7 +20,7 @@ from tests.integration.conftest import start_stack
 from tests.integration.test_scheduler_restart import Streamed, stream
 from tests.integration.test_scheduler_stack import Prompts, generate_body, until
 
-TOKENS = 96
+TOKENS = 400       # long enough that every stream is still going when a shard is killed
 WAIT_S = 120.0
 
 
@@ -52,6 +52,10 @@ def _workers(stats: dict) -> set[str]:
     return {worker["worker_id"] for worker in stats["scheduler"]["workers"]}
 
 
+def _steps(stats: dict) -> dict[str, int]:
+    return {worker["worker_id"]: worker["steps"] for worker in stats["scheduler"]["workers"]}
+
+
 async def test_requests_spread_over_the_shards_and_survive_one_killed(shards: Stack) -> None:
     prompts = Prompts()
     bodies = {f"s{i}": generate_body(prompts.next(), TOKENS) for i in range(4)}
@@ -73,14 +77,23 @@ async def test_requests_spread_over_the_shards_and_survive_one_killed(shards: St
         assert healthy % "worker-2" in on_second and 'worker="worker-0"' not in on_second
         assert all(stats["scheduler"]["shards"].values())
 
+        steps_before = _steps(stats)
         seen = {name: Streamed() for name in bodies}
         tasks = {name: asyncio.create_task(stream(client, body, seen[name])) for name, body in bodies.items()}
         await until(lambda: all(len(s.token_ids) >= 8 for s in seen.values()), "every stream's 8th token")
-        running = (await client.get("/stats")).json()["scheduler"]["workers"]
-        assert all(worker["running"] >= 1 for worker in running), running   # both shards serve
+        # Both shards serve: each worker has stepped since (its running count at one moment
+        # is not a test: a fast stream can have ended by then).
+        for _ in range(100):
+            steps_now = _steps((await client.get("/stats")).json())
+            if all(steps_now[worker] > steps_before[worker] for worker in steps_before):
+                break
+            await asyncio.sleep(0.05)
+        assert all(steps_now[worker] > steps_before[worker] for worker in steps_before), (steps_before, steps_now)
 
         await asyncio.to_thread(shards.kill, "scheduler-2")   # SIGKILL, as a crash would
+        cut = {name: len(s.token_ids) for name, s in seen.items()}
         results = await asyncio.wait_for(asyncio.gather(*tasks.values()), WAIT_S)
+        assert any(count < TOKENS for count in cut.values()), cut     # the kill came mid-stream
         for name, result in zip(bodies, results):
             assert result.status == 200 and result.error is None, (name, result)
             assert result.finish_reason == "length" and len(result.token_ids) == TOKENS, (name, result)
