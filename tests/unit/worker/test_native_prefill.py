@@ -215,6 +215,27 @@ def test_the_paged_entry_reads_keys_through_their_slots(kernel: NativePrefillAtt
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("window", [None, 512])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_cached_prompts_new_tokens_over_its_context(kernel: NativePrefillAttention, window: int | None,
+                                                      threads: int) -> None:
+    """A prompt whose prefix the pool holds: a few new queries over a long context read through
+    their slots, on the default model's shapes (4 query heads over one K/V head of 256), with
+    query counts that split into work items of uneven tiles (10 at up to 6 a tile: 5 and 5; 13:
+    5, 4 and 4) and key counts off the transposed tiles' 16 and 64 keys."""
+    case = packed_case(15, [(10, 1496), (1, 1496), (13, 523), (6, 701)], 4, 1, 256)
+    k_cache, v_cache, slots = scattered(case, 16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.paged(case["q"], k_cache, v_cache, slots, case["cu_seqlens_q"], case["cu_seqlens_k"],
+                           softmax_scale=case["q"].shape[-1] ** -0.5, window=window)
+    finally:
+        torch.set_num_threads(before)
+    assert_matches(got, reference(case, window))
+    assert torch.equal(got, run(kernel, case, window, threads))
+
+
 def test_the_paged_entry_refuses_what_it_cannot_read(kernel: NativePrefillAttention) -> None:
     case = packed_case(13, [(4, 9)], 2, 1, 16)
     k_cache, v_cache, slots = scattered(case, 14)
