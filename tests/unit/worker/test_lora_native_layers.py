@@ -34,9 +34,9 @@ class CountingLayers:
     def takes(self, meta, rows: int) -> bool:
         return self.inner.takes(meta, rows)
 
-    def __call__(self, hidden, rotary, meta, lora=None) -> None:
+    def __call__(self, hidden, rotary, meta, lora=None, keep=None):
         self.steps += lora is not None
-        self.inner(hidden, rotary, meta, lora)
+        return self.inner(hidden, rotary, meta, lora, keep=keep)
 
 
 @pytest.fixture(scope="module")

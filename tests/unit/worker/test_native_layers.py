@@ -1,6 +1,7 @@
-"""A decode step's layers in one C call (native_layers.py): bitwise the logits of the
-Python layers it replaces, the same greedy tokens as `generate`, taken only for decode
-steps it can run, and left out wherever a piece of a layer is not a C kernel."""
+"""A decode step's layers in one C call (native_layers.py), and a step of few prefill rows:
+bitwise the logits of the Python layers they replace, the same greedy tokens as `generate`,
+taken only for steps they can run (decodes alone, or prefill chunks alone, unscored), and left
+out wherever a piece of a layer is not a C kernel."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import copy
 import pytest
 import torch
 
+from common.step import NewSequence, StepBatch, WorkItem
+from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu.kernels.native_layers import NativeDecodeLayers
@@ -43,17 +46,20 @@ def _engine(model: torch.nn.Module, **config) -> tuple[Engine, RecordingSampler]
 
 
 class CountingLayers:
-    """Wraps the C layers and counts the steps they ran."""
+    """Wraps the C layers and counts the decode steps and the prefill steps they ran."""
 
     def __init__(self, inner: NativeDecodeLayers) -> None:
-        self.inner, self.steps = inner, 0
+        self.inner, self.steps, self.prefill_steps = inner, 0, 0
 
     def takes(self, meta, rows: int) -> bool:
         return self.inner.takes(meta, rows)
 
-    def __call__(self, hidden, rotary, meta) -> None:
-        self.steps += 1
-        self.inner(hidden, rotary, meta)
+    def __call__(self, hidden, rotary, meta, *args, **kwargs) -> torch.Tensor:
+        if meta.prefills:
+            self.prefill_steps += 1
+        else:
+            self.steps += 1
+        return self.inner(hidden, rotary, meta, *args, **kwargs)
 
 
 def test_the_c_layers_give_the_python_layers_logits_bitwise(coded_gemma3: torch.nn.Module) -> None:
@@ -67,9 +73,68 @@ def test_the_c_layers_give_the_python_layers_logits_bitwise(coded_gemma3: torch.
     tokens = Driver(engine).run(PROMPTS, 10, CHUNKS)
     assert Driver(python).run(PROMPTS, 10, CHUNKS) == tokens
     assert counting.steps > 0                     # the decode-only steps, once every prompt is in
+    assert counting.prefill_steps == 1            # the first: every prompt's first chunk, 19 rows
     assert len(recorder.rows) == len(python_recorder.rows) == 40
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(recorder.rows, python_recorder.rows))
     assert_greedy_matches(coded_gemma3, PROMPTS, tokens, 10)
+
+
+def _cached_prompt_steps(engine: Engine) -> dict[str, list[int]]:
+    """A 41-token prompt, freed (its blocks stay cached), then two prompts sharing its first 36
+    tokens: each prefills its few new tokens over a cached context five times the tiny model's
+    sliding window, in a step of prefill chunks alone; then both decode."""
+    driver = Driver(engine)
+    first = prompt_of(41, 7)
+    driver.run({"first": first}, 2)
+    later = {"again": first[:36] + prompt_of(6, 8)[1:], "other": first[:37] + prompt_of(4, 9)[1:]}
+    tokens = driver.run(later, 5)
+    assert driver.cached["again"] >= 32 and driver.cached["other"] >= 32
+    return tokens
+
+
+def test_a_cached_prompts_new_tokens_run_in_the_c_layers_bitwise(coded_gemma3: torch.nn.Module) -> None:
+    engine, recorder = _engine(coded_gemma3)
+    counting = CountingLayers(engine.forward.direct.native_layers)
+    engine.forward.direct.native_layers = counting
+    python, python_recorder = _engine(coded_gemma3)
+    python.forward.direct.native_layers = None
+    tokens = _cached_prompt_steps(engine)
+    assert _cached_prompt_steps(python) == tokens
+    assert engine.forward.direct.native_layers.inner.max_rows < 41
+    assert counting.prefill_steps == 1            # the two cached prompts' new rows together (the first
+                                                  # prompt's 41 rows are more than the C layers take)
+    assert len(recorder.rows) == len(python_recorder.rows)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(recorder.rows, python_recorder.rows))
+
+
+def test_prompt_logprobs_from_the_c_layers_are_the_python_layers(coded_gemma3: torch.nn.Module) -> None:
+    """A prompt scored token by token reads every row's hidden state, which the C layers give
+    as the Python layers do (they run the last layer for every row)."""
+    prompts = {"a": prompt_of(9, 1), "b": prompt_of(12, 2)}
+    sampling = {name: SamplingParams(prompt_logprobs=True, logprobs=True) for name in prompts}
+    runs = []
+    for native in (True, False):
+        engine, _ = _engine(coded_gemma3)
+        counting = CountingLayers(engine.forward.direct.native_layers)
+        engine.forward.direct.native_layers = counting if native else None
+        driver = Driver(engine)
+        tokens = driver.run(prompts, 3, sampling=sampling)
+        scored = [(r.seq_id, r.prompt_logprobs) for out in driver.steps for r in out.results if r.prompt_logprobs]
+        assert len(scored) == 2
+        runs.append((tokens, scored, counting.prefill_steps))
+    assert runs[0][:2] == runs[1][:2]
+    assert runs[0][2] == 1
+
+
+def test_a_prefill_step_beside_decodes_keeps_the_python_layers(coded_gemma3: torch.nn.Module) -> None:
+    engine, _ = _engine(coded_gemma3)
+    counting = CountingLayers(engine.forward.direct.native_layers)
+    engine.forward.direct.native_layers = counting
+    driver = Driver(engine)
+    driver.step(StepBatch(new_sequences=[NewSequence("a", prompt_of(5, 1))], work=[WorkItem("a", 64)]))
+    driver.step(StepBatch(new_sequences=[NewSequence("b", prompt_of(6, 2))],
+                          work=[WorkItem("a", 1), WorkItem("b", 64)]))
+    assert (counting.prefill_steps, counting.steps) == (1, 0)   # the second step mixed: Python
 
 
 def test_steps_with_prefill_chunks_or_too_many_rows_keep_the_python_layers(coded_gemma3: torch.nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""A decode step's decoder layers in one C call (native/decode_layers.c; CPU float32).
+"""A decode step's decoder layers in one C call (native/decode_layers.c; CPU float32), and
+those of a step of few prefill rows.
 
 `DirectForward` runs each decoder layer as ~25 Python-level calls; on a decode step of
 the default model their glue costs ~10 ms, as much as the matmuls of one sequence. For
@@ -6,8 +7,15 @@ Gemma 3 layers whose every piece is already one of the engine's C kernels (weigh
 projections, native norms and gated activation, native RoPE, native decode attention),
 `NativeDecodeLayers` hands the whole stack of layers to one C function that calls the same
 kernels in the same order, so the hidden states are bitwise the Python path's (the tests
-compare them). Steps with prefill chunks, more rows than the codes serve, or anything
-else keep the Python path.
+compare them).
+
+A step of prefill chunks alone with as few rows (a cached prompt's new tokens, a short last
+chunk) runs the same way, its attention the native prefill kernel's paged entry over each
+chunk's keys where the pool holds them, as the Python path calls it (step/attention.py): on a
+cached 1.5k-token prompt's 10 new tokens the Python layers' glue (norms, activation, RoPE and
+projection calls one by one) was ~4 ms of a ~33 ms step. Steps that mix decodes with prefill
+chunks, score their prompts, have more rows than the codes serve, or anything else keep the
+Python path.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from services.worker.engine.cpu.kernels.native_build import NativeBuildError, lo
 from services.worker.engine.cpu.kernels.native_decode import MIN_SPLIT_CONTEXT, VECTOR_WIDTH, NativeDecodeAttention
 from services.worker.engine.cpu.kernels.native_lora import LoraTables
 from services.worker.engine.cpu.kernels.native_ops import ACTIVATIONS, NativeElementwise
+from services.worker.engine.cpu.kernels.native_prefill import NativePrefillAttention
 from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
 
 if TYPE_CHECKING:
@@ -50,7 +59,7 @@ class _Layer(ctypes.Structure):
                                                         "slots", "block_tables")]
                 + [(name, ctypes.c_int64) for name in ("table_width", "window", "splits")]
                 + [("scaling", ctypes.c_float)]
-                + [("lora", ctypes.c_void_p)])
+                + [(name, ctypes.c_void_p) for name in ("lora", "key_rows", "cu_q", "cu_k")])
 
 
 class _Step(ctypes.Structure):
@@ -60,11 +69,13 @@ class _Step(ctypes.Structure):
                 + [("ctx_lens", ctypes.c_void_p)]
                 + [(name, ctypes.c_int64) for name in ("block_size", "activation", "num_threads")]
                 + [(name, ctypes.c_void_p) for name in SCRATCH]
-                + [(name, ctypes.c_void_p) for name in ("lora_slots", "lora_low")])
+                + [(name, ctypes.c_void_p) for name in ("lora_slots", "lora_low")]
+                + [("chunks", ctypes.c_int64), ("keep", ctypes.c_void_p), ("kept", ctypes.c_int64)])
 
 
 class _Kernels(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("coded_linear", "rms_norm", "act_mul", "rope", "attention")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("coded_linear", "rms_norm", "act_mul", "rope", "attention",
+                                                     "prefill_attention")]
 
 
 def _address(function: ctypes._CFuncPtr) -> int:
@@ -151,6 +162,7 @@ class NativeDecodeLayers:
                             attn_out=q_width, gate=shape["intermediate"], up=shape["intermediate"],
                             act=shape["intermediate"], projected=shape["hidden"])
         self._attention_bound = False
+        self._prefill_attention_bound = False
         self._lora_names: list[tuple[str, ...]] | None = None   # each layer's projections' module names
         self._lora_tables: LoraTables | None = None
 
@@ -199,9 +211,14 @@ class NativeDecodeLayers:
                    layer_types, kernels)
 
     def takes(self, meta: StepMetadata, rows: int) -> bool:
-        """Whether this step is one the C layers run: decodes only, few enough rows, and the
-        native decode attention on the caches."""
-        if meta.prefills or meta.num_decodes != rows or meta.num_tokens != rows or not 0 < rows <= self.max_rows:
+        """Whether this step is one the C layers run: few enough rows, and either decodes only with
+        the native decode attention on the caches, or prefill chunks only, unscored, with the
+        native prefill attention's paged entry on float32 caches."""
+        if meta.num_tokens != rows or not 0 < rows <= self.max_rows:
+            return False
+        if meta.prefills:
+            return self._takes_prefills(meta)
+        if meta.num_decodes != rows:
             return False
         kernel = meta.decode_kernel
         if not isinstance(kernel, NativeDecodeAttention):
@@ -211,26 +228,36 @@ class NativeDecodeLayers:
             self._attention_bound = True
         return True
 
+    def _takes_prefills(self, meta: StepMetadata) -> bool:
+        kernel = meta.varlen.function if meta.varlen is not None and meta.varlen.paged is not None else None
+        head_dim = self._shape["head_dim"]
+        if (meta.num_decodes or meta.scores or not isinstance(kernel, NativePrefillAttention)
+                or not meta.varlen.supports(head_dim, head_dim)
+                or any(cache is not None and cache.dtype != torch.float32 for cache in meta.kv.keys)):
+            return False
+        if not self._prefill_attention_bound:
+            self._kernels.prefill_attention = _address(kernel.paged_function)
+            self._prefill_attention_bound = True
+        return True
+
     def __call__(self, hidden: torch.Tensor, rotary: dict[str | None, tuple[torch.Tensor, torch.Tensor]],
-                 meta: StepMetadata, lora: LoraRows | None = None) -> None:
+                 meta: StepMetadata, lora: LoraRows | None = None, keep: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         """hidden [rows, hidden] (contiguous float32) through every layer, in place; with `lora`
-        (serves_loras only) each row's adapter update added after each projection."""
+        (serves_loras only) each row's adapter update added after each projection. Returns the
+        last layer's output: every row, or with `keep` (row indices) those rows in its order;
+        without adapter rows and with `keep` ascending, the last layer finishes those rows alone
+        (moved to the front of `hidden`) past its attention, as direct_forward.py's does."""
         rows = hidden.shape[0]
-        shape = self._shape
-        longest = meta.decode_ctx_range[1]
-        threads = torch.get_num_threads()
-        ctx_lens = meta.decode_ctx_lens.contiguous()
-        groups = {id(group): (group.slot_mapping.contiguous(), group.decode_block_tables.contiguous())
-                  for group in (meta, meta.sliding) if group is not None}
+        finish = (keep.to(torch.int64).contiguous() if keep is not None and lora is None and keep.numel() > 0
+                  and bool((keep[1:] > keep[:-1]).all()) else None)
         angles = {kind: (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
                   for kind, (cos, sin) in rotary.items()}
+        pointed = self._point_at_prefill_keys(meta) if meta.prefills else self._point_at_decode_tables(meta, rows)
         for index, structure in enumerate(self._layers):
             layer = meta.cache_layer[index]
             structure.k_cache = meta.kv.keys[layer].data_ptr()
             structure.v_cache = meta.kv.values[layer].data_ptr()
-            slots, tables = groups[id(meta.for_layer(layer))]
-            structure.slots, structure.block_tables = slots.data_ptr(), tables.data_ptr()
-            structure.table_width = tables.shape[1]
             cos, sin = angles[self._layer_types[index]]
             structure.cos, structure.sin = cos.data_ptr(), sin.data_ptr()
             window = self._windows[index]
@@ -238,21 +265,63 @@ class NativeDecodeLayers:
             if limit and (window is None or window > limit):
                 raise RuntimeError(f"layer {index} attends {window or 'all'} positions through the sliding cache")
             structure.window = window or 0
-            structure.splits = _splits(rows, shape["kv_heads"], threads, longest if window is None
-                                       else min(longest, window))
         lora_slots, lora_low = self._lora_step(lora)
         scratch = torch.empty(rows * sum(self._widths.values()))
         pointers, offset = {}, 0
         for name in SCRATCH:
             pointers[name] = scratch.data_ptr() + offset * scratch.element_size()
             offset += rows * self._widths[name]
-        step = _Step(rows=rows, eps=self._eps, ctx_lens=ctx_lens.data_ptr(), block_size=meta.block_size,
-                     activation=self._activation, num_threads=threads, **shape, **pointers,
+        ctx_lens = meta.decode_ctx_lens.contiguous() if not meta.prefills else None
+        step = _Step(rows=rows, eps=self._eps, ctx_lens=ctx_lens.data_ptr() if ctx_lens is not None else None,
+                     block_size=meta.block_size, activation=self._activation, num_threads=torch.get_num_threads(),
+                     **self._shape, **pointers,
                      lora_slots=lora_slots.data_ptr() if lora_slots is not None else None,
-                     lora_low=lora_low.data_ptr() if lora_low is not None else None)
+                     lora_low=lora_low.data_ptr() if lora_low is not None else None,
+                     chunks=len(meta.prefills), keep=finish.data_ptr() if finish is not None else None,
+                     kept=finish.numel() if finish is not None else 0)
         if self._function(hidden.data_ptr(), ctypes.addressof(self._layers), len(self._layers),
                           ctypes.byref(step), ctypes.byref(self._kernels)):
             raise MemoryError("native decode layers: a kernel failed (attention scratch memory)")
+        del pointed
+        if finish is not None:
+            return hidden[:finish.numel()]
+        return hidden if keep is None else hidden[keep]
+
+    def _point_at_decode_tables(self, meta: StepMetadata, rows: int) -> list[torch.Tensor]:
+        """Each layer's new K/V slots, block tables and context splits for a decode step; returns
+        what the structures point into (kept alive by the caller through the C call)."""
+        longest = meta.decode_ctx_range[1]
+        threads = torch.get_num_threads()
+        groups = {id(group): (group.slot_mapping.contiguous(), group.decode_block_tables.contiguous())
+                  for group in (meta, meta.sliding) if group is not None}
+        for index, structure in enumerate(self._layers):
+            slots, tables = groups[id(meta.for_layer(meta.cache_layer[index]))]
+            structure.slots, structure.block_tables = slots.data_ptr(), tables.data_ptr()
+            structure.table_width = tables.shape[1]
+            window = self._windows[index]
+            structure.splits = _splits(rows, self._shape["kv_heads"], threads,
+                                       longest if window is None else min(longest, window))
+            structure.key_rows = structure.cu_q = structure.cu_k = None
+        return [tensor for pair in groups.values() for tensor in pair]
+
+    def _point_at_prefill_keys(self, meta: StepMetadata) -> list[torch.Tensor]:
+        """Each layer's new K/V slots and its chunks' keys (slots, cu_seqlens) under the layer's
+        cache group and window, as attention.py's _varlen_prefill hands them to the kernel;
+        returns what the structures point into."""
+        keys: dict[tuple[int, int | None], tuple[torch.Tensor, ...]] = {}
+        for index, structure in enumerate(self._layers):
+            group, window = meta.for_layer(meta.cache_layer[index]), self._windows[index]
+            found = keys.get((id(group), window))
+            if found is None:
+                cu_q, cu_k, _, _ = group.varlen_inputs(window)
+                found = keys[(id(group), window)] = (
+                    group.slot_mapping.contiguous(), group.key_slots(window).to(torch.int64).contiguous(),
+                    cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous())
+            slots, key_rows, cu_q, cu_k = found
+            structure.slots, structure.block_tables, structure.table_width, structure.splits = (
+                slots.data_ptr(), None, 0, 1)
+            structure.key_rows, structure.cu_q, structure.cu_k = key_rows.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr()
+        return [tensor for found in keys.values() for tensor in found]
 
 
     def _lora_step(self, lora: LoraRows | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -51,6 +51,11 @@ class NativePrefillAttention:
                           + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int64])
         self._paged = paged
 
+    @property
+    def paged_function(self) -> ctypes._CFuncPtr:
+        """The paged entry itself, for native_layers.py to call from C."""
+        return self._paged
+
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                  cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int, *,
                  softmax_scale: float | None = None, causal: bool = False,

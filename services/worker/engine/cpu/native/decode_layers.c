@@ -7,7 +7,12 @@
  * bitwise those of the Python path (direct_forward.py): the kernels come in as function
  * pointers to the engine's own libraries (coded_linear.c, elementwise.c, paged_decode.c).
  *
- * Every row is one sequence's decoded token. Per layer:
+ * Every row is one sequence's decoded token, or (step_t.chunks > 0) the rows are a pure
+ * prefill step's chunks, packed as the Python path packs them (a cached prompt's few new
+ * tokens, a short last chunk): then the attention is prefill_attention.c's paged entry over
+ * each chunk's keys where the pool holds them (layer_t.key_rows, cu_q, cu_k: the layer's
+ * cache group and window, as attention.py hands them to it), the K/V written first as below.
+ * Per layer:
  *   normed = rms_norm(hidden, input_norm)
  *   q, k, v = codes(normed)                     [rows, heads | kv_heads, head_dim]
  *   q, k = rms_norm(q, q_norm), rms_norm(k, k_norm), then RoPE (cos, sin of the layer's type)
@@ -16,6 +21,9 @@
  *   hidden = hidden + that
  *   mlp = down(act(gate(normed)) * up(normed)) with normed = rms_norm(hidden, pre_mlp_norm)
  *   hidden = hidden + post_mlp_norm(mlp)
+ * With step_t.keep (no adapter rows), the last layer runs past its attention for the rows
+ * `keep` names alone, moved to the front of `hidden` (direct_forward.py: only the rows that
+ * sample read the last layer's output; every row's K/V is written all the same).
  *
  * LoRA (services/worker/engine/lora/): with `lora_slots` set, each projection's output then gets
  * its row's adapter update, scale * (x . A^T) . B^T, row by row from that adapter's own A and B
@@ -38,6 +46,10 @@ typedef int (*attention_fn)(const float *q, const float *k_cache, const float *v
                             const int64_t *ctx_lens, float *out, int64_t num_seqs, int64_t num_heads,
                             int64_t kv_heads, int64_t d, int64_t dv, int64_t max_blocks, int64_t block_size,
                             int64_t window, float scale, int64_t splits, int64_t num_threads);
+typedef int (*prefill_attention_fn)(const float *q, int64_t q_token, int64_t q_head, const float *k,
+                                    const float *v, const int64_t *key_rows, float *out, const int32_t *cu_q,
+                                    const int32_t *cu_k, int64_t chunks, int64_t heads, int64_t kv_heads, int64_t d,
+                                    int64_t dv, int64_t window, float scale, int64_t threads);
 
 typedef struct {
     coded_linear_fn coded_linear;
@@ -45,6 +57,7 @@ typedef struct {
     act_mul_fn act_mul;
     rope_fn rope;
     attention_fn attention;
+    prefill_attention_fn prefill_attention;   /* for steps of prefill chunks (NULL: decodes only) */
 } kernels_t;
 
 typedef struct {
@@ -77,6 +90,8 @@ typedef struct {
     int64_t splits;                  /* context splits the attention kernel takes */
     float scaling;
     const lora_t *lora;              /* [PROJECTIONS] for a step with adapter rows, else NULL */
+    const int64_t *key_rows;         /* prefill chunks: the pool slot of each chunk's keys, packed */
+    const int32_t *cu_q, *cu_k;      /* prefill chunks: [chunks + 1], their first query row and key */
 } layer_t;
 
 typedef struct {
@@ -91,6 +106,9 @@ typedef struct {
     const int64_t *lora_slots;       /* [rows]: each row's adapter (an index into lora_t's arrays), -1 the
                                       * base model; NULL: no adapter rows */
     float *lora_low;                 /* scratch [max rank] */
+    int64_t chunks;                  /* 0: every row a decode; else the rows are this many prefill chunks */
+    const int64_t *keep;             /* [kept] ascending rows the last layer finishes (NULL: every row) */
+    int64_t kept;
 } step_t;
 
 static int linear(const kernels_t *kernels, const coded_t *weight, const float *x, float *out, int64_t rows,
@@ -129,8 +147,8 @@ static void lora_add(const step_t *s, const lora_t *lora, const float *x, float 
 }
 
 static int projection(const kernels_t *kn, const layer_t *l, const step_t *s, int which, const coded_t *weight,
-                      const float *x, float *out, int64_t in, int64_t out_features) {
-    int failed = linear(kn, weight, x, out, s->rows, in, out_features, s->num_threads);
+                      const float *x, float *out, int64_t rows, int64_t in, int64_t out_features) {
+    int failed = linear(kn, weight, x, out, rows, in, out_features, s->num_threads);
     if (l->lora != NULL) lora_add(s, &l->lora[which], x, out, in, out_features);
     return failed;
 }
@@ -139,15 +157,25 @@ static void add_into(float *hidden, const float *other, int64_t count) {
     for (int64_t i = 0; i < count; i++) hidden[i] = hidden[i] + other[i];
 }
 
-static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *hidden) {
-    const int64_t rows = s->rows, h = s->hidden, hd = s->head_dim, threads = s->num_threads;
+/* Rows keep[0 .. kept) of x [.., width] moved to its first `kept` rows (keep ascending, so no
+ * row is overwritten before it moves). */
+static void keep_rows(float *x, int64_t width, const int64_t *keep, int64_t kept) {
+    for (int64_t i = 0; i < kept; i++)
+        if (keep[i] != i) memmove(x + i * width, x + keep[i] * width, sizeof(float) * width);
+}
+
+/* One layer over the step's rows; past the attention over the rows `keep` names (NULL: all). */
+static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *hidden, const int64_t *keep,
+                 int64_t kept) {
+    const int64_t h = s->hidden, hd = s->head_dim, threads = s->num_threads;
+    int64_t rows = s->rows;
     const int64_t q_width = s->heads * hd, kv_width = s->kv_heads * hd, inter = s->intermediate;
     int failed = 0;
 
     kn->rms_norm(hidden, l->input_norm, s->normed, rows, h, s->eps, threads);
-    failed |= projection(kn, l, s, Q, &l->q, s->normed, s->q, h, q_width);
-    failed |= projection(kn, l, s, K, &l->k, s->normed, s->k, h, kv_width);
-    failed |= projection(kn, l, s, V, &l->v, s->normed, s->v, h, kv_width);
+    failed |= projection(kn, l, s, Q, &l->q, s->normed, s->q, rows, h, q_width);
+    failed |= projection(kn, l, s, K, &l->k, s->normed, s->k, rows, h, kv_width);
+    failed |= projection(kn, l, s, V, &l->v, s->normed, s->v, rows, h, kv_width);
     kn->rms_norm(s->q, l->q_norm, s->q, rows * s->heads, hd, s->eps, threads);
     kn->rms_norm(s->k, l->k_norm, s->k, rows * s->kv_heads, hd, s->eps, threads);
     kn->rope(s->q, s->heads, s->k, s->kv_heads, l->cos, l->sin, rows, hd, threads);
@@ -155,27 +183,39 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
         memcpy(l->k_cache + l->slots[r] * kv_width, s->k + r * kv_width, sizeof(float) * kv_width);
         memcpy(l->v_cache + l->slots[r] * kv_width, s->v + r * kv_width, sizeof(float) * kv_width);
     }
-    failed |= kn->attention(s->q, l->k_cache, l->v_cache, l->block_tables, s->ctx_lens, s->attn_out, rows, s->heads,
-                            s->kv_heads, hd, hd, l->table_width, s->block_size, l->window, l->scaling, l->splits,
-                            threads);
-    failed |= projection(kn, l, s, O, &l->o, s->attn_out, s->projected, q_width, h);
+    if (s->chunks > 0)
+        failed |= kn->prefill_attention(s->q, q_width, hd, l->k_cache, l->v_cache, l->key_rows, s->attn_out, l->cu_q,
+                                        l->cu_k, s->chunks, s->heads, s->kv_heads, hd, hd, l->window, l->scaling,
+                                        threads);
+    else
+        failed |= kn->attention(s->q, l->k_cache, l->v_cache, l->block_tables, s->ctx_lens, s->attn_out, rows,
+                                s->heads, s->kv_heads, hd, hd, l->table_width, s->block_size, l->window, l->scaling,
+                                l->splits, threads);
+    if (keep != NULL) {
+        keep_rows(s->attn_out, q_width, keep, kept);
+        keep_rows(hidden, h, keep, kept);
+        rows = kept;
+    }
+    failed |= projection(kn, l, s, O, &l->o, s->attn_out, s->projected, rows, q_width, h);
     kn->rms_norm(s->projected, l->post_attention_norm, s->projected, rows, h, s->eps, threads);
     add_into(hidden, s->projected, rows * h);
 
     kn->rms_norm(hidden, l->pre_mlp_norm, s->normed, rows, h, s->eps, threads);
-    failed |= projection(kn, l, s, GATE, &l->gate, s->normed, s->gate, h, inter);
-    failed |= projection(kn, l, s, UP, &l->up, s->normed, s->up, h, inter);
+    failed |= projection(kn, l, s, GATE, &l->gate, s->normed, s->gate, rows, h, inter);
+    failed |= projection(kn, l, s, UP, &l->up, s->normed, s->up, rows, h, inter);
     kn->act_mul(s->gate, inter, s->up, inter, s->act, rows, inter, s->activation, threads);
-    failed |= projection(kn, l, s, DOWN, &l->down, s->act, s->projected, inter, h);
+    failed |= projection(kn, l, s, DOWN, &l->down, s->act, s->projected, rows, inter, h);
     kn->rms_norm(s->projected, l->post_mlp_norm, s->projected, rows, h, s->eps, threads);
     add_into(hidden, s->projected, rows * h);
     return failed;
 }
 
-/* hidden [rows, hidden] through `count` layers, in place; nonzero if a kernel failed. */
+/* hidden [rows, hidden] through `count` layers, in place (with step->keep, the kept rows' first);
+ * nonzero if a kernel failed. */
 int fairserve_decode_layers(float *hidden, const layer_t *layers, int64_t count, const step_t *step,
                             const kernels_t *kernels) {
+    const int64_t *keep = step->lora_slots == NULL ? step->keep : NULL;
     for (int64_t i = 0; i < count; i++)
-        if (layer(kernels, &layers[i], step, hidden)) return 1;
+        if (layer(kernels, &layers[i], step, hidden, i == count - 1 ? keep : NULL, step->kept)) return 1;
     return 0;
 }
