@@ -196,6 +196,19 @@ def scattered(case: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return k_cache, v_cache, slots
 
 
+def run_paged(kernel: NativePrefillAttention, case: dict, seed: int, window: int | None,
+              threads: int) -> torch.Tensor:
+    """The paged entry on `case`'s keys scattered over a larger pool (seed: the scatter)."""
+    k_cache, v_cache, slots = scattered(case, seed)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return kernel.paged(case["q"], k_cache, v_cache, slots, case["cu_seqlens_q"], case["cu_seqlens_k"],
+                            softmax_scale=case["q"].shape[-1] ** -0.5, window=window)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("window", [None, 7, 40])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_paged_entry_reads_keys_through_their_slots(kernel: NativePrefillAttention, window: int | None,
@@ -204,15 +217,7 @@ def test_the_paged_entry_reads_keys_through_their_slots(kernel: NativePrefillAtt
     gathered copy: fresh chunks, continuing ones, several key blocks, grouped heads."""
     case = packed_case(11, [(5, 5), (37, 37), (3, 70), (20, 300), (1, 129)], 4, 1, 32)
     expected = run(kernel, case, window, threads)
-    k_cache, v_cache, slots = scattered(case, 12)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = kernel.paged(case["q"], k_cache, v_cache, slots, case["cu_seqlens_q"], case["cu_seqlens_k"],
-                           softmax_scale=case["q"].shape[-1] ** -0.5, window=window)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(got, expected)
+    assert torch.equal(run_paged(kernel, case, 12, window, threads), expected)
 
 
 @pytest.mark.parametrize("window", [None, 512])
@@ -224,14 +229,7 @@ def test_a_cached_prompts_new_tokens_over_its_context(kernel: NativePrefillAtten
     query counts that split into work items of uneven tiles (10 at up to 6 a tile: 5 and 5; 13:
     5, 4 and 4) and key counts off the transposed tiles' 16 and 64 keys."""
     case = packed_case(15, [(10, 1496), (1, 1496), (13, 523), (6, 701)], 4, 1, 256)
-    k_cache, v_cache, slots = scattered(case, 16)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = kernel.paged(case["q"], k_cache, v_cache, slots, case["cu_seqlens_q"], case["cu_seqlens_k"],
-                           softmax_scale=case["q"].shape[-1] ** -0.5, window=window)
-    finally:
-        torch.set_num_threads(before)
+    got = run_paged(kernel, case, 16, window, threads)
     assert_matches(got, reference(case, window))
     assert torch.equal(got, run(kernel, case, window, threads))
 
