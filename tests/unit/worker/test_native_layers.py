@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from common.step import NewSequence, StepBatch, WorkItem
+from common.step import KvPolicy, NewSequence, StepBatch, WorkItem
 from common.types import SamplingParams
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
@@ -135,6 +135,20 @@ def test_a_prefill_step_beside_decodes_keeps_the_python_layers(coded_gemma3: tor
     driver.step(StepBatch(new_sequences=[NewSequence("b", prompt_of(6, 2))],
                           work=[WorkItem("a", 1), WorkItem("b", 64)]))
     assert (counting.prefill_steps, counting.steps) == (1, 0)   # the second step mixed: Python
+
+
+def test_a_prefill_step_whose_attention_is_scored_keeps_the_python_layers(coded_gemma3: torch.nn.Module) -> None:
+    """H2O sums each layer's attention over a sequence's blocks from the Python path's
+    attention calls; the C layers do not report it, so such a step is not theirs."""
+    engine, _ = _engine(coded_gemma3)
+    counting = CountingLayers(engine.forward.direct.native_layers)
+    engine.forward.direct.native_layers = counting
+    scored = NewSequence("s", tuple(prompt_of(10, 6)), (), SamplingParams(), kv_policy=KvPolicy("h2o", 64))
+    Driver(engine).step(StepBatch(new_sequences=[scored], work=[WorkItem("s", 64)]))
+    assert counting.prefill_steps == 0
+    config = engine.model_config
+    assert sum(engine.sequences.get("s").block_scores) == pytest.approx(
+        config.num_hidden_layers * config.num_attention_heads, rel=1e-4)
 
 
 def test_steps_with_prefill_chunks_or_too_many_rows_keep_the_python_layers(coded_gemma3: torch.nn.Module) -> None:

@@ -231,7 +231,8 @@ class NativeDecodeLayers:
     def _takes_prefills(self, meta: StepMetadata) -> bool:
         kernel = meta.varlen.function if meta.varlen is not None and meta.varlen.paged is not None else None
         head_dim = self._shape["head_dim"]
-        if (meta.num_decodes or meta.scores or not isinstance(kernel, NativePrefillAttention)
+        scored = meta.scores or (meta.sliding is not None and meta.sliding.scores)   # H2O reads the attention
+        if (meta.num_decodes or scored or not isinstance(kernel, NativePrefillAttention)
                 or not meta.varlen.supports(head_dim, head_dim)
                 or any(cache is not None and cache.dtype != torch.float32 for cache in meta.kv.keys)):
             return False
