@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         clock.after_step = reference.sample
         fresh = [w1_prompts(model_dir, args.concurrency, seed, args.quick, vocab) for seed in (1, 2)]
         as_served = profile_pass(runner, clock, reference, fresh[0], args.new_tokens,
-                                 "As served (decode layers in one C call)")
+                                 "As served (few-row steps' layers in one C call)")
         c_layers = use_c_layers(engine, None)
         split = profile_pass(runner, clock, reference, fresh[1], args.new_tokens,
                              "Decode-only steps on the Python path")

@@ -11,9 +11,10 @@ Categories (each call's exclusive time):
 * RoPE: the rotary embedding of each layer's queries and keys;
 * MLP activation: the gated MLP less its linears (the activation and product);
 * embedding + rotary tables: the token lookup and the step's cos/sin tables;
-* decode layers (one C call): decode-only steps' whole layer stack, when the C
-  layers take the step (its GEMMs, attention and norms are inside; the profile's
-  second pass runs the same steps through the Python path to split it);
+* layers in one C call: the whole layer stack of a decode-only step, or of a step
+  of at most 32 prefill rows, when the C layers take the step (its GEMMs, attention
+  and norms are inside; the profile's second pass runs decode-only steps through the
+  Python path to split it);
 * forward glue: the rest of the forward (residual adds, views, Python between
   the calls above, the sampled rows' gather);
 * LM head + screen: the logits of the sampled rows (the screen's rows and any
@@ -90,7 +91,7 @@ class _TimedLayers:
     def __init__(self, clock: StepClock, layers) -> None:
         self._layers = layers
         self.takes = layers.takes
-        self._call = clock.timed("decode layers (one C call)", layers.__call__)
+        self._call = clock.timed("layers in one C call", layers.__call__)
 
     def __call__(self, *args, **kwargs):
         return self._call(*args, **kwargs)

@@ -10,7 +10,7 @@ from benchmarks.step_profile.clock import StepClock
 from benchmarks.step_profile.instrument import GEMMS
 
 ORDER = (GEMMS, "attention", "norms", "RoPE", "MLP activation", "embedding + rotary tables",
-         "decode layers (one C call)", "forward glue", "LM head + screen", "screen: integer pass", "screen: top-k",
+         "layers in one C call", "forward glue", "LM head + screen", "screen: integer pass", "screen: top-k",
          "screen: exact logits", "screen: pick (C)", "sampler", "sampling glue", "step inputs", "planning", "commit",
          "engine Python")
 KIND_NAMES = {"prefill": "steps with prefill chunks", "decode": "decode-only steps"}

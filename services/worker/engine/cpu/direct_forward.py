@@ -109,7 +109,7 @@ class DirectForward:
         types = getattr(base.config, "layer_types", None)
         self._layer_types: list[str | None] = list(types) if shape.rotary_per_type else [None] * len(layers)
         self._steps = [_LayerSteps.of(layer, shape) for layer in layers]
-        self.native_layers: NativeDecodeLayers | None = None     # decode steps' layers in one C call
+        self.native_layers: NativeDecodeLayers | None = None     # a few-row step's layers in one C call
         self._lora: LoraStep | None = None
 
     def serve_loras(self, step: LoraStep) -> None:
