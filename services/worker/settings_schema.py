@@ -184,9 +184,8 @@ class WorkerSchema(
             'every piece of a Gemma 3 layer is a C kernel (weight codes, native norms, RoPE and '
             'decode attention), decode-only steps of up to 32 rows run all layers in one C call with '
             'bitwise the same hidden states (~10 ms off a step of 8 sequences), and so do steps of '
-            "at most 32 prefill rows alone, with the native prefill attention (a cached prompt's new "
-            'tokens: ~4.5 ms off its step). `off` runs '
-            "transformers' forward"
+            "at most 32 rows with prefill chunks, their attention the native prefill kernel's (a cached "
+            "prompt's new tokens: ~4.5 ms off its step). `off` runs transformers' forward"
         ))
     cpu_gemm_cache_entries: int = Field(32, ge=0, le=65536,
         description=(

@@ -1,6 +1,6 @@
 """A decode step's layers in one C call (native_layers.py), and a step of few prefill rows:
 bitwise the logits of the Python layers they replace, the same greedy tokens as `generate`,
-taken only for steps they can run (decodes alone, or prefill chunks alone, unscored), and left
+taken only for steps they can run (few rows: decodes, prefill chunks unscored, or both), and left
 out wherever a piece of a layer is not a C kernel."""
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ def coded_gemma3() -> torch.nn.Module:
     return model
 
 
-def _engine(model: torch.nn.Module, **config) -> tuple[Engine, RecordingSampler]:
-    engine = build_engine(EngineConfig(model_dir="", num_blocks=128, block_size=4, model_key="layers", **config),
+def _engine(model: torch.nn.Module, num_blocks: int = 128, **config) -> tuple[Engine, RecordingSampler]:
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=4, model_key="layers", **config),
                           model=copy.deepcopy(model))
     recorder = RecordingSampler(engine.sampler)
     engine.sampler = recorder
@@ -73,7 +73,8 @@ def test_the_c_layers_give_the_python_layers_logits_bitwise(coded_gemma3: torch.
     tokens = Driver(engine).run(PROMPTS, 10, CHUNKS)
     assert Driver(python).run(PROMPTS, 10, CHUNKS) == tokens
     assert counting.steps > 0                     # the decode-only steps, once every prompt is in
-    assert counting.prefill_steps == 1            # the first: every prompt's first chunk, 19 rows
+    assert counting.prefill_steps == 5            # every step with chunks: the first (19 rows), then
+                                                  # four with chunks beside decodes
     assert len(recorder.rows) == len(python_recorder.rows) == 40
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(recorder.rows, python_recorder.rows))
     assert_greedy_matches(coded_gemma3, PROMPTS, tokens, 10)
@@ -126,7 +127,9 @@ def test_prompt_logprobs_from_the_c_layers_are_the_python_layers(coded_gemma3: t
     assert runs[0][2] == 1
 
 
-def test_a_prefill_step_beside_decodes_keeps_the_python_layers(coded_gemma3: torch.nn.Module) -> None:
+def test_a_prefill_chunk_beside_decodes_runs_in_the_c_layers(coded_gemma3: torch.nn.Module) -> None:
+    """A step of a decode and a new prompt's chunk: the decode through the decode attention, the
+    chunk through the prefill attention, in one C call (the logits: the bitwise test above)."""
     engine, _ = _engine(coded_gemma3)
     counting = CountingLayers(engine.forward.direct.native_layers)
     engine.forward.direct.native_layers = counting
@@ -134,7 +137,37 @@ def test_a_prefill_step_beside_decodes_keeps_the_python_layers(coded_gemma3: tor
     driver.step(StepBatch(new_sequences=[NewSequence("a", prompt_of(5, 1))], work=[WorkItem("a", 64)]))
     driver.step(StepBatch(new_sequences=[NewSequence("b", prompt_of(6, 2))],
                           work=[WorkItem("a", 1), WorkItem("b", 64)]))
-    assert (counting.prefill_steps, counting.steps) == (1, 0)   # the second step mixed: Python
+    assert (counting.prefill_steps, counting.steps) == (2, 0)
+    layers = engine.forward.direct.native_layers.inner
+    layers.max_rows = 6                           # 1 decode + 6 prompt rows: more than it takes
+    driver.step(StepBatch(new_sequences=[NewSequence("c", prompt_of(6, 3))],
+                          work=[WorkItem("a", 1), WorkItem("b", 1), WorkItem("c", 64)]))
+    assert counting.prefill_steps == 2
+
+
+def test_a_long_decode_beside_a_chunk_splits_its_context_as_the_python_layers_do(
+        coded_gemma3: torch.nn.Module) -> None:
+    """One decode over 600 tokens beside a new prompt's chunk: the decode attention splits that
+    context over the threads as the Python path's call does for its one decode row (not for the
+    step's rows), so the logits stay bitwise the Python layers'."""
+    runs = []
+    for native in (True, False):
+        engine, recorder = _engine(coded_gemma3, num_blocks=320)
+        counting = CountingLayers(engine.forward.direct.native_layers)
+        engine.forward.direct.native_layers = counting if native else None
+        driver = Driver(engine)
+        driver.step(StepBatch(new_sequences=[NewSequence("long", prompt_of(600, 4))], work=[WorkItem("long", 1024)]))
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            driver.step(StepBatch(new_sequences=[NewSequence("new", prompt_of(7, 5))],
+                                  work=[WorkItem("long", 1), WorkItem("new", 64)]))
+        finally:
+            torch.set_num_threads(before)
+        runs.append(([row for row, _ in recorder.rows], counting.prefill_steps))
+    assert runs[0][1] == 1                        # the mixed step, 8 rows, in C
+    assert len(runs[0][0]) == len(runs[1][0]) == 3
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
 
 
 def test_a_prefill_step_whose_attention_is_scored_keeps_the_python_layers(coded_gemma3: torch.nn.Module) -> None:

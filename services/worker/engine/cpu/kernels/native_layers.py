@@ -9,12 +9,12 @@ projections, native norms and gated activation, native RoPE, native decode atten
 kernels in the same order, so the hidden states are bitwise the Python path's (the tests
 compare them).
 
-A step of prefill chunks alone with as few rows (a cached prompt's new tokens, a short last
-chunk) runs the same way, its attention the native prefill kernel's paged entry over each
-chunk's keys where the pool holds them, as the Python path calls it (step/attention.py): on a
-cached 1.5k-token prompt's 10 new tokens the Python layers' glue (norms, activation, RoPE and
-projection calls one by one) was ~4 ms of a ~33 ms step. Steps that mix decodes with prefill
-chunks, score their prompts, have more rows than the codes serve, or anything else keep the
+A step with prefill chunks and as few rows (a cached prompt's new tokens, a short last chunk,
+alone or beside decodes) runs the same way, the chunks' attention the native prefill kernel's
+paged entry over each chunk's keys where the pool holds them, as the Python path calls it
+(step/attention.py): on a cached 1.5k-token prompt's 10 new tokens the Python layers' glue
+(norms, activation, RoPE and projection calls one by one) was ~4 ms of a ~33 ms step. Steps
+whose attention H2O scores, with more rows than the codes serve, or anything else keep the
 Python path.
 """
 
@@ -70,7 +70,8 @@ class _Step(ctypes.Structure):
                 + [(name, ctypes.c_int64) for name in ("block_size", "activation", "num_threads")]
                 + [(name, ctypes.c_void_p) for name in SCRATCH]
                 + [(name, ctypes.c_void_p) for name in ("lora_slots", "lora_low")]
-                + [("chunks", ctypes.c_int64), ("keep", ctypes.c_void_p), ("kept", ctypes.c_int64)])
+                + [(name, ctypes.c_int64) for name in ("chunks", "decodes")]
+                + [("keep", ctypes.c_void_p), ("kept", ctypes.c_int64)])
 
 
 class _Kernels(ctypes.Structure):
@@ -211,15 +212,16 @@ class NativeDecodeLayers:
                    layer_types, kernels)
 
     def takes(self, meta: StepMetadata, rows: int) -> bool:
-        """Whether this step is one the C layers run: few enough rows, and either decodes only with
-        the native decode attention on the caches, or prefill chunks only, unscored, with the
+        """Whether this step is one the C layers run: few enough rows, its decodes (if any) with
+        the native decode attention on the caches, its prefill chunks (if any) unscored, with the
         native prefill attention's paged entry on float32 caches."""
         if meta.num_tokens != rows or not 0 < rows <= self.max_rows:
             return False
-        if meta.prefills:
-            return self._takes_prefills(meta)
-        if meta.num_decodes != rows:
+        if meta.num_decodes and not self._takes_decodes(meta):
             return False
+        return not meta.prefills or self._takes_prefills(meta)
+
+    def _takes_decodes(self, meta: StepMetadata) -> bool:
         kernel = meta.decode_kernel
         if not isinstance(kernel, NativeDecodeAttention):
             return False
@@ -232,7 +234,7 @@ class NativeDecodeLayers:
         kernel = meta.varlen.function if meta.varlen is not None and meta.varlen.paged is not None else None
         head_dim = self._shape["head_dim"]
         scored = meta.scores or (meta.sliding is not None and meta.sliding.scores)   # H2O reads the attention
-        if (meta.num_decodes or scored or not isinstance(kernel, NativePrefillAttention)
+        if (scored or not isinstance(kernel, NativePrefillAttention)
                 or not meta.varlen.supports(head_dim, head_dim)
                 or any(cache is not None and cache.dtype != torch.float32 for cache in meta.kv.keys)):
             return False
@@ -254,7 +256,7 @@ class NativeDecodeLayers:
                   and bool((keep[1:] > keep[:-1]).all()) else None)
         angles = {kind: (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
                   for kind, (cos, sin) in rotary.items()}
-        pointed = self._point_at_prefill_keys(meta) if meta.prefills else self._point_at_decode_tables(meta, rows)
+        pointed = self._point_at_decode_tables(meta) + self._point_at_prefill_keys(meta)
         for index, structure in enumerate(self._layers):
             layer = meta.cache_layer[index]
             structure.k_cache = meta.kv.keys[layer].data_ptr()
@@ -272,13 +274,14 @@ class NativeDecodeLayers:
         for name in SCRATCH:
             pointers[name] = scratch.data_ptr() + offset * scratch.element_size()
             offset += rows * self._widths[name]
-        ctx_lens = meta.decode_ctx_lens.contiguous() if not meta.prefills else None
+        ctx_lens = meta.decode_ctx_lens.contiguous() if meta.num_decodes else None
         step = _Step(rows=rows, eps=self._eps, ctx_lens=ctx_lens.data_ptr() if ctx_lens is not None else None,
                      block_size=meta.block_size, activation=self._activation, num_threads=torch.get_num_threads(),
                      **self._shape, **pointers,
                      lora_slots=lora_slots.data_ptr() if lora_slots is not None else None,
                      lora_low=lora_low.data_ptr() if lora_low is not None else None,
-                     chunks=len(meta.prefills), keep=finish.data_ptr() if finish is not None else None,
+                     chunks=len(meta.prefills), decodes=meta.num_decodes,
+                     keep=finish.data_ptr() if finish is not None else None,
                      kept=finish.numel() if finish is not None else 0)
         if self._function(hidden.data_ptr(), ctypes.addressof(self._layers), len(self._layers),
                           ctypes.byref(step), ctypes.byref(self._kernels)):
@@ -288,40 +291,40 @@ class NativeDecodeLayers:
             return hidden[:finish.numel()]
         return hidden if keep is None else hidden[keep]
 
-    def _point_at_decode_tables(self, meta: StepMetadata, rows: int) -> list[torch.Tensor]:
-        """Each layer's new K/V slots, block tables and context splits for a decode step; returns
-        what the structures point into (kept alive by the caller through the C call)."""
-        longest = meta.decode_ctx_range[1]
+    def _point_at_decode_tables(self, meta: StepMetadata) -> list[torch.Tensor]:
+        """Each layer's new K/V slots (every row's), and for the decode rows (if any) the block
+        tables and context splits; returns what the structures point into (kept alive by the
+        caller through the C call)."""
+        decodes, longest = meta.num_decodes, meta.decode_ctx_range[1]
         threads = torch.get_num_threads()
         groups = {id(group): (group.slot_mapping.contiguous(), group.decode_block_tables.contiguous())
                   for group in (meta, meta.sliding) if group is not None}
         for index, structure in enumerate(self._layers):
             slots, tables = groups[id(meta.for_layer(meta.cache_layer[index]))]
-            structure.slots, structure.block_tables = slots.data_ptr(), tables.data_ptr()
-            structure.table_width = tables.shape[1]
+            structure.slots = slots.data_ptr()
+            structure.block_tables, structure.table_width = (tables.data_ptr(), tables.shape[1]) if decodes else (None, 0)
             window = self._windows[index]
-            structure.splits = _splits(rows, self._shape["kv_heads"], threads,
-                                       longest if window is None else min(longest, window))
-            structure.key_rows = structure.cu_q = structure.cu_k = None
+            structure.splits = _splits(decodes, self._shape["kv_heads"], threads,
+                                       longest if window is None else min(longest, window)) if decodes else 1
         return [tensor for pair in groups.values() for tensor in pair]
 
     def _point_at_prefill_keys(self, meta: StepMetadata) -> list[torch.Tensor]:
-        """Each layer's new K/V slots and its chunks' keys (slots, cu_seqlens) under the layer's
-        cache group and window, as attention.py's _varlen_prefill hands them to the kernel;
+        """Each layer's prefill chunks' keys (slots, cu_seqlens) under the layer's cache group and
+        window, as attention.py's _varlen_prefill hands them to the kernel (none without chunks);
         returns what the structures point into."""
         keys: dict[tuple[int, int | None], tuple[torch.Tensor, ...]] = {}
         for index, structure in enumerate(self._layers):
+            structure.key_rows = structure.cu_q = structure.cu_k = None
+            if not meta.prefills:
+                continue
             group, window = meta.for_layer(meta.cache_layer[index]), self._windows[index]
             found = keys.get((id(group), window))
             if found is None:
                 cu_q, cu_k, _, _ = group.varlen_inputs(window)
                 found = keys[(id(group), window)] = (
-                    group.slot_mapping.contiguous(), group.key_slots(window).to(torch.int64).contiguous(),
+                    group.key_slots(window).to(torch.int64).contiguous(),
                     cu_q.to(torch.int32).contiguous(), cu_k.to(torch.int32).contiguous())
-            slots, key_rows, cu_q, cu_k = found
-            structure.slots, structure.block_tables, structure.table_width, structure.splits = (
-                slots.data_ptr(), None, 0, 1)
-            structure.key_rows, structure.cu_q, structure.cu_k = key_rows.data_ptr(), cu_q.data_ptr(), cu_k.data_ptr()
+            structure.key_rows, structure.cu_q, structure.cu_k = (tensor.data_ptr() for tensor in found)
         return [tensor for found in keys.values() for tensor in found]
 
 

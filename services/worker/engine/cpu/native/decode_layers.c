@@ -7,11 +7,11 @@
  * bitwise those of the Python path (direct_forward.py): the kernels come in as function
  * pointers to the engine's own libraries (coded_linear.c, elementwise.c, paged_decode.c).
  *
- * Every row is one sequence's decoded token, or (step_t.chunks > 0) the rows are a pure
- * prefill step's chunks, packed as the Python path packs them (a cached prompt's few new
- * tokens, a short last chunk): then the attention is prefill_attention.c's paged entry over
- * each chunk's keys where the pool holds them (layer_t.key_rows, cu_q, cu_k: the layer's
- * cache group and window, as attention.py hands them to it), the K/V written first as below.
+ * Every row is one sequence's decoded token; or (step_t.chunks > 0) the first step_t.decodes
+ * rows are and the rest are prefill chunks, packed as the Python path packs them (a cached
+ * prompt's few new tokens, a short last chunk): their attention is prefill_attention.c's paged
+ * entry over each chunk's keys where the pool holds them (layer_t.key_rows, cu_q, cu_k: the
+ * layer's cache group and window, as attention.py hands them to it), the K/V written first.
  * Per layer:
  *   normed = rms_norm(hidden, input_norm)
  *   q, k, v = codes(normed)                     [rows, heads | kv_heads, head_dim]
@@ -106,7 +106,8 @@ typedef struct {
     const int64_t *lora_slots;       /* [rows]: each row's adapter (an index into lora_t's arrays), -1 the
                                       * base model; NULL: no adapter rows */
     float *lora_low;                 /* scratch [max rank] */
-    int64_t chunks;                  /* 0: every row a decode; else the rows are this many prefill chunks */
+    int64_t chunks;                  /* 0: every row a decode; else rows past `decodes` are this many chunks */
+    int64_t decodes;                 /* with chunks: the decode rows first (0: none) */
     const int64_t *keep;             /* [kept] ascending rows the last layer finishes (NULL: every row) */
     int64_t kept;
 } step_t;
@@ -183,14 +184,15 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
         memcpy(l->k_cache + l->slots[r] * kv_width, s->k + r * kv_width, sizeof(float) * kv_width);
         memcpy(l->v_cache + l->slots[r] * kv_width, s->v + r * kv_width, sizeof(float) * kv_width);
     }
-    if (s->chunks > 0)
-        failed |= kn->prefill_attention(s->q, q_width, hd, l->k_cache, l->v_cache, l->key_rows, s->attn_out, l->cu_q,
-                                        l->cu_k, s->chunks, s->heads, s->kv_heads, hd, hd, l->window, l->scaling,
-                                        threads);
-    else
-        failed |= kn->attention(s->q, l->k_cache, l->v_cache, l->block_tables, s->ctx_lens, s->attn_out, rows,
+    const int64_t decodes = s->chunks > 0 ? s->decodes : rows;
+    if (decodes > 0)
+        failed |= kn->attention(s->q, l->k_cache, l->v_cache, l->block_tables, s->ctx_lens, s->attn_out, decodes,
                                 s->heads, s->kv_heads, hd, hd, l->table_width, s->block_size, l->window, l->scaling,
                                 l->splits, threads);
+    if (s->chunks > 0)
+        failed |= kn->prefill_attention(s->q + decodes * q_width, q_width, hd, l->k_cache, l->v_cache, l->key_rows,
+                                        s->attn_out + decodes * q_width, l->cu_q, l->cu_k, s->chunks, s->heads,
+                                        s->kv_heads, hd, hd, l->window, l->scaling, threads);
     if (keep != NULL) {
         keep_rows(s->attn_out, q_width, keep, kept);
         keep_rows(hidden, h, keep, kept);
