@@ -184,11 +184,7 @@ class DirectForward:
         lora = self._lora.rows if self._lora is not None else None
         if layers is not None and (lora is None or layers.serves_loras) and layers.takes(meta, hidden.shape[1]):
             flat = hidden[0].contiguous()
-            if lora is None:
-                finished = layers(flat, rotary, meta, keep=keep)
-            else:
-                finished = layers(flat, rotary, meta, lora, keep=keep)
-            return base.norm(finished[None])[0]
+            return base.norm(layers(flat, rotary, meta, lora, keep=keep)[None])[0]
         keep_last = keep if lora is None else None   # adapters group the step's rows: every row runs
         last = len(self._steps) - 1
         for index, (steps, layer_type) in enumerate(zip(self._steps, self._layer_types)):

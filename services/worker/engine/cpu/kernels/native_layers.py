@@ -234,11 +234,11 @@ class NativeDecodeLayers:
         kernel = meta.varlen.function if meta.varlen is not None and meta.varlen.paged is not None else None
         head_dim = self._shape["head_dim"]
         scored = meta.scores or (meta.sliding is not None and meta.sliding.scores)   # H2O reads the attention
-        if (scored or not isinstance(kernel, NativePrefillAttention)
-                or not meta.varlen.supports(head_dim, head_dim)
-                or any(cache is not None and cache.dtype != torch.float32 for cache in meta.kv.keys)):
+        if scored or not isinstance(kernel, NativePrefillAttention) or not meta.varlen.supports(head_dim, head_dim):
             return False
-        if not self._prefill_attention_bound:
+        if not self._prefill_attention_bound:    # the caches' dtype is the engine's: checked once
+            if any(cache is not None and cache.dtype != torch.float32 for cache in meta.kv.keys):
+                return False
             self._kernels.prefill_attention = _address(kernel.paged_function)
             self._prefill_attention_bound = True
         return True
