@@ -134,13 +134,14 @@ def test_the_coded_linear_matches_torch(kernel: NativeCodedLinear, rows: int, wi
     torch.testing.assert_close(kernel(x, coded, bias).double(), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [3, 5, 9, 24, 30, 64])
+@pytest.mark.parametrize("rows", [3, 5, 9, 10, 12, 13, 16, 24, 25, 30, 64])
 @pytest.mark.parametrize("narrow", [False, True])
 def test_many_rows_give_the_few_row_passes_outputs_bit_for_bit(kernel: NativeCodedLinear, rows: int,
                                                                narrow: bool) -> None:
-    """Past one pass's rows each input chunk is expanded once for all of them, and passes take
-    part of the panel: the same chain of multiply-adds per output as one row at a time (every
-    code expanded in registers) or 8 at a time, so the same bits."""
+    """Up to a pass's rows (12 with AVX-512) one pass; to 24 even passes (13 rows: 6 + 7); past
+    that each input chunk is expanded once for all rows, and passes take part of the panel: the
+    same chain of multiply-adds per output as one row at a time (every code expanded in
+    registers) or 8 at a time, so the same bits."""
     weight = coded_weight(3 * PANEL + 5, 208, 16, 32, seed=rows)    # inputs not a whole number of chunks
     coded = kernel.find(weight)
     assert coded is not None
