@@ -110,8 +110,9 @@ def create_app(settings: GatewaySettings, scheduler_client: SchedulerBackend, to
     )
     app.state.gateway = GatewayState(settings, scheduler_client, tokenizer, service, metrics, drain,
                                      quotas)
-    log.info("prompt length bound", extra={
-        "longest_token_chars": app.state.gateway.longest_token_chars})  # computed once, here
+    log.info("prompt length bound", extra={    # both computed once, here
+        "longest_token_chars": app.state.gateway.longest_token_chars,
+        "prompt_prefixes": app.state.gateway.prompt_prefixes.enabled})
     install_error_handlers(app)
     app.include_router(router)
     app.include_router(openai_api.router)

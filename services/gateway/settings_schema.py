@@ -92,8 +92,10 @@ class GatewaySchema(
         description=(
             'token ids of recent prompts the gateway keeps (4 bytes each, least recently used '
             'dropped first), so that a prompt sent again (best-of and pass@k clients, retries) is '
-            'not tokenized again; entries are shared as `PREFIX_CACHE_SCOPE` shares cached prefixes '
-            '(per tenant with keys, so no tenant times another\'s prompts; not kept under `user`); 0: off'
+            'not tokenized again, and, with their texts, so that a prompt starting as a recent one '
+            'did is tokenized only past that start (the same bound again); entries are shared as '
+            '`PREFIX_CACHE_SCOPE` shares cached prefixes (per tenant with keys, so no tenant times '
+            'another\'s prompts; not kept under `user`); 0: off'
         ))
     max_request_bytes: int = Field(1048576, ge=1024,
         description=(

@@ -36,6 +36,7 @@ from services.gateway.requests.spec import Limits, TextInput, build_spec, prompt
 from services.gateway.tenancy.tenant_quota import TenantQuotas
 from services.gateway.tenancy.tenants import Tenant
 from services.gateway.requests.validation import check_text
+from services.gateway.text.prompt_prefixes import PromptPrefixes, SplitRule
 from services.gateway.text.prompt_tokens_cache import PromptTokensCache
 
 T = TypeVar("T")
@@ -121,6 +122,12 @@ class GatewayState:
         """Recent prompts' token ids (PROMPT_TOKENS_CACHE_TOKENS, prompt_tokens_cache.py)."""
         return PromptTokensCache(self.settings.prompt_tokens_cache_tokens)
 
+    @cached_property
+    def prompt_prefixes(self) -> PromptPrefixes:
+        """Recent prompts' texts and tokens by their start (prompt_prefixes.py), under the same
+        bound and sharing as prompt_tokens."""
+        return PromptPrefixes(SplitRule.of(self.tokenizer), self.settings.prompt_tokens_cache_tokens)
+
     def prompt_tokens_salt(self, tenant: Tenant | None) -> str | None:
         """Who may share a prompt's cached token ids: the prefix cache's scope (identity.py),
         `global` everyone, `tenant` the tenant's own requests; None (not cached) under `user`
@@ -138,9 +145,10 @@ class GatewayState:
         text too long for the context is refused by its length before it is
         tokenized (prompt_bound.py). A prompt built the same way recently, by a
         request that may share it (`tenant`), is not tokenized again."""
-        tokenizer = await self.bounded_tokenizer(param, kv_policy)
+        salt = self.prompt_tokens_salt(tenant)
+        tokenizer = await self.bounded_tokenizer(param, kv_policy, salt)
         cache = self.prompt_tokens
-        key = cache.key(self.prompt_tokens_salt(tenant), build, args, tokenizer.bound)
+        key = cache.key(salt, build, args, tokenizer.bound)
         try:
             with tracer().start_as_current_span("tokenize") as span:
                 ids = cache.get(key)
@@ -150,6 +158,9 @@ class GatewayState:
                 if ids is None:
                     ids = await asyncio.to_thread(build, tokenizer, *args)
                     cache.put(key, ids)
+                    if tokenizer.reused_tokens:
+                        self.metrics.prompt_tokens_cache["prefix"].inc()
+                    span.set_attribute("fairserve.prompt_tokens_reused", tokenizer.reused_tokens)
                 span.set_attribute("fairserve.prompt_tokens", len(ids))
         except ChatTemplateError as error:
             raise bad_request(str(error), param, "invalid_messages") from None
@@ -157,10 +168,14 @@ class GatewayState:
             raise bad_request("The prompt is empty.", param, "empty_prompt")
         return ids
 
-    async def bounded_tokenizer(self, param: str, kv_policy: str | None = None) -> BoundedTokenizer:
-        """The tokenizer for one prompt, refusing texts the context cannot hold."""
+    async def bounded_tokenizer(self, param: str, kv_policy: str | None = None,
+                                salt: str | None = None) -> BoundedTokenizer:
+        """The tokenizer for one prompt, refusing texts the context cannot hold; with a `salt`
+        (prompt_tokens_salt), tokenizing a text only past the start it shares with a recent
+        prompt of that salt."""
         context = prompt_context(await self.limits(), kv_policy)
-        return BoundedTokenizer(self.tokenizer, context, self.longest_token_chars, param)
+        return BoundedTokenizer(self.tokenizer, context, self.longest_token_chars, param,
+                                self.prompt_prefixes, salt)
 
 
 def scheduler_request_id(trace_id: str, index: int, supplied_by_client: bool) -> str:

@@ -59,7 +59,7 @@ class GatewayMetrics:
         self.input_tokens = names.counter(names.GATEWAY_INPUT_TOKENS, registry)
         self.output_tokens = names.counter(names.GATEWAY_OUTPUT_TOKENS, registry)
         lookups = names.counter(names.GATEWAY_PROMPT_TOKENS_CACHE, registry)
-        self.prompt_tokens_cache = {result: lookups.labels(result=result) for result in ("hit", "miss")}
+        self.prompt_tokens_cache = {result: lookups.labels(result=result) for result in ("hit", "miss", "prefix")}
         # Set by each readiness probe (dependencies.py); 0 until the first.
         self.dependency_up = names.gauge(names.GATEWAY_DEPENDENCY_UP, registry)
         for dependency in ("scheduler", "kvcache"):

@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from services.gateway.errors import ApiError, bad_request
+from services.gateway.text.prompt_prefixes import PromptPrefixes
 
 # Pieces of a tokenizer.json pipeline that never make the text shorter.
 _KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD"}
@@ -92,14 +93,20 @@ def too_long(chars: int, at_least: int, context: int, param: str) -> ApiError:
 
 class BoundedTokenizer:
     """The gateway's tokenizer for one request's prompt: every text it is asked
-    to encode is first checked against the context by its length."""
+    to encode is first checked against the context by its length. With `prefixes`
+    and a `salt`, a text that starts as a recent one of the same salt did is
+    tokenized only past that start (prompt_prefixes.py); `reused_tokens` counts
+    the ids taken from such starts."""
 
     def __init__(self, tokenizer: Any, context: int | None, longest: int | None,
-                 param: str) -> None:
+                 param: str, prefixes: PromptPrefixes | None = None, salt: str | None = None) -> None:
         self._tokenizer = tokenizer
         self._context = context
         self._longest = longest
         self._param = param
+        self._prefixes = prefixes if prefixes is not None and prefixes.enabled and salt is not None else None
+        self._salt = salt
+        self.reused_tokens = 0
 
     @property
     def bound(self) -> tuple[int | None, int | None, str]:
@@ -115,8 +122,14 @@ class BoundedTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         check_prompt_chars(len(text), self._context, self._longest, self._param)
+        if self._prefixes is not None:
+            ids, reused = self._prefixes.encode(self._tokenizer, text, add_special_tokens, self._salt)
+            self.reused_tokens += reused
+            return ids
         return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
+        if self._prefixes is not None:
+            return {"input_ids": self.encode(text, add_special_tokens)}
         check_prompt_chars(len(text), self._context, self._longest, self._param)
         return self._tokenizer(text, add_special_tokens=add_special_tokens)

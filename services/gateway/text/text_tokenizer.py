@@ -95,6 +95,12 @@ class TextTokenizer:
         [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
         return list(encoding.ids)
 
+    def encode_with_starts(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], list[int]]:
+        """encode's ids and the character of `text` where each begins (0 for special tokens
+        before the text), for prompt_prefixes.py."""
+        [encoding] = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(encoding.ids), [start for start, _ in encoding.offsets]
+
     def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
         return {"input_ids": self.encode(text, add_special_tokens)}
 
