@@ -38,6 +38,7 @@ import json
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -123,8 +124,8 @@ def _part(part: Any) -> dict[str, Any] | None:
 @dataclass(frozen=True)
 class _Entry:
     text: str
-    ids: list[int]
-    starts: list[int]
+    ids: array       # int32: 4 bytes an id (a list of ints holds ~36)
+    starts: array
 
 
 class PromptPrefixes:
@@ -155,10 +156,10 @@ class PromptPrefixes:
             head = 0
         else:
             tail, tail_starts = tokenizer.encode_with_starts(text[at:], add_special_tokens=False)
-            ids = entry.ids[:head] + tail
-            starts = entry.starts[:head] + [at + start for start in tail_starts]
-        self._put(key, _Entry(text, ids, starts))
-        return list(ids), head
+            ids = entry.ids[:head].tolist() + tail
+            starts = entry.starts[:head].tolist() + [at + start for start in tail_starts]
+        self._put(key, _Entry(text, array("i", ids), array("i", starts)))
+        return ids, head
 
     def _longest(self, key: tuple[str, bool, str], text: str) -> tuple[_Entry | None, int]:
         """The recent prompt under `key` sharing the longest start with `text` and the last
