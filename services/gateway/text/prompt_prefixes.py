@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 ANCHOR_CHARS = 256      # the start two prompts must share to be compared at all
 MIN_SAVED_CHARS = 256   # a shared start shorter than this is tokenized in full
 PER_ANCHOR = 4          # recent prompts kept per start
+MAX_SCAN = 256          # spaces looked at, back from where two prompts part, for a split point
 PROBE = ("Dear  team,\n\nThe <b>report</b> > </i> <p> </p> is at 3.5 °C  —  naïve café, 東京 ok 😀 x\t y.  "
          "def f(a, b):\n    return a  >  b </s> end   \n  tail")
 
@@ -77,11 +78,15 @@ class SplitRule:
         return rule if rule.probe(tokenizer) else None
 
     def split_before(self, text: str, end: int) -> int:
-        """The last point <= end - 1 where `text` splits exactly (a space at it), else 0."""
+        """The last point <= end - 1 where `text` splits exactly (a space at it), else 0; 0 too
+        past MAX_SCAN spaces that are not such points (a text of spaces and guards only would
+        otherwise be scanned in Python, holding the GIL, to its start)."""
         at = text.rfind(" ", 0, end)
-        while at > 0 and (text[at - 1] == " " or text[at - 1] in self.guard):
+        for _ in range(MAX_SCAN):
+            if at <= 0 or (text[at - 1] != " " and text[at - 1] not in self.guard):
+                return max(at, 0)
             at = text.rfind(" ", 0, at)
-        return max(at, 0)
+        return 0
 
     def probe(self, tokenizer: StartsTokenizer) -> bool:
         """Whether PROBE split at each of its points gives its full tokens back (and a token

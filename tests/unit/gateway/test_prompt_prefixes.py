@@ -21,6 +21,7 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy.tenant_config import load_tenants
 from services.gateway.text.prompt_prefixes import (
     ANCHOR_CHARS,
+    MAX_SCAN,
     MIN_SAVED_CHARS,
     PER_ANCHOR,
     PROBE,
@@ -121,6 +122,9 @@ def test_split_points_skip_space_runs_and_guards() -> None:
     assert rule.split_before("a> b", 4) == 0            # after a guard: not a split point
     assert rule.split_before("  ab", 4) == 0            # a text's leading spaces: none
     assert common_prefix("abcdef", "abcxyz") == 3 and common_prefix("", "a") == 0
+    flood = "word " + "> " * 10_000                 # no point but the first, past MAX_SCAN spaces
+    assert rule.split_before(flood, len(flood)) == 0
+    assert rule.split_before(flood, 4 + 2 * (MAX_SCAN - 2)) == 4
 
 
 def test_other_pipelines_are_tokenized_in_full(tokenizer: Any) -> None:
