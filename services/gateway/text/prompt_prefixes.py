@@ -19,11 +19,15 @@ of the vocabulary holds side by side are never joined, so the text's tokens spli
 '>', from the single token '>▁</'). It holds for one pipeline shape only, checked at start (any
 other tokenizer is tokenized in full): the normalizer one Replace of " " by "▁", no pre-tokenizer
 or a Split on " " (which, after that normalizer, never splits), BPE without dropout or word
-affixes, no added token with a space in it, special tokens only before the text, no truncation or
-padding. A probe text split at each of its points must also give its full tokens back.
+affixes, no added token with a space in it, no truncation or padding. A probe text split at each
+of its points must also give its full tokens back, with and without special tokens (so a
+post-processor that adds any after the text turns the rule off).
 
-    entries: (salt, add_special_tokens, text[:ANCHOR_CHARS]) -> up to PER_ANCHOR recent
-             (text, ids, starts), starts[j] the character where token j begins
+    entries: (text, ids, starts), least recently used first; starts[j] the character where
+             token j begins
+    by start: digest(salt, add_special_tokens, text[:L]) -> up to PER_ANCHOR recent entries,
+              for each L of ANCHORS the text reaches; a prompt is looked up under the longest
+              of its keys that has entries
 
 Entries are shared as the prompt token ids are (prompt_tokens_cache.py): within a tenant with
 keys, by everyone without; a salt of None looks nothing up and keeps nothing. The texts and ids
@@ -34,6 +38,7 @@ loop, several at a time.
 from __future__ import annotations
 
 import bisect
+import hashlib
 import json
 import logging
 import re
@@ -45,7 +50,10 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
-ANCHOR_CHARS = 256      # the start two prompts must share to be compared at all
+# Start lengths a prompt is found by (the longest it reaches first): 256 characters pick out a
+# tenant's prompts that share a system prompt or document, the longer ones each conversation of
+# many that share that start.
+ANCHORS = (256, 1024, 4096, 16384, 65536)
 MIN_SAVED_CHARS = 256   # a shared start shorter than this is tokenized in full
 PER_ANCHOR = 4          # recent prompts kept per start
 MAX_SCAN = 256          # spaces looked at, back from where two prompts part, for a split point
@@ -131,15 +139,26 @@ class _Entry:
     text: str
     ids: array       # int32: 4 bytes an id (a list of ints holds ~36)
     starts: array
+    keys: tuple[bytes, ...]     # its starts' keys, one an anchor length it reaches
+
+
+def _keys(salt: str, add_special_tokens: bool, text: str) -> list[bytes]:
+    """The keys of `text`'s starts, the longest first: a digest of (salt, special tokens or not,
+    the first L characters) for each L of ANCHORS that `text` reaches."""
+    prefix = f"{len(salt)}:{salt}:{int(add_special_tokens)}:".encode("utf-8", "surrogatepass")
+    return [hashlib.blake2b(prefix + text[:length].encode("utf-8", "surrogatepass"), digest_size=16).digest()
+            for length in reversed(ANCHORS) if len(text) >= length]
 
 
 class PromptPrefixes:
-    """Recent prompts' texts and tokens, by their start; bounded by the token ids held."""
+    """Recent prompts' texts and tokens, by their starts; bounded by the token ids held."""
 
     def __init__(self, rule: SplitRule | None, max_tokens: int) -> None:
         self.rule = rule
         self.max_tokens = max_tokens
-        self._entries: OrderedDict[tuple[str, bool, str], list[_Entry]] = OrderedDict()
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()   # least recently used first
+        self._by_start: dict[bytes, list[int]] = {}                # key -> entries, newest first
+        self._next_id = 0
         self._lock = threading.Lock()
         self.tokens = 0
 
@@ -151,10 +170,10 @@ class PromptPrefixes:
                salt: str | None) -> tuple[list[int], int]:
         """`text`'s token ids, as tokenizer.encode would give them, and how many of them came
         from a recent prompt of `salt` that starts the same way (0: tokenized in full)."""
-        if not self.enabled or salt is None or len(text) < ANCHOR_CHARS + MIN_SAVED_CHARS:
+        if not self.enabled or salt is None or len(text) < ANCHORS[0] + MIN_SAVED_CHARS:
             return tokenizer.encode_with_starts(text, add_special_tokens)[0], 0
-        key = (salt, add_special_tokens, text[:ANCHOR_CHARS])
-        entry, at = self._longest(key, text)
+        keys = _keys(salt, add_special_tokens, text)
+        entry, at = self._longest(keys, text)
         head = bisect.bisect_left(entry.starts, at) if entry is not None else 0
         if entry is None or head >= len(entry.starts) or entry.starts[head] != at:
             ids, starts = tokenizer.encode_with_starts(text, add_special_tokens)
@@ -163,14 +182,16 @@ class PromptPrefixes:
             tail, tail_starts = tokenizer.encode_with_starts(text[at:], add_special_tokens=False)
             ids = entry.ids[:head].tolist() + tail
             starts = entry.starts[:head].tolist() + [at + start for start in tail_starts]
-        self._put(key, _Entry(text, array("i", ids), array("i", starts)))
+        self._put(_Entry(text, array("i", ids), array("i", starts), tuple(keys)))
         return ids, head
 
-    def _longest(self, key: tuple[str, bool, str], text: str) -> tuple[_Entry | None, int]:
-        """The recent prompt under `key` sharing the longest start with `text` and the last
-        point of that start where `text` splits exactly (None when none is far enough in)."""
+    def _longest(self, keys: list[bytes], text: str) -> tuple[_Entry | None, int]:
+        """The recent prompt sharing the longest start with `text` among those under its longest
+        key that has any, and the last point of that start where `text` splits exactly (None
+        when none is far enough in)."""
         with self._lock:
-            candidates = list(self._entries.get(key, ()))
+            candidates = next(([self._entries[number] for number in self._by_start[key]]
+                               for key in keys if key in self._by_start), [])
         best, best_at = None, 0
         for entry in candidates:
             at = self.rule.split_before(text, common_prefix(text, entry.text)) if self.rule else 0
@@ -178,33 +199,61 @@ class PromptPrefixes:
                 best, best_at = entry, at
         return (best, best_at) if best_at >= MIN_SAVED_CHARS else (None, 0)
 
-    def _put(self, key: tuple[str, bool, str], entry: _Entry) -> None:
-        """Keeps `entry` as its start's most recent text (the same text's older entry goes),
-        dropping the least recently used starts past the bound."""
+    def _put(self, entry: _Entry) -> None:
+        """Keeps `entry` as the most recent under each of its keys (the same text's older entry
+        goes; each key keeps PER_ANCHOR), dropping the least recently used past the bound."""
         if len(entry.ids) > self.max_tokens:
             return
         with self._lock:
-            group = self._entries.pop(key, [])
-            others = [old for old in group if old.text != entry.text]
-            self._entries[key] = kept = [entry, *others[:PER_ANCHOR - 1]]
-            self.tokens += _ids_held(kept) - _ids_held(group)
+            for number in list(self._by_start.get(entry.keys[0], ())):
+                if self._entries[number].text == entry.text:
+                    self._drop(number)
+            number, self._next_id = self._next_id, self._next_id + 1
+            self._entries[number] = entry
+            self.tokens += len(entry.ids)
+            for key in entry.keys:
+                numbers = self._by_start.setdefault(key, [])
+                numbers.insert(0, number)
+                for old in numbers[PER_ANCHOR:]:
+                    self._unlist(old, key)
             while self.tokens > self.max_tokens:
-                _, oldest = self._entries.popitem(last=False)
-                self.tokens -= _ids_held(oldest)
+                self._drop(next(iter(self._entries)))
+
+    def _unlist(self, number: int, key: bytes) -> None:
+        """Takes entry `number` off `key`'s list; an entry on no list any more goes."""
+        numbers = self._by_start[key]
+        numbers.remove(number)
+        if not numbers:
+            del self._by_start[key]
+        entry = self._entries[number]
+        if not any(number in self._by_start.get(other, ()) for other in entry.keys):
+            del self._entries[number]
+            self.tokens -= len(entry.ids)
+
+    def _drop(self, number: int) -> None:
+        entry = self._entries.pop(number)
+        self.tokens -= len(entry.ids)
+        for key in entry.keys:
+            numbers = self._by_start.get(key)
+            if numbers is not None and number in numbers:
+                numbers.remove(number)
+                if not numbers:
+                    del self._by_start[key]
 
     def check_invariants(self) -> None:
-        """tokens is the ids held, within the bound; at most PER_ANCHOR texts a start, each once."""
+        """tokens is the ids held, within the bound; every listed entry is held and every held
+        one listed under one of its keys at least; at most PER_ANCHOR entries a key; one entry
+        a text."""
         with self._lock:
-            entries = [entry for group in self._entries.values() for entry in group]
-            assert self.tokens == _ids_held(entries), "token count drifted"
+            assert self.tokens == sum(len(entry.ids) for entry in self._entries.values()), "token count drifted"
             assert self.tokens <= max(self.max_tokens, 0), "over the bound"
-            for group in self._entries.values():
-                assert 0 < len(group) <= PER_ANCHOR
-                assert len({entry.text for entry in group}) == len(group), "a text kept twice"
-
-
-def _ids_held(entries: list[_Entry]) -> int:
-    return sum(len(entry.ids) for entry in entries)
+            listed = {number for numbers in self._by_start.values() for number in numbers}
+            assert listed == set(self._entries), "listed and held entries differ"
+            for key, numbers in self._by_start.items():
+                assert 0 < len(numbers) <= PER_ANCHOR and len(set(numbers)) == len(numbers)
+                assert all(key in self._entries[number].keys for number in numbers)
+            texts = [(entry.keys[-1], entry.text) for entry in self._entries.values()]
+            assert len(set(texts)) == len(texts), "a text kept twice"
 
 
 def common_prefix(a: str, b: str) -> int:

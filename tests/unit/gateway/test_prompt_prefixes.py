@@ -20,9 +20,8 @@ from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
 from services.gateway.tenancy.tenant_config import load_tenants
 from services.gateway.text.prompt_prefixes import (
-    ANCHOR_CHARS,
+    ANCHORS,
     MAX_SCAN,
-    MIN_SAVED_CHARS,
     PER_ANCHOR,
     PROBE,
     PromptPrefixes,
@@ -82,7 +81,7 @@ def check_random_prompts(tokenizer: TextTokenizer, seed: int, rounds: int) -> in
     reused = 0
     for _ in range(rounds):
         document = rng.choice(documents)
-        cut = rng.randrange(ANCHOR_CHARS, len(document))
+        cut = rng.randrange(ANCHORS[0], len(document))
         text = document[:cut] + random_text(rng, rng.randrange(0, 12), pieces)
         special = rng.random() < 0.8
         ids, head = prefixes.encode(tokenizer, text, special, salt="")
@@ -150,12 +149,14 @@ def gemma_free_tokenizer() -> Any:
 
 def test_the_bound_and_the_texts_a_start_keeps(gemma: TextTokenizer) -> None:
     rule = SplitRule.of(gemma)
-    start = "Shared start of every prompt here. " * 20
+    start = "Shared start of every prompt here. " * 20           # 700 characters: one key
     prefixes = PromptPrefixes(rule, max_tokens=2_000)
     for index in range(PER_ANCHOR + 2):
         prefixes.encode(gemma, start + f"Question {index}?", True, salt="")
         prefixes.check_invariants()
-    assert len(prefixes._entries[("", True, start[:ANCHOR_CHARS])]) == PER_ANCHOR
+    assert len(prefixes._entries) == PER_ANCHOR
+    prefixes.encode(gemma, start + "Question 5?", True, salt="")   # the same text again: one entry
+    assert len(prefixes._entries) == PER_ANCHOR
     for index in range(12):                        # other starts push the oldest out
         prefixes.encode(gemma, f"Other {index}. " + start, True, salt="")
         prefixes.check_invariants()
@@ -166,16 +167,33 @@ def test_the_bound_and_the_texts_a_start_keeps(gemma: TextTokenizer) -> None:
     small.check_invariants()
 
 
+def test_many_conversations_behind_one_system_prompt_each_find_their_own(gemma: TextTokenizer) -> None:
+    """Twenty conversations share a 300-character system prompt (one short key for them all,
+    which keeps PER_ANCHOR): each one's next turn still reuses its own history, found under its
+    1,024-character key."""
+    prefixes = PromptPrefixes(SplitRule.of(gemma), max_tokens=1 << 20)
+    system = "You are a careful assistant for the billing team. Answer briefly. " * 5
+    rng = random.Random(4)
+    histories = [system + random_text(rng, 300) for _ in range(20)]
+    for history in histories:
+        prefixes.encode(gemma, history, True, salt="tenant:a")
+    for history in histories:
+        text = history + " And one more question?"
+        ids, head = prefixes.encode(gemma, text, True, salt="tenant:a")
+        assert ids == gemma.encode(text)
+        assert head > len(gemma.encode(history)) // 2
+    prefixes.check_invariants()
+
+
 def test_short_shared_starts_and_no_salt_tokenize_in_full(gemma: TextTokenizer) -> None:
     prefixes = PromptPrefixes(SplitRule.of(gemma), max_tokens=1 << 20)
     document = "Lorem ipsum dolor sit amet, consectetur adipiscing elit. " * 20
     prefixes.encode(gemma, document, True, salt="")
-    assert prefixes.encode(gemma, document[:ANCHOR_CHARS + 10] + " tail words here" * 40, True, salt="")[1] == 0
+    assert prefixes.encode(gemma, document[:ANCHORS[0] + 10] + " tail words here" * 40, True, salt="")[1] == 0
     assert prefixes.encode(gemma, document + " more", True, salt=None)[1] == 0
     assert prefixes.encode(gemma, document + " more", False, salt="")[1] == 0   # kept with its BOS only
     ids, head = prefixes.encode(gemma, document + " more", True, salt="")
     assert head > 0 and ids == gemma.encode(document + " more")
-    assert MIN_SAVED_CHARS <= ANCHOR_CHARS + MIN_SAVED_CHARS
 
 
 KEYS = "alice=sk-alice,bob=sk-bob"
