@@ -48,6 +48,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from common.common_prefix import common_prefix_len
+
 log = logging.getLogger(__name__)
 
 # Start lengths a prompt is found by (the longest it reaches first): 256 characters pick out a
@@ -194,7 +196,7 @@ class PromptPrefixes:
                                for key in keys if key in self._by_start), [])
         best, best_at = None, 0
         for entry in candidates:
-            at = self.rule.split_before(text, common_prefix(text, entry.text)) if self.rule else 0
+            at = self.rule.split_before(text, common_prefix_len(text, entry.text)) if self.rule else 0
             if at > best_at:
                 best, best_at = entry, at
         return (best, best_at) if best_at >= MIN_SAVED_CHARS else (None, 0)
@@ -254,16 +256,3 @@ class PromptPrefixes:
                 assert all(key in self._entries[number].keys for number in numbers)
             texts = [(entry.keys[-1], entry.text) for entry in self._entries.values()]
             assert len(set(texts)) == len(texts), "a text kept twice"
-
-
-def common_prefix(a: str, b: str) -> int:
-    """The length of the longest common start of a and b (a binary search over slices, each
-    compared by the string's own equality)."""
-    low, high = 0, min(len(a), len(b))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low

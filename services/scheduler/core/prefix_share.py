@@ -17,20 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from common.common_prefix import common_prefix_len
 from services.scheduler.core.state import Phase, RequestState
-
-
-def common_prefix_len(left: Sequence[int], right: Sequence[int]) -> int:
-    """Length of the longest common prefix (binary search over slice comparisons,
-    which run in C: O(n log n) element comparisons, no Python loop per token)."""
-    low, high = 0, min(len(left), len(right))
-    while low < high:
-        middle = (low + high + 1) // 2
-        if left[:middle] == right[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 # Routing compares a new prompt with at most this many queued or prefilling

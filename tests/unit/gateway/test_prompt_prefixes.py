@@ -15,6 +15,7 @@ import httpx
 import pytest
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
+from common.common_prefix import common_prefix_len
 from common.model_store import default_cache_dir
 from services.gateway.app import create_app
 from services.gateway.settings import GatewaySettings
@@ -26,7 +27,6 @@ from services.gateway.text.prompt_prefixes import (
     PROBE,
     PromptPrefixes,
     SplitRule,
-    common_prefix,
 )
 from services.gateway.text.text_tokenizer import TextTokenizer
 from tests.unit.gateway.fakes import FakeScheduler
@@ -120,7 +120,7 @@ def test_split_points_skip_space_runs_and_guards() -> None:
     assert rule.split_before("ab  cd", 3) == 2
     assert rule.split_before("a> b", 4) == 0            # after a guard: not a split point
     assert rule.split_before("  ab", 4) == 0            # a text's leading spaces: none
-    assert common_prefix("abcdef", "abcxyz") == 3 and common_prefix("", "a") == 0
+    assert common_prefix_len("abcdef", "abcxyz") == 3 and common_prefix_len("", "a") == 0
     flood = "word " + "> " * 10_000                 # no point but the first, past MAX_SCAN spaces
     assert rule.split_before(flood, len(flood)) == 0
     assert rule.split_before(flood, 4 + 2 * (MAX_SCAN - 2)) == 4

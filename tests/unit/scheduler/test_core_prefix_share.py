@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, strategies as st
 
 from services.scheduler.core.types import CoreConfig
-from services.scheduler.core.prefix_share import common_prefix_len
+from common.common_prefix import common_prefix_len
 
 from tests.unit.scheduler.fake_worker import FakeEngine, reference_output
 from tests.unit.scheduler.harness import Harness
