@@ -15,12 +15,12 @@ token is 31 characters (a run of newlines).
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any
 
 from services.gateway.errors import ApiError, bad_request
 from services.gateway.text.prompt_prefixes import PromptPrefixes
+from services.gateway.text.text_tokenizer import pipeline_part
 
 # Pieces of a tokenizer.json pipeline that never make the text shorter.
 _KEEPING_NORMALIZERS = {"Prepend", "NFD", "NFKD"}
@@ -35,17 +35,11 @@ def longest_token_chars(tokenizer: Any) -> int | None:
     if backend is None:
         return None
     if not (_model_keeps(backend.model)
-            and _keeps_length(_component(backend.normalizer), _normalizer_keeps)
-            and _keeps_length(_component(backend.pre_tokenizer), _pre_tokenizer_keeps)):
+            and _keeps_length(pipeline_part(backend.normalizer), _normalizer_keeps)
+            and _keeps_length(pipeline_part(backend.pre_tokenizer), _pre_tokenizer_keeps)):
         return None
     vocab = backend.get_vocab(with_added_tokens=True)
     return max((len(token) for token in vocab), default=0) or None
-
-
-def _component(part: Any) -> dict[str, Any] | None:
-    """A normalizer's or pre-tokenizer's tokenizer.json entry (the part alone, not
-    the whole tokenizer: Gemma's serializes to 33 MB)."""
-    return None if part is None else json.loads(part.__getstate__())
 
 
 def _model_keeps(model: Any) -> bool:

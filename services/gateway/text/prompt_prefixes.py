@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import bisect
 import hashlib
-import json
 import logging
 import re
 import threading
@@ -49,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from common.common_prefix import common_prefix_len
+from services.gateway.text.text_tokenizer import pipeline_part
 
 log = logging.getLogger(__name__)
 
@@ -122,18 +122,14 @@ def _splits_exactly(backend: Any) -> bool:
     if type(model).__name__ != "BPE" or model.dropout or model.continuing_subword_prefix \
             or model.end_of_word_suffix:
         return False
-    normalizer = _part(backend.normalizer)
+    normalizer = pipeline_part(backend.normalizer)
     if normalizer != {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}:
         return False
-    pre = _part(backend.pre_tokenizer)
+    pre = pipeline_part(backend.pre_tokenizer)
     if pre is not None and not (pre.get("type") == "Split" and pre.get("pattern") == {"String": " "}):
         return False
     added = backend.get_added_tokens_decoder().values()
     return not any(" " in token.content or "▁" in token.content for token in added)
-
-
-def _part(part: Any) -> dict[str, Any] | None:
-    return None if part is None else json.loads(part.__getstate__())
 
 
 @dataclass(frozen=True)

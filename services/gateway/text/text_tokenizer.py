@@ -45,6 +45,12 @@ def _extra_special_texts(config: dict[str, Any]) -> list[str]:
     return texts
 
 
+def pipeline_part(part: Any) -> dict[str, Any] | None:
+    """A normalizer's or pre-tokenizer's tokenizer.json entry (the part alone, not the whole
+    tokenizer: Gemma's serializes to 33 MB); None for no part."""
+    return None if part is None else json.loads(part.__getstate__())
+
+
 def _chat_template(directory: Path, config: dict[str, Any]) -> str | None:
     jinja_file = directory / "chat_template.jinja"
     if jinja_file.is_file():

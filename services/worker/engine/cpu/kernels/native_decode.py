@@ -75,8 +75,7 @@ class NativeDecodeAttention:
             raise ValueError("inconsistent shapes for native decode attention")
         threads = torch.get_num_threads()
         attended = longest_context if window is None else min(longest_context, window)
-        pairs = seqs * kv_heads
-        splits = -(-threads // pairs) if pairs < threads and attended >= MIN_SPLIT_CONTEXT else 1
+        splits = context_splits(seqs, kv_heads, threads, attended)
         failed = self._function(
             query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             ctx_lens.data_ptr(), out.data_ptr(), seqs, heads, kv_heads, head_dim, value_dim,
@@ -160,3 +159,11 @@ def check(kernel: NativeDecodeAttention, block_size: int) -> str | None:
         if not error <= CHECK_TOLERANCE * max(1.0, float(expected.abs().max())):
             return f"start-up check failed (max error {error:.3g})"
     return None
+
+
+def context_splits(seqs: int, kv_heads: int, threads: int, attended: int) -> int:
+    """How many ranges each (sequence, KV head)'s context is split into: enough for every
+    thread to have work when there are fewer pairs than threads, for contexts long enough
+    that the merge pays (MIN_SPLIT_CONTEXT); else 1."""
+    pairs = seqs * kv_heads
+    return -(-threads // pairs) if pairs < threads and attended >= MIN_SPLIT_CONTEXT else 1

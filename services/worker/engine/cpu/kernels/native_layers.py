@@ -32,7 +32,7 @@ from services.worker.engine.cpu.linear.cpu_linear import PackedLinear
 from services.worker.engine.cpu.linear.fused_mlp import FusedGatedMLP
 from services.worker.engine.cpu.linear.fused_norms import FusedRMSNorm
 from services.worker.engine.cpu.kernels.native_build import NativeBuildError, load_library
-from services.worker.engine.cpu.kernels.native_decode import MIN_SPLIT_CONTEXT, VECTOR_WIDTH, NativeDecodeAttention
+from services.worker.engine.cpu.kernels.native_decode import VECTOR_WIDTH, NativeDecodeAttention, context_splits
 from services.worker.engine.cpu.kernels.native_lora import LoraTables
 from services.worker.engine.cpu.kernels.native_ops import ACTIVATIONS, NativeElementwise
 from services.worker.engine.cpu.kernels.native_prefill import NativePrefillAttention
@@ -304,7 +304,7 @@ class NativeDecodeLayers:
             structure.slots = slots.data_ptr()
             structure.block_tables, structure.table_width = (tables.data_ptr(), tables.shape[1]) if decodes else (None, 0)
             window = self._windows[index]
-            structure.splits = _splits(decodes, self._shape["kv_heads"], threads,
+            structure.splits = context_splits(decodes, self._shape["kv_heads"], threads,
                                        longest if window is None else min(longest, window)) if decodes else 1
         return [tensor for pair in groups.values() for tensor in pair]
 
@@ -343,9 +343,3 @@ class NativeDecodeLayers:
         for structure, layer_tables in zip(self._layers, tables.layers):
             structure.lora = ctypes.addressof(layer_tables)
         return tables.slots(lora), torch.empty(tables.max_rank)
-
-
-def _splits(seqs: int, kv_heads: int, threads: int, attended: int) -> int:
-    """The context splits native_decode.py gives the attention kernel for this shape."""
-    pairs = seqs * kv_heads
-    return -(-threads // pairs) if pairs < threads and attended >= MIN_SPLIT_CONTEXT else 1

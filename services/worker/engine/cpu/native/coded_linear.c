@@ -483,8 +483,8 @@ static void dispatch(const uint8_t *c, const float *scales, const float *offsets
 /* ---- steps of more rows than one pass holds ------------------------------------------------
  * tile() expands every code again for each pass of X_TILE rows. For more than TILE_ROWS rows,
  * each chunk of CHUNK_ENTRIES input entries is expanded once into a buffer that stays in L1 and
- * every pass multiplies that, keeping its accumulators in memory between chunks. Each output is still one
- * chain of multiply-adds over k in order from the same expanded weights: tile()'s bits. */
+ * every pass multiplies that, keeping its accumulators in memory between chunks. Each output is
+ * still one chain of multiply-adds over k in order from the same expanded weights: tile()'s bits. */
 #define CHUNK_ENTRIES 64
 
 /* w[k][v] for the entries [k0, k0 + entries) of one panel. */
