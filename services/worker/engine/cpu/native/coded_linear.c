@@ -339,16 +339,21 @@ static inline vf expand(const uint8_t *codes, vf scale, vf offset) {
 static inline int64_t narrow_stride(int64_t bits) { return 16 + 4 * (bits - 4); }
 
 #if LANES == 16
-/* Vector v's (rows 16 v .. 16 v + 15) codes as floats. */
+/* Vector v's (rows 16 v .. 16 v + 15) codes as floats. The low 4 bits pick their float from a
+ * table of 0 .. 15 (a permute reads only an index's low 4 bits, so neither a mask nor a
+ * conversion is needed), and each higher bit adds its power of two, exactly: the same floats
+ * as converting the assembled code, in fewer instructions (one-row linears over the default
+ * model's 4-bit codes ~11 % faster, 5-bit ones ~7 %, on a 2-core AMD EPYC Zen 4). */
 static inline vf narrow_code_floats(const uint8_t *p, int high_bits, int v) {
+    const __m512 low = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    __m512i code = _mm512_and_si512(v == 0 ? bytes : _mm512_srli_epi32(bytes, 4), _mm512_set1_epi32(15));
+    __m512 code = _mm512_permutexvar_ps(v == 0 ? bytes : _mm512_srli_epi32(bytes, 4), low);
     for (int h = 0; h < high_bits; h++) {
         uint32_t word;
         __builtin_memcpy(&word, p + 16 + 4 * h, sizeof word);
-        code = _mm512_mask_add_epi32(code, (__mmask16)(word >> (16 * v)), code, _mm512_set1_epi32(16 << h));
+        code = _mm512_mask_add_ps(code, (__mmask16)(word >> (16 * v)), code, _mm512_set1_ps((float)(16 << h)));
     }
-    return (vf)_mm512_cvtepi32_ps(code);
+    return (vf)code;
 }
 #elif defined(__AVX2__)
 static inline vf narrow_code_floats(const uint8_t *p, int high_bits, int v) {
