@@ -39,14 +39,18 @@ class CountingLayers:
         return self.inner(hidden, rotary, meta, lora, keep=keep)
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[torch.nn.Module, Path, dict]:
+@pytest.fixture(scope="module", params=[16, 32], ids=["heads16", "heads32"])
+def setup(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+          ) -> tuple[torch.nn.Module, Path, dict]:
+    """Heads of 16, and of 32, where q, k and v fill whole panels and the C layers read their
+    codes joined (coded_groups.py), adding each projection's adapter rows after the one call."""
+    config = CONFIGS["gemma3"](head_dim=request.param)
     root = tmp_path_factory.mktemp("native-loras")
-    coded = build_model(CONFIGS["gemma3"]())
+    coded = build_model(config)
     assert snap_to_codes(coded) > 0
     merged = {"": coded,
-              "qv": save_random_adapter(root / "qv", CONFIGS["gemma3"](), seed=3, base=coded),
-              "all": save_random_adapter(root / "all", CONFIGS["gemma3"](), seed=4, r=4, use_rslora=True,
+              "qv": save_random_adapter(root / "qv", config, seed=3, base=coded),
+              "all": save_random_adapter(root / "all", config, seed=4, r=4, use_rslora=True,
                                          target_modules=EVERY, base=coded)}
     return coded, root, merged
 

@@ -37,6 +37,15 @@ def coded_gemma3() -> torch.nn.Module:
     return model
 
 
+@pytest.fixture(scope="module")
+def coded_gemma3_wide_heads() -> torch.nn.Module:
+    """Heads of 32: q, k and v fill whole panels of the codes, so the C layers read them joined
+    (coded_groups.py); with heads of 16 (above) k and v do not, and only gate and up are."""
+    model = build_model(CONFIGS["gemma3"](head_dim=32))
+    assert snap_to_codes(model) > 0
+    return model
+
+
 def _engine(model: torch.nn.Module, num_blocks: int = 128, **config) -> tuple[Engine, RecordingSampler]:
     engine = build_engine(EngineConfig(model_dir="", num_blocks=num_blocks, block_size=4, model_key="layers", **config),
                           model=copy.deepcopy(model))
@@ -50,6 +59,7 @@ class CountingLayers:
 
     def __init__(self, inner: NativeDecodeLayers) -> None:
         self.inner, self.steps, self.prefill_steps = inner, 0, 0
+        self.rows: list[int] = []           # each decode-only step's rows
 
     def takes(self, meta, rows: int) -> bool:
         return self.inner.takes(meta, rows)
@@ -59,12 +69,17 @@ class CountingLayers:
             self.prefill_steps += 1
         else:
             self.steps += 1
+            self.rows.append(hidden.shape[0])
         return self.inner(hidden, rotary, meta, *args, **kwargs)
 
 
-def test_the_c_layers_give_the_python_layers_logits_bitwise(coded_gemma3: torch.nn.Module) -> None:
+@pytest.mark.parametrize("heads", ["16", "32"])
+def test_the_c_layers_give_the_python_layers_logits_bitwise(heads: str, request: pytest.FixtureRequest) -> None:
+    coded_gemma3 = request.getfixturevalue("coded_gemma3" if heads == "16" else "coded_gemma3_wide_heads")
     engine, recorder = _engine(coded_gemma3)
     assert engine.direct_forward == "direct (C decode layers)"
+    joined = [(bool(layer.qkv.codes), bool(layer.gate_up.codes)) for layer in engine.forward.direct.native_layers._layers]
+    assert joined == [(heads == "32", True)] * len(joined)
     counting = CountingLayers(engine.forward.direct.native_layers)
     engine.forward.direct.native_layers = counting
     python, python_recorder = _engine(coded_gemma3)
@@ -91,6 +106,23 @@ def _cached_prompt_steps(engine: Engine) -> dict[str, list[int]]:
     tokens = driver.run(later, 5)
     assert driver.cached["again"] >= 32 and driver.cached["other"] >= 32
     return tokens
+
+
+def test_one_sequences_decodes_read_the_joined_codes_in_place_bitwise(coded_gemma3_wide_heads: torch.nn.Module
+                                                                      ) -> None:
+    """One row: q, k and v (and gate and up) come out of one call each straight into their own
+    room of the scratch; the logits are the Python layers' bit for bit, with drafts too (rows > 1)."""
+    engine, recorder = _engine(coded_gemma3_wide_heads)
+    counting = CountingLayers(engine.forward.direct.native_layers)
+    engine.forward.direct.native_layers = counting
+    python, python_recorder = _engine(coded_gemma3_wide_heads)
+    python.forward.direct.native_layers = None
+    prompt = {"one": prompt_of(9, 2) * 3}
+    tokens = Driver(engine).run(prompt, 12, draft_tokens=3)
+    assert Driver(python).run(prompt, 12, draft_tokens=3) == tokens
+    assert 1 in counting.rows and max(counting.rows) > 1      # one row, and a decode with its drafts
+    assert len(recorder.rows) == len(python_recorder.rows)
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(recorder.rows, python_recorder.rows))
 
 
 def test_a_cached_prompts_new_tokens_run_in_the_c_layers_bitwise(coded_gemma3: torch.nn.Module) -> None:

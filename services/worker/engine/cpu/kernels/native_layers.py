@@ -31,6 +31,7 @@ from services.worker.engine.step.attention import StepMetadata
 from services.worker.engine.cpu.linear.cpu_linear import PackedLinear
 from services.worker.engine.cpu.linear.fused_mlp import FusedGatedMLP
 from services.worker.engine.cpu.linear.fused_norms import FusedRMSNorm
+from services.worker.engine.cpu.linear.coded_groups import read_together
 from services.worker.engine.cpu.kernels.native_build import NativeBuildError, load_library
 from services.worker.engine.cpu.kernels.native_decode import VECTOR_WIDTH, NativeDecodeAttention, context_splits
 from services.worker.engine.cpu.kernels.native_lora import LoraTables
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+JOINED = ("qkv", "gate_up")    # q, k, v and gate, up side by side (coded_groups.py), else no codes
 NORMS = ("input_norm", "q_norm", "k_norm", "post_attention_norm", "pre_mlp_norm", "post_mlp_norm")
 SCRATCH = ("normed", "q", "k", "v", "attn_out", "gate", "up", "act", "projected")
 
@@ -54,7 +56,7 @@ class _Coded(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = ([(name, _Coded) for name in PROJECTIONS]
+    _fields_ = ([(name, _Coded) for name in (*PROJECTIONS, *JOINED)]
                 + [(name, ctypes.c_void_p) for name in (*NORMS, "k_cache", "v_cache", "cos", "sin",
                                                         "slots", "block_tables")]
                 + [(name, ctypes.c_int64) for name in ("table_width", "window", "splits")]
@@ -121,9 +123,12 @@ def _build_layer(layer: torch.nn.Module, eps: float) -> _BuiltLayer | None:
         if not ok:
             return None
         scales[name] = address
+    joined = dict(zip(JOINED, (read_together([linears["q"], linears["k"], linears["v"]]),
+                               read_together([linears["gate"], linears["up"]]))))
+    coded = {name: _coded(linear) for name, linear in linears.items()}   # views of the joined weights
     structure = _Layer(**{name: _Coded(w.codes.data_ptr(), w.scales.data_ptr(), w.offsets.data_ptr(), w.group,
                                             w.bits)
-                          for name, w in coded.items()}, **scales)
+                          for name, w in (*coded.items(), *joined.items()) if w is not None}, **scales)
     structure.scaling = float(attn.scaling)
     return _BuiltLayer(structure, [t for w in coded.values() for t in (w.codes, w.scales, w.offsets)],
                        ACTIVATIONS[mlp.activation], min(linear.coded_max_rows for linear in linears.values()),

@@ -15,6 +15,7 @@
  * Per layer:
  *   normed = rms_norm(hidden, input_norm)
  *   q, k, v = codes(normed)                     [rows, heads | kv_heads, head_dim]
+ *     (one call where their codes are joined, layer_t.qkv; gate and up likewise)
  *   q, k = rms_norm(q, q_norm), rms_norm(k, k_norm), then RoPE (cos, sin of the layer's type)
  *   k_cache[slots], v_cache[slots] = k, v      (the slots and tables of the layer's cache group)
  *   attention through the block tables (window 0: none) -> o_proj -> post_attention_norm
@@ -80,6 +81,9 @@ enum { Q, K, V, O, GATE, UP, DOWN, PROJECTIONS };
 
 typedef struct {
     coded_t q, k, v, o, gate, up, down;
+    /* q, k and v's codes as one weight (their panels side by side, coded_groups.py), and gate
+     * and up's; codes NULL where they are not */
+    coded_t qkv, gate_up;
     const float *input_norm, *q_norm, *k_norm, *post_attention_norm, *pre_mlp_norm, *post_mlp_norm;
     float *k_cache, *v_cache;        /* [slots, kv_heads, head_dim] */
     const float *cos, *sin;          /* [rows, head_dim], of the layer's type */
@@ -154,6 +158,37 @@ static int projection(const kernels_t *kn, const layer_t *l, const step_t *s, in
     return failed;
 }
 
+static int lora_rows(const layer_t *l, const step_t *s) { return l->lora != NULL && s->lora_slots != NULL; }
+
+/* q, k and v of the normed rows: one call over their joined codes where the layer has them
+ * (into q's, k's and v's room when one row's q, k and v are side by side there, as the scratch
+ * lays them out; else into gate's and up's room, free until the MLP, and copied out), each
+ * projection's adapter rows added after; three calls otherwise. The same bits either way. */
+static int project_qkv(const kernels_t *kn, const layer_t *l, const step_t *s, int64_t rows) {
+    const int64_t h = s->hidden, q_width = s->heads * s->head_dim, kv_width = s->kv_heads * s->head_dim;
+    const int64_t width = q_width + 2 * kv_width;
+    const int in_place = rows == 1 && s->k == s->q + q_width && s->v == s->k + kv_width;
+    if (l->qkv.codes == NULL || (!in_place && width > 2 * s->intermediate)) {
+        int failed = projection(kn, l, s, Q, &l->q, s->normed, s->q, rows, h, q_width);
+        failed |= projection(kn, l, s, K, &l->k, s->normed, s->k, rows, h, kv_width);
+        return failed | projection(kn, l, s, V, &l->v, s->normed, s->v, rows, h, kv_width);
+    }
+    float *to = in_place ? s->q : s->gate;
+    const int failed = linear(kn, &l->qkv, s->normed, to, rows, h, width, s->num_threads);
+    if (!in_place)
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy(s->q + r * q_width, to + r * width, sizeof(float) * q_width);
+            memcpy(s->k + r * kv_width, to + r * width + q_width, sizeof(float) * kv_width);
+            memcpy(s->v + r * kv_width, to + r * width + q_width + kv_width, sizeof(float) * kv_width);
+        }
+    if (l->lora != NULL) {
+        lora_add(s, &l->lora[Q], s->normed, s->q, h, q_width);
+        lora_add(s, &l->lora[K], s->normed, s->k, h, kv_width);
+        lora_add(s, &l->lora[V], s->normed, s->v, h, kv_width);
+    }
+    return failed;
+}
+
 static void add_into(float *hidden, const float *other, int64_t count) {
     for (int64_t i = 0; i < count; i++) hidden[i] = hidden[i] + other[i];
 }
@@ -174,9 +209,7 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
     int failed = 0;
 
     kn->rms_norm(hidden, l->input_norm, s->normed, rows, h, s->eps, threads);
-    failed |= projection(kn, l, s, Q, &l->q, s->normed, s->q, rows, h, q_width);
-    failed |= projection(kn, l, s, K, &l->k, s->normed, s->k, rows, h, kv_width);
-    failed |= projection(kn, l, s, V, &l->v, s->normed, s->v, rows, h, kv_width);
+    failed |= project_qkv(kn, l, s, rows);
     kn->rms_norm(s->q, l->q_norm, s->q, rows * s->heads, hd, s->eps, threads);
     kn->rms_norm(s->k, l->k_norm, s->k, rows * s->kv_heads, hd, s->eps, threads);
     kn->rope(s->q, s->heads, s->k, s->kv_heads, l->cos, l->sin, rows, hd, threads);
@@ -203,9 +236,19 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
     add_into(hidden, s->projected, rows * h);
 
     kn->rms_norm(hidden, l->pre_mlp_norm, s->normed, rows, h, s->eps, threads);
-    failed |= projection(kn, l, s, GATE, &l->gate, s->normed, s->gate, rows, h, inter);
-    failed |= projection(kn, l, s, UP, &l->up, s->normed, s->up, rows, h, inter);
-    kn->act_mul(s->gate, inter, s->up, inter, s->act, rows, inter, s->activation, threads);
+    if (l->gate_up.codes != NULL && (rows == 1 || !lora_rows(l, s))) {
+        /* [rows, gate | up] in gate's and up's room (side by side: one row is their own layout) */
+        failed |= linear(kn, &l->gate_up, s->normed, s->gate, rows, h, 2 * inter, threads);
+        if (rows == 1 && l->lora != NULL) {
+            lora_add(s, &l->lora[GATE], s->normed, s->gate, h, inter);
+            lora_add(s, &l->lora[UP], s->normed, s->gate + inter, h, inter);
+        }
+        kn->act_mul(s->gate, 2 * inter, s->gate + inter, 2 * inter, s->act, rows, inter, s->activation, threads);
+    } else {
+        failed |= projection(kn, l, s, GATE, &l->gate, s->normed, s->gate, rows, h, inter);
+        failed |= projection(kn, l, s, UP, &l->up, s->normed, s->up, rows, h, inter);
+        kn->act_mul(s->gate, inter, s->up, inter, s->act, rows, inter, s->activation, threads);
+    }
     failed |= projection(kn, l, s, DOWN, &l->down, s->act, s->projected, rows, inter, h);
     kn->rms_norm(s->projected, l->post_mlp_norm, s->projected, rows, h, s->eps, threads);
     add_into(hidden, s->projected, rows * h);
