@@ -182,3 +182,20 @@ def test_zero_capacity_keeps_nothing() -> None:
     assert len(cache) == 0
     with pytest.raises(ValueError):
         PromptLogitsCache(capacity=-1)
+
+
+def test_a_screened_row_keeps_its_finite_entries_only() -> None:
+    """-inf, +inf and NaN are not kept; the finite entries come back at their places, also
+    from a strided row."""
+    wide = torch.full((2, 40), float("-inf"))
+    values = {3: 1.5, 17: -2.0, 31: 0.0, 39: 7.25}
+    for index, value in values.items():
+        wide[0, index] = value
+    wide[0, 5], wide[0, 6] = float("inf"), float("nan")
+    for row in (wide[0], wide.t()[:, 0]):
+        kept = KeptPrompt(torch.zeros(4))
+        kept.keep_logits(row, (1, ()))
+        ids, kept_values = kept.screened[(1, ())]
+        assert ids.tolist() == sorted(values) and kept_values.tolist() == [values[i] for i in sorted(values)]
+        served = kept.logits_for((1, ()))
+        assert torch.equal(torch.isfinite(served).nonzero().flatten(), ids)
