@@ -65,3 +65,18 @@ def test_a_salt_never_reads_as_tokens_after_the_model_key() -> None:
     # Whatever the salt, its suffix is not a whole number of 4-byte tokens.
     for salt in ("x", "\x01\x00\x00", "a" * 100):
         assert (len(salted_key("m", salt).encode()) - len(b"m")) % 4 != 0
+
+
+def test_the_packed_chain_gives_each_blocks_own_hash() -> None:
+    """The chain packs its blocks' tokens at once: the same values as hashing block by block,
+    whatever holds the tokens (list, tuple, numpy), up to the largest int32 id."""
+    import numpy as np
+
+    tokens = [0, 1, 2**31 - 1, 262143, 7, 99, 5, 2**20, 3, 4, 11]
+    expected, parent = [], ROOT_HASH
+    for start in range(0, 8, 4):
+        parent = block_hash(parent, tokens[start:start + 4], "m")
+        expected.append(parent)
+    for held in (tokens, tuple(tokens), np.array(tokens, dtype=np.int64)):
+        assert chain_hashes(held, 4, "m") == expected
+        assert extend_chain(expected[:1], held, 4, "m") == expected
