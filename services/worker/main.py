@@ -85,7 +85,8 @@ async def serve(settings: WorkerSettings) -> None:
     service = WorkerService(engine_thread, settings.worker_id, metrics,
                             on_block_events=partial(add_events, publisher),
                             kv_events_unacknowledged=lambda: publisher.unacknowledged,
-                            after_step=pacer.after_step if pacer else None)
+                            after_step=pacer.after_step if pacer else None,
+                            before_step=pacer.before_step if pacer else None)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                         settings.host, settings.port, settings.internal)

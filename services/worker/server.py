@@ -93,7 +93,8 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     def __init__(self, thread: EngineThread, worker_id: str, metrics: WorkerMetrics,
                  on_block_events: Callable[[list[BlockEvent]], None] | None = None,
                  kv_events_unacknowledged: Callable[[], int] | None = None,
-                 after_step: Callable[[int, float], None] | None = None) -> None:
+                 after_step: Callable[[int, float], None] | None = None,
+                 before_step: Callable[[bool], None] | None = None) -> None:
         self._thread = thread
         self._engine = thread.engine
         self._worker_id = worker_id
@@ -102,14 +103,17 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._on_block_events = on_block_events
         self._kv_events_unacknowledged = kv_events_unacknowledged
         self._after_step = after_step      # on the engine's thread: decode-only rows (else 0), wall (CPU thread pacer)
+        self._before_step = before_step    # on the engine's thread: whether the step is decode-only (the same)
         self.counters = StepCounters()
         self.last_pool = self._engine.pool_stats()
 
     def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
+        decodes = not batch.new_sequences and all(item.num_tokens == 1 for item in batch.work)
+        if self._before_step is not None:
+            self._before_step(decodes)
         started = time.perf_counter()
         output = self._engine.step(batch)   # adopts or refuses the batch's epoch first
         if self._after_step is not None:
-            decodes = not batch.new_sequences and all(item.num_tokens == 1 for item in batch.work)
             self._after_step(len(batch.work) if decodes else 0, time.perf_counter() - started)
         events = self._engine.drain_events()
         if events and self._on_block_events is not None:

@@ -263,3 +263,42 @@ def test_a_confirmation_with_nothing_to_compare_goes_back() -> None:
     assert governor.confirming                                # nothing comparable yet: on, up to a second
     governor.observe(0.5, [], 0.0, 2.02)
     assert governor.threads == 2 and not governor.in_trial and not governor.last_kept
+
+
+def test_a_trial_applies_to_decode_steps_alone() -> None:
+    """A trial down started by a new load's burst of arrivals must not run the prefill steps
+    that follow (seconds each, never compared) at one thread: steps with prefill rows run at the
+    larger count during a trial, down or up; outside trials every step runs at the count."""
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    assert governor.threads_for(True) == governor.threads_for(False) == 2
+    governor.observe(0.6, [(1, 0.02)] * 30, 0.4, 0.6)        # waiting a third: a trial at one thread
+    assert governor.in_trial and governor.threads == 1
+    assert governor.threads_for(True) == 1 and governor.threads_for(False) == 2
+    governor.observe(0.3, [(1, 0.005)] * 60, 0.0, 0.9)        # a collapse: one thread kept
+    assert not governor.in_trial and governor.threads == 1
+    assert governor.threads_for(True) == governor.threads_for(False) == 1
+    governor.observe(6.0, [(1, 0.02)] * 300, 0.0, 6.9)        # retry_s later: a trial back up
+    assert governor.in_trial and governor.threads == 2
+    assert governor.threads_for(True) == governor.threads_for(False) == 2
+
+
+def test_the_pacer_runs_prefill_steps_at_the_count_a_trial_left() -> None:
+    now = [0.0]
+    applied: list[int] = []
+    clock = FakeClock()
+    pacer = ThreadPacer(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), clock, sample_s=0.05,
+                        now=lambda: now[0], set_threads=applied.append)
+    pacer.start()
+    for _ in range(12):                              # 0.6 s of decodes, half of it waited: a trial
+        pacer.before_step(True)
+        now[0] += 0.05
+        clock.waited += 0.05
+        pacer.after_step(1, 0.05)
+    assert pacer.governor.in_trial and applied == [2, 1]
+    pacer.before_step(False)                         # a prefill step: two threads
+    now[0] += 0.05
+    pacer.after_step(0, 0.05)
+    pacer.before_step(True)                          # a decode step: the trial's one
+    assert applied == [2, 1, 2, 1]
+    pacer.before_step(True)                          # no change, no call
+    assert applied == [2, 1, 2, 1]

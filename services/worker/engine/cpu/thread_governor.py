@@ -43,6 +43,13 @@ it left, which a load that has ended no longer slows.
 Windows are measured in time, not steps, so that steps slowed down by the contention itself
 (hundreds of ms each) are judged as soon as quick ones.
 
+A trial's count applies to decode-only steps, the steps it is judged on; any other step during a
+trial runs at the larger of the two counts (`threads_for`). A trial down started by the burst of
+work a new load brings (the gateway tokenizing 32 prompts, the scheduler admitting them) used to
+run the prefill steps that followed, seconds each and never comparable, at one thread of two: a
+2,048-token step at half speed before the trial could end, in every c32 round of the served
+benchmark.
+
 Pure: it is given the wall time of the steps since its last call, each decode-only step's rows
 and wall time, and the waiting measured across them, and answers the thread count to use from then on; cpu_share.py measures,
 thread_pacer.py applies. Invariant: min_threads <= threads <= max_threads.
@@ -126,6 +133,13 @@ class ThreadGovernor:
     def confirming(self) -> bool:
         """Back at the count a trial down left, to compare that trial's steps once more."""
         return self._confirming is not None
+
+    def threads_for(self, decode_only: bool) -> int:
+        """The count for the next step: `threads`, except that a step with prefill rows during a
+        trial runs at the larger of the trial's count and the one it left (module docstring)."""
+        if self._trial_from is None or decode_only:
+            return self.threads
+        return max(self.threads, self._trial_from)
 
     def observe(self, wall_s: float, decodes: list[tuple[int, float]], waited_s: float, now_s: float) -> int:
         """The steps since the last call: their wall time, each decode-only step's (rows, wall

@@ -2,7 +2,9 @@
 engine's thread after each step with its decode rows and wall time, it reads how long the process
 waited for a CPU since its last reading (cpu_share.WaitClock: at most every `sample_s`, ~0.1-0.3 ms a reading), asks the
 governor (thread_governor.py) and sets the engine thread's OpenMP team size, which torch's
-kernels and the C kernels (they pass torch.get_num_threads()) use from the next step on."""
+kernels and the C kernels (they pass torch.get_num_threads()) use from the next step on; called
+before each step with whether it is decode-only, it sets the count the governor gives that kind
+of step (a trial's count applies to decode-only steps alone)."""
 
 from __future__ import annotations
 
@@ -30,11 +32,22 @@ class ThreadPacer:
         self._read_at = now()
         self._waited = clock.waited_s()
         self._decodes: list[tuple[int, float]] = []
+        self._applied = governor.threads
         self.changes = 0
 
     def start(self) -> None:
         """Sets the governor's first count (call on the engine's thread)."""
-        self._set_threads(self.governor.threads)
+        self._apply(self.governor.threads)
+
+    def before_step(self, decode_only: bool) -> None:
+        """Before a step on the engine's thread: the count for a step of its kind."""
+        threads = self.governor.threads_for(decode_only)
+        if threads != self._applied:
+            self._apply(threads)
+
+    def _apply(self, threads: int) -> None:
+        self._set_threads(threads)
+        self._applied = threads
 
     def after_step(self, decode_rows: int, step_s: float) -> None:
         """After a step on the engine's thread: its rows when every one was a decode (else 0)
@@ -50,8 +63,9 @@ class ThreadPacer:
         threads = governor.observe(now - self._read_at, self._decodes, waited - self._waited, now)
         self._read_at, self._waited, self._decodes = now, waited, []
         if threads != before:
-            self._set_threads(threads)
             self.changes += 1
+        if threads != self._applied:
+            self._apply(threads)
         if was_trial and not governor.in_trial:
             self._log_outcome(threads)
         elif threads != before and governor.confirming:
