@@ -22,7 +22,7 @@ import torch
 from services.worker.engine.accelerators import Accelerators, GraphCapture
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cpu import host_memory
-from services.worker.engine.cpu.cpu_share import WaitClock, default_threads
+from services.worker.engine.cpu.cpu_share import IdleClock, WaitClock, default_threads
 from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor
 from services.worker.engine.cpu.thread_pacer import ThreadPacer
 from services.worker.engine.cpu.screen.coded_head import serve_tied_weight_from_codes
@@ -93,6 +93,8 @@ def thread_pacer(policy: str, engine: Engine) -> ThreadPacer | None:
     threads = torch.get_num_threads()
     if policy != "adaptive" or engine.device.type != "cpu" or threads < 2 or not clock.available():
         return None
-    pacer = ThreadPacer(ThreadGovernor(GovernorConfig(max_threads=threads), time.monotonic()), clock)
+    idle = IdleClock()
+    pacer = ThreadPacer(ThreadGovernor(GovernorConfig(max_threads=threads), time.monotonic()), clock,
+                        idle=idle if idle.available() else None)
     pacer.start()
     return pacer

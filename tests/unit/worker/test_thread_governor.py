@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from services.worker.engine.cpu.cpu_share import WaitClock, cgroup_cpu_limit, default_threads, threads_within
+from services.worker.engine.cpu.cpu_share import IdleClock, WaitClock, cgroup_cpu_limit, default_threads, threads_within
 from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor, relative_cost
 from services.worker.engine.cpu.thread_pacer import ThreadPacer
 
@@ -302,3 +302,50 @@ def test_the_pacer_runs_prefill_steps_at_the_count_a_trial_left() -> None:
     assert applied == [2, 1, 2, 1]
     pacer.before_step(True)                          # no change, no call
     assert applied == [2, 1, 2, 1]
+
+
+def _kept_at_one_thread() -> ThreadGovernor:
+    """A collapse (a busy process on the other core) kept at one thread at t = 0.9 s."""
+    governor = ThreadGovernor(GovernorConfig(max_threads=2), 0.0)
+    governor.observe(0.6, [(1, 0.2)] * 3, 0.6, 0.6)
+    governor.observe(0.3, [(1, 0.025)] * 12, 0.0, 0.9)
+    assert governor.threads == 1 and not governor.in_trial
+    return governor
+
+
+def test_idle_cpus_bring_the_thread_back_through_a_long_prefill() -> None:
+    """The competitor is gone and the load is prefill steps, seconds each, with no decode step
+    a trial back up could be judged on: a window whose other CPU sat idle while the thread did
+    not wait brings the thread back at once (once the wait after the last change is over)."""
+    governor = _kept_at_one_thread()
+    assert governor.observe(1.0, [], 0.0, 1.9, idle_s=0.9) == 1      # idle, but within retry_s of the change
+    assert governor.observe(4.0, [], 0.0, 5.9, idle_s=3.8) == 2      # idle most of a CPU: back up
+    assert not governor.in_trial and governor.last_idle == pytest.approx(0.95)
+
+
+def test_a_busy_neighbour_or_a_quota_keeps_the_thread_down() -> None:
+    """With the busy process still on the other core no CPU sits idle; under a CPU quota the
+    thread waits (throttled) even where other CPUs are idle: neither brings a thread back."""
+    governor = _kept_at_one_thread()
+    governor.observe(6.0, [], 0.0, 6.9, idle_s=0.1)                    # busy neighbour: 0.02 of a CPU idle
+    assert governor.threads == 1
+    governor = _kept_at_one_thread()
+    governor.observe(6.0, [], 3.0, 6.9, idle_s=6.0)                    # throttled half the time
+    assert governor.threads == 1
+
+
+def test_the_idle_clock_sums_the_allowed_cpus(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  10 0 10 900 90 0 0 0 0 0\n"
+                    "cpu0 5 0 5 300 30 0 0 0 0 0\n"
+                    "cpu1 5 0 5 300 30 0 0 0 0 0\n"
+                    "cpu2 0 0 0 300 30 0 0 0 0 0\n"
+                    "intr 12345\nctxt 678\n")
+    tick = os.sysconf("SC_CLK_TCK")
+    assert IdleClock(stat, cpus={0, 2}).idle_s() == pytest.approx(660 / tick)
+    assert IdleClock(stat, cpus={1}).available()
+
+
+def test_this_machines_idle_clock_reads() -> None:
+    clock = IdleClock()
+    assert clock.available() and clock.idle_s() >= 0.0

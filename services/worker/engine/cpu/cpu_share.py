@@ -1,7 +1,8 @@
 """What share of the machine's CPUs the worker really gets: the CPUs it may run on, its cgroup's
-CPU quota (Kubernetes' CPU limit; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`), and how long its
+CPU quota (Kubernetes' CPU limit; cgroup v2 `cpu.max`, v1 `cpu.cfs_quota_us`), how long its
 threads waited for a CPU (the kernel's run delay in /proc/self/task/*/schedstat, plus the time
-the quota throttled the cgroup, from its `cpu.stat`). thread_governor.py decides from these."""
+the quota throttled the cgroup, from its `cpu.stat`), and how long the CPUs it may run on sat
+idle (/proc/stat). thread_governor.py decides from these."""
 
 from __future__ import annotations
 
@@ -98,3 +99,30 @@ class WaitClock:
             if "throttled_time" in fields:          # cgroup v1, nanoseconds
                 return int(fields["throttled_time"]) / 1e9
         return 0.0
+
+
+class IdleClock:
+    """The seconds the CPUs this process may run on have sat idle so far (idle and iowait in
+    /proc/stat, summed over them; a container's /proc/stat is the host's, and its cpuset names
+    the CPUs): what one more thread could have used. Read it like WaitClock."""
+
+    def __init__(self, stat: Path = Path("/proc/stat"), cpus: set[int] | None = None) -> None:
+        self._stat = stat
+        self._cpus = cpus if cpus is not None else os.sched_getaffinity(0)
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def available(self) -> bool:
+        try:
+            return self.idle_s() > 0.0
+        except OSError:
+            return False
+
+    def idle_s(self) -> float:
+        ticks = 0
+        for line in self._stat.read_text().splitlines():
+            name, _, rest = line.partition(" ")
+            if name[:3] != "cpu" or not name[3:].isdigit() or int(name[3:]) not in self._cpus:
+                continue
+            fields = rest.split()
+            ticks += int(fields[3]) + int(fields[4])
+        return ticks / self._tick

@@ -43,6 +43,15 @@ it left, which a load that has ended no longer slows.
 Windows are measured in time, not steps, so that steps slowed down by the contention itself
 (hundreds of ms each) are judged as soon as quick ones.
 
+Below the most threads, a window whose allowed CPUs sat idle for at least `idle_up` of a CPU
+while the threads hardly waited (below `high` / 2) goes back up at once, no trial needed: the
+competitor that made fewer threads faster is gone. Trials back up are judged on decode steps,
+and a load of long prefill steps has none: one thread of two kept after a real collapse (a peer
+server shutting down beside the worker) stayed through the prefill of the 32 prompts that
+followed, a quarter of that c32 round (94.5 tokens/s against 122-126 in the rounds beside it).
+With a busy process on the other core the CPUs are not idle, and under a CPU quota the threads
+wait (throttled), so neither goes up.
+
 A trial's count applies to decode-only steps, the steps it is judged on; any other step during a
 trial runs at the larger of the two counts (`threads_for`). A trial down started by the burst of
 work a new load brings (the gateway tokenizing 32 prompts, the scheduler admitting them) used to
@@ -71,6 +80,7 @@ class GovernorConfig:
     trial_s: float = 0.3                # wall time of steps a trial lasts (one call at least)
     trial_max_s: float = 1.0            # ... while it has no decode step to compare, at most
     min_steps: int = 2                  # decode steps of one row count each side needs to be compared
+    idle_up: float = 0.5                # CPUs idle (of the allowed ones, on average) that bring a thread back
     retry_s: float = 5.0                # first wait before a trial in a direction that failed
     retry_max_s: float = 60.0
 
@@ -79,6 +89,7 @@ class GovernorConfig:
 class _Window:
     wall_s: float = 0.0
     waited_s: float = 0.0
+    idle_s: float = 0.0                 # the allowed CPUs' idle seconds, summed over them
     decodes: dict[int, list[float]] = field(default_factory=dict)   # rows -> [wall seconds, steps]
 
     def share(self, threads: int) -> float:
@@ -114,6 +125,7 @@ class ThreadGovernor:
         self.config = config
         self.threads = config.max_threads
         self.last_share = 0.0               # the last steady window's waiting share
+        self.last_idle = 0.0                # the last steady window's idle CPUs (on average)
         self.last_relative: float | None = None   # the last judged trial's steps over the steady ones'
         self.last_kept = False              # whether the last trial that ended kept its count
         self._window = _Window()
@@ -141,12 +153,15 @@ class ThreadGovernor:
             return self.threads
         return max(self.threads, self._trial_from)
 
-    def observe(self, wall_s: float, decodes: list[tuple[int, float]], waited_s: float, now_s: float) -> int:
+    def observe(self, wall_s: float, decodes: list[tuple[int, float]], waited_s: float, now_s: float,
+                idle_s: float = 0.0) -> int:
         """The steps since the last call: their wall time, each decode-only step's (rows, wall
-        time), and the process's waiting over them. Returns the count to use from the next step on."""
+        time), the process's waiting over them and the allowed CPUs' idle time (summed over
+        them). Returns the count to use from the next step on."""
         window = self._window
         window.wall_s += max(wall_s, 0.0)
         window.waited_s += max(waited_s, 0.0)
+        window.idle_s += max(idle_s, 0.0)
         window.add_decodes(decodes)
         if self.in_trial:
             if window.wall_s >= self.config.trial_s:
@@ -160,13 +175,25 @@ class ThreadGovernor:
             return self.threads
         if window.wall_s >= self.config.window_s:
             self.last_share = window.share(self.threads)
+            self.last_idle = window.idle_s / window.wall_s
             self._steady = window.decodes       # only the last window's steps judge a trial
             self._window = _Window()
+            if (self.threads < self.config.max_threads and self.last_idle >= self.config.idle_up
+                    and self.last_share < self.config.high / 2 and self._ready(+1, now_s)):
+                return self._rise(now_s)
             waited = self.last_share >= self.config.high
             if waited and self.threads > self.config.min_threads and self._judges() and self._ready(-1, now_s):
                 return self._start_trial(-1, now_s)
         if self.threads < self.config.max_threads and self._judges() and self._ready(+1, now_s):
             return self._start_trial(+1, now_s)
+        return self.threads
+
+    def _rise(self, now_s: float) -> int:
+        """One thread more at once: the CPUs sat idle while the threads did not wait."""
+        self.last_kept = True
+        self._steady = {}                   # steps at the lower count judge no trial at this one
+        self._wait_s = {-1: 0.0, +1: self.config.retry_s}
+        self._set(self.threads + 1, now_s)
         return self.threads
 
     def _judges(self) -> bool:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from services.worker.engine.cpu.cpu_share import WaitClock
+from services.worker.engine.cpu.cpu_share import IdleClock, WaitClock
 from services.worker.engine.cpu.thread_governor import ThreadGovernor
 
 log = logging.getLogger(__name__)
@@ -23,14 +23,17 @@ log = logging.getLogger(__name__)
 class ThreadPacer:
     def __init__(self, governor: ThreadGovernor, clock: WaitClock, sample_s: float = 0.05,
                  now: Callable[[], float] = time.monotonic,
-                 set_threads: Callable[[int], None] = torch.set_num_threads) -> None:
+                 set_threads: Callable[[int], None] = torch.set_num_threads,
+                 idle: IdleClock | None = None) -> None:
         self.governor = governor
         self._clock = clock
+        self._idle = idle               # the allowed CPUs' idle time (None: not read, never counted)
         self._sample_s = sample_s
         self._now = now
         self._set_threads = set_threads
         self._read_at = now()
         self._waited = clock.waited_s()
+        self._idled = idle.idle_s() if idle is not None else 0.0
         self._decodes: list[tuple[int, float]] = []
         self._applied = governor.threads
         self.changes = 0
@@ -58,10 +61,11 @@ class ThreadPacer:
         if now - self._read_at < self._sample_s:
             return
         waited = self._clock.waited_s()
+        idled = self._idle.idle_s() if self._idle is not None else 0.0
         governor = self.governor
         before, was_trial = governor.threads, governor.in_trial
-        threads = governor.observe(now - self._read_at, self._decodes, waited - self._waited, now)
-        self._read_at, self._waited, self._decodes = now, waited, []
+        threads = governor.observe(now - self._read_at, self._decodes, waited - self._waited, now, idled - self._idled)
+        self._read_at, self._waited, self._idled, self._decodes = now, waited, idled, []
         if threads != before:
             self.changes += 1
         if threads != self._applied:
@@ -71,6 +75,9 @@ class ThreadPacer:
         elif threads != before and governor.confirming:
             log.info("engine threads %d -> %d to confirm the trial (its steps cost %.2fx these)",
                      before, threads, governor.last_relative)
+        elif threads > before and not governor.in_trial:
+            log.info("engine threads %d -> %d: the CPUs sat idle (%.1f of a CPU) while the threads did not wait",
+                     before, threads, governor.last_idle)
         elif threads != before and governor.in_trial:
             log.info("engine threads %d -> %d on trial (the threads waited for a CPU %.0f%% of their time)",
                      before, threads, 100 * governor.last_share)
