@@ -252,7 +252,8 @@ class WorkerSchema(
         description=(
             'on CPU, `adaptive` tries steps on one thread fewer when its threads wait for a CPU (or '
             "the cgroup quota throttles them) a fifth of their time or more, keeps that count only "
-            'while its steps cost less per token, and tries more again with backoff (5-60 s), so '
+            'while its steps cost less per token, and tries more again with backoff (5-60 s), or at '
+            'once when the allowed CPUs sit idle while its threads do not wait, so '
             'another process on the cores slows steps instead of stalling each barrier for a time '
             'slice; `fixed` keeps the count of TORCH_THREADS (by default the allowed CPUs, no more '
             "than the cgroup quota's whole CPUs)"
