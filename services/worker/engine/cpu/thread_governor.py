@@ -60,7 +60,8 @@ run the prefill steps that followed, seconds each and never comparable, at one t
 benchmark.
 
 Pure: it is given the wall time of the steps since its last call, each decode-only step's rows
-and wall time, and the waiting measured across them, and answers the thread count to use from then on; cpu_share.py measures,
+and wall time, and the waiting and the allowed CPUs' idle time measured across them, and answers
+the thread count to use from then on (and, before a step, the count for its kind); cpu_share.py measures,
 thread_pacer.py applies. Invariant: min_threads <= threads <= max_threads.
 """
 
