@@ -147,13 +147,19 @@ class FakeClock:
         return self.waited
 
 
-def test_the_pacer_samples_and_sets_the_count() -> None:
-    now = [0.0]
+def _pacer() -> tuple[ThreadPacer, list[float], FakeClock, list[int]]:
+    """A started pacer of two threads on a fake clock: (pacer, now, wait clock, counts applied)."""
+    now: list[float] = [0.0]
     applied: list[int] = []
     clock = FakeClock()
     pacer = ThreadPacer(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), clock, sample_s=0.05,
                         now=lambda: now[0], set_threads=applied.append)
     pacer.start()
+    return pacer, now, clock, applied
+
+
+def test_the_pacer_samples_and_sets_the_count() -> None:
+    pacer, now, clock, applied = _pacer()
     assert applied == [2]
     for _ in range(3):                               # faster than the sampling: nothing read
         now[0] += 0.01
@@ -283,12 +289,7 @@ def test_a_trial_applies_to_decode_steps_alone() -> None:
 
 
 def test_the_pacer_runs_prefill_steps_at_the_count_a_trial_left() -> None:
-    now = [0.0]
-    applied: list[int] = []
-    clock = FakeClock()
-    pacer = ThreadPacer(ThreadGovernor(GovernorConfig(max_threads=2), 0.0), clock, sample_s=0.05,
-                        now=lambda: now[0], set_threads=applied.append)
-    pacer.start()
+    pacer, now, clock, applied = _pacer()
     for _ in range(12):                              # 0.6 s of decodes, half of it waited: a trial
         pacer.before_step(True)
         now[0] += 0.05
