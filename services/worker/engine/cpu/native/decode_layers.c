@@ -160,6 +160,10 @@ static int projection(const kernels_t *kn, const layer_t *l, const step_t *s, in
 
 static int lora_rows(const layer_t *l, const step_t *s) { return l->lora != NULL && s->lora_slots != NULL; }
 
+/* Whether gate's and up's scratch rows lie side by side, [rows, 2 * intermediate] of room, as
+ * native_layers.py lays the scratch out (the joined calls write there). */
+static int gate_up_room(const step_t *s, int64_t rows) { return s->up == s->gate + rows * s->intermediate; }
+
 /* q, k and v of the normed rows: one call over their joined codes where the layer has them
  * (into q's, k's and v's room when one row's q, k and v are side by side there, as the scratch
  * lays them out; else into gate's and up's room, free until the MLP, and copied out), each
@@ -168,7 +172,7 @@ static int project_qkv(const kernels_t *kn, const layer_t *l, const step_t *s, i
     const int64_t h = s->hidden, q_width = s->heads * s->head_dim, kv_width = s->kv_heads * s->head_dim;
     const int64_t width = q_width + 2 * kv_width;
     const int in_place = rows == 1 && s->k == s->q + q_width && s->v == s->k + kv_width;
-    if (l->qkv.codes == NULL || (!in_place && width > 2 * s->intermediate)) {
+    if (l->qkv.codes == NULL || (!in_place && (width > 2 * s->intermediate || !gate_up_room(s, rows)))) {
         int failed = projection(kn, l, s, Q, &l->q, s->normed, s->q, rows, h, q_width);
         failed |= projection(kn, l, s, K, &l->k, s->normed, s->k, rows, h, kv_width);
         return failed | projection(kn, l, s, V, &l->v, s->normed, s->v, rows, h, kv_width);
@@ -236,7 +240,7 @@ static int layer(const kernels_t *kn, const layer_t *l, const step_t *s, float *
     add_into(hidden, s->projected, rows * h);
 
     kn->rms_norm(hidden, l->pre_mlp_norm, s->normed, rows, h, s->eps, threads);
-    if (l->gate_up.codes != NULL && (rows == 1 || !lora_rows(l, s))) {
+    if (l->gate_up.codes != NULL && gate_up_room(s, rows) && (rows == 1 || !lora_rows(l, s))) {
         /* [rows, gate | up] in gate's and up's room (side by side: one row is their own layout) */
         failed |= linear(kn, &l->gate_up, s->normed, s->gate, rows, h, 2 * inter, threads);
         if (rows == 1 && l->lora != NULL) {
