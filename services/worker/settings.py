@@ -66,6 +66,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         decode_attention=values.decode_attention,
         cpu_native_kernels=values.cpu_native_kernels,
         direct_forward=values.direct_forward,
+        model_impl=values.model_impl,
         cpu_gemm_cache_entries=values.cpu_gemm_cache_entries,
         cpu_weight_codes=values.cpu_weight_codes,
         cpu_linear_kernel=values.cpu_linear_kernel,

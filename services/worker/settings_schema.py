@@ -28,6 +28,7 @@ LM_HEAD_SCREEN_ACTIVATIONS = ("auto", "int16", "int8")  # services/worker/engine
 DECODE_ATTENTION_MODES = ("auto", "native", "sdpa")     # services/worker/engine/cpu/kernels/native_decode.py
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")              # services/worker/engine/cpu/kernels/native_ops.py
 DIRECT_FORWARD_MODES = ("auto", "off")                  # services/worker/engine/cpu/direct_forward.py
+MODEL_IMPLS = ("auto", "transformers")                  # services/worker/engine/models/loader.py
 CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/linear/weight_codes.py
 CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/linear/bf16_compute.py
 CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/linear/coded_wide.py
@@ -53,6 +54,7 @@ class WorkerSchema(
         "decode_attention",
         "cpu_native_kernels",
         "direct_forward",
+        "model_impl",
         "cpu_gemm_cache_entries",
         "cpu_weight_codes",
         "cpu_linear_kernel",
@@ -186,6 +188,15 @@ class WorkerSchema(
             'bitwise the same hidden states (~10 ms off a step of 8 sequences), and so do steps of '
             "at most 32 rows with prefill chunks, their attention the native prefill kernel's (a cached "
             "prompt's new tokens: ~4.5 ms off its step). `off` runs transformers' forward"
+        ))
+    model_impl: Literal[MODEL_IMPLS] = Field('auto',
+        description=(
+            "which model classes hold the checkpoint: `auto` loads a Gemma 3 text checkpoint into "
+            "our own classes where the direct forward serves it (CPU, `DIRECT_FORWARD=auto`), the "
+            "same weights and the same tokens, without importing transformers' modelling stack "
+            "(~120 MB less resident in the worker, `docs/engine/cpu-forward.md`); every other "
+            "checkpoint, device or setting loads transformers' class. `transformers` always loads "
+            "transformers' class"
         ))
     cpu_gemm_cache_entries: int = Field(32, ge=0, le=65536,
         description=(

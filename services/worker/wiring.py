@@ -30,7 +30,7 @@ from services.worker.engine.cpu.kernels.native_build import default_cache_dir
 from services.worker.engine.cpu.kernels.native_decode import load_decode_kernel
 from services.worker.engine.cpu.kernels.native_prefill import load_native_prefill
 from services.worker.engine.cpu.screen.screen_loader import ScreenLoader
-from services.worker.engine.cpu.speedups import apply_speedups
+from services.worker.engine.cpu.speedups import apply_speedups, runs_direct_forward
 from services.worker.engine.cuda.decode_graphs import CudaGraphCapture, DecodeGraphs
 from services.worker.engine.cuda.varlen_attention import load_varlen_kernel
 from services.worker.engine.device import resolve_device
@@ -63,6 +63,7 @@ def device_accelerators() -> Accelerators:
         checkpoint_page_release=host_memory.checkpoint_page_release,
         default_kernel_dir=default_cache_dir,
         apply_speedups=apply_speedups,
+        runs_direct_forward=runs_direct_forward,
         serve_tied_weight_from_codes=serve_tied_weight_from_codes,
         lm_head_screen=ScreenLoader,
         prefill_kernel=load_prefill_kernel,

@@ -184,6 +184,10 @@ def _no_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engine
     return Speedups(lm_head=lm_head)
 
 
+def _no_direct_forward(config: EngineConfig, device: torch.device) -> bool:
+    return False
+
+
 def _no_tied_codes(model: torch.nn.Module, lm_head: torch.nn.Module) -> torch.Tensor | None:
     return None
 
@@ -221,6 +225,9 @@ class Accelerators:
     default_kernel_dir: Callable[[], Path | None] = _no_kernel_dir
     # (base, lm_head, config, device, dtype, kernel_cache_dir) -> what was applied to the model.
     apply_speedups: Callable[..., Speedups] = _no_speedups
+    # (config, device) -> whether apply_speedups gives the base model a direct forward (then a
+    # model class of our own may stand in for transformers' one: models/loader.py).
+    runs_direct_forward: Callable[[EngineConfig, torch.device], bool] = _no_direct_forward
     # (model, lm_head) -> the float32 head weight the tied embedding and head no longer hold, or None.
     serve_tied_weight_from_codes: Callable[[torch.nn.Module, torch.nn.Module], torch.Tensor | None] = _no_tied_codes
     # (config, softcap, kernel_cache_dir, native_kernels) -> the LM head screen's loader.

@@ -33,6 +33,7 @@ class EngineConfig:
     cpu_gemm_cache_entries: int = 32   # CPU: GEMM shapes oneDNN's primitive cache and torch's (ideep's) cache each keep at most (0: their own default, 1024)
     cpu_weight_codes: str = "auto"     # CPU float32: weights that are exact codes (dequantized GGUF) decode from them: auto (4-6 bits where they fit, if faster here) | narrow | 8bit | off
     direct_forward: str = "auto"       # CPU: the base model's forward without transformers' module dispatch (auto) | off
+    model_impl: str = "auto"           # auto: our own model class where one computes the checkpoint and the direct forward serves | transformers
     kernel_cache_dir: str = ""         # where the native kernel is compiled to; "" = ~/.cache/fairserve/kernels
     cpu_kv_bytes: int = 1 << 30        # KV pool size on CPU/MPS when num_blocks == 0
     cpu_packed_weights: bool = True    # pre-packed linear weights on CPU float32/bfloat16 (faster decode batches)

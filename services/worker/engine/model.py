@@ -10,21 +10,26 @@ import gc
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from services.worker.engine.accelerators import Accelerators, HeadScreenLoader, Speedups
-from services.worker.engine.step.attention import ATTENTION_NAME
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.step.attention import ATTENTION_NAME, register_attention
+from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.device import resolve_device, resolve_dtype
 from services.worker.engine.lora.layers import LoraStep, wrap_projections
+from services.worker.engine.models.loader import MODEL_IMPLS, load_own_model, own_model_class
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass
 class PreparedModel:
     model: torch.nn.Module
-    model_config: PretrainedConfig      # the text decoder's config (Gemma 4 wraps it in a multimodal one)
+    model_config: PretrainedConfig      # the text decoder's config (Gemma 4 wraps it in a multimodal one;
+                                        # models/text_config.py's TextConfig for our own classes)
     base: torch.nn.Module               # the text decoder without its LM head
     device: torch.device
     dtype: torch.dtype
@@ -54,9 +59,13 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     if device.type == "cpu":
         accelerators.keep_freed_host_memory()
         accelerators.bound_gemm_caches(config.cpu_gemm_cache_entries)
-    model = model if model is not None else _load_model(config.model_dir, dtype, accelerators.checkpoint_page_release)
+    own = model is None and _loads_own_model(config, device, accelerators)
+    if model is None:
+        model = _load_model(config.model_dir, dtype, accelerators.checkpoint_page_release, own)
     model.to(device=device, dtype=dtype).eval()
-    model.set_attn_implementation(ATTENTION_NAME)
+    if not own:
+        register_attention()
+        model.set_attn_implementation(ATTENTION_NAME)
     # Multimodal checkpoints (Gemma 4) wrap the text decoder; only the text path runs here.
     model_config = model.config.get_text_config()
     if getattr(model_config, "attn_logit_softcapping", None):
@@ -66,6 +75,9 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else accelerators.default_kernel_dir()
     speedups = accelerators.apply_speedups(base, model.get_output_embeddings(), config, device, dtype,
                                            kernel_cache_dir)
+    if own and speedups.direct is None:
+        raise RuntimeError(f"{config.model_dir}: our model class runs only through the direct forward, which "
+                           "does not serve here: set MODEL_IMPL=transformers")
     softcap = getattr(model_config, "final_logit_softcapping", None)
     lora_step, lora_shapes = _serve_loras(config, model, speedups)
     # The tied embedding and LM head from the head's codes: the float32 matrix only builds the screen.
@@ -99,11 +111,22 @@ def _serve_loras(config: EngineConfig, model: torch.nn.Module, speedups: Speedup
     return step, shapes
 
 
-def _load_model(model_dir: str, dtype: torch.dtype,
-                page_release: Callable[[], Callable[[int, int], object]]) -> torch.nn.Module:
-    from transformers import AutoModelForCausalLM
+def _loads_own_model(config: EngineConfig, device: torch.device, accelerators: Accelerators) -> bool:
+    """MODEL_IMPL=auto, a checkpoint one of our classes computes (models/loader.py) and an engine
+    whose speed-ups run the direct forward: that forward is the only one our classes have."""
+    require_choice("MODEL_IMPL", config.model_impl, MODEL_IMPLS)
+    return (config.model_impl == "auto" and accelerators.runs_direct_forward(config, device)
+            and own_model_class(config.model_dir) is not None)
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+
+def _load_model(model_dir: str, dtype: torch.dtype, page_release: Callable[[], Callable[[int, int], object]],
+                own: bool) -> torch.nn.Module:
+    if own:
+        model = load_own_model(model_dir, dtype)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     _own_weights(model, page_release())
     return model
 

@@ -1,6 +1,7 @@
 """Model preparation keeps no weight inside the checkpoint's memory mapping (every page of it
 read would stay resident while one view of it lived), and lets each copied weight's mapped
-pages go as it copies them (never anonymous memory), with the same weights."""
+pages go as it copies them (never anonymous memory), with the same weights: for transformers'
+model classes and for our own (engine/models/)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,12 @@ def _mapped_ranges(name: str) -> list[tuple[int, int]]:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc (Linux)")
-def test_loaded_weights_own_their_memory(tmp_path: Path) -> None:
+@pytest.mark.parametrize("own", [False, True], ids=["transformers", "own"])
+def test_loaded_weights_own_their_memory(tmp_path: Path, own: bool) -> None:
     import torch
 
     directory = save_tiny_model(tmp_path / "tiny")
-    model = _load_model(str(directory), torch.float32, host_memory.checkpoint_page_release)
+    model = _load_model(str(directory), torch.float32, host_memory.checkpoint_page_release, own)
     gc.collect()
     mapped = _mapped_ranges("model.safetensors")
     for tensor in (*model.parameters(), *model.buffers()):
@@ -42,7 +44,8 @@ def test_loaded_weights_own_their_memory(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs /proc (Linux)")
-def test_each_copied_weight_lets_its_mapped_pages_go(tmp_path: Path) -> None:
+@pytest.mark.parametrize("own", [False, True], ids=["transformers", "own"])
+def test_each_copied_weight_lets_its_mapped_pages_go(tmp_path: Path, own: bool) -> None:
     import torch
 
     directory = save_tiny_model(tmp_path / "tiny")
@@ -53,9 +56,9 @@ def test_each_copied_weight_lets_its_mapped_pages_go(tmp_path: Path) -> None:
         assert host_memory.file_mappings()                 # the checkpoint is mapped while it loads
         return lambda address, nbytes: released.append(release(address, nbytes))
 
-    model = _load_model(str(directory), torch.float32, counting)
+    model = _load_model(str(directory), torch.float32, counting, own)
     assert sum(released) > 0
-    reference = _load_model(str(directory), torch.float32, _no_release)
+    reference = _load_model(str(directory), torch.float32, _no_release, False)
     got, expected = model.state_dict(), reference.state_dict()
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[name], expected[name]) for name in got)

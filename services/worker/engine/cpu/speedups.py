@@ -279,12 +279,18 @@ def _narrow_codes(mode: str, kernel: NativeCodedLinear) -> bool:
     return faster
 
 
+def runs_direct_forward(config: EngineConfig, device: torch.device) -> bool:
+    """Whether `apply_speedups` gives the base model a direct forward (when its layers are
+    ones direct_forward.py writes out): DIRECT_FORWARD=auto on CPU."""
+    require_choice("direct forward mode", config.direct_forward, DIRECT_FORWARD_MODES)
+    return config.direct_forward == "auto" and device.type == "cpu"
+
+
 def _direct_forward(target: _Target, base: torch.nn.Module, native_ops: NativeElementwise | None,
                     coded_linears: int) -> DirectForward | None:
     """The base model's forward without transformers' module dispatch (direct_forward.py):
     `auto` on CPU for the layer classes it writes out; None keeps transformers' forward."""
-    require_choice("direct forward mode", target.config.direct_forward, DIRECT_FORWARD_MODES)
-    if target.config.direct_forward == "off" or target.device.type != "cpu":
+    if not runs_direct_forward(target.config, target.device):
         return None
     direct = DirectForward.create(base, native_ops)
     if direct is not None and direct.native_rope and coded_linears:

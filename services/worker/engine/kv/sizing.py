@@ -7,13 +7,16 @@ weights, and the longest sequence served.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from services.worker.engine.kv.kv_cache import LayerKVSpec, PagedKVCache
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.device import free_device_memory
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def layer_kv_layout(base: torch.nn.Module) -> tuple[list[LayerKVSpec | None], list[int]]:

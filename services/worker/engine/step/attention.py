@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
 
 from services.worker.engine.kv.kv_cache import SLIDING_GROUP, PagedKVCache
 from services.worker.engine.step.varlen import VarlenKernel
@@ -283,4 +282,9 @@ def _varlen_prefill(meta: StepMetadata, kernel: VarlenKernel, query: torch.Tenso
         window_size=(window - 1, 0) if window is not None else (-1, -1))
 
 
-AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
+def register_attention() -> None:
+    """`paged_attention_forward` as transformers' attention function ATTENTION_NAME (imported
+    here, not at the top: models of our own never load transformers' modelling stack)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)

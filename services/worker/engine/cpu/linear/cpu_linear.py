@@ -203,9 +203,11 @@ def _time_prefill_kernel(kernel: str, repeats: int = 3) -> float:
 
 
 def _random_linear(out_features: int, in_features: int, generator: torch.Generator) -> torch.nn.Linear:
-    linear = torch.nn.utils.skip_init(torch.nn.Linear, in_features, out_features, bias=False)
-    with torch.no_grad():
-        linear.weight.uniform_(-0.05, 0.05, generator=generator)
+    # built on the meta device and handed its weight (not skip_init, whose to_empty imports
+    # torch's compiler stack, ~35 MB resident, into a worker that never compiles)
+    linear = torch.nn.Linear(in_features, out_features, bias=False, device="meta")
+    weight = torch.empty(out_features, in_features).uniform_(-0.05, 0.05, generator=generator)
+    linear.weight = torch.nn.Parameter(weight)
     return linear
 
 

@@ -13,11 +13,13 @@ built from it.
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
 from services.worker.engine.cpu.linear.cpu_linear import PackedLinear
 from services.worker.engine.cpu.linear.weight_codes import CodedWeight
+from services.worker.engine.models.gemma3_text import Gemma3TextScaledWordEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,7 @@ def serve_tied_weight_from_codes(model: torch.nn.Module, lm_head: torch.nn.Modul
     embedding = model.get_input_embeddings()
     original_head = model.get_output_embeddings()
     if (not isinstance(lm_head, PackedLinear) or lm_head.coded is None or lm_head.packed is not None
-            or not isinstance(embedding, torch.nn.Embedding) or type(embedding).forward not in _LOOKUPS
+            or not isinstance(embedding, torch.nn.Embedding) or type(embedding).forward not in _lookups()
             or embedding.max_norm is not None
             or original_head is None or embedding.weight is not lm_head.weight
             or getattr(original_head, "weight", None) is not lm_head.weight):
@@ -61,14 +63,13 @@ def serve_tied_weight_from_codes(model: torch.nn.Module, lm_head: torch.nn.Modul
 
 
 def _lookups() -> tuple[object, ...]:
-    """Embedding classes whose forward is a lookup, times a scale at most."""
-    forwards: list[object] = [torch.nn.Embedding.forward]
-    try:
-        from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
-        forwards.append(Gemma3TextScaledWordEmbedding.forward)
-    except ImportError:
-        pass
+    """Embedding classes whose forward is a lookup, times a scale at most: torch's, Gemma 3's
+    of our own model class and, where a model loaded it already, transformers' (not imported
+    here: our own classes never load transformers' modelling stack)."""
+    forwards: list[object] = [torch.nn.Embedding.forward, Gemma3TextScaledWordEmbedding.forward]
+    theirs = sys.modules.get("transformers.models.gemma3.modeling_gemma3")
+    if theirs is not None:
+        forwards.append(theirs.Gemma3TextScaledWordEmbedding.forward)
     return tuple(forwards)
 
 
-_LOOKUPS = _lookups()
