@@ -319,6 +319,16 @@ class PackedLinear(torch.nn.Module):
         self.weight, self.native, self.native_max_rows = None, None, 0
         return True
 
+    def keep_codes_in_half_form(self) -> bool:
+        """Keeps the codes' scales as half floats and their offsets as byte zeros where they are
+        exactly that (weight_codes.py's half form: a Q8_0 head), 3 bytes a block instead of 8;
+        every kernel reading them gives the same outputs. False (nothing changes) otherwise."""
+        half = self.coded.half_form() if self.coded is not None else None
+        if half is None or half is self.coded:
+            return False
+        self.coded = half
+        return True
+
     def serve_wide_rows_from_codes(self, wide: WideFromCodes) -> bool:
         """Drops the float32 weight and pack of a coded linear: steps wider than the codes'
         kernel takes (and not served by a bfloat16 pack) multiply the weight expanded from

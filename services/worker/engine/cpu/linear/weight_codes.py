@@ -47,25 +47,81 @@ class CodedWeight:
     """A [out, in] float32 weight as codes, in the kernel's panels of PANEL output rows (the
     last one padded with zero rows): codes [ceil(out / PANEL), in, PANEL] uint8 (bits 8) or
     [ceil(out / PANEL), in, narrow_stride(bits)] (narrow codes, bits 4-6), scales and offsets
-    [ceil(out / PANEL), in / group, PANEL] float32."""
+    [ceil(out / PANEL), in / group, PANEL] float32.
+
+    The half form (`zeros` set, `half_form`): the scales as half floats and, instead of the
+    offsets (None), byte zeros with offset = -zero * scale, both exact (a Q8_0 block's codes
+    are that: scale * (code - zero)), 3 bytes a block instead of 8; the kernels that take it
+    (native/half_scales.h) give the same outputs from either form."""
     codes: torch.Tensor
     scales: torch.Tensor
-    offsets: torch.Tensor
+    offsets: torch.Tensor | None
     group: int
     out_features: int
     in_features: int
     bits: int = 8
+    zeros: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets))
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.offsets, self.zeros)
+                   if t is not None)
+
+    @property
+    def half(self) -> bool:
+        return self.zeros is not None
+
+    def scale_pointers(self) -> tuple[int | None, int | None, int | None, int | None]:
+        """(float scales, offsets, half scales, zeros) for the kernels that take either form:
+        the form's two, None for the other two."""
+        if self.zeros is not None:
+            return None, None, self.scales.data_ptr(), self.zeros.data_ptr()
+        assert self.offsets is not None
+        return self.scales.data_ptr(), self.offsets.data_ptr(), None, None
+
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Scales and offsets as float32 (the half form's converted: the same values)."""
+        if self.zeros is None:
+            assert self.offsets is not None
+            return self.scales, self.offsets
+        scales = self.scales.float()
+        return scales, self.zeros.float().neg_().mul_(scales)
+
+    def float_form(self) -> "CodedWeight":
+        """This weight with float32 scales and offsets (itself when it has them)."""
+        if self.zeros is None:
+            return self
+        scales, offsets = self.float_scales()
+        return CodedWeight(self.codes, scales, offsets, self.group, self.out_features, self.in_features, self.bits)
+
+    def half_form(self) -> "CodedWeight | None":
+        """This weight in the half form where every scale is a finite half float exactly and
+        every offset exactly -zero * scale with zero an integer in [0, 255] (a zero scale
+        taking zero 0 and a zero offset), checked; else None. 8-bit codes only."""
+        if self.zeros is not None:
+            return self
+        if self.bits != 8 or self.offsets is None or not bool(torch.isfinite(self.scales).all()):
+            return None
+        scales, offsets = self.scales, self.offsets
+        half = scales.half()
+        if not torch.equal(half.float(), scales):
+            return None
+        zeros = torch.where(scales != 0, -offsets / torch.where(scales != 0, scales, 1), 0).round()
+        if not bool(((zeros >= 0) & (zeros <= 255)).all()):
+            return None
+        zeros = zeros.to(torch.uint8)
+        if not torch.equal(zeros.float().neg_().mul_(scales), offsets):
+            return None
+        return CodedWeight(self.codes, half.contiguous(), None, self.group, self.out_features, self.in_features,
+                           self.bits, zeros.contiguous())
 
     def panel_rows(self, start: int, end: int) -> "CodedWeight":
         """Output rows [start, end) as a weight of their own (views; `start` on a panel's
         first row)."""
         first, last = start // PANEL, -(-end // PANEL)
-        return CodedWeight(self.codes[first:last], self.scales[first:last], self.offsets[first:last],
-                           self.group, end - start, self.in_features, self.bits)
+        return CodedWeight(self.codes[first:last], self.scales[first:last],
+                           None if self.offsets is None else self.offsets[first:last], self.group, end - start,
+                           self.in_features, self.bits, None if self.zeros is None else self.zeros[first:last])
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The float32 weight rows `ids` ([N] -> [N, in]), bit for bit: `find` checked that
@@ -74,7 +130,9 @@ class CodedWeight:
         panel, lane = ids // PANEL, ids % PANEL
         codes = (self.codes[panel, :, lane] if self.bits == 8 else _narrow_lanes(self.codes, self.bits, panel, lane))
         codes = codes.view(ids.numel(), -1, self.group)
-        scales, offsets = self.scales[panel, :, lane], self.offsets[panel, :, lane]
+        scales = self.scales[panel, :, lane].float()
+        offsets = (self.zeros[panel, :, lane].float().neg_().mul_(scales) if self.zeros is not None
+                   else self.offsets[panel, :, lane])
         values = codes.float().mul_(scales[..., None]).add_(offsets[..., None])
         return values.view(ids.numel(), self.in_features)
 
@@ -116,6 +174,9 @@ class NativeCodedLinear:
         self._linear.restype = ctypes.c_int
         self._linear.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2
                                  + [ctypes.c_int64] * 4)
+        self._linear_half = library.fairserve_coded_linear_half
+        self._linear_half.restype = ctypes.c_int
+        self._linear_half.argtypes = self._linear.argtypes
         self._narrow = library.fairserve_codes_narrow
         self._narrow.restype = ctypes.c_int
         self._narrow.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
@@ -124,7 +185,7 @@ class NativeCodedLinear:
         self._widen.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
         self._expand_rows = library.fairserve_codes_expand_rows
         self._expand_rows.restype = ctypes.c_int
-        self._expand_rows.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
+        self._expand_rows.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] + [ctypes.c_int64] * 3
         self._expand_blocked = library.fairserve_codes_expand_blocked
         self._expand_blocked.restype = ctypes.c_int
         self._expand_blocked.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2 + [ctypes.c_void_p]
@@ -188,9 +249,8 @@ class NativeCodedLinear:
         out * in entries, e.g. a scratch many linears share); returns that view."""
         weight = out.reshape(-1)[:coded.out_features * coded.in_features].view(coded.out_features,
                                                                                 coded.in_features)
-        status = self._expand_rows(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
-                                   coded.group, coded.bits, weight.data_ptr(), coded.in_features,
-                                   coded.out_features, torch.get_num_threads())
+        status = self._expand_rows(coded.codes.data_ptr(), *coded.scale_pointers(), coded.group, coded.bits,
+                                   weight.data_ptr(), coded.in_features, coded.out_features, torch.get_num_threads())
         if status:
             raise ValueError(f"coded expansion: shapes it does not take ({coded.out_features} x "
                              f"{coded.in_features}, group {coded.group}, {coded.bits} bits)")
@@ -198,7 +258,10 @@ class NativeCodedLinear:
 
     def expand_blocked(self, coded: CodedWeight, address: int, block: int) -> None:
         """The float32 weight written at `address` (out * in floats) in the blocked layout
-        [out / block][in][block] (coded_wide.py: the layout of oneDNN's pack)."""
+        [out / block][in][block] (coded_wide.py: the layout of oneDNN's pack). Float scales only
+        (the layers': the half form is the LM head's)."""
+        if coded.offsets is None:
+            raise ValueError("coded expansion: the blocked layout takes float scales and offsets, not the half form")
         status = self._expand_blocked(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
                                       coded.group, coded.bits, address, coded.in_features, coded.out_features,
                                       block, torch.get_num_threads())
@@ -211,10 +274,12 @@ class NativeCodedLinear:
         if rows.shape[-1] != coded.in_features:
             raise ValueError(f"rows of {rows.shape[-1]} entries for a weight of {coded.in_features} inputs")
         out = torch.empty(rows.shape[0], coded.out_features)
-        status = self._linear(rows.data_ptr(), coded.codes.data_ptr(), coded.scales.data_ptr(),
-                              coded.offsets.data_ptr(), coded.group, coded.bits,
-                              bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0],
-                              coded.in_features, coded.out_features, torch.get_num_threads())
+        scales, offsets, half, zeros = coded.scale_pointers()
+        linear = self._linear if half is None else self._linear_half
+        status = linear(rows.data_ptr(), coded.codes.data_ptr(), scales if half is None else half,
+                        offsets if half is None else zeros, coded.group, coded.bits,
+                        bias.data_ptr() if bias is not None else None, out.data_ptr(), rows.shape[0],
+                        coded.in_features, coded.out_features, torch.get_num_threads())
         if status:
             raise ValueError(f"coded linear: shapes it does not take ({coded.out_features} x {coded.in_features}, "
                              f"group {coded.group}, {coded.bits} bits)")

@@ -32,6 +32,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "half_scales.h"
 #include "vec8.h"
 
 #if defined(__AVX2__)
@@ -576,16 +577,21 @@ static void panel_rows(const uint8_t *c, const float *scales, const float *offse
  * when out_features is not a multiple of PANEL), of `bits` 8 (a byte a code) or 4, 5, 6
  * (narrow codes); returns nonzero on shapes it does not take (in not a multiple of group,
  * group not of LANES, other bits). The narrow codes give the same outputs bit for bit. */
-int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *scales, const float *offsets,
-                           int64_t group, int64_t bits, const float *bias, float *out, int64_t rows, int64_t in,
-                           int64_t out_features, int64_t num_threads) {
+static int coded_linear_run(const float *x, const uint8_t *codes, const float *scales, const float *offsets,
+                            const uint16_t *half, const uint8_t *zeros, int64_t group, int64_t bits,
+                            const float *bias, float *out, int64_t rows, int64_t in, int64_t out_features,
+                            int64_t num_threads) {
     if (group <= 0 || group % LANES || in % group || (bits != 8 && (bits < 4 || bits > 6))) return 1;
     const int64_t panels = (out_features + PANEL - 1) / PANEL, groups_per_row = in / group;
-    const int64_t panel_bytes = in * (bits == 8 ? PANEL : narrow_stride(bits));
+    const int64_t panel_bytes = in * (bits == 8 ? PANEL : narrow_stride(bits)), count = groups_per_row * PANEL;
+    if (half != NULL && count > MAX_PANEL_SCALES) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *c = codes + p * panel_bytes;
-        const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
+        float converted[half != NULL ? 2 * count : 1];
+        const float *s = half != NULL ? NULL : scales + p * count, *o = half != NULL ? NULL : offsets + p * count;
+        panel_scales(half != NULL ? half + p * count : NULL, half != NULL ? zeros + p * count : NULL, count,
+                     converted, &s, &o);
         const float *b = bias != NULL ? bias + p * PANEL : NULL;
         const int valid = out_features - p * PANEL < PANEL ? (int)(out_features - p * PANEL) : PANEL;
         if (rows > TILE_ROWS && rows <= MAX_CHUNKED_ROWS) {
@@ -604,6 +610,23 @@ int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *sc
     return 0;
 }
 
+int fairserve_coded_linear(const float *x, const uint8_t *codes, const float *scales, const float *offsets,
+                           int64_t group, int64_t bits, const float *bias, float *out, int64_t rows, int64_t in,
+                           int64_t out_features, int64_t num_threads) {
+    return coded_linear_run(x, codes, scales, offsets, NULL, NULL, group, bits, bias, out, rows, in, out_features,
+                            num_threads);
+}
+
+/* The same outputs, bit for bit, from half-float scales and byte zeros (half_scales.h) instead
+ * of float scales and offsets (8-bit or narrow codes alike); 1 also for a panel of more than
+ * MAX_PANEL_SCALES scales. */
+int fairserve_coded_linear_half(const float *x, const uint8_t *codes, const uint16_t *half, const uint8_t *zeros,
+                                int64_t group, int64_t bits, const float *bias, float *out, int64_t rows,
+                                int64_t in, int64_t out_features, int64_t num_threads) {
+    return coded_linear_run(x, codes, NULL, NULL, half, zeros, group, bits, bias, out, rows, in, out_features,
+                            num_threads);
+}
+
 /* expand_entry with `bits` known only at run time (one switch an entry, each case inlined). */
 static inline void expand_entry_of(const uint8_t *codes, int64_t bits, const vf *scale, const vf *offset, vf *w) {
     switch (bits) {
@@ -618,17 +641,23 @@ static inline void expand_entry_of(const uint8_t *codes, int64_t bits, const vf 
  * wider than the linear above serves, which multiply it as a plain float32 matrix. A panel's
  * LANES input entries at a time are expanded as the linear expands them (so every value is
  * the one it uses, the float32 weight bit for bit: `find` checked it), into a small block
- * that is then written out row by row. */
-int fairserve_codes_expand_rows(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                                int64_t bits, float *weight, int64_t in, int64_t out_features,
-                                int64_t num_threads) {
+ * that is then written out row by row. With `half` (and `zeros`), from half-float scales and
+ * byte zeros instead of `scales` and `offsets` (half_scales.h), the same values. */
+int fairserve_codes_expand_rows(const uint8_t *codes, const float *scales, const float *offsets,
+                                const uint16_t *half, const uint8_t *zeros, int64_t group, int64_t bits,
+                                float *weight, int64_t in, int64_t out_features, int64_t num_threads) {
     if (group <= 0 || group % LANES || in % group || (bits != 8 && (bits < 4 || bits > 6))) return 1;
     const int64_t panels = (out_features + PANEL - 1) / PANEL, groups_per_row = in / group;
     const int64_t stride = bits == 8 ? PANEL : narrow_stride(bits), panel_bytes = in * stride;
+    const int64_t count = groups_per_row * PANEL;
+    if (half != NULL && count > MAX_PANEL_SCALES) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *c = codes + p * panel_bytes;
-        const float *s = scales + p * groups_per_row * PANEL, *o = offsets + p * groups_per_row * PANEL;
+        float converted[half != NULL ? 2 * count : 1];
+        const float *s = half != NULL ? NULL : scales + p * count, *o = half != NULL ? NULL : offsets + p * count;
+        panel_scales(half != NULL ? half + p * count : NULL, half != NULL ? zeros + p * count : NULL, count,
+                     converted, &s, &o);
         const int valid = out_features - p * PANEL < PANEL ? (int)(out_features - p * PANEL) : PANEL;
         for (int64_t k0 = 0; k0 < in; k0 += LANES) {
             const int64_t g = k0 / group;     /* LANES divides group: one group a block */

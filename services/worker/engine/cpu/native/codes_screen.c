@@ -40,19 +40,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_scales.h"
 #include "screen_simd.h"
 
 #define MAX_GROUP 256
-
-/* An IEEE half float as a float (exact). */
-static inline float half_to_float(uint16_t h) {
-    const uint32_t exponent = (h >> 10) & 31, mantissa = h & 1023;
-    float value;
-    if (exponent == 0) value = ldexpf((float)mantissa, -24);
-    else if (exponent == 31) value = mantissa ? NAN : INFINITY;
-    else value = ldexpf((float)(mantissa | 1024), (int)exponent - 25);
-    return (h >> 15) ? -value : value;
-}
 
 
 #if defined(__AVX512BW__)

@@ -1,7 +1,8 @@
 /* Approximate LM head logits from the head's 8-bit weight codes and int8 activations (CPU,
  * AVX-512 with VNNI and VBMI), built into the int8_matmul library beside the int16 codes
  * kernel (codes_screen.c), whose layouts it shares: codes [ceil(V / PANEL)][in][PANEL] uint8,
- * scales and offsets [ceil(V / PANEL)][in / G][PANEL] float, zero past V.
+ * scales and offsets [ceil(V / PANEL)][in / G][PANEL] float, zero past V (or half-float scales
+ * and byte zeros in that layout, converted a panel at a time: half_scales.h).
  *
  * Each activation row carries one scale per block of G inputs (xs[m, b]: a few of Gemma's
  * hidden dimensions are 50x the rest, and only their blocks need a coarse step):
@@ -30,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "half_scales.h"
 #include "screen_simd.h"
 
 #define QUADS_MAX_GROUP 256
@@ -148,24 +150,30 @@ int fairserve_codes_screen_quads_available(void) { return 1; }
 /* 0, 1 for shapes it does not take (an empty head, a group not a multiple of 4 or past
  * QUADS_MAX_GROUP, in not a multiple of it), 2 when it cannot allocate the block sums, 3 where
  * it was built without AVX-512 VNNI and VBMI. */
-int fairserve_codes_screen_quads(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                                 const int8_t *x, const float *xs, float *out, float *maxima, int64_t vocab,
-                                 int64_t in, int64_t rows, int64_t num_threads) {
+int fairserve_codes_screen_quads(const uint8_t *codes, const float *scales, const float *offsets,
+                                 const uint16_t *half, const uint8_t *zeros, int64_t group, const int8_t *x,
+                                 const float *xs, float *out, float *maxima, int64_t vocab, int64_t in, int64_t rows,
+                                 int64_t num_threads) {
     if (vocab <= 0 || in <= 0 || group <= 0 || group % 4 || group > QUADS_MAX_GROUP || in % group || rows < 0)
         return 1;
     if (rows == 0) return 0;
-    const int64_t count = (vocab + PANEL - 1) / PANEL, blocks = in / group;
+    const int64_t count = (vocab + PANEL - 1) / PANEL, blocks = in / group, per_panel = blocks * PANEL;
+    if (half != NULL && per_panel > MAX_PANEL_SCALES) return 1;
     float *xsums = malloc(sizeof(float) * rows * blocks);
     if (xsums == NULL) return 2;
     scaled_block_sums(x, xs, rows, in, group, xsums);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t p = 0; p < count; p++) {
         const int valid = vocab - p * PANEL < PANEL ? (int)(vocab - p * PANEL) : PANEL;
+        float converted[half != NULL ? 2 * per_panel : 1];
+        const float *s = half != NULL ? NULL : scales + p * per_panel, *o = half != NULL ? NULL : offsets + p * per_panel;
+        panel_scales(half != NULL ? half + p * per_panel : NULL, half != NULL ? zeros + p * per_panel : NULL,
+                     per_panel, converted, &s, &o);
         /* The rows spread evenly over the fewest tiles, as in codes_screen.c. */
         const int64_t tiles = (rows + QUADS_TILE - 1) / QUADS_TILE;
         for (int64_t t = 0, m0 = 0; t < tiles; t++) {
             const int nx = (int)((rows - m0) / (tiles - t));
-            quads_dispatch(codes + p * in * PANEL, scales + p * blocks * PANEL, offsets + p * blocks * PANEL, group,
+            quads_dispatch(codes + p * in * PANEL, s, o, group,
                            in, x + m0 * in, xs + m0 * blocks, xsums + m0 * blocks, nx, out + m0 * vocab + p * PANEL,
                            vocab, valid, maxima != NULL ? maxima + m0 * count + p : NULL, count);
             m0 += nx;
@@ -177,10 +185,12 @@ int fairserve_codes_screen_quads(const uint8_t *codes, const float *scales, cons
 #else
 int fairserve_codes_screen_quads_available(void) { return 0; }
 
-int fairserve_codes_screen_quads(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                                 const int8_t *x, const float *xs, float *out, float *maxima, int64_t vocab,
-                                 int64_t in, int64_t rows, int64_t num_threads) {
-    (void)codes, (void)scales, (void)offsets, (void)group, (void)x, (void)xs, (void)out, (void)maxima;
+int fairserve_codes_screen_quads(const uint8_t *codes, const float *scales, const float *offsets,
+                                 const uint16_t *half, const uint8_t *zeros, int64_t group, const int8_t *x,
+                                 const float *xs, float *out, float *maxima, int64_t vocab, int64_t in, int64_t rows,
+                                 int64_t num_threads) {
+    (void)codes, (void)scales, (void)offsets, (void)half, (void)zeros, (void)group, (void)x, (void)xs, (void)out;
+    (void)maxima;
     (void)vocab, (void)in, (void)rows, (void)num_threads;
     return 3;
 }

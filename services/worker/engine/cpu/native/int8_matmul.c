@@ -31,6 +31,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half_scales.h"
 #include "screen_rows.h"
 #include "screen_simd.h"
 #include "vec8.h"
@@ -226,29 +227,38 @@ void fairserve_gather_dot(const float *weight, const float *x, const int64_t *ro
  * uint8, scales and offsets [P][hidden / group][PANEL] float): scale * code rounded, then plus
  * offset rounded, the two roundings weight_codes.py's `find` checked give the weight back (the
  * product goes through memory so that it is never fused with the sum). */
-void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group, int64_t hidden,
-              int64_t id, float *w) {
-    const int64_t blocks = hidden / group;
+void code_row(const uint8_t *codes, const float *scales, const float *offsets, const uint16_t *half,
+              const uint8_t *zeros, int64_t group, int64_t hidden, int64_t id, float *w) {
+    const int64_t blocks = hidden / group, at = (id / PANEL) * blocks * PANEL + id % PANEL;
     const uint8_t *c = codes + (id / PANEL) * hidden * PANEL + id % PANEL;
-    const float *s = scales + (id / PANEL) * blocks * PANEL + id % PANEL;
-    const float *o = offsets + (id / PANEL) * blocks * PANEL + id % PANEL;
-    for (int64_t e = 0; e < hidden; e++) {
-        volatile float product = s[(e / group) * PANEL] * (float)c[e * PANEL];
-        w[e] = product + o[(e / group) * PANEL];
+    for (int64_t b = 0; b < blocks; b++) {
+        float scale, offset;
+        if (half != NULL) {
+            scale = half_to_float(half[at + b * PANEL]);
+            offset = -(float)zeros[at + b * PANEL] * scale;
+        } else {
+            scale = scales[at + b * PANEL];
+            offset = offsets[at + b * PANEL];
+        }
+        for (int64_t e = b * group; e < (b + 1) * group; e++) {
+            volatile float product = scale * (float)c[e * PANEL];
+            w[e] = product + offset;
+        }
     }
 }
 
 /* The same exact logits for a head kept as 8-bit codes: each row expanded as CodedWeight.rows
  * expands it, then the same dot product as fairserve_gather_dot (the same bits as gathering
  * the rows first). 0, or 1 for a group that does not divide hidden. */
-int fairserve_codes_gather_dot(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                               const float *x, const int64_t *rows, const int64_t *ids, float *out, int64_t count,
-                               int64_t hidden, int64_t num_threads) {
+int fairserve_codes_gather_dot(const uint8_t *codes, const float *scales, const float *offsets,
+                               const uint16_t *half, const uint8_t *zeros, int64_t group, const float *x,
+                               const int64_t *rows, const int64_t *ids, float *out, int64_t count, int64_t hidden,
+                               int64_t num_threads) {
     if (group <= 0 || hidden <= 0 || hidden % group) return 1;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (count >= 256)
     for (int64_t i = 0; i < count; i++) {
         float w[hidden];
-        code_row(codes, scales, offsets, group, hidden, ids[i], w);
+        code_row(codes, scales, offsets, half, zeros, group, hidden, ids[i], w);
         out[i] = dot_row(w, x + rows[i] * hidden, hidden);
     }
     return 0;

@@ -76,6 +76,8 @@ typedef struct {
     const uint8_t *codes;
     const float *scales;
     const float *offsets;
+    const uint16_t *half;          /* or half-float scales and byte zeros (half_scales.h) */
+    const uint8_t *zeros;
     int64_t group;
     int64_t hidden;
 } coded_head_t;
@@ -89,7 +91,7 @@ typedef struct {
 
 static float exact_logit(const coded_head_t *head, const float *x, int64_t id) {
     float w[head->hidden];
-    code_row(head->codes, head->scales, head->offsets, head->group, head->hidden, id, w);
+    code_row(head->codes, head->scales, head->offsets, head->half, head->zeros, head->group, head->hidden, id, w);
     return dot_row(w, x, head->hidden);
 }
 
@@ -123,7 +125,8 @@ int64_t fairserve_screen_pick(const float *approx, const float *maxima, int64_t 
                               const int64_t *counts, const float *x, const float *norm, const float *act_err,
                               const float *error_norms, const float *quant_norms, double slack,
                               double max_error_norm, double max_quant_norm, const uint8_t *codes,
-                              const float *scales, const float *offsets, int64_t group, int64_t hidden, float *out,
+                              const float *scales, const float *offsets, const uint16_t *half,
+                              const uint8_t *zeros, int64_t group, int64_t hidden, float *out,
                               int64_t capacity, int64_t *cand_rows, int64_t *cand_ids, float *cand_values,
                               int64_t num_threads) {
     const int64_t panels = (vocab + PANEL - 1) / PANEL;
@@ -141,7 +144,7 @@ int64_t fairserve_screen_pick(const float *approx, const float *maxima, int64_t 
         free(best), free(best_exact), free(thresholds);
         return -3;
     }
-    const coded_head_t head = {codes, scales, offsets, group, hidden};
+    const coded_head_t head = {codes, scales, offsets, half, zeros, group, hidden};
     const bound_norms_t b = {error_norms, quant_norms, slack, max_error_norm, max_quant_norm};
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {

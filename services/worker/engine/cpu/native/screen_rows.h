@@ -17,8 +17,9 @@ SCREEN_SHARED void top_k_in_panels(const float *values, int64_t cols, int64_t k,
 /* w . a over `hidden` float32 entries, in the order every exact logit of the screen takes. */
 SCREEN_SHARED float dot_row(const float *w, const float *a, int64_t hidden);
 
-/* w[0 .. hidden) = the float32 row `id` of a weight kept as 8-bit codes, bit for bit. */
-SCREEN_SHARED void code_row(const uint8_t *codes, const float *scales, const float *offsets, int64_t group,
-                            int64_t hidden, int64_t id, float *w);
+/* w[0 .. hidden) = the float32 row `id` of a weight kept as 8-bit codes, bit for bit, from its
+ * float scales and offsets or (half != NULL) its half-float scales and byte zeros (half_scales.h). */
+SCREEN_SHARED void code_row(const uint8_t *codes, const float *scales, const float *offsets, const uint16_t *half,
+                            const uint8_t *zeros, int64_t group, int64_t hidden, int64_t id, float *w);
 
 #endif

@@ -7,7 +7,10 @@ can read the codes instead, bit for bit: the embedding looks its rows up from th
 steps (prompt logprobs) multiply tiles expanded from them (cpu_linear.py), and
 the LM head screen takes its exact logits from rows expanded from them
 (lm_head_screen.py). The float32 matrix then lives only until the screen has been
-built from it.
+built from it. Where the codes' scales are half floats and their offsets byte zeros
+exactly (a Q8_0 head's), they are kept so (weight_codes.py's half form): 15 MB instead
+of 42 on the default model, and the screen's half-scale kernel reads them at every row
+count.
 """
 
 from __future__ import annotations
@@ -54,11 +57,13 @@ def serve_tied_weight_from_codes(model: torch.nn.Module, lm_head: torch.nn.Modul
             or getattr(original_head, "weight", None) is not lm_head.weight):
         return None
     weight = lm_head.weight.detach()
+    half = lm_head.keep_codes_in_half_form()
     model.set_input_embeddings(CodedEmbedding(embedding, lm_head.coded))
     original_head.weight = None
     lm_head.serve_all_rows_from_codes()
-    log.info("tied embedding and LM head served from the head's codes (%.0f MB of float32 let go "
-             "once the screen is built)", weight.numel() * weight.element_size() / 1e6)
+    log.info("tied embedding and LM head served from the head's codes%s (%.0f MB of float32 let go "
+             "once the screen is built)", ", their scales as half floats" if half else "",
+             weight.numel() * weight.element_size() / 1e6)
     return weight
 
 

@@ -31,7 +31,9 @@ def coded_row_norms(coded: CodedWeight, panel: int) -> tuple[torch.Tensor, torch
     for first in range(0, panels, CODES_CHUNK_PANELS):
         chunk = slice(first, first + CODES_CHUNK_PANELS)
         codes = coded.codes[chunk].view(-1, blocks, group, panel).float()
-        scales, offsets = coded.scales[chunk, :, None, :], coded.offsets[chunk, :, None, :]
+        scales, offsets = coded.panel_rows(first * panel, min((first + CODES_CHUNK_PANELS) * panel,
+                                                               coded.out_features)).float_scales()
+        scales, offsets = scales[:, :, None, :], offsets[:, :, None, :]
         row_norms[chunk] = torch.mul(codes, scales).add_(offsets).square_().sum(dim=(1, 2)).sqrt_()
         alpha_norms[chunk] = codes.mul_(scales.abs()).add_(offsets.abs()).square_().sum(dim=(1, 2)).sqrt_()
     return row_norms.view(-1)[:coded.out_features], alpha_norms.view(-1)[:coded.out_features]

@@ -30,6 +30,7 @@ CHECK_ROWS = 11             # activation rows of the check: every tile width and
 CHECK_VOCAB = 4093          # tokens of the check: many panels, the last one partial
 PICK_ROUNDS = 3             # best of this many passes over the head each, alternating
 PICK_ROWS = (1, 2, 4, 8)    # the row counts timed
+EVERY_ROW = 1 << 30         # max_rows of the half scales of a weight in the half form (it has no float ones)
 
 log = logging.getLogger(__name__)
 
@@ -54,35 +55,30 @@ class HalfScales:
 def half_scales(coded: CodedWeight) -> HalfScales | None:
     """`coded`'s scales and offsets as HalfScales where every scale is a finite half float
     exactly and every offset is exactly -zero * scale with zero an integer in [0, 255] (a zero
-    scale takes zero 0 and needs a zero offset); else None."""
-    if coded.bits != 8:
+    scale takes zero 0 and needs a zero offset); else None. A weight in the half form gives its
+    own (weight_codes.py)."""
+    half = coded.half_form()
+    if half is None:
         return None
-    scales, offsets = coded.scales, coded.offsets
-    if not bool(torch.isfinite(scales).all()):
-        return None
-    half = scales.half()
-    if not torch.equal(half.float(), scales):
-        return None
-    zeros = torch.where(scales != 0, -offsets / torch.where(scales != 0, scales, 1), 0).round()
-    if not bool(((zeros >= 0) & (zeros <= 255)).all()):
-        return None
-    zeros = zeros.to(torch.uint8)
-    if not torch.equal(-zeros.float() * scales, offsets):
-        return None
-    return HalfScales(half.contiguous(), zeros.contiguous())
+    assert half.zeros is not None
+    return HalfScales(half.scales, half.zeros)
 
 
 def checked_half_scales(native: NativeInt8Matmul, coded: CodedWeight, grid: int) -> HalfScales | None:
     """The half scales the screen's int16 kernel reads for `coded` (up to their `max_rows`),
     where `half_scales` has them, the half-scale kernel gives the float one's outputs here
     (`half_kernel_agrees`) and is faster at one row at least (`half_rows_limit`); else None,
-    and the kernel reads the float scales and offsets."""
+    and the kernel reads the float scales and offsets. A weight in the half form (the LM head
+    kept so, coded_head.py) reads its half scales at every row count once the kernel agrees;
+    None when it does not."""
     half = half_scales(coded)
     if half is None:
         return None
     if not half_kernel_agrees(native, coded, half, grid):
         log.warning("LM head screen: the half-scale kernel differs from the float one here; float scales")
         return None
+    if coded.half:
+        return HalfScales(half.scales, half.zeros, EVERY_ROW)     # no float scales kept to read instead
     limit = half_rows_limit(native, coded, half, grid)
     return HalfScales(half.scales, half.zeros, limit) if limit else None
 
@@ -112,7 +108,7 @@ def half_kernel_agrees(native: NativeInt8Matmul, coded: CodedWeight, half: HalfS
     on `rows` rows of extreme and random int16 integers in [-grid, grid] over the head's first
     `vocab` tokens."""
     vocab = min(vocab, coded.out_features)
-    part = coded.panel_rows(0, vocab)
+    part = coded.panel_rows(0, vocab).float_form()
     generator = torch.Generator().manual_seed(0)
     x = torch.randint(-grid, grid + 1, (rows, coded.in_features), generator=generator)
     x[0], x[1] = grid, -grid

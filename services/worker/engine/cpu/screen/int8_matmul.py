@@ -53,7 +53,7 @@ class NativeInt8Matmul:
         self._gather_dot.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3
         self._codes_gather_dot = library.fairserve_codes_gather_dot
         self._codes_gather_dot.restype = ctypes.c_int
-        self._codes_gather_dot.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+        self._codes_gather_dot.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
                                            + [ctypes.c_int64] * 3)
         self._quantize = library.fairserve_screen_quantize
         self._quantize.restype = ctypes.c_int
@@ -61,7 +61,7 @@ class NativeInt8Matmul:
         self._pick = library.fairserve_screen_pick
         self._pick.restype = ctypes.c_int64
         self._pick.argtypes = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 6
-                               + [ctypes.c_double] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+                               + [ctypes.c_double] * 3 + [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 2
                                + [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64])
         self._codes_screen = library.fairserve_codes_screen
         self._codes_screen.restype = ctypes.c_int
@@ -73,7 +73,8 @@ class NativeInt8Matmul:
                                      + [ctypes.c_int64] * 4)
         self._codes_quads = library.fairserve_codes_screen_quads
         self._codes_quads.restype = ctypes.c_int
-        self._codes_quads.argtypes = self._codes_screen.argtypes
+        self._codes_quads.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] + [ctypes.c_void_p] * 4
+                                      + [ctypes.c_int64] * 4)
         available = library.fairserve_codes_screen_quads_available
         available.restype = ctypes.c_int
         self.has_codes_quads = bool(available())
@@ -123,16 +124,21 @@ class NativeInt8Matmul:
         largest output in each panel of PANEL tokens. With `half_scales` (codes_screen_half.py,
         of `coded`) the kernel reads them instead of the float scales and offsets: the same
         outputs, bit for bit, from fewer bytes. `out`: [rows, V] float32 rows to write (e.g. a
-        ReusedRows'), else fresh ones."""
-        if half_scales is None:
+        ReusedRows'), else fresh ones. A weight in the half form (weight_codes.py) is read
+        through the half-scale kernel from its own half scales."""
+        if coded.half:
+            assert coded.zeros is not None
+            half, zeros = coded.scales, coded.zeros
+        elif half_scales is None:
             return self._from_codes(self._codes_screen, "", coded, x, torch.int16, x_scale.float(), maxima,
                                     out=out)
-        half, zeros = half_scales.scales, half_scales.zeros
+        else:
+            half, zeros = half_scales.scales, half_scales.zeros
         if (half.dtype != torch.float16 or zeros.dtype != torch.uint8 or half.shape != coded.scales.shape
                 or zeros.shape != coded.scales.shape or not (half.is_contiguous() and zeros.is_contiguous())):
             raise ValueError(f"codes screen: half scales {tuple(half.shape)} {half.dtype} and zeros "
                              f"{tuple(zeros.shape)} {zeros.dtype} for scales {tuple(coded.scales.shape)}")
-        return self._from_codes(self._codes_half, "", coded, x, torch.int16, x_scale.float(), maxima, half_scales,
+        return self._from_codes(self._codes_half, "", coded, x, torch.int16, x_scale.float(), maxima, (half, zeros),
                                 out)
 
     def codes_screen_quads(self, coded: CodedWeight, x: torch.Tensor, x_scales: torch.Tensor,
@@ -151,17 +157,18 @@ class NativeInt8Matmul:
 
     def _from_codes(self, function: ctypes._CFuncPtr, kernel: str, coded: CodedWeight, x: torch.Tensor,
                     dtype: torch.dtype, scales: torch.Tensor, maxima: torch.Tensor | None,
-                    half_scales: "HalfScales | None" = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    half: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """One of the codes kernels on rows `x` of `dtype` with their `scales`, checked first
-        (with `half_scales`, the symmetric kernel, which takes no float scales or offsets), into
-        `out` where given."""
+        (with `half`, half scales and zeros, the symmetric kernel, which takes no float scales or
+        offsets), into `out` where given."""
         if coded.bits != 8:
             raise ValueError(f"codes screen: {coded.bits}-bit codes (it reads bytes)")
         rows, in_features = x.shape
         if in_features != coded.in_features or x.dtype != dtype:
             raise ValueError(f"codes screen: {str(dtype).removeprefix('torch.')} rows of {in_features} entries "
                              f"for a head of {coded.in_features}")
-        if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
+        if not _contiguous(coded):
             raise ValueError("codes screen: codes, scales and offsets must be contiguous")
         x, scales = x.contiguous(), scales.contiguous()
         if out is None:
@@ -170,8 +177,12 @@ class NativeInt8Matmul:
               or not out.is_contiguous()):
             raise ValueError(f"codes screen: out {tuple(out.shape)} {out.dtype} for {rows} rows of "
                              f"{coded.out_features} tokens")
-        weight = ((coded.scales.data_ptr(), coded.offsets.data_ptr()) if half_scales is None
-                  else (half_scales.scales.data_ptr(), half_scales.zeros.data_ptr()))
+        if function is self._codes_quads:       # either form, by four pointers
+            weight: tuple[int | None, ...] = coded.scale_pointers()
+        elif half is None:
+            weight = (coded.scales.data_ptr(), coded.offsets.data_ptr())
+        else:
+            weight = (half[0].data_ptr(), half[1].data_ptr())
         status = function(coded.codes.data_ptr(), *weight, coded.group, x.data_ptr(), scales.data_ptr(),
                           out.data_ptr(), _pointer(maxima, rows, coded.out_features), coded.out_features,
                           coded.in_features, rows, torch.get_num_threads())
@@ -221,11 +232,10 @@ class NativeInt8Matmul:
         if coded.bits != 8 or x.dtype != torch.float32 or x.shape[1] != coded.in_features:
             raise ValueError(f"codes gather_dot: {coded.bits}-bit codes of {coded.in_features} inputs, "
                              f"{str(x.dtype).removeprefix('torch.')} rows of {x.shape[1]}")
-        if not all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets)):
+        if not _contiguous(coded):
             raise ValueError("codes gather_dot: codes, scales and offsets must be contiguous")
         x, rows, ids, out = _dot_pairs("codes gather_dot", x, rows, ids)
-        status = self._codes_gather_dot(coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
-                                        coded.group, x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
+        status = self._codes_gather_dot(coded.codes.data_ptr(), *coded.scale_pointers(), coded.group, x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
                                         ids.numel(), coded.in_features, torch.get_num_threads())
         if status:
             raise ValueError(f"codes gather_dot: group {coded.group} for {coded.in_features} inputs")
@@ -262,8 +272,7 @@ class NativeInt8Matmul:
         found = self._pick(approx.contiguous().data_ptr(), pointer, rows, vocab, count_list.data_ptr(), x.data_ptr(),
                            quantized.norms.data_ptr(), quantized.activation_error.data_ptr(),
                            norms.error.data_ptr(), norms.quant.data_ptr(), norms.slack, norms.max_error,
-                           norms.max_quant, coded.codes.data_ptr(), coded.scales.data_ptr(), coded.offsets.data_ptr(),
-                           coded.group, coded.in_features, out.data_ptr(), scratch.capacity, cand_rows.data_ptr(),
+                           norms.max_quant, coded.codes.data_ptr(), *coded.scale_pointers(), coded.group, coded.in_features, out.data_ptr(), scratch.capacity, cand_rows.data_ptr(),
                            cand_ids.data_ptr(), values.data_ptr(), torch.get_num_threads())
         if found == -1:
             return None
@@ -352,6 +361,10 @@ def _dot_pairs(name: str, x: torch.Tensor, rows: torch.Tensor,
     if rows.shape != ids.shape:
         raise ValueError(f"{name}: {rows.numel()} rows for {ids.numel()} ids")
     return x.contiguous(), rows, ids, torch.empty(ids.numel())
+
+
+def _contiguous(coded: CodedWeight) -> bool:
+    return all(t.is_contiguous() for t in (coded.codes, coded.scales, coded.offsets, coded.zeros) if t is not None)
 
 
 def _pointer(maxima: torch.Tensor | None, rows: int, cols: int) -> int | None:
