@@ -15,10 +15,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from common.step import NewSequence, StepBatch, WorkItem
+from common.types import SamplingParams
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.lora.registry import LoraConfig
 from services.worker.engine.models.gemma3_text import Gemma3ForCausalLM
 from services.worker.engine.models.loader import load_own_model, own_model_class
 from services.worker.wiring import build_engine
+from tests.fixtures.tiny_lora import save_random_adapter
 from tests.fixtures.tiny_model import gemma3_config, llama_config, save_tiny_model
 from tests.unit.worker.engine_helpers import Driver, RecordingSampler, prompt_of
 
@@ -88,6 +92,38 @@ def test_an_engine_on_our_classes_gives_transformers_logits_bitwise(checkpoint: 
     assert isinstance(model, Gemma3ForCausalLM) and not isinstance(their_model, Gemma3ForCausalLM)
     assert tokens == their_tokens
     assert len(rows) == len(their_rows) == 24
+    assert all(torch.equal(a, b) for a, b in zip(rows, their_rows))
+
+
+def _with_adapter(checkpoint: Path, adapter: Path, **settings: str) -> tuple[torch.nn.Module, dict[str, list[int]],
+                                                                           list[torch.Tensor]]:
+    engine = build_engine(EngineConfig(model_dir=str(checkpoint), model_key="tiny", num_blocks=128, block_size=4,
+                                       lora=LoraConfig(modules={"all": str(adapter)}, max_loras=2, max_rank=8),
+                                       **settings))
+    recorder = RecordingSampler(engine.sampler)
+    engine.sampler = recorder
+    requests = {"plain": (prompt_of(9, 2), None), "adapted": (prompt_of(13, 5), "all")}
+    new = [NewSequence(seq_id, tuple(prompt), (), SamplingParams(), lora_name=name)
+           for seq_id, (prompt, name) in requests.items()]
+    tokens: dict[str, list[int]] = {seq_id: [] for seq_id in requests}
+    while live := [seq_id for seq_id in requests if len(tokens[seq_id]) < 6]:
+        for result in engine.step(StepBatch(new_sequences=new, work=[WorkItem(s, 5) for s in live])).results:
+            assert not result.error, result
+            tokens[result.seq_id].extend(result.token_ids)
+        new = []
+    return engine.model, tokens, [logits for logits, _ in recorder.rows]
+
+
+def test_adapters_on_our_classes_give_transformers_logits_bitwise(checkpoint: Path, tmp_path: Path) -> None:
+    config = json.loads((checkpoint / "config.json").read_text())
+    adapter = tmp_path / "all"
+    save_random_adapter(adapter, gemma3_config(vocab_size=config["vocab_size"]), seed=2, r=4,
+                        target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    model, tokens, rows = _with_adapter(checkpoint, adapter)
+    their_model, their_tokens, their_rows = _with_adapter(checkpoint, adapter, model_impl="transformers")
+    assert isinstance(model, Gemma3ForCausalLM) and not isinstance(their_model, Gemma3ForCausalLM)
+    assert tokens == their_tokens
+    assert len(rows) == len(their_rows) == 12
     assert all(torch.equal(a, b) for a, b in zip(rows, their_rows))
 
 
