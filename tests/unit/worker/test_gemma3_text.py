@@ -153,7 +153,12 @@ def _with_config(tmp_path: Path, checkpoint: Path, **changes: object) -> Path:
 
 
 @pytest.mark.parametrize("changes", [{"final_logit_softcapping": 30.0}, {"hidden_activation": "silu"},
-                                     {"attention_bias": True}, {"architectures": ["Gemma3ForConditionalGeneration"]}])
+                                     {"attention_bias": True}, {"architectures": ["Gemma3ForConditionalGeneration"]},
+                                     {"quantization_config": {"quant_method": "gptq"}},
+                                     {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                             "rope_theta": 1e6},
+                                                          "sliding_attention": {"rope_type": "default",
+                                                                                "rope_theta": 1e4}}}])
 def test_a_variant_our_classes_do_not_compute_loads_transformers_class(tmp_path: Path, checkpoint: Path,
                                                                         changes: dict) -> None:
     assert own_model_class(_with_config(tmp_path, checkpoint, **changes)) is None

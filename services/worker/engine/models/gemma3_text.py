@@ -215,6 +215,8 @@ def supports(config: TextConfig) -> str | None:
         return "attention bias or bidirectional attention"
     if config.get("attn_logit_softcapping") or config.get("final_logit_softcapping"):
         return "logit softcapping"
+    if config.get("quantization_config"):
+        return "quantized weights"
     types = config.get("layer_types") or []
     rope = config.get("rope_parameters") or {}
     if not types or any(not isinstance(rope.get(kind), dict) or rope[kind].get("rope_type") != "default"
