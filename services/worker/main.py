@@ -23,7 +23,7 @@ if __name__ == "__main__":
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
@@ -41,6 +41,7 @@ from common.transport.worker_auth import worker_token_interceptors
 from services.kvcache.client import KvIndexClient
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.drain import leave
+from services.worker.idle_release import IdleRelease
 from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered
@@ -82,10 +83,12 @@ async def serve(settings: WorkerSettings) -> None:
     metrics_port = serve_metrics(settings.metrics_port, metrics.registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr, auth=settings.internal)
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish, snapshot_source(engine_thread.snapshot))
+    idle = (IdleRelease(settings.idle_release_s, engine.accelerators.release_freed_host_memory)
+            if settings.idle_release_s > 0 and engine.device.type == "cpu" else None)
     service = WorkerService(engine_thread, settings.worker_id, metrics,
                             on_block_events=partial(add_events, publisher),
                             kv_events_unacknowledged=lambda: publisher.unacknowledged,
-                            after_step=pacer.after_step if pacer else None,
+                            after_step=_after_step(pacer.after_step if pacer else None, idle),
                             before_step=pacer.before_step if pacer else None)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
@@ -99,6 +102,8 @@ async def serve(settings: WorkerSettings) -> None:
     stop = asyncio.Event()
     registration, link = _start_registration(settings, address, service, stop)
     tasks = [registration, asyncio.create_task(publisher.run(settings.kv_publish_interval_s, stop))]
+    if idle is not None:
+        tasks.append(asyncio.create_task(idle.run(engine_thread.run, stop)))
     await stops.graceful.wait()
     # Leaving: no more heartbeats or registering again (the drain's calls count as
     # heartbeats); Steps are served until the scheduler has taken over.
@@ -113,6 +118,20 @@ async def serve(settings: WorkerSettings) -> None:
     if link.channel is not None:
         await link.channel.close()
     await kv_client.close()
+
+
+def _after_step(paced: Callable[[int, float], None] | None,
+                idle: IdleRelease | None) -> Callable[[int, float], None] | None:
+    """What runs on the engine's thread after each step: the thread pacer's measure (`paced`)
+    and the idle release's clock, where they serve."""
+    if idle is None:
+        return paced
+
+    def after_step(decode_rows: int, wall_s: float) -> None:
+        if paced is not None:
+            paced(decode_rows, wall_s)
+        idle.stepped()
+    return after_step
 
 
 def _start_registration(settings: WorkerSettings, address: str, service: WorkerService,

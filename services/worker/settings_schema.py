@@ -62,6 +62,7 @@ class WorkerSchema(
         "cpu_prefill_weights",
         "cpu_prefill_gemm",
         "cpu_thread_policy",
+        "host_memory_idle_release_s",
         "lm_head_screen",
         "lm_head_screen_max_rows",
         "lm_head_screen_weights",
@@ -258,6 +259,13 @@ class WorkerSchema(
             ' weight; `codes` expands the codes for every wide step regardless (into a plain weight '
             'that oneDNN reorders on each call where the layout is not known: prefill at ~0.93x). '
             'Decode never reaches these (`docs/engine.md`, "Prefill from the codes")'
+        ))
+    host_memory_idle_release_s: float = Field(5.0, ge=0,
+        description=(
+            'on CPU, once no step has run for this many seconds the worker hands the memory its steps'
+            " freed back to the system (kept between steps otherwise: a step allocates the same "
+            'buffers again), ~100 MB on the default model after eight streams; the next steps fault '
+            'them in again (a few ms). 0 never hands it back'
         ))
     cpu_thread_policy: Literal[CPU_THREAD_POLICIES] = Field('adaptive',
         description=(
