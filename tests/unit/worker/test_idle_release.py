@@ -6,6 +6,7 @@ and, on the real allocator, a burst's freed buffers leave the process."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ from services.worker.main import _after_step
 from services.worker.settings import WorkerSettings
 
 
+@dataclass
 class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
+    """Seconds that pass only when a test moves `now`."""
+    now: float = 100.0
 
     def __call__(self) -> float:
         return self.now
