@@ -33,10 +33,13 @@ def own_model_class(model_dir: str | Path) -> type[Gemma3ForCausalLM] | None:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    config = TextConfig.read(model_dir)
+    return _class_for(TextConfig.read(model_dir), Path(model_dir))
+
+
+def _class_for(config: TextConfig, model_dir: Path) -> type[Gemma3ForCausalLM] | None:
     names = config.get("architectures") or []
     cls = ARCHITECTURES.get(names[0]) if len(names) == 1 else None
-    if cls is None or supports(config) is not None or not _weight_files(Path(model_dir)):
+    if cls is None or supports(config) is not None or not _weight_files(model_dir):
         return None
     return cls
 
@@ -45,10 +48,10 @@ def load_own_model(model_dir: str | Path, dtype: torch.dtype) -> torch.nn.Module
     """The checkpoint in `model_dir` in its own class (own_model_class must have named one), its
     weights views of the files' mappings, in `dtype`."""
     model_dir = Path(model_dir)
-    cls = own_model_class(model_dir)
+    config = TextConfig.read(model_dir)
+    cls = _class_for(config, model_dir)
     if cls is None:
         raise ValueError(f"{model_dir}: no model class of our own computes this checkpoint")
-    config = TextConfig.read(model_dir)
     model = cls(config, _generation_config(model_dir), device="meta")
     state = _read_weights(model_dir, dtype)
     tied = config.tie_word_embeddings

@@ -23,7 +23,6 @@ class TextConfig:
             values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
         self.__dict__.update(values)
         self.name_or_path = name_or_path
-        self._keys = tuple(values)
 
     @classmethod
     def read(cls, model_dir: str | Path) -> TextConfig:
