@@ -199,13 +199,15 @@ class WorkerSchema(
             "checkpoint, device or setting loads transformers' class. `transformers` always loads "
             "transformers' class"
         ))
-    cpu_gemm_cache_entries: int = Field(32, ge=0, le=65536,
+    cpu_gemm_cache_entries: int = Field(8, ge=0, le=65536,
         description=(
             "on CPU, the GEMM shapes oneDNN's primitive cache and torch's own GEMM cache each keep at"
             " most (the libraries' `ONEDNN_PRIMITIVE_CACHE_CAPACITY` and `LRU_CACHE_CAPACITY`, which "
             'win where set). Every prefill step of a new row count adds ~6 MB on the default model, '
             "so with the libraries' default of 1,024 entries a long-running worker grew by hundreds "
-            'of MB; `0` keeps their default (`docs/engine.md`)'
+            'of MB. The default keeps one row count of up to eight weight shapes (a decoder has at most '
+            'five); fewer than a model has makes every GEMM of a step create its primitive again. `0` '
+            "keeps the libraries' default (`docs/engine/cpu-forward.md`)"
         ))
     cpu_weight_codes: Literal[CPU_WEIGHT_CODES_MODES] = Field('auto',
         description=(

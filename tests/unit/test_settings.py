@@ -85,7 +85,7 @@ def test_worker_lm_head_screen_settings() -> None:
     with pytest.raises(SettingsError, match="LM_HEAD_SCREEN_MAX_ROWS"):
         WorkerSettings.from_env({"LM_HEAD_SCREEN_MAX_ROWS": "-1"})
     assert WorkerSettings.from_env({}).engine.lm_head_screen_activations == "auto"
-    assert WorkerSettings.from_env({}).engine.cpu_gemm_cache_entries == 32
+    assert WorkerSettings.from_env({}).engine.cpu_gemm_cache_entries == 8
     assert WorkerSettings.from_env({"CPU_GEMM_CACHE_ENTRIES": "0"}).engine.cpu_gemm_cache_entries == 0
     with pytest.raises(SettingsError, match="CPU_GEMM_CACHE_ENTRIES"):
         WorkerSettings.from_env({"CPU_GEMM_CACHE_ENTRIES": "-3"})

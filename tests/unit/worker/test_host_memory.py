@@ -65,3 +65,21 @@ def test_a_cpu_engine_caps_the_gemm_caches_before_its_first_gemm(monkeypatch: py
     build_engine(EngineConfig(model_dir="", num_blocks=16, block_size=4, cpu_gemm_cache_entries=24),
                  model=build_model(gemma3_config()))
     assert seen == [{"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "24", "LRU_CACHE_CAPACITY": "24"}]
+
+
+def test_the_default_gemm_cache_holds_every_weight_shape_of_one_step() -> None:
+    """A cap below a step's distinct weight shapes would make every GEMM of a wide step create
+    its primitive again (the LRU evicts each shape before its next layer reads it)."""
+    from services.worker.engine.config import EngineConfig
+    from services.worker.engine.cpu.linear.cpu_linear import PackedLinear
+    from services.worker.wiring import build_engine
+    from tests.fixtures.tiny_model import build_model, gemma3_config
+
+    # The default model's projections in small: queries wider than the hidden size, one key/value
+    # head, so q, k/v, o, gate/up and down are five shapes, as on Gemma 3 270M.
+    model = build_model(gemma3_config(head_dim=32, intermediate_size=192))
+    engine = build_engine(EngineConfig(model_dir="", num_blocks=16, block_size=4), model=model)
+    shapes = {(module.out_features, module.in_features) for module in engine.model.modules()
+              if isinstance(module, PackedLinear)}
+    assert len(shapes) == 5
+    assert len(shapes) <= EngineConfig(model_dir="").cpu_gemm_cache_entries
