@@ -29,8 +29,9 @@ from services.worker.engine.cpu.kernels.native_build import NativeBuildError, de
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "native", "sdpa")
-# Contexts shorter than this are never split across threads (the merge would cost more).
-MIN_SPLIT_CONTEXT = 512
+# Contexts shorter than this are never split across threads (docs/engine/attention.md: at one
+# sequence a split paid from ~50 tokens of context on the 2-core AMD EPYC Zen 4; 512 before).
+MIN_SPLIT_CONTEXT = 64
 # The kernel works on 8 floats at a time: head dimensions must be multiples of it.
 VECTOR_WIDTH = 8
 # A check mismatch beyond this relative error disables the kernel.
