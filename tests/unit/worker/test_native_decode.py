@@ -149,3 +149,15 @@ def test_a_kernel_that_fails_its_check_is_not_used(tmp_path: Path, monkeypatch: 
     with pytest.raises(ValueError, match="start-up check failed"):
         load_decode_kernel("native", CPU, torch.float32, BLOCK_SIZE, cache_dir)
     assert os.listdir(cache_dir)   # it did build
+
+
+def test_a_lone_sequence_splits_its_context_across_the_threads_from_a_short_context() -> None:
+    """One stream's decode (W1: ~300 tokens) attends on every thread; short contexts, enough
+    pairs for the threads, or one thread keep one range per pair."""
+    assert native_decode.context_splits(1, 1, 2, 300) == 2
+    assert native_decode.context_splits(1, 1, 2, MIN_SPLIT_CONTEXT) == 2
+    assert native_decode.context_splits(1, 1, 2, MIN_SPLIT_CONTEXT - 1) == 1
+    assert native_decode.context_splits(1, 1, 4, 300) == 4
+    assert native_decode.context_splits(2, 1, 2, 300) == 1
+    assert native_decode.context_splits(1, 1, 1, 300) == 1
+    assert MIN_SPLIT_CONTEXT <= 128
