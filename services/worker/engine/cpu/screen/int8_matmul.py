@@ -235,8 +235,9 @@ class NativeInt8Matmul:
         if not _contiguous(coded):
             raise ValueError("codes gather_dot: codes, scales and offsets must be contiguous")
         x, rows, ids, out = _dot_pairs("codes gather_dot", x, rows, ids)
-        status = self._codes_gather_dot(coded.codes.data_ptr(), *coded.scale_pointers(), coded.group, x.data_ptr(), rows.data_ptr(), ids.data_ptr(), out.data_ptr(),
-                                        ids.numel(), coded.in_features, torch.get_num_threads())
+        status = self._codes_gather_dot(coded.codes.data_ptr(), *coded.scale_pointers(), coded.group, x.data_ptr(),
+                                        rows.data_ptr(), ids.data_ptr(), out.data_ptr(), ids.numel(),
+                                        coded.in_features, torch.get_num_threads())
         if status:
             raise ValueError(f"codes gather_dot: group {coded.group} for {coded.in_features} inputs")
         return out
@@ -272,7 +273,8 @@ class NativeInt8Matmul:
         found = self._pick(approx.contiguous().data_ptr(), pointer, rows, vocab, count_list.data_ptr(), x.data_ptr(),
                            quantized.norms.data_ptr(), quantized.activation_error.data_ptr(),
                            norms.error.data_ptr(), norms.quant.data_ptr(), norms.slack, norms.max_error,
-                           norms.max_quant, coded.codes.data_ptr(), *coded.scale_pointers(), coded.group, coded.in_features, out.data_ptr(), scratch.capacity, cand_rows.data_ptr(),
+                           norms.max_quant, coded.codes.data_ptr(), *coded.scale_pointers(), coded.group,
+                           coded.in_features, out.data_ptr(), scratch.capacity, cand_rows.data_ptr(),
                            cand_ids.data_ptr(), values.data_ptr(), torch.get_num_threads())
         if found == -1:
             return None
