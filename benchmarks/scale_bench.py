@@ -146,26 +146,36 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     return result
 
 
-# Output tokens/s one scheduler keeps up with (docs/scaling.md, measured with GenerateMany: 24-29k
-# on one core of the Zen 4 VM, at ~30-35 µs of its CPU a token). The default layout gives each
-# shard at most this much of the workers' ideal rate.
-SCHEDULER_TOKENS_PER_S = 28_000
+# Output tokens/s one scheduler keeps up with on one core of the Zen 4 VM (docs/scaling.md, with
+# GenerateMany), by the decode runs a step may take (DECODE_STEPS): ~30-35 µs of its CPU a token
+# with one, ~15 with four, ~8 with sixteen. The default layout gives each shard at most this much
+# of the workers' ideal rate.
+SCHEDULER_TOKENS_PER_S = {1: 28_000, 4: 55_000, 16: 107_000}
+# What docs/scaling.md recommends for a pool of GPU-class workers: sixteen runs a step.
+RECOMMENDED_DECODE_STEPS = 16
 
 
-def default_shards(workers: int, costs: StepCosts) -> int:
+def scheduler_tokens_per_s(decode_steps: int) -> int:
+    """What one scheduler keeps up with at `decode_steps` (the measured figure at or below it)."""
+    return SCHEDULER_TOKENS_PER_S[max(runs for runs in SCHEDULER_TOKENS_PER_S if runs <= max(decode_steps, 1))]
+
+
+def default_shards(workers: int, costs: StepCosts, decode_steps: int = RECOMMENDED_DECODE_STEPS) -> int:
     """The layout docs/scaling.md recommends for `workers` such workers: one scheduler while their
-    decode rate (a full batch every decode step) is within SCHEDULER_TOKENS_PER_S, else as many
-    shards as that rate needs (64 H200-class workers: 8)."""
+    decode rate (a full batch every decode step) is within what one keeps up with, else as many
+    shards as that rate needs (64 H200-class workers at sixteen runs a step: 2)."""
     rate = workers * costs.decode_batch * 1000.0 / costs.decode_ms
-    return max(1, min(workers, math.ceil(rate / SCHEDULER_TOKENS_PER_S)))
+    return max(1, min(workers, math.ceil(rate / scheduler_tokens_per_s(decode_steps))))
 
 
 def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     profile = f"{args.profile}/scheduler-{workers}.prof" if args.profile else None
-    shards = default_shards(workers, costs) if args.shards == "auto" else min(int(args.shards), workers)
+    decode_steps = args.decode_steps
+    shards = (default_shards(workers, costs, decode_steps) if args.shards == "auto"
+              else min(int(args.shards), workers))
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
                          profile=profile, log_dir=args.logs, log_level=args.log_level,
-                         shards=shards, exchange=not args.no_exchange)
+                         shards=shards, exchange=not args.no_exchange, decode_steps=decode_steps)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
         gaps, busy = stack.worker_steps()
@@ -187,6 +197,7 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "index_blocks": index.get("blocks", 0),
             "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
             "slowdown": args.slowdown, "stream": args.stream, "shards": config.shards,
+            "decode_steps": config.decode_steps,
             "exchange": config.exchange and config.shards > 1,
             "scheduler_cpu_util_by_shard": [round(value / seconds, 3) for value in stack.scheduler_cpu_by_shard],
             "tenant_token_shares": {tenant: round(tokens / load.tokens, 3) for tenant, tokens
@@ -268,7 +279,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--shards", default="auto", type=_shards_arg,
                         help="schedulers, each with its share of the workers and the others as SCHEDULER_PEERS; "
                              "auto: the layout docs/scaling.md recommends for each count (one scheduler per "
-                             f"{SCHEDULER_TOKENS_PER_S:,} tokens/s of the workers' decode rate)")
+                             "what one keeps up with at --decode-steps, of the workers' decode rate)")
+    parser.add_argument("--decode-steps", type=int, default=RECOMMENDED_DECODE_STEPS,
+                        help="the schedulers' DECODE_STEPS: decode runs a step may take (docs/scaling.md "
+                             "recommends 16 for GPU-class workers; 1: one decode a step)")
     parser.add_argument("--no-exchange", action="store_true", help="shards do not exchange their tenants' service")
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--pin-tenant", action="store_true",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from benchmarks.sim_prefix_cache import SimPrefixCache
@@ -80,6 +80,7 @@ class SimEngine:
                                device="simulated", dtype="bfloat16", max_model_len=max_model_len,
                                eos_token_ids=[SIM_EOS], vocab_size=SIM_VOCAB)
         self.epoch = 0
+        self.runs_decode_steps = True   # WorkerService leaves WorkItem.decode_steps to step()
         self.pending_s = 0.0
         self._seqs: dict[str, _Seq] = {}
         self._used_blocks = 0
@@ -117,10 +118,70 @@ class SimEngine:
                 decodes += 1
             else:
                 prefill += computed
-        self.pending_s = self.costs.step_s(decodes, prefill)
+        step_s = self.costs.step_s(decodes, prefill)
+        if self.runs_decode_steps:
+            step_s += self._more_runs(batch, results)
+        self.pending_s += step_s
         self.cache.evict_to(self.info.num_blocks - self._used_blocks)
-        return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=self.pending_s * 1000.0,
+        return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=step_s * 1000.0,
                           step_id=batch.step_id, batch_tokens=decodes + prefill, prompt_tokens=prefill)
+
+    def _more_runs(self, batch: StepBatch, results: list[SeqResult]) -> float:
+        """The decodes' further runs (WorkItem.decode_steps), as a device running them back to
+        back would: each sequence's tokens added to its result, and the runs' modelled time
+        returned. The worker's own loop (services/worker/decode_steps.py) would do the same with
+        a Python pass per run; here those passes would cost the process that hosts every simulated
+        worker, which a real worker's own cores pay. The runs are not interrupted by an arrival."""
+        going = [index for index, item in enumerate(batch.work)
+                 if item.decode_steps > 1 and results[index].sampled and results[index].token_id != SIM_EOS]
+        more: dict[int, list[int]] = {index: [] for index in going}
+        seconds, run = self._all_runs(batch, going, more), 1
+        if seconds:
+            going = []
+        while going:
+            going = [index for index in going if batch.work[index].decode_steps > run
+                     and self._decode_again(self._seqs[batch.work[index].seq_id], more[index])]
+            seconds += self.costs.step_s(len(going), 0) if going else 0.0
+            run += 1
+        for index, tokens in more.items():
+            if tokens:
+                result = results[index]
+                results[index] = replace(result, more_token_ids=result.more_token_ids + tuple(tokens),
+                                         num_computed_tokens=self._seqs[result.seq_id].computed)
+        return seconds
+
+    def _all_runs(self, batch: StepBatch, going: list[int], more: dict[int, list[int]]) -> float:
+        """Every run at once, when the pool holds them all (else 0.0 and nothing done; the runs
+        then go one at a time, each sequence taking blocks while they last)."""
+        runs = {index: batch.work[index].decode_steps - 1 for index in going}
+        seqs = {index: self._seqs[batch.work[index].seq_id] for index in going}
+        grow = sum(self._blocks(seqs[i].computed + runs[i] + 1) - self._blocks(seqs[i].computed) for i in going)
+        if not going or self._used_blocks + grow > self.info.num_blocks:
+            return 0.0
+        for index in going:
+            seq, count = seqs[index], runs[index]
+            self._used_blocks += self._blocks(seq.computed + count) - self._blocks(seq.computed)
+            seq.computed += count
+            tokens = [sim_token(position) for position in range(seq.known, seq.known + count)]
+            seq.tokens.extend(tokens)
+            more[index].extend(tokens)
+            self._cache_computed(seq)
+        longest = max(runs.values())
+        return sum(self.costs.step_s(sum(1 for count in runs.values() if count >= run), 0)
+                   for run in range(1, longest + 1))
+
+    def _decode_again(self, seq: _Seq, tokens: list[int]) -> bool:
+        """One more decode of a sequence whose last token was just sampled; False when the pool
+        has no block for it."""
+        if self._blocks(seq.computed + 2) - self._blocks(seq.computed) + self._used_blocks > self.info.num_blocks:
+            return False
+        self._used_blocks += self._blocks(seq.computed + 1) - self._blocks(seq.computed)
+        seq.computed += 1
+        self._cache_computed(seq)
+        token = sim_token(seq.known)
+        seq.tokens.append(token)
+        tokens.append(token)
+        return True
 
     def _start(self, new: NewSequence) -> _Seq:
         """A new sequence from the longest cached prefix of its tokens' full blocks, short of

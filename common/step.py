@@ -84,6 +84,14 @@ class WorkItem:
     seq_id: str
     num_tokens: int         # compute at most this many of the sequence's not-yet-computed tokens
     draft_tokens: int = 0   # a decode may also verify up to this many speculative tokens
+    # A decode may run up to this many times in the step (multi-step decoding,
+    # services/worker/decode_steps.py), each verifying up to draft_tokens drafts.
+    decode_steps: int = 1
+
+    @property
+    def extra_tokens(self) -> int:
+        """The most tokens its result may carry beyond the one sampled token."""
+        return self.decode_steps * (1 + self.draft_tokens) - 1
 
 
 @dataclass(frozen=True)

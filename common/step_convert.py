@@ -36,7 +36,8 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
                                               lora_name=n.lora_name, lora_path=n.lora_path,
                                               lora_digest=n.lora_digest)
                        for n in batch.new_sequences],
-        work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
+        work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens,
+                                  decode_steps=w.decode_steps)
               for w in batch.work],
         free_seq_ids=batch.free_seq_ids,
         after_step_id=batch.after_step_id,
@@ -55,7 +56,8 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
                                            sink_tokens=s.kv_policy.sink_tokens),
                         lora_name=s.lora_name, lora_path=s.lora_path, lora_digest=s.lora_digest)
             for s in message.new_sequences),
-        work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens)
+        work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens,
+                            decode_steps=max(w.decode_steps, 1))
                    for w in message.work),
         free_seq_ids=tuple(message.free_seq_ids),
         after_step_id=message.after_step_id,

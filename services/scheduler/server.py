@@ -304,12 +304,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         current one runs, so the worker starts it as soon as the current one
         ends instead of waiting a round trip and a planning pass."""
         worker_id = link.worker_id
-        depth = self._core.config.max_steps_in_flight
+        # With multi-step decodes an arrival may deepen the pipeline (SchedulerCore.step_depth):
+        # the loop then waits for a reply or a wake-up even with every step slot taken.
+        deepens = self._core.config.decode_steps > 1
         steps = step_link(self._settings.step_transport, link.stub, self._settings.step_timeout_s or None)
         sent: deque[_SentStep] = deque()
         try:
             while self._links.get(worker_id) is link and self._core.has_worker(worker_id):
                 link.wake.clear()
+                depth = self._core.step_depth(worker_id)
                 if len(sent) < depth:
                     plan = self._core.plan_step(worker_id)
                     self._metrics.observe_queue_waits(self._core.drain_queue_waits())
@@ -324,7 +327,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     await link.wake.wait()
                     continue
                 oldest = sent[0]
-                if len(sent) < depth and not await self._reply_or_wake(oldest.call, link.wake):
+                if (len(sent) < depth or deepens) and not await self._reply_or_wake(oldest.call, link.wake):
                     continue   # new work arrived: plan it before the reply
                 try:
                     reply = await oldest.call

@@ -46,6 +46,7 @@ class SchedulerSettings:
     speculative_tokens: int = 4
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
+    decode_steps: int = 4           # core/decode_steps.py: runs a decode may take in one step
     max_migrations: int = _CORE.max_migrations
     worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py
     detached_ttl_s: float = 3600.0   # detached.py: how long an ended detached request is kept
@@ -88,6 +89,7 @@ class SchedulerSettings:
             speculative_tokens=values.speculative_tokens,
             speculative_max_batch=values.speculative_max_batch,
             speculative_sampled=values.speculative_sampled,
+            decode_steps=values.decode_steps,
             max_migrations=values.max_migrations,
             worker_recovery_s=values.worker_recovery_s,
             detached_ttl_s=values.detached_ttl_s,
@@ -115,7 +117,7 @@ class SchedulerSettings:
             routing_load_slack=self.routing_load_slack,
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
-            speculative_sampled=self.speculative_sampled,
+            speculative_sampled=self.speculative_sampled, decode_steps=self.decode_steps,
             max_migrations=self.max_migrations,
             worker_recovery_s=self.worker_recovery_s,
             kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),

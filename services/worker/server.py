@@ -17,6 +17,7 @@ from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_p
 from common.transport.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
 from common.step_convert import pool_to_proto, step_batch_from_proto
+from services.worker.decode_steps import run_decode_steps
 from services.worker.step_order import StepOrder
 from services.worker.step_spans import record_step_spans
 from services.worker.step_stream import replies_in_order
@@ -106,8 +107,13 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         self._before_step = before_step    # on the engine's thread: whether the step is decode-only (the same)
         self.counters = StepCounters()
         self.last_pool = self._engine.pool_stats()
+        self._stop_token_ids = frozenset(self._engine.info.eos_token_ids)
+        # Steps received that bring new sequences and have not started: a multi-step decode
+        # in progress stops at its next run (decode_steps.py) rather than make them wait.
+        self._arrivals_waiting = 0
 
-    def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
+    def _run_once(self, batch: StepBatch) -> StepOutput:
+        """One run of the engine, between the CPU pacer's hooks."""
         decodes = not batch.new_sequences and all(item.num_tokens == 1 for item in batch.work)
         if self._before_step is not None:
             self._before_step(decodes)
@@ -115,6 +121,14 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         output = self._engine.step(batch)   # adopts or refuses the batch's epoch first
         if self._after_step is not None:
             self._after_step(len(batch.work) if decodes else 0, time.perf_counter() - started)
+        return output
+
+    def _run_step(self, batch: StepBatch) -> tuple[StepOutput, int]:
+        if getattr(self._engine, "runs_decode_steps", False):   # it runs a step's decode runs itself
+            output = self._run_once(batch)
+        else:
+            output = run_decode_steps(batch, self._run_once, self._stop_token_ids,
+                                      interrupted=lambda: self._arrivals_waiting > 0)
         events = self._engine.drain_events()
         if events and self._on_block_events is not None:
             self._on_block_events(events)
@@ -134,12 +148,18 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
     async def _step(self, request: worker_pb2.StepRequest,
                     context: grpc.aio.ServicerContext) -> worker_pb2.StepResponse:
         batch = step_batch_from_proto(request)
+        arrival = bool(batch.new_sequences)
+        self._arrivals_waiting += arrival
         try:
             async with self._order.turn(request.step_id, request.after_step_id, request.epoch):
+                self._arrivals_waiting -= arrival
+                arrival = False
                 started_ns = time.time_ns()
                 output, running = await self._thread.run(lambda: self._run_step(batch))
         except ValueError as error:  # malformed batch: the engine changed nothing
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        finally:
+            self._arrivals_waiting -= arrival
         record_step_spans(request.trace_context, batch, output, started_ns, time.time_ns(), self._worker_id)
         self._record(batch, output, running)
         self._log_step(batch, output)

@@ -7,7 +7,8 @@ Invariants, for every running request:
 - num_computed counts the tokens of every step in flight as computed;
 - inflight_samples is the number of steps in flight expected to end with a
   sample for it (their chunk reaches every token the worker will hold);
-- inflight_drafts is the sum of the draft tokens granted to it in those steps.
+- inflight_drafts is the sum of the tokens beyond one sample that those steps
+  may bring it (their drafts, and their further decodes: WorkItem.extra_tokens).
 A request preempted, finished or moved to another worker while a step ran has
 had these reset (RequestBook.detach); retiring that step leaves it alone.
 """
@@ -26,7 +27,7 @@ def dispatch(step: StepBatch, by_seq: Mapping[str, RequestState]) -> frozenset[s
     for item in step.work:
         request = by_seq[item.seq_id]
         request.num_computed += item.num_tokens
-        request.inflight_drafts += item.draft_tokens
+        request.inflight_drafts += item.extra_tokens
         if request.num_computed >= request.worker_tokens:
             request.inflight_samples += 1
             sampling.add(item.seq_id)
@@ -42,5 +43,5 @@ def retire(done: InFlightStep, by_seq: Mapping[str, RequestState], worker_id: st
             request.inflight_samples -= 1
     for item in done.plan.work:
         request = by_seq.get(item.seq_id)
-        if item.draft_tokens and request is not None and request.worker_id == worker_id:
-            request.inflight_drafts -= item.draft_tokens
+        if item.extra_tokens and request is not None and request.worker_id == worker_id:
+            request.inflight_drafts -= item.extra_tokens

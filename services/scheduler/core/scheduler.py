@@ -303,7 +303,7 @@ class SchedulerCore:
             `apply_step` gets its outcome; None when nothing is runnable.
         """
         worker = self._workers[worker_id]
-        if len(worker.in_flight) >= self._config.max_steps_in_flight:
+        if len(worker.in_flight) >= self.step_depth(worker_id):
             raise RuntimeError(f"worker {worker_id} already has {len(worker.in_flight)} step(s) in flight")
         frees, releasing_blocks = worker.take_frees()
         plan = StepBuilder(next(self._step_ids), worker.available_blocks() + releasing_blocks,
@@ -314,6 +314,17 @@ class SchedulerCore:
         if step is not None:
             worker.in_flight.append(InFlightStep(step, plan.available_blocks, dispatch(step, self._by_seq)))
         return step
+
+    def step_depth(self, worker_id: str) -> int:
+        """How many steps the worker may have in flight now: `max_steps_in_flight`, and one more
+        while a step of multi-step decodes is in flight and a request waits to be admitted there,
+        so that its prefill reaches the worker now (the worker ends those decodes at their next
+        run when a step bringing new sequences waits behind them) instead of after them."""
+        worker = self._workers[worker_id]
+        depth = self._config.max_steps_in_flight
+        if worker.pending and any(item.decode_steps > 1 for step in worker.in_flight for item in step.plan.work):
+            depth += 1
+        return depth
 
     def apply_step(self, worker_id: str, outcome: StepOutput) -> list[RequestUpdate]:
         """Feeds a worker's step results back; returns what the streams get.

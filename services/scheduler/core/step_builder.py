@@ -23,6 +23,7 @@ class _Planned(NamedTuple):
     blocks: int         # pool blocks they take beyond what the sequence holds
     is_decode: bool
     drafts: int         # speculative tokens the decode may verify
+    decode_steps: int   # times the decode may run in the step (decode_steps.py)
 
 
 class StepBuilder:
@@ -35,13 +36,14 @@ class StepBuilder:
         self.new_sequences: list[NewSequence] = []
         self._work: dict[str, _Planned] = {}
 
-    def add(self, seq_id: str, num_tokens: int, blocks: int, is_decode: bool, drafts: int = 0) -> None:
-        self._work[seq_id] = _Planned(num_tokens, blocks, is_decode, drafts)
+    def add(self, seq_id: str, num_tokens: int, blocks: int, is_decode: bool, drafts: int = 0,
+            decode_steps: int = 1) -> None:
+        self._work[seq_id] = _Planned(num_tokens, blocks, is_decode, drafts, decode_steps)
         self.token_budget -= num_tokens + drafts
         self.available_blocks -= blocks
 
     def drop(self, seq_id: str) -> None:
-        planned = self._work.pop(seq_id, _Planned(0, 0, False, 0))
+        planned = self._work.pop(seq_id, _Planned(0, 0, False, 0, 1))
         self.token_budget += planned.num_tokens + planned.drafts
         self.available_blocks += planned.blocks
 
@@ -73,7 +75,7 @@ class StepBuilder:
         """The step to send (in the worker's registration `epoch`), or None when it would do nothing."""
         if not (self._work or self.frees or self.new_sequences):
             return None
-        work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts)
+        work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts, planned.decode_steps)
                      for seq_id, planned in self._work.items())
         return StepBatch(step_id=self.step_id, new_sequences=tuple(self.new_sequences), work=work,
                         free_seq_ids=tuple(self.frees), after_step_id=after_step_id, epoch=epoch)

@@ -26,6 +26,7 @@ from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.fairness.slot_fairness import slot_victim
+from services.scheduler.core.decode_steps import multi_stepping, runs_allowance
 from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
@@ -82,6 +83,7 @@ class StepPlanner:
     def _plan_decodes(self, worker: WorkerState, plan: StepBuilder) -> None:
         config = self._config
         drafting = speculating(config.speculative_tokens, config.speculative_max_batch, len(worker.active))
+        multi = multi_stepping(config.decode_steps, bool(worker.pending or worker.prefilling))
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
@@ -95,7 +97,19 @@ class StepPlanner:
                 allowed = drafting and drafts_allowed(request.kv_cap_tokens, request.sampling.is_greedy,
                                                       config.speculative_sampled)
                 drafts, extra = self._draft_allowance(worker, plan, request, needed) if allowed else (0, 0)
-                plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
+                runs, more = (self._runs_allowance(worker, plan, request, needed + extra, drafts)
+                              if multi and not request.kv_cap_tokens else (1, 0))
+                plan.add(request.seq_id, 1, needed + extra + more, is_decode=True, drafts=drafts,
+                         decode_steps=runs)
+
+    def _runs_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
+                        taken: int, drafts: int) -> tuple[int, int]:
+        """(runs, extra blocks) for a decode whose first run takes `taken` blocks."""
+        return runs_allowance(
+            decode_steps=self._config.decode_steps, drafts=drafts,
+            outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
+            num_computed=request.num_computed, held_blocks=worker.blocks_held(request) + taken,
+            spare_blocks=plan.available_blocks - taken, block_size=worker.spec.block_size)
 
     def _draft_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
                          needed: int) -> tuple[int, int]:

@@ -61,6 +61,10 @@ class _StepTotals:
 
 
 class Engine:
+    # A step's work items that ask for several decode runs (WorkItem.decode_steps) are run by
+    # the worker's loop (services/worker/decode_steps.py), one step() a run.
+    runs_decode_steps = False
+
     def __init__(self, config: EngineConfig, model: torch.nn.Module | None = None,
                  graph_capture: GraphCapture | None = None, accelerators: Accelerators | None = None) -> None:
         """An engine over `model` (else config.model_dir's checkpoint) with the speed-ups that

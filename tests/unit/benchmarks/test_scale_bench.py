@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 
 from benchmarks.scale_bench import default_shards, main, parse, with_ideal
-from benchmarks.sim_engine import SimEngine, StepCosts
+from benchmarks.sim_engine import SimEngine, StepCosts, sim_token
 from common.step import NewSequence, StepBatch, StepError, WorkItem
 from services.worker.engine.types import StaleEpoch
 
 
 def test_the_default_layout_is_one_scheduler_until_its_measured_limit_then_shards() -> None:
     h200 = StepCosts()          # a decode step of 20 ms for 64 sequences: 3,200 tokens/s a worker
-    assert [default_shards(n, h200) for n in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 8]
+    assert [default_shards(n, h200) for n in (1, 16, 34, 64)] == [1, 1, 2, 2]     # sixteen runs a step
+    assert [default_shards(n, h200, decode_steps=1) for n in (1, 8, 9, 16, 64)] == [1, 1, 2, 2, 8]
+    assert default_shards(64, h200, decode_steps=8) == 4     # the figure measured at four runs
     assert default_shards(128, h200.scaled(32)) == 1        # 32x slower workers: one keeps up
     assert default_shards(2, StepCosts(decode_ms=1, decode_batch=1000)) == 2   # never more than workers
     assert parse(["--workers", "64"]).shards == "auto" and parse(["--shards", "3"]).shards == "3"
@@ -34,12 +36,42 @@ def test_sim_engine_prefills_in_chunks_then_decodes() -> None:
     assert engine.pending_s == pytest.approx(0.006)
     second = engine.step(StepBatch(work=(WorkItem("a", 6),)))
     assert second.results[0].sampled and second.results[0].num_computed_tokens == 10
+    engine.pending_s = 0.0     # as the engine thread takes it after each step
     decode = engine.step(StepBatch(work=(WorkItem("a", 1), WorkItem("a", 1), WorkItem("b", 1))))
     assert [r.error for r in decode.results] == [StepError.NONE, StepError.DUPLICATE_WORK,
                                                 StepError.UNKNOWN_SEQUENCE]
     assert engine.pending_s == pytest.approx(0.020)
     engine.step(StepBatch(free_seq_ids=("a",)))
     assert engine.running_sequences() == 0 and engine.pool_stats().used_blocks == 0
+
+
+def test_sim_engine_runs_a_steps_decode_runs_as_a_device_would() -> None:
+    engine = SimEngine(StepCosts(decode_ms=20, decode_batch=2, prefill_tok_s=1000), num_blocks=5, block_size=4)
+    engine.step(StepBatch(new_sequences=(NewSequence("a", tuple(range(7))), NewSequence("b", (1, 2, 3))),
+                          work=(WorkItem("a", 7), WorkItem("b", 3))))
+    engine.pending_s = 0.0
+    out = engine.step(StepBatch(work=(WorkItem("a", 1, 0, 8), WorkItem("b", 1, 0, 2))))
+    a, b = out.results
+    assert len(b.token_ids) == 2 and b.num_computed_tokens == 5
+    assert a.token_ids == tuple(sim_token(position) for position in range(8, 12))   # the pool ends its runs
+    assert a.num_computed_tokens == 11
+    assert engine.pending_s == pytest.approx(0.020 * 4)   # two runs of both, two of a alone
+    assert engine.pool_stats().used_blocks == 5
+
+
+def test_sim_engine_runs_all_at_once_when_the_pool_holds_them_as_one_by_one() -> None:
+    outputs = []
+    for num_blocks in (5, 64):       # 5: one run at a time (the test above); 64: all at once
+        engine = SimEngine(StepCosts(decode_ms=20, decode_batch=2, prefill_tok_s=1000), num_blocks=num_blocks,
+                           block_size=4)
+        engine.step(StepBatch(new_sequences=(NewSequence("a", tuple(range(7))), NewSequence("b", (1, 2, 3))),
+                              work=(WorkItem("a", 7), WorkItem("b", 3))))
+        engine.pending_s = 0.0
+        out = engine.step(StepBatch(work=(WorkItem("a", 1, 0, 3), WorkItem("b", 1, 0, 2))))
+        outputs.append(([(r.token_ids, r.num_computed_tokens) for r in out.results], engine.pending_s,
+                        engine.pool_stats().used_blocks))
+    assert outputs[0] == outputs[1]
+    assert outputs[1][1] == pytest.approx(0.020 * 3)
 
 
 def test_sim_engine_refuses_an_older_epoch_and_frees_on_a_newer() -> None:

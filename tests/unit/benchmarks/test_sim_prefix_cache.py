@@ -19,6 +19,7 @@ COSTS = StepCosts(decode_ms=20, decode_batch=8, prefill_tok_s=1000)
 
 def prefill(engine: SimEngine, seq_id: str, prompt: list[int], salt: str = ""):
     """A prompt's whole prefill in one step: its result and the step's modelled seconds."""
+    engine.pending_s = 0.0     # as the engine thread takes it after each step
     output = engine.step(StepBatch(new_sequences=(NewSequence(seq_id, tuple(prompt), cache_salt=salt),),
                                    work=(WorkItem(seq_id, len(prompt)),)))
     return output.results[0], engine.pending_s

@@ -1,0 +1,40 @@
+"""Multi-step decoding's allowance: how many times a decode may run in one step (the worker
+runs them back to back: services/worker/decode_steps.py) and the blocks their slots take.
+
+A decode of `drafts` drafts brings up to 1 + drafts tokens a run, so R runs bring up to
+R * (1 + drafts) and need slots up to position num_computed + R * (1 + drafts):
+
+    held blocks              | blocks the runs may add
+    [ . . . . | . . . c r | r r r r | r r r . ]     c: computed  r: a run's slots
+
+R never lets a request pass max_tokens even if every run keeps every draft, never needs more
+blocks than the step has to spare, and is 1 (one run, as without multi-step) while a request
+waits on the worker (queued or prefilling): its prefill should not wait out the runs.
+"""
+
+from __future__ import annotations
+
+from services.scheduler.core.state import blocks_for
+
+
+def multi_stepping(decode_steps: int, waiting: bool) -> bool:
+    """Whether decodes on a worker may run several times a step: multi-step decoding is on
+    (decode_steps > 1) and no request waits there."""
+    return decode_steps > 1 and not waiting
+
+
+def runs_allowance(*, decode_steps: int, drafts: int, outputs_left: int, num_computed: int,
+                   held_blocks: int, spare_blocks: int, block_size: int) -> tuple[int, int]:
+    """(runs, blocks beyond `held_blocks`) for one decode; at least one run.
+
+    decode_steps: the most runs (CoreConfig.decode_steps).
+    drafts: the decode's draft tokens a run.
+    outputs_left: max_tokens minus the outputs the request has if everything in flight is kept.
+    num_computed: tokens the sequence holds before the decode.
+    held_blocks: blocks the sequence holds once one run (its token and drafts) has its slots.
+    spare_blocks: the step's available blocks left after that.
+    """
+    per_run = 1 + drafts
+    capacity = (held_blocks + max(spare_blocks, 0)) * block_size - num_computed
+    runs = max(1, min(decode_steps, outputs_left // per_run, capacity // per_run))
+    return runs, max(blocks_for(num_computed + runs * per_run, block_size) - held_blocks, 0)

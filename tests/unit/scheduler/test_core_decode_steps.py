@@ -1,0 +1,121 @@
+"""Multi-step decoding in the core (core/decode_steps.py) with the worker's runs
+(services/worker/decode_steps.py) over the fake engine: the same tokens as one decode a
+step, nothing past max_tokens, EOS or a stop token, fewer steps; no runs while a request
+waits on the worker; and an arrival's step reaches a worker whose steps in flight run
+several decodes (one step deeper) instead of waiting behind them."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.core.decode_steps import multi_stepping, runs_allowance
+from services.scheduler.core.types import CoreConfig, FinishReason
+from services.worker.decode_steps import run_decode_steps
+
+from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, reference_output
+from tests.unit.scheduler.harness import Harness
+
+
+def _config(depth: int, **overrides: object) -> CoreConfig:
+    values: dict[str, object] = dict(max_steps_in_flight=depth, prefill_chunk_size=8, max_batch_size=4,
+                                     decode_steps=4)
+    values.update(overrides)
+    return CoreConfig(**values)  # type: ignore[arg-type]
+
+
+def _running_the_runs(engine: FakeEngine) -> FakeEngine:
+    """The engine as the worker's server drives it: each step's runs back to back."""
+    one_run = engine.step
+    engine.step = lambda plan: run_decode_steps(plan, one_run, {EOS_TOKEN_ID})  # type: ignore[method-assign]
+    return engine
+
+
+def test_the_allowance_is_bounded_by_max_tokens_and_blocks_and_is_never_zero() -> None:
+    common = dict(num_computed=30, held_blocks=8, block_size=4)
+    assert runs_allowance(decode_steps=4, drafts=0, outputs_left=100, spare_blocks=100, **common) == (4, 1)
+    assert runs_allowance(decode_steps=4, drafts=2, outputs_left=100, spare_blocks=100, **common) == (4, 3)
+    assert runs_allowance(decode_steps=4, drafts=2, outputs_left=7, spare_blocks=100, **common) == (2, 1)
+    assert runs_allowance(decode_steps=8, drafts=0, outputs_left=100, spare_blocks=1, **common) == (6, 1)
+    assert runs_allowance(decode_steps=8, drafts=0, outputs_left=1, spare_blocks=0, **common) == (1, 0)
+    assert multi_stepping(4, waiting=False) and not multi_stepping(4, waiting=True)
+    assert not multi_stepping(1, waiting=False)
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+@pytest.mark.parametrize("num_blocks", [256, 30])    # 30: preemptions and recomputes
+@pytest.mark.parametrize("drafts", [0, 2])
+def test_runs_stream_the_reference_tokens_up_to_max_tokens(depth: int, num_blocks: int, drafts: int) -> None:
+    engine = _running_the_runs(FakeEngine(num_blocks=num_blocks, accepted_drafts=drafts))
+    h = Harness(_config(depth, speculative_tokens=drafts), engine)
+    prompts = {}
+    for n in range(6):
+        prompt = tuple(range(20 + 3 * n, 25 + 7 * n))
+        prompts[h.submit(prompt, max_tokens=3 + 5 * n, priority=n % 3).request_id] = (prompt, 3 + 5 * n)
+    h.run()
+    for rid, (prompt, max_tokens) in prompts.items():
+        stream = h.streams[rid]
+        assert stream.finish is not None and stream.finish.reason is FinishReason.LENGTH
+        assert stream.token_ids == reference_output(prompt, max_tokens)
+        assert stream.finish.usage.completion_tokens == max_tokens
+    assert any(item.decode_steps > 1 for plan in h.plans["w0"] for item in plan.work)
+    engine.check_invariants()
+    assert not engine.seqs and engine.pool().used_blocks == 0
+
+
+def test_a_lone_request_takes_fewer_steps_than_tokens() -> None:
+    single, multi = Harness(_config(2, decode_steps=1), FakeEngine()), \
+        Harness(_config(2), _running_the_runs(FakeEngine()))
+    for h in (single, multi):
+        h.submit(range(10, 18), max_tokens=40)
+        h.run()
+    assert [s.token_ids for s in multi.streams.values()] == [s.token_ids for s in single.streams.values()]
+    assert multi.steps * 2 < single.steps
+
+
+def test_no_token_past_eos_or_a_stop_token_within_a_step() -> None:
+    def next_token(tokens):   # 7, 8, 9, ... then EOS as the tenth output token
+        return EOS_TOKEN_ID if len(tokens) == 8 + 9 else 7 + len(tokens) - 8
+    engine = _running_the_runs(FakeEngine(next_token=next_token))
+    h = Harness(_config(2), engine)
+    eos = h.submit(range(10, 18), max_tokens=40).request_id
+    stop = h.submit(range(30, 38), max_tokens=40, stop_token_ids=frozenset({11})).request_id
+    h.run()
+    assert h.streams[eos].token_ids == [*range(7, 16), EOS_TOKEN_ID]
+    assert h.streams[eos].finish.reason is FinishReason.STOP
+    assert h.streams[stop].token_ids == [7, 8, 9, 10, 11]
+    assert h.streams[stop].finish.reason is FinishReason.STOP
+    assert not engine.seqs
+
+
+def test_no_runs_while_a_request_waits_on_the_worker() -> None:
+    engine = _running_the_runs(FakeEngine())
+    h = Harness(_config(1), engine)
+    first = h.submit(range(10, 18), max_tokens=200).request_id
+    for _ in range(4):
+        h.step()
+    assert h.plans["w0"][-1].work[0].decode_steps == 4
+    h.submit(range(40, 48), max_tokens=8)       # queued on the worker: its prefill goes next
+    h.step()
+    step = h.plans["w0"][-1]
+    assert step.new_sequences and all(item.decode_steps == 1 for item in step.work)
+    assert any(item.seq_id.startswith(first) for item in step.work)
+
+
+def test_an_arrival_behind_runs_in_flight_is_planned_at_once_one_step_deeper() -> None:
+    engine = _running_the_runs(FakeEngine())
+    h = Harness(_config(2), engine)
+    h.submit(range(10, 18), max_tokens=200)
+    for _ in range(4):
+        h.step()
+    core = h.core
+    while len(h.sent["w0"]) < 2:                  # both step slots taken by runs of decodes
+        h.sent["w0"].append(core.plan_step("w0"))
+    assert all(item.decode_steps > 1 for step in h.sent["w0"] for item in step.work)
+    assert core.step_depth("w0") == 2
+    arrival = h.submit(range(40, 48), max_tokens=8).request_id
+    assert core.step_depth("w0") == 3
+    third = core.plan_step("w0")
+    assert third is not None and [new.seq_id for new in third.new_sequences][0].startswith(arrival)
+    assert third.after_step_id == h.sent["w0"][-1].step_id
+    with pytest.raises(RuntimeError):
+        core.plan_step("w0")
