@@ -38,7 +38,12 @@ def take_tokens(request: RequestState, tokens: Sequence[int], logprobs: Sequence
     """Appends a step's sampled tokens to the request's output up to the first
     one that finishes it (speculative tokens past a stop or max_tokens are
     dropped); returns the ones kept (what the request is charged for) and the
-    finish reason, if any."""
+    finish reason, if any. Tokens none of which can end the request (a step's run of
+    decodes, mostly) are taken in bulk."""
+    if not _may_finish(request, tokens, eos_token_ids):
+        request.output.extend(tokens)
+        padded = (*logprobs, *(None,) * (len(tokens) - len(logprobs)))
+        return tuple(map(TokenOut, tokens, padded)), None
     out: list[TokenOut] = []
     for index, token_id in enumerate(tokens):
         request.output.append(token_id)
@@ -47,3 +52,14 @@ def take_tokens(request: RequestState, tokens: Sequence[int], logprobs: Sequence
         if reason is not None:
             return tuple(out), reason
     return tuple(out), None
+
+
+def _may_finish(request: RequestState, tokens: Sequence[int], eos_token_ids: Collection[int]) -> bool:
+    """Whether one of `tokens` could end the request: it reaches max_tokens, or one of them is
+    an EOS (unless ignored) or stop token (min_tokens is left to the token-by-token check)."""
+    if len(request.output) + len(tokens) >= request.max_tokens:
+        return True
+    spec = request.spec
+    if spec.stop_token_ids and not spec.stop_token_ids.isdisjoint(tokens):
+        return True
+    return not spec.ignore_eos and any(token_id in eos_token_ids for token_id in tokens)

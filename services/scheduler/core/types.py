@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 from enum import StrEnum
 
 from common.step import KvPolicy
@@ -162,8 +163,9 @@ class WorkerSpec:
 
 # ---- what the clients see ----
 
-@dataclass(frozen=True)
-class TokenOut:
+class TokenOut(NamedTuple):
+    """One output token as its stream gets it (a tuple: one is made per token served)."""
+
     token_id: int
     logprob: TokenLogprob | None = None
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from common.types import Constraint, ConstraintKind, SamplingParams
+from common.types import Constraint, ConstraintKind, SamplingParams, TokenLogprob
+from services.scheduler.core.state import RequestState
 from services.scheduler.core.stopping import finish_reason, take_tokens
 from services.scheduler.core.types import FinishReason, RequestSpec
 from tests.unit.scheduler.plain_state import make_request
@@ -60,3 +61,30 @@ def test_take_tokens_keeps_tokens_up_to_the_first_that_finishes() -> None:
     assert [token.token_id for token in out] == [7, 1] and reason is FinishReason.STOP
     out, reason = take_tokens(make_request(3, prompt=(5,), max_tokens=10), (7, 8), (), EOS)
     assert len(out) == 2 and reason is None
+
+
+def test_tokens_that_cannot_end_the_request_are_taken_as_one_by_one() -> None:
+    """The bulk path gives what the token-by-token check gives, stops and logprobs included."""
+    logprob = TokenLogprob(logprob=-0.25)
+    cases = [((5, 6, 7), (logprob, None)), ((5, 9, 7), ()), ((5, 6, 1), ()), ((5, 6, 7, 8, 8, 8), ())]
+    for tokens, logprobs in cases:
+        for spec_fields in ({}, {"stop_token_ids": frozenset({9})}, {"ignore_eos": True}, {"min_tokens": 4}):
+            spec = RequestSpec("r", (1, 2), max_tokens=8, **spec_fields)  # type: ignore[arg-type]
+            request = RequestState.arriving(spec, "c", max_tokens=8, arrival_s=0.0, arrival_order=0, worker_id="w")
+            request.output.extend([3, 3, 3])
+            out, reason = take_tokens(request, tokens, logprobs, {1})
+            kept = []
+            expected_reason = None
+            for index, token in enumerate(tokens):
+                kept.append(token)
+                generated = 3 + len(kept)
+                if (not spec.ignore_eos and token == 1 and generated >= spec.min_tokens) or \
+                        (generated >= spec.min_tokens and token in spec.stop_token_ids):
+                    expected_reason = "stop"
+                    break
+                if generated >= 8:
+                    expected_reason = "length"
+                    break
+            assert [t.token_id for t in out] == kept and request.output == [3, 3, 3, *kept]
+            assert (reason.value if reason else None) == expected_reason
+            assert [t.logprob for t in out] == [logprobs[i] if i < len(logprobs) else None for i in range(len(kept))]
