@@ -136,8 +136,9 @@ class SimEngine:
                  if item.decode_steps > 1 and results[index].sampled and results[index].token_id != SIM_EOS]
         more: dict[int, list[int]] = {index: [] for index in going}
         seconds, run = self._all_runs(batch, going, more), 1
-        if seconds:
+        if seconds is not None:
             going = []
+        seconds = seconds or 0.0
         while going:
             going = [index for index in going if batch.work[index].decode_steps > run
                      and self._decode_again(self._seqs[batch.work[index].seq_id], more[index])]
@@ -150,14 +151,14 @@ class SimEngine:
                                          num_computed_tokens=self._seqs[result.seq_id].computed)
         return seconds
 
-    def _all_runs(self, batch: StepBatch, going: list[int], more: dict[int, list[int]]) -> float:
-        """Every run at once, when the pool holds them all (else 0.0 and nothing done; the runs
-        then go one at a time, each sequence taking blocks while they last)."""
+    def _all_runs(self, batch: StepBatch, going: list[int], more: dict[int, list[int]]) -> float | None:
+        """Every run at once, when the pool holds them all, and their modelled time (else None and
+        nothing done; the runs then go one at a time, each sequence taking blocks while they last)."""
         runs = {index: batch.work[index].decode_steps - 1 for index in going}
         seqs = {index: self._seqs[batch.work[index].seq_id] for index in going}
         grow = sum(self._blocks(seqs[i].computed + runs[i] + 1) - self._blocks(seqs[i].computed) for i in going)
         if not going or self._used_blocks + grow > self.info.num_blocks:
-            return 0.0
+            return None
         for index in going:
             seq, count = seqs[index], runs[index]
             self._used_blocks += self._blocks(seq.computed + count) - self._blocks(seq.computed)

@@ -10,6 +10,8 @@ Order within a step (PREFILL_MODE=mixed, the default):
 
 In the alternating mode a step is either the decodes or the prefill work, taking
 turns while both wait; a prefill turn with nothing to send falls back to decodes.
+A decode may verify drafts (speculation.py) and, while no request waits on the
+worker, run several times in the step (decode_steps.py).
 """
 
 from __future__ import annotations
