@@ -475,8 +475,10 @@ class TestAlternatingPrefillAndCancel:
 class TestTwoWorkers:
     @pytest.fixture(scope="class")
     def stack(self, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+        # One decode a step: the kill below must land while the streams run, and in runs of
+        # several decodes (DECODE_STEPS) the tiny model outpaces the test's own start-up.
         yield from class_stack(tmp_path_factory, tiny_model_dir, "two-workers", 2,
-                               {"PREFILL_MODE": "mixed", "PREFILL_CHUNK_SIZE": str(CHUNK)})
+                               {"PREFILL_MODE": "mixed", "PREFILL_CHUNK_SIZE": str(CHUNK), "DECODE_STEPS": "1"})
 
     @pytest.fixture(scope="class")
     def prompts(self) -> Prompts:

@@ -1,8 +1,9 @@
 """Multi-step decoding in the core (core/decode_steps.py) with the worker's runs
 (services/worker/decode_steps.py) over the fake engine: the same tokens as one decode a
 step, nothing past max_tokens, EOS or a stop token, fewer steps; no runs while a request
-waits on the worker; and an arrival's step reaches a worker whose steps in flight run
-several decodes (one step deeper) instead of waiting behind them."""
+waits on the worker; an arrival's step reaches a worker whose steps in flight run several
+decodes (one step deeper) instead of waiting behind them; and a worker lost with steps of runs
+in flight costs its requests no token, lost or repeated."""
 
 from __future__ import annotations
 
@@ -119,3 +120,25 @@ def test_an_arrival_behind_runs_in_flight_is_planned_at_once_one_step_deeper() -
     assert third.after_step_id == h.sent["w0"][-1].step_id
     with pytest.raises(RuntimeError):
         core.plan_step("w0")
+
+
+def test_a_worker_lost_with_runs_in_flight_resumes_its_requests_elsewhere_exactly() -> None:
+    engines = {"w0": _running_the_runs(FakeEngine()), "w1": _running_the_runs(FakeEngine())}
+    h = Harness(_config(2), engines)
+    moved = h.submit(range(10, 18), max_tokens=60, hints={"w1": 8}).request_id
+    stays = h.submit(range(30, 38), max_tokens=60, hints={"w0": 8}).request_id
+    assert h.core.worker_of(moved) == "w1"
+    for _ in range(4):
+        h.step()
+    while len(h.sent["w1"]) < 2 and (step := h.core.plan_step("w1")) is not None:
+        h.sent["w1"].append(step)          # both step slots hold runs when it dies
+    assert any(item.decode_steps > 1 for step in h.sent["w1"] for item in step.work)
+    streamed = len(h.streams[moved].token_ids)
+    assert 0 < streamed < 60
+    h.engines.pop("w1")          # gone with its steps of runs in flight
+    h.deliver(h.core.remove_worker("w1", "w1 crashed"))
+    assert h.core.worker_of(moved) == "w0"
+    h.run()
+    assert h.streams[moved].token_ids == reference_output(range(10, 18), 60)
+    assert h.streams[stays].token_ids == reference_output(range(30, 38), 60)
+    assert h.core.stats().migrations == 1
