@@ -46,7 +46,7 @@ class SchedulerSettings:
     speculative_tokens: int = 4
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
-    decode_steps: int = 4           # core/decode_steps.py: runs a decode may take in one step
+    decode_steps: int = 4           # core/allowances/decode_steps.py: runs a decode may take in one step
     max_migrations: int = _CORE.max_migrations
     worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py
     detached_ttl_s: float = 3600.0   # detached.py: how long an ended detached request is kept

@@ -23,7 +23,7 @@ class _Planned(NamedTuple):
     blocks: int         # pool blocks they take beyond what the sequence holds
     is_decode: bool
     drafts: int         # speculative tokens the decode may verify
-    decode_steps: int   # times the decode may run in the step (decode_steps.py)
+    decode_steps: int   # times the decode may run in the step (allowances/decode_steps.py)
 
 
 class StepBuilder:

@@ -10,8 +10,8 @@ Order within a step (PREFILL_MODE=mixed, the default):
 
 In the alternating mode a step is either the decodes or the prefill work, taking
 turns while both wait; a prefill turn with nothing to send falls back to decodes.
-A decode may verify drafts (speculation.py) and, while no request waits on the
-worker, run several times in the step (decode_steps.py).
+A decode may verify drafts (allowances/speculation.py) and, while no request waits on the
+worker, run several times in the step (allowances/decode_steps.py).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.fairness.slot_fairness import slot_victim
-from services.scheduler.core.decode_steps import multi_stepping, runs_allowance
-from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
+from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance
+from services.scheduler.core.allowances.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
 from services.scheduler.core.types import CoreConfig, PrefillMode

@@ -74,7 +74,7 @@ class CoreConfig:
     speculative_tokens: int = 0
     speculative_max_batch: int = 0
     speculative_sampled: bool = True
-    # Multi-step decoding (decode_steps.py): while nothing waits on a worker (no request queued
+    # Multi-step decoding (allowances/decode_steps.py): while nothing waits on a worker (no request queued
     # or prefilling there), each decode may run up to this many times in one step; 1: off.
     decode_steps: int = 1
     # A request running on a worker that fails moves to another at most this

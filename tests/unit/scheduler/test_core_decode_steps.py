@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core.decode_steps import multi_stepping, runs_allowance
+from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance
 from services.scheduler.core.types import CoreConfig, FinishReason
 from services.worker.decode_steps import run_decode_steps
 

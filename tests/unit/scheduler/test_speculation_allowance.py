@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.scheduler.core.speculation import draft_allowance, drafts_allowed, speculating
+from services.scheduler.core.allowances.speculation import draft_allowance, drafts_allowed, speculating
 
 # A decode of a sequence holding 5 tokens (blocks of 4): its own token fits in
 # the 2 blocks it holds, which have 2 more free slots.
