@@ -140,15 +140,19 @@ def add_stream_event(message: scheduler_pb2.StreamEvents, stream: int, update: R
         item.refusal.CopyFrom(refusal_to_proto(update.rejection))
         return item.ByteSize()
     fill_generate_event(item.event, update)
-    plain = not update.prompt_logprobs and all(token.logprob is None for token in update.tokens)
+    plain = not update.prompt_logprobs and not update.logprobs
     return 8 + 6 * len(update.tokens) if plain and update.finish is None else item.ByteSize()
 
 
 def fill_generate_event(event: scheduler_pb2.GenerateEvent, update: RequestUpdate) -> None:
-    for token in update.tokens:
-        item = event.tokens.add(token_id=token.token_id)
-        if token.logprob is not None:
-            item.logprob.CopyFrom(logprob_to_proto(token.logprob))
+    if not update.logprobs:
+        add = event.tokens.add
+        for token_id in update.tokens:
+            add(token_id=token_id)
+    for token_id, logprob in zip(update.tokens, update.logprobs):
+        item = event.tokens.add(token_id=token_id)
+        if logprob is not None:
+            item.logprob.CopyFrom(logprob_to_proto(logprob))
     if update.prompt_logprobs:
         event.prompt_logprobs.extend(logprob_to_proto(logprob) for logprob in update.prompt_logprobs)
     if update.finish is not None:

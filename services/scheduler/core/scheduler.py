@@ -421,11 +421,11 @@ class SchedulerCore:
 
     def _stream(self, worker: WorkerState, request: RequestState, tokens: tuple[int, ...],
                 logprobs: tuple[TokenLogprob | None, ...]) -> RequestUpdate:
-        out, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids)
+        out, out_logprobs, reason = take_tokens(request, tokens, logprobs, worker.spec.eos_token_ids)
         self._vtc.charge_output(request.client_id, len(out), user=request.user)
         self._quotas.produced(request.request_id, len(out))
         finish = self._finish(request, reason) if reason is not None else None
-        return RequestUpdate(request.request_id, tokens=out, finish=finish,
+        return RequestUpdate(request.request_id, tokens=out, logprobs=out_logprobs, finish=finish,
                              prompt_logprobs=request.take_prompt_logprobs())
 
     def _finish(self, request: RequestState, reason: FinishReason, message: str = "") -> Finish:

@@ -15,7 +15,7 @@ from collections.abc import Collection, Sequence
 from common.types import TokenLogprob
 
 from services.scheduler.core.state import RequestState
-from services.scheduler.core.types import FinishReason, RequestSpec, TokenOut
+from services.scheduler.core.types import FinishReason, RequestSpec
 
 
 def finish_reason(spec: RequestSpec, max_tokens: int, generated: int, token_id: int,
@@ -34,24 +34,36 @@ def finish_reason(spec: RequestSpec, max_tokens: int, generated: int, token_id: 
 
 
 def take_tokens(request: RequestState, tokens: Sequence[int], logprobs: Sequence[TokenLogprob | None],
-                eos_token_ids: Collection[int]) -> tuple[tuple[TokenOut, ...], FinishReason | None]:
+                eos_token_ids: Collection[int]) -> tuple[tuple[int, ...], tuple[TokenLogprob | None, ...],
+                                                         FinishReason | None]:
     """Appends a step's sampled tokens to the request's output up to the first
     one that finishes it (speculative tokens past a stop or max_tokens are
-    dropped); returns the ones kept (what the request is charged for) and the
-    finish reason, if any. Tokens none of which can end the request (a step's run of
-    decodes, mostly) are taken in bulk."""
-    if not _may_finish(request, tokens, eos_token_ids):
-        request.output.extend(tokens)
-        padded = (*logprobs, *(None,) * (len(tokens) - len(logprobs)))
-        return tuple(map(TokenOut, tokens, padded)), None
-    out: list[TokenOut] = []
-    for index, token_id in enumerate(tokens):
-        request.output.append(token_id)
-        out.append(TokenOut(token_id=token_id, logprob=logprobs[index] if index < len(logprobs) else None))
-        reason = finish_reason(request.spec, request.max_tokens, len(request.output), token_id, eos_token_ids)
-        if reason is not None:
-            return tuple(out), reason
-    return tuple(out), None
+    dropped).
+
+    Returns:
+        The tokens kept (what the request is charged for), their logprobs (aligned with them;
+        empty when none has one) and the finish reason, if any. Tokens none of which can end
+        the request (a step's run of decodes, mostly) are taken in bulk.
+    """
+    kept, reason = len(tokens), None
+    if _may_finish(request, tokens, eos_token_ids):
+        for index, token_id in enumerate(tokens):
+            reason = finish_reason(request.spec, request.max_tokens, len(request.output) + index + 1, token_id,
+                                   eos_token_ids)
+            if reason is not None:
+                kept = index + 1
+                break
+    out = tuple(tokens[:kept])
+    request.output.extend(out)
+    return out, _aligned(logprobs, kept), reason
+
+
+def _aligned(logprobs: Sequence[TokenLogprob | None], count: int) -> tuple[TokenLogprob | None, ...]:
+    """The first `count` logprobs, padded with None to `count`; () when none of them is set."""
+    head = tuple(logprobs[:count])
+    if all(logprob is None for logprob in head):
+        return ()
+    return head + (None,) * (count - len(head))
 
 
 def _may_finish(request: RequestState, tokens: Sequence[int], eos_token_ids: Collection[int]) -> bool:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple
 from enum import StrEnum
 
 from common.step import KvPolicy
@@ -163,13 +162,6 @@ class WorkerSpec:
 
 # ---- what the clients see ----
 
-class TokenOut(NamedTuple):
-    """One output token as its stream gets it (a tuple: one is made per token served)."""
-
-    token_id: int
-    logprob: TokenLogprob | None = None
-
-
 @dataclass(frozen=True)
 class Finish:
     reason: FinishReason
@@ -191,7 +183,10 @@ class RequestUpdate:
     or a rejection before anything was streamed."""
 
     request_id: str
-    tokens: tuple[TokenOut, ...] = ()
+    tokens: tuple[int, ...] = ()      # output token ids
+    # Each token's logprob, aligned with `tokens`; empty when none of them has one (plain ids:
+    # nothing is made per token served).
+    logprobs: tuple[TokenLogprob | None, ...] = ()
     finish: Finish | None = None
     rejection: Rejection | None = None
     # With the first tokens of a request with sampling.prompt_logprobs: the logprobs

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import count
+from typing import NamedTuple
 
 from common.types import TokenLogprob
 from services.scheduler.core.types import (
-    CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SubmitResult, TokenOut,
+    CoreConfig, Finish, Rejection, RequestSpec, RequestUpdate, SubmitResult,
 )
 from services.scheduler.core.scheduler import SchedulerCore
 from common.step import StepBatch
@@ -28,11 +29,18 @@ class FakeClock:
         self.now += seconds
 
 
+class Streamed(NamedTuple):
+    """One token as a stream got it."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
 @dataclass
 class Stream:
     """What one client saw on its Generate stream."""
 
-    tokens: list[TokenOut] = field(default_factory=list)
+    tokens: list[Streamed] = field(default_factory=list)
     finish: Finish | None = None
     rejection: Rejection | None = None
     first_token_step: int | None = None
@@ -126,7 +134,9 @@ class Harness:
                 stream.prompt_logprobs.extend(update.prompt_logprobs)
             if update.tokens and stream.first_token_step is None:
                 stream.first_token_step = self.steps
-            stream.tokens.extend(update.tokens)
+            assert not update.logprobs or len(update.logprobs) == len(update.tokens), "aligned, or none"
+            stream.tokens.extend(Streamed(token_id, update.logprobs[index] if update.logprobs else None)
+                                 for index, token_id in enumerate(update.tokens))
             if update.finish is not None:
                 stream.finish = update.finish
                 stream.finish_step = self.steps

@@ -53,13 +53,13 @@ def test_ignore_eos_keeps_the_stop_tokens() -> None:
 
 def test_take_tokens_keeps_tokens_up_to_the_first_that_finishes() -> None:
     request = make_request(1, prompt=(5,), max_tokens=3)
-    out, reason = take_tokens(request, (7, 8, 9, 10), (None,), EOS)
-    assert [token.token_id for token in out] == [7, 8, 9] and reason is FinishReason.LENGTH
+    out, logprobs, reason = take_tokens(request, (7, 8, 9, 10), (None,), EOS)
+    assert out == (7, 8, 9) and logprobs == () and reason is FinishReason.LENGTH
     assert request.output[-3:] == [7, 8, 9]       # the 10 after max_tokens is dropped, never charged
     request = make_request(2, prompt=(5,), max_tokens=10)
-    out, reason = take_tokens(request, (7, 1, 9), (), EOS)
-    assert [token.token_id for token in out] == [7, 1] and reason is FinishReason.STOP
-    out, reason = take_tokens(make_request(3, prompt=(5,), max_tokens=10), (7, 8), (), EOS)
+    out, _, reason = take_tokens(request, (7, 1, 9), (), EOS)
+    assert out == (7, 1) and reason is FinishReason.STOP
+    out, _, reason = take_tokens(make_request(3, prompt=(5,), max_tokens=10), (7, 8), (), EOS)
     assert len(out) == 2 and reason is None
 
 
@@ -72,7 +72,7 @@ def test_tokens_that_cannot_end_the_request_are_taken_as_one_by_one() -> None:
             spec = RequestSpec("r", (1, 2), max_tokens=8, **spec_fields)  # type: ignore[arg-type]
             request = RequestState.arriving(spec, "c", max_tokens=8, arrival_s=0.0, arrival_order=0, worker_id="w")
             request.output.extend([3, 3, 3])
-            out, reason = take_tokens(request, tokens, logprobs, {1})
+            out, out_logprobs, reason = take_tokens(request, tokens, logprobs, {1})
             kept = []
             expected_reason = None
             for index, token in enumerate(tokens):
@@ -85,6 +85,7 @@ def test_tokens_that_cannot_end_the_request_are_taken_as_one_by_one() -> None:
                 if generated >= 8:
                     expected_reason = "length"
                     break
-            assert [t.token_id for t in out] == kept and request.output == [3, 3, 3, *kept]
+            assert list(out) == kept and request.output == [3, 3, 3, *kept]
             assert (reason.value if reason else None) == expected_reason
-            assert [t.logprob for t in out] == [logprobs[i] if i < len(logprobs) else None for i in range(len(kept))]
+            expected = [logprobs[i] if i < len(logprobs) else None for i in range(len(kept))]
+            assert list(out_logprobs) == (expected if any(expected) else [])   # aligned, or () when none
