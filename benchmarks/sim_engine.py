@@ -82,6 +82,7 @@ class SimEngine:
         self.epoch = 0
         self.runs_decode_steps = True   # WorkerService leaves WorkItem.decode_steps to step()
         self.pending_s = 0.0
+        self.last_step_id = 0   # of the last step run
         self._seqs: dict[str, _Seq] = {}
         self._used_blocks = 0
         self._hit_tokens = 0
@@ -103,6 +104,7 @@ class SimEngine:
         return -(-tokens // self.block_size)
 
     def step(self, batch: StepBatch) -> StepOutput:
+        self.last_step_id = batch.step_id
         for seq_id in batch.free_seq_ids:
             seq = self._seqs.pop(seq_id, None)
             if seq is not None:

@@ -45,26 +45,47 @@ T = TypeVar("T")
 
 
 class SimEngineThread(EngineThread):
-    """Runs the simulated engine's calls inline, then waits out the step's modelled time."""
+    """Runs the simulated engine's calls inline, then waits out the step's modelled time. A step
+    starts on the modelled device when it reached the worker or when the step before it ended,
+    whichever is later: not when this process's loop, shared by every simulated worker, gets to
+    it (a real worker's loop is its own and idle while its device runs)."""
 
     def __init__(self, engine: SimEngine) -> None:
         super().__init__(engine)   # type: ignore[arg-type]   (the engine's duck type)
         self._sim = engine
         self._free_at = 0.0
+        self._arrivals: dict[int, float] = {}   # step id -> when it reached the worker
         # Per step: its start (time.monotonic, the same clock in every process), the device's idle
         # time before it (from the previous step's end) and its modelled duration.
         self.steps: list[tuple[float, float, float]] = []
+
+    def arrived(self, step_id: int) -> None:
+        if len(self._arrivals) > 64:      # steps refused before they ran
+            self._arrivals.clear()
+        self._arrivals[step_id] = time.monotonic()
 
     async def run(self, function: Callable[[], T]) -> T:
         result = function()
         pending, self._sim.pending_s = self._sim.pending_s, 0.0
         if pending > 0:
             now = time.monotonic()
-            start = max(now, self._free_at)
-            self.steps.append((start, max(0.0, now - self._free_at) if self._free_at else 0.0, pending))
+            start = max(min(self._arrivals.pop(self._sim.last_step_id, now), now), self._free_at)
+            self.steps.append((start, max(0.0, start - self._free_at) if self._free_at else 0.0, pending))
             self._free_at = start + pending
             await asyncio.sleep(self._free_at - now)
         return result
+
+
+class SimWorkerService(WorkerService):
+    """The real worker service, noting when each step reaches it (SimEngineThread.arrived)."""
+
+    def __init__(self, thread: SimEngineThread, *args, **kwargs) -> None:
+        super().__init__(thread, *args, **kwargs)
+        self._sim_thread = thread
+
+    async def _step(self, request: worker_pb2.StepRequest, context) -> worker_pb2.StepResponse:
+        self._sim_thread.arrived(request.step_id)
+        return await super()._step(request, context)
 
 
 class SimWorker:
@@ -76,10 +97,10 @@ class SimWorker:
                                 {"device": "simulated"})
         self.publisher = (KvEventPublisher(self.worker_id, kv_index.publish, snapshot_source(self.thread.snapshot))
                           if kv_index is not None else None)
-        self.service = WorkerService(self.thread, self.worker_id, metrics,
-                                     on_block_events=partial(add_events, self.publisher) if self.publisher else None,
-                                     kv_events_unacknowledged=lambda: self.publisher.unacknowledged
-                                     if self.publisher else 0)
+        self.service = SimWorkerService(
+            self.thread, self.worker_id, metrics,
+            on_block_events=partial(add_events, self.publisher) if self.publisher else None,
+            kv_events_unacknowledged=lambda: self.publisher.unacknowledged if self.publisher else 0)
         self.server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, self.service)],
                                  [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                                  host, 0, internal)

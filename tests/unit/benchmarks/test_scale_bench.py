@@ -5,13 +5,16 @@ the index, and writes its rows."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
 
 from benchmarks.scale_bench import default_shards, main, parse, with_ideal
 from benchmarks.sim_engine import SimEngine, StepCosts, sim_token
+from benchmarks.sim_workers import SimEngineThread
 from common.step import NewSequence, StepBatch, StepError, WorkItem
 from services.worker.engine.types import StaleEpoch
 
@@ -72,6 +75,31 @@ def test_sim_engine_runs_all_at_once_when_the_pool_holds_them_as_one_by_one() ->
                         engine.pool_stats().used_blocks))
     assert outputs[0] == outputs[1]
     assert outputs[1][1] == pytest.approx(0.020 * 3)
+
+
+def test_a_step_that_reached_the_worker_early_starts_when_the_one_before_ends() -> None:
+    """The simulated device starts a queued step at the previous one's end, not when the event
+    loop (shared by every simulated worker) gets to it; a step arriving later starts then."""
+    engine = SimEngine(StepCosts(decode_ms=20, decode_batch=2, prefill_tok_s=1000))
+    thread = SimEngineThread(engine)
+    first = StepBatch(new_sequences=(NewSequence("a", tuple(range(60))),), work=(WorkItem("a", 60),), step_id=1)
+
+    async def scenario() -> None:
+        thread.arrived(1)
+        running = asyncio.ensure_future(thread.run(lambda: engine.step(first)))   # 60 ms modelled
+        await asyncio.sleep(0.01)
+        thread.arrived(2)               # while the first runs
+        await running
+        time.sleep(0.05)                # the shared loop busy elsewhere when the first ends
+        await thread.run(lambda: engine.step(StepBatch(work=(WorkItem("a", 1),), step_id=2)))
+        await asyncio.sleep(0.03)
+        thread.arrived(3)               # after the second ended: the device idled meanwhile
+        await thread.run(lambda: engine.step(StepBatch(work=(WorkItem("a", 1),), step_id=3)))
+
+    asyncio.run(scenario())
+    (start1, _, took1), (start2, gap2, _), (_, gap3, _) = thread.steps
+    assert start2 == pytest.approx(start1 + took1) and gap2 == 0.0
+    assert gap3 >= 0.02
 
 
 def test_sim_engine_refuses_an_older_epoch_and_frees_on_a_newer() -> None:
