@@ -44,6 +44,23 @@ class KvIndexClient:
                                         metadata=request_metadata(request_id))
         return convert.lookup_result_from_proto(reply)
 
+    async def lookup_many(self, queries: Sequence[tuple[Sequence[int], str]],
+                          request_ids: Sequence[str] = ()) -> list[LookupResult | None]:
+        """Token lookups, each (token ids, cache salt), in one call (LookupMany).
+
+        Args:
+            queries: at most the index's MAX_LOOKUPS_PER_CALL.
+            request_ids: the request each query is for, for the index's logs (aligned, or empty).
+
+        Returns:
+            Each query's result, aligned with them; None for a query the index refused.
+        """
+        request = kvindex_pb2.LookupManyRequest(
+            queries=[kvindex_pb2.LookupRequest(token_ids=token_ids, cache_salt=salt) for token_ids, salt in queries],
+            request_ids=request_ids)
+        reply = await self._stub.LookupMany(request, timeout=self._timeout_s)
+        return [None if result.error else convert.lookup_result_from_proto(result) for result in reply.results]
+
     async def lookup(self, query: LookupQuery, request_id: str | None = None) -> LookupResult:
         request = kvindex_pb2.LookupRequest(block_hashes=query.block_hashes,
                                             partial_hash=query.partial_hash,

@@ -10,6 +10,7 @@ import grpc
 import redis.exceptions
 from fairserve.v1 import common_pb2, kvindex_pb2, kvindex_pb2_grpc
 
+from common.observability.logs import request_id_var
 from common.transport.grpc_server import GrpcServer, request_id_from
 from common.transport.internal_auth import InternalAuth
 from services.kvcache import convert
@@ -18,6 +19,7 @@ from services.kvcache.service import KvIndexService
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
+MAX_LOOKUPS_PER_CALL = 1024   # LookupMany
 
 
 class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
@@ -27,18 +29,42 @@ class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
     async def Lookup(self, request: kvindex_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvindex_pb2.LookupResponse:
         request_id_from(context)
-        if request.token_ids and (request.block_hashes or request.partial_hash):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "give either token_ids or block_hashes, not both")
         async with _mapped_errors(context):
-            if request.token_ids:
-                result = await self._service.lookup_tokens(request.token_ids, request.cache_salt)
-            else:
-                result = await self._service.lookup(convert.lookup_query_from_proto(request))
-            log.info("lookup", extra={
-                "tokens": len(request.token_ids) or None, "block_hashes": len(request.block_hashes) or None,
-                "matches": {match.worker_id: match.matched_tokens for match in result.matches}})
-            return convert.lookup_result_to_proto(result)
+            return await self._answer(request)
+
+    async def LookupMany(self, request: kvindex_pb2.LookupManyRequest,
+                         context: grpc.aio.ServicerContext) -> kvindex_pb2.LookupManyResponse:
+        """Each query answered as Lookup answers it; one refused (bad input) carries its error
+        and the others are answered. An unreachable backend fails the call."""
+        request_id_from(context)
+        if len(request.queries) > MAX_LOOKUPS_PER_CALL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"at most {MAX_LOOKUPS_PER_CALL} queries a call, got {len(request.queries)}")
+        if request.request_ids and len(request.request_ids) != len(request.queries):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_ids must be aligned with queries")
+        results = []
+        async with _mapped_errors(context):
+            for index, query in enumerate(request.queries):
+                if request.request_ids:
+                    request_id_var.set(request.request_ids[index])
+                try:
+                    results.append(await self._answer(query))
+                except ValueError as error:
+                    results.append(kvindex_pb2.LookupResponse(error=str(error)))
+        return kvindex_pb2.LookupManyResponse(results=results)
+
+    async def _answer(self, request: kvindex_pb2.LookupRequest) -> kvindex_pb2.LookupResponse:
+        """One lookup; ValueError for a query that is not one."""
+        if request.token_ids and (request.block_hashes or request.partial_hash):
+            raise ValueError("give either token_ids or block_hashes, not both")
+        if request.token_ids:
+            result = await self._service.lookup_tokens(request.token_ids, request.cache_salt)
+        else:
+            result = await self._service.lookup(convert.lookup_query_from_proto(request))
+        log.info("lookup", extra={
+            "tokens": len(request.token_ids) or None, "block_hashes": len(request.block_hashes) or None,
+            "matches": {match.worker_id: match.matched_tokens for match in result.matches}})
+        return convert.lookup_result_to_proto(result)
 
     async def Publish(self, request: kvindex_pb2.PublishRequest,
                       context: grpc.aio.ServicerContext) -> kvindex_pb2.PublishResponse:

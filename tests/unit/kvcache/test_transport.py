@@ -114,6 +114,27 @@ async def test_the_scheduler_and_the_gateway_ask_through_the_same_client(
                      "blocks_by_worker": {"worker-0": 3}, "backend": "memory"}
 
 
+async def test_lookup_many_answers_each_query_as_lookup_would(client: KvIndexClient, server: GrpcServer) -> None:
+    publisher = KvEventPublisher("worker-0", client.publish, lambda: [prompt_chain()])
+    assert await publisher.flush()
+    other = PROMPT[:12] + [99, 98, 97, 96, 95]
+    many = await client.lookup_many([(PROMPT, ""), (other, ""), (PROMPT, "another tenant")], ["a", "b", "c"])
+    singles = [await client.lookup_tokens(PROMPT), await client.lookup_tokens(other),
+               await client.lookup_tokens(PROMPT, cache_salt="another tenant")]
+    assert many == singles and [len(result.matches) for result in singles] == [1, 1, 0]
+    async with insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = kvindex_pb2_grpc.KvIndexStub(channel)
+        mixed = await stub.LookupMany(kvindex_pb2.LookupManyRequest(queries=[
+            kvindex_pb2.LookupRequest(block_hashes=[1], token_ids=[1]), kvindex_pb2.LookupRequest(token_ids=PROMPT)]))
+        assert "not both" in mixed.results[0].error and mixed.results[1].matches[0].matched_tokens == len(PROMPT)
+        for bad in (kvindex_pb2.LookupManyRequest(queries=[kvindex_pb2.LookupRequest(token_ids=[1])] * 1025),
+                    kvindex_pb2.LookupManyRequest(queries=[kvindex_pb2.LookupRequest(token_ids=[1])],
+                                                  request_ids=["a", "b"])):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.LookupMany(bad)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
 async def test_gap_over_grpc_answers_resync_needed(client: KvIndexClient) -> None:
     await client.publish(PublishBatch("w", full_resync=True))
     reply = await client.publish(PublishBatch("w", (KvEvent(2, prompt_chain()),)))
