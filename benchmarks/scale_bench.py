@@ -81,9 +81,13 @@ def tenant_prefixes(tenants: int, tokens: int, seed: int = 1) -> list[list[int]]
 
 async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
                 max_tokens: int, tenants: int = 4, shared_prefix: int = 0, stream: str = "multiplexed",
-                gateways: int = 4, pin_tenant: bool = False, authenticated: bool = False) -> LoadResult:
+                gateways: int = 4, pin_tenant: bool = False, authenticated: bool = False,
+                range_ratio: float = 0.0) -> LoadResult:
     """`concurrency` closed loops of requests; tokens and TTFTs counted in the measured window.
     A prompt is its tenant's first `shared_prefix` tokens, then random ones to `prompt_tokens`.
+    With `range_ratio` r, each request's prompt and output lengths are drawn uniformly from
+    [(1 - r) n, (1 + r) n] (as vLLM's serving benchmark's random range ratio), so that requests
+    started together do not all end together.
     `stream`: `multiplexed`, the loops' requests over `gateways` GenerateMany calls (the
     gateway's own client, scheduler_streams.py: one call per gateway process); `per_request`,
     a Generate call each, STREAMS_PER_CONNECTION to a connection. With shards, each request goes
@@ -104,6 +108,9 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     window = (start + warmup_s, start + warmup_s + seconds)
     counter = iter(range(1 << 62))
 
+    def drawn(mean: int) -> int:
+        return max(1, round(mean * rng.uniform(1.0 - range_ratio, 1.0 + range_ratio))) if range_ratio else mean
+
     async def loop(index: int) -> None:
         tenant = f"tenant-{index % tenants}"
         while time.monotonic() < window[1]:
@@ -113,10 +120,11 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
                 shard = 0 if index % tenants == 0 else next(turns) % shards
             stub = stack.scheduler_stub(index // STREAMS_PER_CONNECTION, shard)
             mux = calls[index % gateways][shard]
+            prefix = prefixes[index % tenants]
             request = scheduler_pb2.GenerateRequest(
-                request_id=f"scale-{index}-{next(counter)}", max_tokens=max_tokens, ignore_eos=True,
-                prompt_token_ids=prefixes[index % tenants] + [
-                    rng.randrange(3, 30000) for _ in range(prompt_tokens - len(prefixes[index % tenants]))],
+                request_id=f"scale-{index}-{next(counter)}", max_tokens=drawn(max_tokens), ignore_eos=True,
+                prompt_token_ids=prefix + [rng.randrange(3, 30000)
+                                           for _ in range(max(1, drawn(prompt_tokens) - len(prefix)))],
                 client_id=tenant, authenticated=authenticated)
             in_flight[shard] += 1
             try:
@@ -209,7 +217,8 @@ async def _measured(stack: Stack, concurrency: int, args: argparse.Namespace) ->
     try:
         return await drive(stack, concurrency, args.warmup, args.seconds, args.prompt_tokens, args.max_tokens,
                            shared_prefix=args.shared_prefix, stream=args.stream, gateways=args.gateways,
-                           tenants=args.tenants, pin_tenant=args.pin_tenant, authenticated=args.vtc)
+                           tenants=args.tenants, pin_tenant=args.pin_tenant, authenticated=args.vtc,
+                           range_ratio=args.range_ratio)
     finally:
         await stack.close_channels()
 
@@ -270,6 +279,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="concurrent requests per worker (default: a full decode batch)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--range-ratio", type=float, default=0.0,
+                        help="prompt and output lengths drawn from [(1-r) n, (1+r) n] (0: every request the same)")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt of a tenant starts with (a system prompt; 0: none)")
     parser.add_argument("--stream", default="multiplexed", choices=["multiplexed", "per_request"],
