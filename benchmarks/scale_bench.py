@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.lean_streams import LeanStreams, StreamRefused
 from benchmarks.scale_stack import Stack, StackConfig
 from benchmarks.sim_engine import StepCosts
 
@@ -54,23 +55,35 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def _stream(events, result: LoadResult, window: tuple[float, float], tenant: str = "") -> None:
-    started = time.monotonic()
-    first = True
-    async for event in events:
-        now = time.monotonic()
-        if event.tokens and first:
-            first = False
-            if window[0] <= now < window[1]:
-                result.ttfts_s.append(now - started)
-        if window[0] <= now < window[1]:
+class Tally:
+    """Counts one request's events into the load result: its tokens and finish in the measured
+    window, its TTFT when its first tokens come in that window."""
+
+    def __init__(self, result: LoadResult, window: tuple[float, float], tenant: str) -> None:
+        self.result, self.window, self.tenant = result, window, tenant
+        self.started = time.monotonic()
+        self.first = True
+
+    def __call__(self, event) -> None:
+        result, now = self.result, time.monotonic()
+        within = self.window[0] <= now < self.window[1]
+        if event.tokens and self.first:
+            self.first = False
+            if within:
+                result.ttfts_s.append(now - self.started)
+        if within:
             result.tokens += len(event.tokens)
-            result.tokens_by_tenant[tenant] = result.tokens_by_tenant.get(tenant, 0) + len(event.tokens)
+            result.tokens_by_tenant[self.tenant] = result.tokens_by_tenant.get(self.tenant, 0) + len(event.tokens)
         if event.HasField("finish") and event.finish.finish_reason == "error":
             result.error(event.finish.message)
-        elif event.HasField("finish") and window[0] <= now < window[1]:
+        elif event.HasField("finish") and within:
             result.prompt_tokens += event.finish.usage.prompt_tokens
             result.cached_tokens += event.finish.usage.cached_tokens
+
+
+async def _tallied(events, tally: Tally) -> None:
+    async for event in events:
+        tally(event)
 
 
 def tenant_prefixes(tenants: int, tokens: int, seed: int = 1) -> list[list[int]]:
@@ -80,7 +93,7 @@ def tenant_prefixes(tenants: int, tokens: int, seed: int = 1) -> list[list[int]]
 
 
 async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float, prompt_tokens: int,
-                max_tokens: int, tenants: int = 4, shared_prefix: int = 0, stream: str = "multiplexed",
+                max_tokens: int, tenants: int = 4, shared_prefix: int = 0, stream: str = "lean",
                 gateways: int = 4, pin_tenant: bool = False, authenticated: bool = False,
                 range_ratio: float = 0.0) -> LoadResult:
     """`concurrency` closed loops of requests; tokens and TTFTs counted in the measured window.
@@ -88,8 +101,9 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     With `range_ratio` r, each request's prompt and output lengths are drawn uniformly from
     [(1 - r) n, (1 + r) n] (as vLLM's serving benchmark's random range ratio), so that requests
     started together do not all end together.
-    `stream`: `multiplexed`, the loops' requests over `gateways` GenerateMany calls (the
-    gateway's own client, scheduler_streams.py: one call per gateway process); `per_request`,
+    `stream`: `lean`, the loops' requests over `gateways` GenerateMany calls, each event counted as
+    it is read (lean_streams.py); `multiplexed`, the same calls through the gateway's own client
+    (scheduler_streams.py: one call per gateway process, a queue per request); `per_request`,
     a Generate call each, STREAMS_PER_CONNECTION to a connection. With shards, each request goes
     to the shard with the fewest of the driver's requests in flight (a gateway's own count);
     with `pin_tenant`, tenant-0's all go to the first shard (as its cache or sessions would hold
@@ -99,8 +113,9 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
     from services.gateway.streaming.scheduler_streams import SchedulerStreams
     rng, result = random.Random(0), LoadResult()
     shards = stack.config.shards
-    calls = [[SchedulerStreams(stack.scheduler_stub(index, shard), lambda: None) for shard in range(shards)]
-             for index in range(gateways)]
+    client = LeanStreams if stream == "lean" else (lambda stub: SchedulerStreams(stub, lambda: None))
+    calls = [[client(stack.scheduler_stub(index, shard)) for shard in range(shards)] for index in range(gateways)]
+    token_ids = range(3, 30000)
     in_flight = [0] * shards
     turns = iter(range(1 << 62))
     prefixes = tenant_prefixes(tenants, min(shared_prefix, prompt_tokens))
@@ -123,19 +138,23 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
             prefix = prefixes[index % tenants]
             request = scheduler_pb2.GenerateRequest(
                 request_id=f"scale-{index}-{next(counter)}", max_tokens=drawn(max_tokens), ignore_eos=True,
-                prompt_token_ids=prefix + [rng.randrange(3, 30000)
-                                           for _ in range(max(1, drawn(prompt_tokens) - len(prefix)))],
+                prompt_token_ids=prefix + rng.choices(token_ids, k=max(1, drawn(prompt_tokens) - len(prefix))),
                 client_id=tenant, authenticated=authenticated)
             in_flight[shard] += 1
             try:
-                await _stream(stub.Generate(request) if stream == "per_request" else
-                              mux.generate(request, request.request_id, ""), result, window, tenant)
+                tally = Tally(result, window, tenant)
+                if stream == "lean":
+                    await mux.generate(request, tally)
+                else:
+                    await _tallied(stub.Generate(request) if stream == "per_request" else
+                                   mux.generate(request, request.request_id, ""), tally)
             except asyncio.CancelledError:
                 raise
             except Exception as error:   # noqa: BLE001  (a refused or broken stream counts, the loop goes on)
                 code = getattr(error, "code", None)
                 if time.monotonic() < window[1]:   # not the end of the run cancelling it
-                    result.error(f"{code().name}: {error.details()}" if callable(code) else repr(error))
+                    result.error(f"{code().name}: {error.details()}" if callable(code) else
+                                 str(error) if isinstance(error, StreamRefused) else repr(error))
                 await asyncio.sleep(0.05)
             finally:
                 in_flight[shard] -= 1
@@ -283,9 +302,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="prompt and output lengths drawn from [(1-r) n, (1+r) n] (0: every request the same)")
     parser.add_argument("--shared-prefix", type=int, default=0,
                         help="tokens every prompt of a tenant starts with (a system prompt; 0: none)")
-    parser.add_argument("--stream", default="multiplexed", choices=["multiplexed", "per_request"],
-                        help="requests over one GenerateMany call per gateway (as the gateway sends them), "
-                             "or a Generate call each")
+    parser.add_argument("--stream", default="lean", choices=["lean", "multiplexed", "per_request"],
+                        help="requests over GenerateMany calls as a gateway sends them, each event counted as "
+                             "it is read (lean) or through the gateway's own client, a queue per request "
+                             "(multiplexed); or a Generate call each")
     parser.add_argument("--gateways", type=int, default=4, help="GenerateMany calls the load spreads over")
     parser.add_argument("--shards", default="auto", type=_shards_arg,
                         help="schedulers, each with its share of the workers and the others as SCHEDULER_PEERS; "

@@ -139,3 +139,66 @@ def test_quick_mode_with_two_shards_each_serving_its_workers(tmp_path: Path) -> 
     assert two["shards"] == 2 and two["exchange"] and two["errors"] == 0 and two["output_tok_s"] > 0
     assert len(two["scheduler_cpu_util_by_shard"]) == 2 and all(u > 0 for u in two["scheduler_cpu_util_by_shard"])
     assert set(two["tenant_token_shares"]) == {f"tenant-{n}" for n in range(4)}
+
+
+class FakeManyCall:
+    """A GenerateMany call: answers each submit with two token events and a finish, a request
+    whose id starts with "refuse" with a refusal; a cancel is noted."""
+
+    def __init__(self) -> None:
+        self.out: asyncio.Queue = asyncio.Queue()
+        self.cancelled: list[int] = []
+
+    async def write(self, message) -> None:
+        from fairserve.v1 import scheduler_pb2
+        self.cancelled += list(message.cancel)
+        for submit in message.submit:
+            if submit.request.request_id.startswith("refuse"):
+                events = [scheduler_pb2.StreamEvent(stream=submit.stream, refusal=scheduler_pb2.StreamRefusal(
+                    code=8, message="over quota"))]
+            elif submit.request.request_id.startswith("hang"):
+                events = []
+            else:
+                events = [scheduler_pb2.StreamEvent(stream=submit.stream, event=scheduler_pb2.GenerateEvent(
+                    tokens=[scheduler_pb2.TokenEvent(token_id=t) for t in (5, 6)])),
+                    scheduler_pb2.StreamEvent(stream=submit.stream, event=scheduler_pb2.GenerateEvent(
+                        finish=scheduler_pb2.FinishEvent(finish_reason="length")))]
+            await self.out.put(scheduler_pb2.StreamEvents(events=events))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        return await self.out.get()
+
+    def cancel(self) -> None:
+        pass
+
+
+def test_lean_streams_hand_each_event_to_its_request_and_raise_a_refusal() -> None:
+    from fairserve.v1 import scheduler_pb2
+    from benchmarks.lean_streams import LeanStreams, StreamRefused
+    call = FakeManyCall()
+
+    class Stub:
+        def GenerateMany(self):
+            return call
+
+    async def scenario() -> tuple[list, str, list[int]]:
+        streams = LeanStreams(Stub())
+        seen: list = []
+        await streams.generate(scheduler_pb2.GenerateRequest(request_id="a"), seen.append)
+        with pytest.raises(StreamRefused) as refused:
+            await streams.generate(scheduler_pb2.GenerateRequest(request_id="refuse-1"), seen.append)
+        hanging = asyncio.ensure_future(streams.generate(scheduler_pb2.GenerateRequest(request_id="hang"),
+                                                         seen.append))
+        await asyncio.sleep(0.01)
+        hanging.cancel()
+        await asyncio.sleep(0.01)
+        await streams.close()
+        return seen, str(refused.value), call.cancelled
+
+    seen, refusal, cancelled = asyncio.run(scenario())
+    assert [list(event.tokens) != [] for event in seen] == [True, False] and seen[1].finish.finish_reason == "length"
+    assert refusal == "RESOURCE_EXHAUSTED: over quota"
+    assert cancelled == [3]          # the request left early is cancelled on the call
