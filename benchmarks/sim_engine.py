@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 from benchmarks.sim_prefix_cache import SimPrefixCache
@@ -147,10 +147,10 @@ class SimEngine:
             seconds += self.costs.step_s(len(going), 0) if going else 0.0
             run += 1
         for index, tokens in more.items():
-            if tokens:
+            if tokens:      # the result was made in this step: filled in place (SeqResult is mutable)
                 result = results[index]
-                results[index] = replace(result, more_token_ids=result.more_token_ids + tuple(tokens),
-                                         num_computed_tokens=self._seqs[result.seq_id].computed)
+                result.more_token_ids += tuple(tokens)
+                result.num_computed_tokens = self._seqs[result.seq_id].computed
         return seconds
 
     def _all_runs(self, batch: StepBatch, going: list[int], more: dict[int, list[int]]) -> float | None:
@@ -169,9 +169,17 @@ class SimEngine:
             seq.tokens.extend(tokens)
             more[index].extend(tokens)
             self._cache_computed(seq)
-        longest = max(runs.values())
-        return sum(self.costs.step_s(sum(1 for count in runs.values() if count >= run), 0)
-                   for run in range(1, longest + 1))
+        return self._runs_s(sorted(runs.values()))
+
+    def _runs_s(self, runs: list[int]) -> float:
+        """The modelled time of decode runs, `runs` (ascending) being each sequence's count: the
+        k-th run decodes the sequences with at least k."""
+        seconds, done = 0.0, 0
+        for run in range(1, runs[-1] + 1):
+            while runs[done] < run:
+                done += 1
+            seconds += self.costs.step_s(len(runs) - done, 0)
+        return seconds
 
     def _decode_again(self, seq: _Seq, tokens: list[int]) -> bool:
         """One more decode of a sequence whose last token was just sampled; False when the pool

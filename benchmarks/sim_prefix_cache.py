@@ -65,11 +65,14 @@ class SimPrefixCache:
         self._touch(chain)
 
     def release(self, chain: Sequence[int]) -> None:
-        """A sequence that held `chain` ended; its blocks stay cached until evicted."""
+        """A sequence that held `chain` ended; its blocks stay cached until evicted, the most
+        recently used from now (held blocks are never evicted, so their order only counts
+        from here)."""
         for value in chain:
             self._held[value] -= 1
             if self._held[value] <= 0:
                 del self._held[value]
+        self._touch(chain)
 
     def store(self, chain: Sequence[int], start: int) -> None:
         """The blocks chain[start:] were just computed by a sequence that holds chain[:start]:
@@ -85,7 +88,6 @@ class SimPrefixCache:
                 new.append(value)
             self._held[value] += 1
         self._flush(new, parent)
-        self._touch(chain)
 
     def _touch(self, chain: Sequence[int]) -> None:
         """Most recently used: the chain's last block first, its first block last, so that
