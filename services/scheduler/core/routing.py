@@ -61,12 +61,15 @@ class SessionMap:
             del self._workers[session_id]
 
 
-def balanced(workers: Sequence[WorkerState], load_slack: int) -> list[WorkerState]:
+def balanced(workers: Sequence[WorkerState], load_slack: int,
+             loads: Sequence[int] | None = None) -> list[WorkerState]:
     """The workers not overloaded against the least loaded one: at most `load_slack` requests
-    above its load, or at most BALANCE_RATIO times it (so the least loaded is always one)."""
-    lightest = min(worker.load for worker in workers)
-    return [worker for worker in workers
-            if worker.load - lightest <= load_slack or worker.load <= lightest * BALANCE_RATIO]
+    above its load, or at most BALANCE_RATIO times it (so the least loaded is always one).
+    `loads`: the workers' loads, aligned with them (computed when not given)."""
+    loads = [worker.load for worker in workers] if loads is None else loads
+    lightest = min(loads)
+    return [worker for worker, load in zip(workers, loads)
+            if load - lightest <= load_slack or load <= lightest * BALANCE_RATIO]
 
 
 def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
@@ -77,7 +80,8 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
     the longest cached prefix, ties going to one that served `adapter` lately (a LoRA
     adapter's requests: it likely holds the adapter), then to the least loaded, then to
     the one with the most never-used blocks (so cold prompts spread over idle workers
-    instead of all landing on the first). A draining worker is never chosen."""
+    instead of all landing on the first). A draining worker is never chosen.
+    (Each worker's load is counted once: at 64 workers this runs for every admission.)"""
     workers = [worker for worker in workers if not worker.draining]
     if not workers:
         return None
@@ -85,11 +89,17 @@ def choose_worker(workers: Sequence[WorkerState], session_worker: str | None,
         for worker in workers:
             if worker.worker_id == session_worker:
                 return worker
+    loads = [worker.load for worker in workers]
     if load_slack is not None:
-        workers = balanced(workers, load_slack)
-    return min(workers, key=lambda w: (-cached_prefix_tokens.get(w.worker_id, 0),
-                                        bool(adapter) and adapter not in w.adapters, w.load,
-                                        w.reserved_kv_tokens, -w.pool.free_blocks, w.worker_id))
+        kept = balanced(workers, load_slack, loads)
+        if len(kept) < len(workers):
+            workers, loads = kept, [worker.load for worker in kept]
+    if not cached_prefix_tokens and not adapter:     # most admissions: no cached prefix anywhere
+        return min(zip(workers, loads), key=lambda pair: (pair[1], pair[0].reserved_kv_tokens,
+                                                          -pair[0].pool.free_blocks, pair[0].worker_id))[0]
+    return min(zip(workers, loads), key=lambda pair: (
+        -cached_prefix_tokens.get(pair[0].worker_id, 0), bool(adapter) and adapter not in pair[0].adapters,
+        pair[1], pair[0].reserved_kv_tokens, -pair[0].pool.free_blocks, pair[0].worker_id))[0]
 
 
 def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
@@ -107,7 +117,8 @@ def prefix_hints(prompt: tuple[int, ...], workers: Sequence[WorkerState],
         by_worker: dict[str, list[RequestState]] = {}
         for request in recent.candidates(prompt, cache_salt):
             by_worker.setdefault(request.worker_id, []).append(request)
-        others = {worker.worker_id: by_worker.get(worker.worker_id, [])[::-1] for worker in workers}
+        known = {worker.worker_id for worker in workers} if by_worker else set()
+        others = {worker_id: queued[::-1] for worker_id, queued in by_worker.items() if worker_id in known}
     else:
         others = {worker.worker_id: [*worker.pending, *worker.prefilling] for worker in workers}
     for worker_id, queued in others.items():
@@ -149,6 +160,8 @@ def routing_reason(worker: WorkerState, session_worker: str | None, workers: Seq
     """Which of ROUTING_REASONS put a request on `worker` (chosen by `choose_worker`)."""
     if worker.worker_id == session_worker:
         return "session"
+    if not any(hints.values()):
+        return "least_loaded"
     longest = max((hints.get(w.worker_id, 0) for w in workers if not w.draining), default=0)
     held = hints.get(worker.worker_id, 0)
     if held < longest:

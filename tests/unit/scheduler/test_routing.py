@@ -104,3 +104,19 @@ def test_route_says_why_it_chose_the_worker() -> None:
     holder.draining = True                                       # a draining holder passed over is not load
     assert reason("", {"w0": 3}) == ("w1", "least_loaded")
     assert route_with_reason(prompt, "", [], sessions, {}, min_tokens=8) == (None, "")
+
+
+def test_with_no_cached_prefix_anywhere_the_choice_is_the_full_orders_least_loaded() -> None:
+    """The path taken when the index knows nothing (most admissions at scale) picks what the
+    full ordering picks: loads, reservations, never-used blocks, then the id, over balanced workers."""
+    import random
+    rng = random.Random(7)
+    for _ in range(200):
+        workers = [make_worker(f"w{i}", free_blocks=rng.randrange(0, 64), reserved_kv_tokens=rng.choice((0, 16)))
+                   for i in range(rng.randrange(1, 9))]
+        for index, worker in enumerate(workers):
+            worker.active.extend(make_request(index * 100 + j) for j in range(rng.randrange(0, 6)))
+        slack = rng.choice((None, 0, 2))
+        zeros = {worker.worker_id: 0 for worker in workers}     # no prefix anywhere, said explicitly
+        assert choose_worker(workers, None, {}, load_slack=slack) is choose_worker(workers, None, zeros,
+                                                                                  load_slack=slack)
