@@ -67,13 +67,14 @@ class Tally:
     def __call__(self, event) -> None:
         result, now = self.result, time.monotonic()
         within = self.window[0] <= now < self.window[1]
-        if event.tokens and self.first:
+        count = len(event.token_ids) or len(event.tokens)     # packed (packed_tokens) or not
+        if count and self.first:
             self.first = False
             if within:
                 result.ttfts_s.append(now - self.started)
         if within:
-            result.tokens += len(event.tokens)
-            result.tokens_by_tenant[self.tenant] = result.tokens_by_tenant.get(self.tenant, 0) + len(event.tokens)
+            result.tokens += count
+            result.tokens_by_tenant[self.tenant] = result.tokens_by_tenant.get(self.tenant, 0) + count
         if event.HasField("finish") and event.finish.finish_reason == "error":
             result.error(event.finish.message)
         elif event.HasField("finish") and within:
@@ -139,7 +140,7 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
             request = scheduler_pb2.GenerateRequest(
                 request_id=f"scale-{index}-{next(counter)}", max_tokens=drawn(max_tokens), ignore_eos=True,
                 prompt_token_ids=prefix + rng.choices(token_ids, k=max(1, drawn(prompt_tokens) - len(prefix))),
-                client_id=tenant, authenticated=authenticated)
+                client_id=tenant, authenticated=authenticated, packed_tokens=True)
             in_flight[shard] += 1
             try:
                 tally = Tally(result, window, tenant)

@@ -60,6 +60,7 @@ def generate_request_to_proto(spec: GenerationSpec, request_id: str) -> schedule
     """Everything but the stop strings, which the gateway matches itself."""
     return scheduler_pb2.GenerateRequest(
         request_id=request_id,
+        packed_tokens=True,        # event_from_proto reads either form
         prompt_token_ids=list(spec.prompt_token_ids),
         max_tokens=spec.max_tokens,
         sampling=sampling_to_proto(spec.sampling),
@@ -111,7 +112,7 @@ def model_info_from_proto(message: scheduler_pb2.ModelInfo) -> ModelInfo:
 def event_from_proto(message: scheduler_pb2.GenerateEvent) -> GenerationEvent:
     tokens = tuple(TokenOutput(token_id=token.token_id,
                                logprob=logprob_from_proto(token.logprob) if token.HasField("logprob") else None)
-                   for token in message.tokens)
+                   for token in message.tokens) or tuple(map(TokenOutput, message.token_ids))
     finish = None
     if message.HasField("finish"):
         queue_wait_ms = message.finish.queue_wait_ms

@@ -101,7 +101,8 @@ class GenerateMany:
         if result.rejection is not None:
             connection.refused(submit.stream)
             connection.put(submit.stream, RequestUpdate(result.request_id, rejection=result.rejection))
-        elif not connection.opened(submit.stream, result.request_id, request.detached, submit.trace_id):
+        elif not connection.opened(submit.stream, result.request_id, request.detached, submit.trace_id,
+                                   request.packed_tokens):
             connection.close(submit.stream)
             self._end_stream(result.request_id, False, "cancelled", request.detached)
 
@@ -113,7 +114,7 @@ class GenerateMany:
             current = connection.open.get(stream)
             if update.rejection is None and (current is None or current.request_id != update.request_id):
                 continue        # its caller cancelled it
-            size += convert.add_stream_event(message, stream, update)
+            size += convert.add_stream_event(message, stream, update, current is not None and current.packed)
             if current is not None and (update.rejection is not None or update.finish is not None):
                 connection.close(stream)
                 with _logging_as(current.trace_id):

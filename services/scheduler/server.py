@@ -128,7 +128,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     ended = True
                     reason = update.finish.reason.value
                     self._log_finish(request_id, update)
-                yield convert.generate_event_to_proto(update)
+                yield convert.generate_event_to_proto(update, request.packed_tokens)
                 if finished:
                     return
         finally:

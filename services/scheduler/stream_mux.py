@@ -35,6 +35,7 @@ class OpenStream:
     request_id: str
     detached: bool
     trace_id: str = ""      # the gateway's request id, for the logs
+    packed: bool = False    # its GenerateRequest.packed_tokens
 
 
 @dataclass
@@ -52,11 +53,12 @@ class StreamConnection:
     def begin(self, stream: int) -> None:
         self.admitting.add(stream)
 
-    def opened(self, stream: int, request_id: str, detached: bool, trace_id: str = "") -> bool:
+    def opened(self, stream: int, request_id: str, detached: bool, trace_id: str = "",
+               packed: bool = False) -> bool:
         """Maps an admitted stream to its request. Returns False when its caller
         cancelled it meanwhile (the request is to be ended at once)."""
         self.admitting.discard(stream)
-        self.open[stream] = OpenStream(request_id, detached, trace_id)
+        self.open[stream] = OpenStream(request_id, detached, trace_id, packed)
         if stream in self.cancelled_early:
             self.cancelled_early.discard(stream)
             return False

@@ -181,3 +181,15 @@ async def test_the_max_model_len_setting_still_overrides_the_workers(
     spec = await state.text_spec(TextInput("Hi", raw=True, fields=RequestFields(
         sampling=SamplingInput(temperature=0.2))), tenant=None)
     assert spec.max_tokens == 10 - len(spec.prompt_token_ids) and spec.stop_token_ids == ()
+
+
+def test_the_gateway_asks_for_packed_tokens_and_reads_either_form() -> None:
+    from fairserve.v1 import common_pb2, scheduler_pb2
+    from services.gateway.convert import event_from_proto
+    assert generate_request_to_proto(CHECKED, "r").packed_tokens
+    packed = event_from_proto(scheduler_pb2.GenerateEvent(token_ids=[7, 8]))
+    one_each = event_from_proto(scheduler_pb2.GenerateEvent(tokens=[
+        scheduler_pb2.TokenEvent(token_id=7), scheduler_pb2.TokenEvent(
+            token_id=8, logprob=common_pb2.TokenLogprob(logprob=-0.5))]))
+    assert [t.token_id for t in packed.tokens] == [7, 8] == [t.token_id for t in one_each.tokens]
+    assert packed.tokens[1].logprob is None and one_each.tokens[1].logprob.logprob == -0.5

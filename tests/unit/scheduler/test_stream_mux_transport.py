@@ -53,6 +53,9 @@ class Call:
     def tokens(self, stream: int) -> list[int]:
         return [token.token_id for event in self.events.get(stream, []) for token in event.event.tokens]
 
+    def packed(self, stream: int) -> list[int]:
+        return [token_id for event in self.events.get(stream, []) for token_id in event.event.token_ids]
+
     async def close(self) -> None:
         self._outgoing.put_nowait(None)
         await asyncio.wait_for(self._reader, 10)
@@ -185,3 +188,16 @@ async def test_through_the_gateway_client_a_lost_scheduler_fails_every_request_o
             async for _event in stream:
                 pass
     await client.close()
+
+
+async def test_each_stream_gets_its_tokens_packed_as_its_request_asked(make_stack) -> None:
+    stack = await make_stack()
+    await stack.add_worker(step_delay_s=0.005)
+    call = Call(stack)
+    packed, plain = _request("r1", max_tokens=6), _request("r2", max_tokens=6)
+    packed.packed_tokens = True
+    call.send((1, packed), (2, plain))
+    await _eventually(lambda: call.ended(1) and call.ended(2), timeout_s=10)
+    assert call.packed(1) == reference_output(PROMPT, 6) and call.tokens(1) == []
+    assert call.tokens(2) == reference_output(PROMPT, 6) and call.packed(2) == []
+    await call.close()

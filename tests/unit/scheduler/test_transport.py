@@ -107,6 +107,19 @@ async def test_generate_streams_one_event_per_token_then_finish(make_stack) -> N
                       generate_latest(stack.server.metrics.registry))
 
 
+async def test_a_caller_asking_for_packed_tokens_gets_them_packed_unless_they_carry_logprobs(make_stack) -> None:
+    stack = await make_stack()
+    await stack.add_worker()
+    plain, with_logprobs = _request("r1"), _request("r2", sampling=common_pb2.SamplingParams(logprobs=True))
+    plain.packed_tokens = with_logprobs.packed_tokens = True
+    events = [e async for e in stack.stub.Generate(plain, timeout=10)]
+    assert [t for e in events for t in e.token_ids] == reference_output(PROMPT, 5)
+    assert not any(e.tokens for e in events)
+    events = [e async for e in stack.stub.Generate(with_logprobs, timeout=10)]
+    assert [e.tokens[0].token_id for e in events] == reference_output(PROMPT, 5) and not any(e.token_ids for e in events)
+    assert all(e.tokens[0].logprob.logprob == pytest.approx(-0.5) for e in events)
+
+
 async def test_rejections_carry_the_right_status(make_stack) -> None:
     stack = await make_stack(max_queue_len=1, max_batch_size=1)
     with pytest.raises(grpc.aio.AioRpcError) as no_worker:
