@@ -20,6 +20,8 @@ from typing import Any
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
+from services.gateway.streaming.scheduler_streams import Outbox
+
 EventHandler = Callable[[scheduler_pb2.GenerateEvent], None]
 
 
@@ -36,11 +38,9 @@ class LeanStreams:
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
         self._call: Any = stub.GenerateMany()
         self._open: dict[int, tuple[EventHandler, asyncio.Future[None]]] = {}
-        self._submits: list[scheduler_pb2.StreamSubmit] = []
-        self._cancels: list[int] = []
-        self._wake = asyncio.Event()
+        self._outbox = Outbox(self._call)
         self._numbers = itertools.count(1)
-        self._sender = asyncio.create_task(self._send())
+        self._sender = asyncio.create_task(self._outbox.send())
         self._reader = asyncio.create_task(self._read())
 
     async def generate(self, request: scheduler_pb2.GenerateRequest, on_event: EventHandler) -> None:
@@ -51,26 +51,12 @@ class LeanStreams:
         stream = next(self._numbers)
         ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._open[stream] = (on_event, ended)
-        self._submits.append(scheduler_pb2.StreamSubmit(stream=stream, request=request,
-                                                        trace_id=request.request_id))
-        self._wake.set()
+        self._outbox.submit(scheduler_pb2.StreamSubmit(stream=stream, request=request, trace_id=request.request_id))
         try:
             await ended
         finally:
             if self._open.pop(stream, None) is not None:
-                self._cancels.append(stream)
-                self._wake.set()
-
-    async def _send(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            message = scheduler_pb2.StreamRequest(submit=self._submits, cancel=self._cancels)
-            self._submits, self._cancels = [], []
-            try:
-                await self._call.write(message)
-            except Exception:   # noqa: BLE001  (the call ended: the reader says how)
-                return
+                self._outbox.cancel(stream)
 
     async def _read(self) -> None:
         error: Exception = StreamRefused("UNAVAILABLE", "the scheduler ended the GenerateMany call")

@@ -32,17 +32,46 @@ log = logging.getLogger(__name__)
 Item = scheduler_pb2.StreamEvent | BackendError
 
 
+class Outbox:
+    """What goes out on a GenerateMany call: the submits and cancels made meanwhile, together
+    in its next message. `send` writes until the call ends."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+        self._submits: list[scheduler_pb2.StreamSubmit] = []
+        self._cancels: list[int] = []
+        self._wake = asyncio.Event()
+
+    def submit(self, submit: scheduler_pb2.StreamSubmit) -> None:
+        self._submits.append(submit)
+        self._wake.set()
+
+    def cancel(self, stream: int) -> None:
+        self._cancels.append(stream)
+        self._wake.set()
+
+    async def send(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            message = scheduler_pb2.StreamRequest(submit=self._submits, cancel=self._cancels)
+            self._submits, self._cancels = [], []
+            try:
+                await self._call.write(message)
+            except Exception as error:   # the call ended: the reader says how
+                log.debug("scheduler stream write failed", extra={"error": repr(error)})
+                return
+
+
 class _Call:
     """One GenerateMany call and the requests on it."""
 
     def __init__(self, stub: scheduler_pb2_grpc.SchedulerStub, on_message: Callable[[], None]) -> None:
         self.call: Any = stub.GenerateMany()
         self.streams: dict[int, asyncio.Queue[Item]] = {}
-        self._submits: list[scheduler_pb2.StreamSubmit] = []
-        self._cancels: list[int] = []
-        self._wake = asyncio.Event()
+        self._outbox = Outbox(self.call)
         self._on_message = on_message
-        self._sender = asyncio.create_task(self._send())
+        self._sender = asyncio.create_task(self._outbox.send())
         self.reader = asyncio.create_task(self._read())
 
     @property
@@ -52,29 +81,15 @@ class _Call:
     def submit(self, submit: scheduler_pb2.StreamSubmit) -> asyncio.Queue[Item]:
         queue: asyncio.Queue[Item] = asyncio.Queue()
         self.streams[submit.stream] = queue
-        self._submits.append(submit)
-        self._wake.set()
+        self._outbox.submit(submit)
         return queue
 
     def cancel(self, stream: int) -> None:
         if self.streams.pop(stream, None) is not None and self.alive:
-            self._cancels.append(stream)
-            self._wake.set()
+            self._outbox.cancel(stream)
 
     def forget(self, stream: int) -> None:
         self.streams.pop(stream, None)
-
-    async def _send(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            message = scheduler_pb2.StreamRequest(submit=self._submits, cancel=self._cancels)
-            self._submits, self._cancels = [], []
-            try:
-                await self.call.write(message)
-            except Exception as error:   # the call ended: the reader says how
-                log.debug("scheduler stream write failed", extra={"error": repr(error)})
-                return
 
     async def _read(self) -> None:
         error: BackendError
