@@ -1,6 +1,6 @@
 """The scheduler's gRPC transport: the Scheduler service, one step loop per
-worker (its steps over one StepStream call or a Step call each, STEP_TRANSPORT,
-each with a deadline, STEP_TIMEOUT_S), the reaper for silent
+worker (workers/step_loop.py: its steps over one StepStream call or a Step call each,
+STEP_TRANSPORT, each with a deadline, STEP_TIMEOUT_S), the reaper for silent
 workers and queue timeouts, and KV-index lookups for routing (kv_router.py).
 All scheduling decisions live in the core."""
 
@@ -10,18 +10,13 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable
-from dataclasses import dataclass, field
-from typing import Any
 
 import grpc
 from fairserve.v1 import scheduler_pb2, scheduler_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 from common.transport.grpc_server import GrpcServer, internal_channel, request_id_from
 from common.transport.peer import MAX_PEER_CHARS
-from common.sequence_ids import request_id_of
-from common.step_convert import step_batch_to_proto, step_output_from_proto
 from common.observability.tracing import traceparent_from_metadata
 from common.transport.worker_auth import worker_role_check
 
@@ -29,7 +24,6 @@ from services.scheduler import convert
 from services.scheduler.workers.address_check import HostFacts, check_peer_address
 from services.scheduler.core.types import Rejection, RequestUpdate, SubmitResult
 from services.scheduler.core.scheduler import SchedulerCore
-from common.step import StepBatch
 from services.scheduler.detached import DetachedLog
 from services.scheduler.workers.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
@@ -39,7 +33,8 @@ from services.scheduler.workers.registration import (
     RegistrationError, check_rebind, check_registration, check_worker_figures,
 )
 from services.scheduler.settings import SchedulerSettings
-from services.scheduler.workers.step_link import StepFailed, step_link
+from services.scheduler.workers.step_link import step_link
+from services.scheduler.workers.step_loop import StepLoop, WorkerLink
 from services.scheduler.generate_many import GenerateMany
 from services.scheduler.peer_exchange import exchange_with_peers, scheduler_peer_handlers
 
@@ -48,23 +43,6 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 INFO_TIMEOUT_S = 10.0
 MAX_REAPER_INTERVAL_S = 0.25
-
-
-@dataclass
-class _SentStep:
-    call: asyncio.Future[Any]   # the step's reply (step_link.py)
-    sent_at: float
-
-
-@dataclass(eq=False)
-class _WorkerLink:
-    worker_id: str
-    address: str
-    channel: grpc.aio.Channel
-    stub: worker_pb2_grpc.WorkerStub
-    info: worker_pb2.WorkerInfo
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
 
 
 class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
@@ -81,7 +59,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                  on_availability=metrics.set_kv_index_up)
         self._streams: dict[str, Callable[[RequestUpdate], None]] = {}   # where each request's updates go
         self._traces = RequestTraces()     # spans of traced requests (request_traces.py)
-        self._links: dict[str, _WorkerLink] = {}
+        self._links: dict[str, WorkerLink] = {}
         self._reaper: asyncio.Task[None] | None = None
         self._background_tasks: set[asyncio.Task[object]] = set()
         self._detached = DetachedLog(settings.detached_ttl_s, clock)
@@ -254,7 +232,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                                               self._epochs.next(after=request.epoch))
         self._deliver(self._core.add_worker(spec))
         self._metrics.add_worker(spec.worker_id)
-        link = _WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub,
+        link = WorkerLink(worker_id=spec.worker_id, address=spec.address, channel=channel, stub=stub,
                            info=info)
         link.task = asyncio.create_task(self._run_worker(link), name=f"worker-loop-{spec.worker_id}")
         self._links[spec.worker_id] = link
@@ -296,68 +274,12 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         return scheduler_pb2.DrainWorkerResponse(known=outcome.known, moved=outcome.moved,
                                                  remaining=outcome.remaining)
 
-    # ---- the per-worker step loop ----
+    # ---- the per-worker step loop (workers/step_loop.py) ----
 
-    async def _run_worker(self, link: _WorkerLink) -> None:
-        """Plans, sends and applies this worker's steps. With async scheduling
-        (max_steps_in_flight 2) the next step is planned and sent while the
-        current one runs, so the worker starts it as soon as the current one
-        ends instead of waiting a round trip and a planning pass."""
-        worker_id = link.worker_id
-        # With multi-step decodes an arrival may deepen the pipeline (SchedulerCore.step_depth):
-        # the loop then waits for a reply or a wake-up even with every step slot taken.
-        deepens = self._core.config.decode_steps > 1
+    async def _run_worker(self, link: WorkerLink) -> None:
         steps = step_link(self._settings.step_transport, link.stub, self._settings.step_timeout_s or None)
-        sent: deque[_SentStep] = deque()
-        try:
-            while self._links.get(worker_id) is link and self._core.has_worker(worker_id):
-                link.wake.clear()
-                depth = self._core.step_depth(worker_id)
-                if len(sent) < depth:
-                    plan = self._core.plan_step(worker_id)
-                    self._metrics.observe_queue_waits(self._core.drain_queue_waits())
-                    if plan is not None:
-                        self._log_plan(worker_id, plan)
-                        request = step_batch_to_proto(plan)
-                        request.trace_context.update(self._traces.planned(worker_id, plan))
-                        call = await steps.send(request)
-                        sent.append(_SentStep(call, time.perf_counter()))
-                        continue
-                if not sent:
-                    await link.wake.wait()
-                    continue
-                oldest = sent[0]
-                if (len(sent) < depth or deepens) and not await self._reply_or_wake(oldest.call, link.wake):
-                    continue   # new work arrived: plan it before the reply
-                try:
-                    reply = await oldest.call
-                except StepFailed as error:
-                    await self._drop_worker(worker_id, f"worker {worker_id} failed a step: {error}")
-                    return
-                sent.popleft()
-                self._metrics.observe_step(worker_id, time.perf_counter() - oldest.sent_at)
-                output = step_output_from_proto(reply)
-                self._traces.applied(output)
-                self._deliver(self._core.apply_step(worker_id, output))
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # a bug must not leave this worker's requests hanging
-            log.exception("worker loop failed", extra={"worker_id": worker_id})
-            await self._drop_worker(worker_id, f"scheduler loop for worker {worker_id} failed: {error!r}")
-        finally:
-            for step in sent:
-                step.call.cancel()
-            steps.close()
-
-    @staticmethod
-    async def _reply_or_wake(call: asyncio.Future[Any], wake: asyncio.Event) -> bool:
-        """Waits for the step's reply or a wake-up; True when the reply is in."""
-        woken = asyncio.ensure_future(wake.wait())
-        try:
-            await asyncio.wait({call, woken}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            woken.cancel()
-        return call.done()
+        await StepLoop(link, self._core, steps, self._metrics, self._traces, self._deliver, self._drop_worker,
+                       lambda: self._links.get(link.worker_id) is link).run()
 
     async def _drop_worker(self, worker_id: str, message: str) -> None:
         log.warning("worker left the rotation", extra={"worker_id": worker_id, "reason": message})
@@ -388,16 +310,6 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._metrics.publish(self._core.stats())
 
     # ---- helpers ----
-
-    @staticmethod
-    def _log_plan(worker_id: str, plan: StepBatch) -> None:
-        for new in plan.new_sequences:
-            log.info("sequence admitted", extra={
-                "request_id": request_id_of(new.seq_id), "seq_id": new.seq_id, "worker_id": worker_id,
-                "prompt_tokens": len(new.prompt_token_ids), "resumed_tokens": len(new.output_token_ids)})
-        log.debug("step planned", extra={"worker_id": worker_id, "step_id": plan.step_id,
-                                         "sequences": len(plan.work), "tokens": plan.num_tokens,
-                                         "frees": len(plan.free_seq_ids)})
 
     @staticmethod
     def _log_finish(request_id: str, update: RequestUpdate) -> None:
