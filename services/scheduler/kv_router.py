@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -35,6 +36,11 @@ class _Asked:
     cache_salt: str
     request_id: str
     answer: asyncio.Future[dict[str, int]]
+
+
+def _by_worker(result: Any) -> dict[str, int]:
+    """worker_id -> cached prefix tokens, from the index's answer (a kvcache LookupResult)."""
+    return {match.worker_id: match.matched_tokens for match in result.matches}
 
 
 def _settle(batch: Sequence[_Asked], answers: Sequence[dict[str, int]]) -> None:
@@ -122,8 +128,7 @@ class KvIndexRouter:
             return list(await asyncio.gather(*(self._lookup_one(asked.token_ids, asked.request_id, asked.cache_salt)
                                                for asked in batch)))
         self._answered()
-        return [{match.worker_id: match.matched_tokens for match in result.matches} if result is not None else {}
-                for result in results]
+        return [_by_worker(result) if result is not None else {} for result in results]
 
     async def _lookup_one(self, token_ids: Sequence[int], request_id: str | None, cache_salt: str) -> dict[str, int]:
         try:
@@ -132,7 +137,7 @@ class KvIndexRouter:
             self._on_failure(error.code())
             return {}
         self._answered()
-        return {match.worker_id: match.matched_tokens for match in result.matches}
+        return _by_worker(result)
 
     def _answered(self) -> None:
         self._missed_deadlines = 0
