@@ -61,6 +61,13 @@ def test_activation_times_up_matches_torch(native: NativeElementwise, activation
     both = torch.cat([gate, up], dim=1)
     torch.testing.assert_close(native.act_mul(both[:, :dim], both[:, dim:], activation),
                                native.act_mul(gate, up, activation), rtol=0, atol=0)
+    # Into the gate itself (the fused MLP's wide steps): the same values.
+    expected_bits = native.act_mul(gate, up, activation)
+    in_place = gate.clone()
+    assert native.act_mul(in_place, up, activation, out=in_place).data_ptr() == in_place.data_ptr()
+    torch.testing.assert_close(in_place, expected_bits, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        native.act_mul(gate, up, activation, out=torch.empty(rows, dim + 1))
 
 
 def test_extremes_and_non_finite_inputs(native: NativeElementwise) -> None:

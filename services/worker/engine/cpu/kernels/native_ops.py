@@ -54,15 +54,20 @@ class NativeElementwise:
                        x.numel() // dim if dim else 0, dim, eps, torch.get_num_threads())
         return out
 
-    def act_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-        """activation(gate) * up, both [..., dim] with unit stride in the last dimension."""
+    def act_mul(self, gate: torch.Tensor, up: torch.Tensor, activation: str,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """activation(gate) * up, both [..., dim] with unit stride in the last dimension; into
+        `out` where given (contiguous float32 of their shape; `gate` itself may be it: each
+        element is read before its own is written)."""
         if gate.shape != up.shape:
             raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} differ")
+        if out is not None and (out.shape != gate.shape or out.dtype != torch.float32 or not out.is_contiguous()):
+            raise ValueError(f"out {tuple(out.shape)} {out.dtype} is not a contiguous float32 {tuple(gate.shape)}")
         dim = gate.shape[-1]
         gate2, up2 = gate.reshape(-1, dim), up.reshape(-1, dim)
         if gate2.stride(-1) != 1 or up2.stride(-1) != 1:
             gate2, up2 = gate2.contiguous(), up2.contiguous()
-        out = torch.empty(gate.shape, dtype=torch.float32)
+        out = torch.empty(gate.shape, dtype=torch.float32) if out is None else out
         self._act_mul(gate2.data_ptr(), gate2.stride(0), up2.data_ptr(), up2.stride(0), out.data_ptr(),
                       gate2.shape[0], dim, ACTIVATIONS[activation], torch.get_num_threads())
         return out

@@ -36,7 +36,9 @@ class FusedGatedMLP(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         if self._native.accepts(gate, up):
-            hidden = self._native.act_mul(gate, up, self.activation)
+            # The product overwrites the gate's own output: a [tokens, intermediate] buffer
+            # fewer in a wide step (6.7 MB at 822 rows on the default model).
+            hidden = self._native.act_mul(gate, up, self.activation, out=gate if gate.is_contiguous() else None)
         else:
             hidden = _REFERENCE_ACTIVATIONS[self.activation](gate) * up
         return self.down_proj(hidden)
