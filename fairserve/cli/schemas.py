@@ -41,7 +41,14 @@ def schemas_for(command: str) -> list[type[SettingsSchema]]:
     return [SERVICES[command]]
 
 
+# What a service's process sets before its module loads (the worker's: before torch loads).
+PROCESS_START = {"worker": "services.worker.process_start"}
+
+
 def entry_point(command: str) -> Callable[[], object]:
-    """The function that runs `command` (imported only then: the worker's pulls in torch)."""
+    """The function that runs `command` (imported only then: the worker's pulls in torch),
+    its process prepared first where it has a `PROCESS_START`."""
+    if command in PROCESS_START:
+        importlib.import_module(PROCESS_START[command]).prepare_process()
     module = {"run": "fairserve.launcher.run_stack"}.get(command, f"services.{command}.main")
     return importlib.import_module(module).main

@@ -1,15 +1,9 @@
 """Worker process: loads the model, serves Step/Info/Stats, registers with
 the scheduler and publishes KV block events to the index.
 
-Run as a program, it bounds how long its OpenMP threads spin at a barrier
-before they sleep (GOMP_SPINCOUNT, 20,000 rounds unless the environment sets
-it; libgomp's default is 300,000). libgomp reads the variable once, when torch
-loads it, so it is set here, before anything imports torch. A team that spins
-long collapses when another process takes one of its cores: each barrier then
-waits out the other's time slice (on 2 vCPUs, a tenant flooding the gateway
-stretched another's longest gap between tokens from 45 ms to 1.4 s; with the
-bound, 0.2 s; docs/benchmarks.md, Isolation). OMP_WAIT_POLICY=PASSIVE (no
-spinning) protects as well but costs about a third of batch-1 decode speed.
+Run as a program, it first prepares the process (process_start.py: OpenMP's spin
+bound and one malloc arena), before anything imports torch or starts a thread;
+`fairserve worker` does the same (fairserve/cli/schemas.py).
 """
 
 from __future__ import annotations
@@ -17,8 +11,8 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":
-    # Before anything imports torch, and with it libgomp (the module docstring).
-    os.environ.setdefault("GOMP_SPINCOUNT", "20000")
+    from services.worker.process_start import prepare_process
+    prepare_process()
 
 import asyncio
 import dataclasses
@@ -83,7 +77,7 @@ async def serve(settings: WorkerSettings) -> None:
     metrics_port = serve_metrics(settings.metrics_port, metrics.registry, host=settings.host)
     kv_client = KvIndexClient.connect(settings.kvcache_addr, auth=settings.internal)
     publisher = KvEventPublisher(settings.worker_id, kv_client.publish, snapshot_source(engine_thread.snapshot))
-    idle = (IdleRelease(settings.idle_release_s, engine.accelerators.release_freed_host_memory)
+    idle = (IdleRelease(settings.idle_release_s, engine.release_host_memory)
             if settings.idle_release_s > 0 and engine.device.type == "cpu" else None)
     service = WorkerService(engine_thread, settings.worker_id, metrics,
                             on_block_events=partial(add_events, publisher),

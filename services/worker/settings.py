@@ -68,6 +68,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         direct_forward=values.direct_forward,
         model_impl=values.model_impl,
         cpu_gemm_cache_entries=values.cpu_gemm_cache_entries,
+        host_memory_release_rows=values.host_memory_release_rows,
         cpu_weight_codes=values.cpu_weight_codes,
         cpu_linear_kernel=values.cpu_linear_kernel,
         cpu_compute=values.cpu_compute,

@@ -63,6 +63,7 @@ class WorkerSchema(
         "cpu_prefill_gemm",
         "cpu_thread_policy",
         "host_memory_idle_release_s",
+        "host_memory_release_rows",
         "lm_head_screen",
         "lm_head_screen_max_rows",
         "lm_head_screen_weights",
@@ -268,6 +269,13 @@ class WorkerSchema(
             " freed back to the system (kept between steps otherwise: a step allocates the same "
             'buffers again), ~100 MB on the default model after eight streams; the next steps fault '
             'them in again (a few ms). 0 never hands it back'
+        ))
+    host_memory_release_rows: int = Field(256, ge=0,
+        description=(
+            'on CPU, after a step of at least this many rows (a prefill chunk) the memory the step '
+            'freed goes back to the system: the next steps fault their buffers in again (~1 % of a '
+            "wide step's time), and the worker stays near its live size instead of keeping every "
+            "wide step's pages (~60 MB more on the default model after eight W1 streams). 0 keeps them"
         ))
     cpu_thread_policy: Literal[CPU_THREAD_POLICIES] = Field('adaptive',
         description=(

@@ -21,7 +21,7 @@ import torch
 
 from services.worker.engine.accelerators import Accelerators, GraphCapture
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu import host_memory
+from services.worker.engine.cpu import host_memory, library_pages
 from services.worker.engine.cpu.cpu_share import IdleClock, WaitClock, default_threads
 from services.worker.engine.cpu.thread_governor import GovernorConfig, ThreadGovernor
 from services.worker.engine.cpu.thread_pacer import ThreadPacer
@@ -60,6 +60,7 @@ def device_accelerators() -> Accelerators:
         keep_freed_host_memory=host_memory.keep_freed_host_memory,
         bound_gemm_caches=host_memory.bound_gemm_caches,
         release_freed_host_memory=host_memory.release_freed_host_memory,
+        release_library_pages=library_pages.release_library_pages,
         checkpoint_page_release=host_memory.checkpoint_page_release,
         default_kernel_dir=default_cache_dir,
         apply_speedups=apply_speedups,

@@ -215,10 +215,12 @@ def _no_decode_kernel(backend: str, device: torch.device, dtype: torch.dtype, bl
 @dataclass(frozen=True)
 class Accelerators:
     """The speed-ups an engine is built with; each default is the core's own path."""
-    # CPU host memory: tune the allocator before loading, cap the GEMM caches, hand freed pages back.
+    # CPU host memory: tune the allocator once the model is prepared, cap the GEMM caches, hand freed
+    # pages back, let the shared libraries' start-up pages go (cpu/library_pages.py).
     keep_freed_host_memory: Callable[[], object] = _nothing
     bound_gemm_caches: Callable[[int], object] = _no_gemm_cache_bound
     release_freed_host_memory: Callable[[], object] = _nothing
+    release_library_pages: Callable[[], object] = _nothing
     # After loading: (address, bytes) -> lets the checkpoint mapping's pages of a copied weight go.
     checkpoint_page_release: Callable[[], Callable[[int, int], object]] = _no_page_release
     # Where compiled kernels are kept when KERNEL_CACHE_DIR is unset.

@@ -30,6 +30,7 @@ class EngineConfig:
     attention_backend: str = "auto"    # prefill chunks: auto (flash-attn on CUDA, native C on CPU) | sdpa | flash_attn | native
     decode_attention: str = "auto"     # CPU float32 decodes: auto (native when it builds and checks) | native | sdpa
     cpu_native_kernels: str = "auto"   # CPU float32: C kernels for norms, gated activations, few-row linears (auto) | off
+    host_memory_release_rows: int = 256   # CPU: a step of at least this many rows hands the memory it freed back (0: never)
     cpu_gemm_cache_entries: int = 8    # CPU: GEMM shapes oneDNN's primitive cache and torch's (ideep's) cache each keep at most (0: their own default, 1024)
     cpu_weight_codes: str = "auto"     # CPU float32: weights that are exact codes (dequantized GGUF) decode from them: auto (4-6 bits where they fit, if faster here) | narrow | 8bit | off
     direct_forward: str = "auto"       # CPU: the base model's forward without transformers' module dispatch (auto) | off

@@ -116,7 +116,7 @@ class Engine:
         self.grammars = Grammars(GrammarTokenizer(
             tokenizer_from_model_dir(config.model_dir, vocab_size, prepared.eos_token_ids),
             background=config.grammar_tokenizer == "start" and (Path(config.model_dir) / "tokenizer.json").is_file(),
-            on_built=accelerators.release_freed_host_memory if self.device.type == "cpu" else None),
+            on_built=self.release_host_memory if self.device.type == "cpu" else None),
             vocab_size, prepared.eos_token_ids)
         self.grammar_masks = GrammarMasker()
         self.epoch = 0    # the scheduler registration served (adopt_epoch)
@@ -188,8 +188,13 @@ class Engine:
         # A sequence whose planning or forward raises fails alone (isolation.py).
         results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
         planned, logits_rows = totals.planned, totals.logits_rows
+        rows = sum(p.rows for p in planned)
+        if self.device.type == "cpu" and 0 < self.config.host_memory_release_rows <= rows:
+            # A wide step's buffers would otherwise stay resident, and other wide steps' land
+            # elsewhere in the heap (HOST_MEMORY_RELEASE_ROWS; cpu/host_memory.py).
+            self.accelerators.release_freed_host_memory()
         return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
-                            batch_tokens=sum(p.rows for p in planned),
+                            batch_tokens=rows,
                             prompt_tokens=sum(p.prompt_tokens for p in planned),
                             prompt_logits_hits=sum(1 for p in planned if p.kept is not None),
                             graph_replayed=self.graphs is not None and self.graphs.replays > replays,
@@ -274,6 +279,13 @@ class Engine:
                 raise AssertionError(f"{seq.seq_id} computed {seq.num_computed} tokens in {len(table)} blocks")
         if self.sliding is not None:
             self.sliding.check_invariants(tables)
+
+    def release_host_memory(self) -> None:
+        """Hands what the process holds without using it back to the system (CPU; nothing
+        elsewhere): the heap's freed pages and the shared libraries' clean pages. For quiet points
+        (a background build done, an idle worker): the next steps fault in what they use."""
+        self.accelerators.release_freed_host_memory()
+        self.accelerators.release_library_pages()
 
     def wait_for_screen(self, timeout: float | None = None) -> bool:
         """Blocks until the screen is built or known not to be (benchmarks, tests)."""

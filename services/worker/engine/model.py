@@ -57,7 +57,6 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     if device.type == "cpu":
-        accelerators.keep_freed_host_memory()
         accelerators.bound_gemm_caches(config.cpu_gemm_cache_entries)
     own = model is None and _loads_own_model(config, device, accelerators)
     if model is None:
@@ -85,6 +84,10 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     if device.type == "cpu":
         gc.collect()                  # replaced modules sit in reference cycles, holding weights
         accelerators.release_freed_host_memory()   # what loading and the speed-ups freed (cpu/host_memory.py)
+        # Only now: loading's temporaries went back to the system as they were freed, so the steps'
+        # buffers do not land all over a heap they left full of holes (cpu/host_memory.py).
+        accelerators.keep_freed_host_memory()
+        accelerators.release_library_pages()       # the libraries' start-up code (cpu/library_pages.py)
     screen = accelerators.lm_head_screen(config, softcap, kernel_cache_dir, speedups.native_kernels)
     screen.start(model.get_output_embeddings(), device, dtype, head_weight,
                  speedups.lm_head.coded if head_weight is not None else None)

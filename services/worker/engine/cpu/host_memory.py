@@ -10,15 +10,30 @@ its maximum (32 MiB) and not trimming keeps those pages mapped and reused.
 
 The flip side: everything freed while the model is prepared (load buffers, the
 LM head screen's quantization temporaries, packs that were replaced) would stay
-resident too, so `release_freed_host_memory` hands free pages back once, after
-preparation; the steps' buffers come back on the first steps and stay.
+resident too. So the engine tunes the allocator only once the model is prepared
+(model.py): loading runs under glibc's defaults, its multi-megabyte temporaries are
+mapped and unmapped on their own and leave no holes in the heap. Tuned before loading,
+the heap was left with ~480 MB of free (released, not resident) space among the weights
+on the default model, and glibc's best fit placed a wide step's buffers in ever other
+parts of it: a 822-row prefill step touched 60-80 MB more than it held before, against
+~40 MB with the heap compact. `release_freed_host_memory` then hands free pages back
+once, after preparation; the steps' buffers come back on the first steps and stay. Except a wide step's
+(a prefill chunk of HOST_MEMORY_RELEASE_ROWS rows or more, engine.py): its buffers are tens of
+MB, different wide steps' land in different parts of the heap's free space, so keeping them all
+grew a served worker by ~60 MB over eight W1 streams; after such a step the freed pages go back,
+and faulting them in again costs ~1 % of a step that long (decode steps keep theirs).
 
 Threads that allocate while another does (the screen's and the grammar tokenizer's background
 builds beside the main thread's preparation) each get an arena of their own, and what they free
 there stays resident through `release_freed_host_memory`: on the 2-core AMD EPYC a worker with
 prefill packs, the int8 screen copy and the grammar tokenizer built at start held 2,391 MB
 instead of 1,530-1,587 with at most one or two arenas, and how much depended on how the builds
-overlapped. So the engine keeps to ARENA_MAX arenas.
+overlapped. So the engine keeps to ARENA_MAX arenas: one, since a worker whose engine built
+and stepped on a thread of its own (the worker's engine thread) in a second arena held 24 MB
+more: malloc_trim gives back the free pages inside every arena but the top of the main
+arena's heap only. A thread takes its arena at its first allocation, so a worker process caps
+them first thing (`share_one_malloc_arena`, services/worker/process_start.py); the engine's
+tuning caps them again for a process that did not (a test, a benchmark).
 
 Loading reads the checkpoint through a mapping of its safetensors files, and the model copies
 each weight out of it (model.py, `_own_weights`): every page read stays resident in the mapping
@@ -49,7 +64,7 @@ M_TRIM_THRESHOLD = -1
 M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-ARENA_MAX = 2
+ARENA_MAX = 1
 MMAP_THRESHOLD = 32 << 20     # glibc's largest accepted value on 64-bit
 TRIM_THRESHOLD = 1 << 30
 TOP_PAD = 64 << 20
@@ -77,6 +92,17 @@ def bound_gemm_caches(entries: int) -> dict[str, str]:
         for name in GEMM_CACHE_VARIABLES:
             os.environ.setdefault(name, str(entries))
     return {name: os.environ.get(name, "") for name in GEMM_CACHE_VARIABLES}
+
+
+def share_one_malloc_arena() -> bool:
+    """Caps glibc malloc at ARENA_MAX arenas for the threads that have not allocated yet (the
+    module docstring); False where the C library is not glibc."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    return libc.mallopt(M_ARENA_MAX, ARENA_MAX) == 1
 
 
 def release_freed_host_memory() -> bool:
@@ -117,12 +143,12 @@ def release_file_pages(address: int, nbytes: int, mappings: list[tuple[int, int]
     """Drops the resident pages wholly inside [address, address + nbytes) where that range
     lies in one of `mappings` (`file_mappings`: the kernel reads them from the file again
     if they are read again); returns the bytes released (0 elsewhere, or without glibc).
-    `madvise`: glibc's, looked up once by the caller (`_madvise`) for many calls."""
+    `madvise`: glibc's, looked up once by the caller (`glibc_madvise`) for many calls."""
     start = -(-address // PAGE) * PAGE
     end = (address + nbytes) // PAGE * PAGE
     if end <= start or not any(low <= start and end <= high for low, high in mappings):
         return 0
-    madvise = madvise or _madvise()
+    madvise = madvise or glibc_madvise()
     if madvise is None:
         return 0
     return end - start if madvise(start, end - start, MADV_DONTNEED) == 0 else 0
@@ -131,13 +157,13 @@ def release_file_pages(address: int, nbytes: int, mappings: list[tuple[int, int]
 def checkpoint_page_release() -> Callable[[int, int], int]:
     """`release_file_pages` over the checkpoint files mapped now (call after loading, before
     copying the weights out), with glibc looked up once: `find_library` runs `ldconfig`."""
-    mappings, madvise = file_mappings(), _madvise()
+    mappings, madvise = file_mappings(), glibc_madvise()
     if madvise is None:
         return lambda address, nbytes: 0
     return lambda address, nbytes: release_file_pages(address, nbytes, mappings, madvise)
 
 
-def _madvise() -> Callable[[int, int, int], int] | None:
+def glibc_madvise() -> Callable[[int, int, int], int] | None:
     libc = _glibc()
     if libc is None:
         return None

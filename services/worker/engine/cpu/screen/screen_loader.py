@@ -25,6 +25,7 @@ import torch
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.cpu.screen.codes_screen_int8 import ACTIVATIONS
 from services.worker.engine.cpu.host_memory import release_freed_host_memory
+from services.worker.engine.cpu.library_pages import release_library_pages
 from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen, load_native_matmul
 from services.worker.engine.cpu.screen.screen_fbgemm import screening_available
 from services.worker.engine.cpu.screen.screen_rows import RowSplit, split_by_rows
@@ -129,4 +130,5 @@ class ScreenLoader:
             del weight                    # with codes, the last reference to the float32 head
             gc.collect()
             release_freed_host_memory()   # the quantization's temporaries (host_memory.py)
+            release_library_pages()       # and the code only the build ran (library_pages.py)
             self._ready.set()
