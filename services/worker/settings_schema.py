@@ -267,8 +267,8 @@ class WorkerSchema(
         description=(
             'on CPU, once no step has run for this many seconds the worker hands the memory its steps'
             " freed back to the system (kept between steps otherwise: a step allocates the same "
-            'buffers again), ~100 MB on the default model after eight streams; the next steps fault '
-            'them in again (a few ms). 0 never hands it back'
+            'buffers again), and unmaps the pages of the shared libraries it is not running; the '
+            'next steps fault them in again (a few ms). 0 never hands it back'
         ))
     host_memory_release_rows: int = Field(256, ge=0,
         description=(
