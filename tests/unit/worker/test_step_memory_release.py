@@ -8,6 +8,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 
+import pytest
+
 from common.step import NewSequence, StepBatch, WorkItem
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -32,28 +34,17 @@ def _prefill_then_decode(engine: Engine, prompt_len: int) -> None:
     engine.step(StepBatch(work=[WorkItem("a", 1)]))
 
 
-def test_a_wide_step_hands_its_freed_memory_back_and_a_narrow_one_does_not() -> None:
+@pytest.mark.parametrize("release_rows,prompt_len,expected", [
+    (16, 20, ["heap"]),    # a 20-row prefill hands back; the one-row decode after it does not
+    (16, 15, []),          # a step just under the rows keeps it
+    (0, 40, []),           # 0: never
+])
+def test_a_wide_step_hands_its_freed_memory_back(release_rows: int, prompt_len: int, expected: list[str]) -> None:
     calls: list[str] = []
-    engine = _engine(16, calls)
+    engine = _engine(release_rows, calls)
     calls.clear()                      # what preparation released
-    _prefill_then_decode(engine, 20)   # a 20-row prefill, then a one-row decode
-    assert calls == ["heap"]
-
-
-def test_a_step_just_under_the_rows_keeps_it() -> None:
-    calls: list[str] = []
-    engine = _engine(16, calls)
-    calls.clear()
-    _prefill_then_decode(engine, 15)
-    assert calls == []
-
-
-def test_zero_never_hands_it_back() -> None:
-    calls: list[str] = []
-    engine = _engine(0, calls)
-    calls.clear()
-    _prefill_then_decode(engine, 40)
-    assert calls == []
+    _prefill_then_decode(engine, prompt_len)
+    assert calls == expected
 
 
 def test_the_allocator_is_tuned_after_preparation_and_quiet_points_release_both() -> None:
