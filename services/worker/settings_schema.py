@@ -273,9 +273,10 @@ class WorkerSchema(
     host_memory_release_rows: int = Field(256, ge=0,
         description=(
             'on CPU, after a step of at least this many rows (a prefill chunk) the memory the step '
-            'freed goes back to the system: the next steps fault their buffers in again (~1 % of a '
-            "wide step's time), and the worker stays near its live size instead of keeping every "
-            "wide step's pages (~60 MB more on the default model after eight W1 streams). 0 keeps them"
+            'freed goes back to the system: the next wide steps fault their buffers in again (~2-3 % '
+            "of c32 throughput on the default model), and the worker stays near its live size instead "
+            "of keeping every wide step's pages (~25-30 MB more at a 64-block pool under eight W1 "
+            "streams, ~600 MB at c32 with the default pool). 0 keeps them"
         ))
     cpu_thread_policy: Literal[CPU_THREAD_POLICIES] = Field('adaptive',
         description=(

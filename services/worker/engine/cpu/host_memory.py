@@ -10,18 +10,18 @@ its maximum (32 MiB) and not trimming keeps those pages mapped and reused.
 
 The flip side: everything freed while the model is prepared (load buffers, the
 LM head screen's quantization temporaries, packs that were replaced) would stay
-resident too. So the engine tunes the allocator only once the model is prepared
-(model.py): loading runs under glibc's defaults, its multi-megabyte temporaries are
-mapped and unmapped on their own and leave no holes in the heap. Tuned before loading,
-the heap was left with ~480 MB of free (released, not resident) space among the weights
-on the default model, and glibc's best fit placed a wide step's buffers in ever other
-parts of it: a 822-row prefill step touched 60-80 MB more than it held before, against
-~40 MB with the heap compact. `release_freed_host_memory` then hands free pages back
-once, after preparation; the steps' buffers come back on the first steps and stay. Except a wide step's
-(a prefill chunk of HOST_MEMORY_RELEASE_ROWS rows or more, engine.py): its buffers are tens of
-MB, different wide steps' land in different parts of the heap's free space, so keeping them all
-grew a served worker by ~60 MB over eight W1 streams; after such a step the freed pages go back,
-and faulting them in again costs ~1 % of a step that long (decode steps keep theirs).
+resident too. So:
+
+- the engine tunes the allocator only once the model is prepared (model.py): loading runs
+  under glibc's defaults, its multi-megabyte temporaries are mapped and unmapped on their own
+  and leave no holes in the heap. Tuned before loading, the heap kept ~480 MB of free
+  (released, not resident) space among the weights of the default model, and glibc's best fit
+  placed a wide step's buffers in ever other parts of it: an 822-row prefill step touched 60-80
+  MB more than the process held before it, ~40 MB with the heap compact;
+- `release_freed_host_memory` hands the free pages back once after preparation, and again after
+  each wide step (a prefill chunk of HOST_MEMORY_RELEASE_ROWS rows or more, engine.py): keeping
+  those kept a served 64-block worker ~25-30 MB higher under eight W1 streams; faulting them in
+  again cost ~2-3 % of c32 throughput (docs/benchmarks.md). Decode steps keep theirs.
 
 Threads that allocate while another does (the screen's and the grammar tokenizer's background
 builds beside the main thread's preparation) each get an arena of their own, and what they free
