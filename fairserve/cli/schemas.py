@@ -42,7 +42,7 @@ def schemas_for(command: str) -> list[type[SettingsSchema]]:
 
 
 # What a service's process sets before its module loads (the worker's: before torch loads).
-PROCESS_START = {"worker": "services.worker.process_start"}
+PROCESS_START = {"worker": "services.worker.host.process_start"}
 
 
 def entry_point(command: str) -> Callable[[], object]:

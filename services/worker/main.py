@@ -1,7 +1,7 @@
 """Worker process: loads the model, serves Step/Info/Stats, registers with
 the scheduler and publishes KV block events to the index.
 
-Run as a program, it first prepares the process (process_start.py: OpenMP's spin
+Run as a program, it first prepares the process (host/process_start.py: OpenMP's spin
 bound and one malloc arena), before anything imports torch or starts a thread;
 `fairserve worker` does the same (fairserve/cli/schemas.py).
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 if __name__ == "__main__":
-    from services.worker.process_start import prepare_process
+    from services.worker.host.process_start import prepare_process
     prepare_process()
 
 import asyncio
@@ -35,7 +35,7 @@ from common.transport.worker_auth import worker_token_interceptors
 from services.kvcache.client import KvIndexClient
 from services.kvcache.publisher import KvEventPublisher
 from services.worker.drain import leave
-from services.worker.idle_release import IdleRelease
+from services.worker.host.idle_release import IdleRelease
 from services.worker.kv_events import add_events, snapshot_source
 from services.worker.metrics import WorkerMetrics, engine_labels
 from services.worker.server import EngineThread, WorkerService, keep_registered

@@ -241,7 +241,7 @@ async def test_only_the_worker_token_registers_a_worker(stack: Stack) -> None:
 
 def test_the_workers_openmp_threads_spin_briefly(stack: Stack) -> None:
     """A flood that takes a core from the worker must not collapse its OpenMP barriers: the
-    worker runs with GOMP_SPINCOUNT bounded (services/worker/process_start.py; the gaps it keeps are in
+    worker runs with GOMP_SPINCOUNT bounded (services/worker/host/process_start.py; the gaps it keeps are in
     docs/benchmarks.md, Isolation)."""
     ready = [json.loads(line) for line in (stack.log_dir / "worker-0.log").read_text().splitlines()
              if '"engine ready"' in line]

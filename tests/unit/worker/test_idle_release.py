@@ -1,4 +1,4 @@
-"""The idle worker's release of freed memory (services/worker/idle_release.py): once per idle
+"""The idle worker's release of freed memory (services/worker/host/idle_release.py): once per idle
 spell, only after a step and only `delay_s` after the last one, never while steps keep coming,
 run through the engine's thread; the worker's after-step hook keeps the thread pacer's call;
 and, on the real allocator, a burst's freed buffers leave the process."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from services.worker.engine.cpu import host_memory
-from services.worker.idle_release import IdleRelease
+from services.worker.host.idle_release import IdleRelease
 from services.worker.main import _after_step
 from services.worker.settings import WorkerSettings
 

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from fairserve.cli import schemas
-from services.worker import process_start
+from services.worker.host import process_start
 
 
 def test_the_spin_bound_is_set_unless_the_environment_has_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -26,7 +26,7 @@ def test_the_spin_bound_is_set_unless_the_environment_has_one(monkeypatch: pytes
 
 
 def test_preparing_loads_no_torch() -> None:
-    code = ("import sys; from services.worker.process_start import prepare_process; prepare_process(); "
+    code = ("import sys; from services.worker.host.process_start import prepare_process; prepare_process(); "
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"

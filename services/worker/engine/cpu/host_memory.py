@@ -32,7 +32,7 @@ overlapped. So the engine keeps to ARENA_MAX arenas: one, since a worker whose e
 and stepped on a thread of its own (the worker's engine thread) in a second arena held 24 MB
 more: malloc_trim gives back the free pages inside every arena but the top of the main
 arena's heap only. A thread takes its arena at its first allocation, so a worker process caps
-them first thing (`share_one_malloc_arena`, services/worker/process_start.py); the engine's
+them first thing (`share_one_malloc_arena`, services/worker/host/process_start.py); the engine's
 tuning caps them again for a process that did not (a test, a benchmark).
 
 Loading reads the checkpoint through a mapping of its safetensors files, and the model copies
