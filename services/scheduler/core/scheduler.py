@@ -317,12 +317,13 @@ class SchedulerCore:
 
     def step_depth(self, worker_id: str) -> int:
         """How many steps the worker may have in flight now: `max_steps_in_flight`, and one more
-        while a step of multi-step decodes is in flight and a request waits to be admitted there,
-        so that its prefill reaches the worker now (the worker ends those decodes at their next
-        run when a step bringing new sequences waits behind them) instead of after them."""
+        while a step of multi-step decodes is in flight and a request waits that a step could
+        admit there, so that its prefill reaches the worker now (the worker ends those decodes at
+        their next run when a step bringing new sequences waits behind them) instead of after
+        them. Requests queued behind a full batch wait for a slot to free either way."""
         worker = self._workers[worker_id]
         depth = self._config.max_steps_in_flight
-        if worker.pending and any(item.decode_steps > 1 for step in worker.in_flight for item in step.plan.work):
+        if self._planner.admits_waiting(worker) and any(item.decode_steps > 1 for step in worker.in_flight for item in step.plan.work):
             depth += 1
         return depth
 

@@ -11,7 +11,7 @@ Order within a step (PREFILL_MODE=mixed, the default):
 In the alternating mode a step is either the decodes or the prefill work, taking
 turns while both wait; a prefill turn with nothing to send falls back to decodes.
 A decode may verify drafts (allowances/speculation.py) and, while no request waits on the
-worker, run several times in the step (allowances/decode_steps.py).
+worker that the step could take, run several times in the step (allowances/decode_steps.py).
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.fairness.slot_fairness import slot_victim
-from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance
+from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_a_slot_frees
 from services.scheduler.core.allowances.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
-from services.scheduler.core.types import CoreConfig, PrefillMode
+from services.scheduler.core.types import CoreConfig, Policy, PrefillMode
 
 
 def one_token_chunk_in_flight(request: RequestState, worker: WorkerState) -> bool:
@@ -61,16 +61,19 @@ class StepPlanner:
 
     def fill(self, worker: WorkerState, plan: StepBuilder) -> None:
         """Adds the worker's next step's work to `plan` (module docstring for the order)."""
+        # One policy for the whole step: admissions and preemptions only move requests between
+        # the worker's waiting and running ones, whose union decides it.
+        policy = effective_policy(self._config.policy, worker.pending, worker.running)
         prefill_turn = self._prefill_turn(worker)
         if prefill_turn is None:
-            self._plan_decodes(worker, plan)
-            self._plan_prefill(worker, plan)
+            self._plan_decodes(worker, plan, policy)
+            self._plan_prefill(worker, plan, policy)
         elif prefill_turn:
-            self._plan_prefill(worker, plan)
+            self._plan_prefill(worker, plan, policy)
             if not plan.has_work:
-                self._plan_decodes(worker, plan)
+                self._plan_decodes(worker, plan, policy)
         else:
-            self._plan_decodes(worker, plan)
+            self._plan_decodes(worker, plan, policy)
 
 
     def _prefill_turn(self, worker: WorkerState) -> bool | None:
@@ -82,10 +85,14 @@ class StepPlanner:
             return None
         return not worker.last_step_was_prefill
 
-    def _plan_decodes(self, worker: WorkerState, plan: StepBuilder) -> None:
+    def _plan_decodes(self, worker: WorkerState, plan: StepBuilder, policy: Policy) -> None:
         config = self._config
         drafting = speculating(config.speculative_tokens, config.speculative_max_batch, len(worker.active))
-        multi = multi_stepping(config.decode_steps, bool(worker.pending or worker.prefilling))
+        multi = multi_stepping(config.decode_steps, bool(worker.prefilling) or self.admits_waiting(worker, policy))
+        most_runs = config.decode_steps
+        if multi and worker.pending:    # queued behind a full batch: end the runs when a slot frees
+            most_runs = min(most_runs, runs_until_a_slot_frees(
+                [left for r in worker.active if (left := r.max_tokens - r.outputs_if_drafts_kept) > 0]))
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
@@ -99,16 +106,39 @@ class StepPlanner:
                 allowed = drafting and drafts_allowed(request.kv_cap_tokens, request.sampling.is_greedy,
                                                       config.speculative_sampled)
                 drafts, extra = self._draft_allowance(worker, plan, request, needed) if allowed else (0, 0)
-                runs, more = (self._runs_allowance(worker, plan, request, needed + extra, drafts)
+                runs, more = (self._runs_allowance(worker, plan, request, needed + extra, drafts, most_runs)
                               if multi and not request.kv_cap_tokens else (1, 0))
                 plan.add(request.seq_id, 1, needed + extra + more, is_decode=True, drafts=drafts,
                          decode_steps=runs)
 
+    def admits_waiting(self, worker: WorkerState, policy: Policy | None = None) -> bool:
+        """Whether a request waits on the worker that its next step could admit: a batch slot
+        is free, or a running request would hand its slot over (slot fairness). Requests
+        queued behind a full batch that keeps its slots wait for one to free either way.
+        `policy`: the worker's effective policy, when the caller has it."""
+        if not worker.pending:
+            return False
+        config = self._config
+        if len(worker.running) < config.max_batch_size:
+            return True
+        policy = policy or effective_policy(config.policy, worker.pending, worker.running)
+        if self._no_slot_to_hand_over(worker, policy):
+            return False
+        candidate = pick_next(worker.pending, policy, self._vtc)
+        return candidate is not None and slot_victim(
+            candidate, worker.running, worker.pending, (), policy, config.max_batch_size) is not None
+
+    def _no_slot_to_hand_over(self, worker: WorkerState, policy: Policy) -> bool:
+        """Whether the batch is full and no running request would give its slot to any waiting
+        one: none has a lower priority, and slot fairness (vtc) is off."""
+        return (len(worker.running) >= self._config.max_batch_size and policy is not Policy.VTC
+                and max(r.priority for r in worker.pending) <= min(r.priority for r in worker.running))
+
     def _runs_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
-                        taken: int, drafts: int) -> tuple[int, int]:
+                        taken: int, drafts: int, most_runs: int) -> tuple[int, int]:
         """(runs, extra blocks) for a decode whose first run takes `taken` blocks."""
         return runs_allowance(
-            decode_steps=self._config.decode_steps, drafts=drafts,
+            decode_steps=most_runs, drafts=drafts,
             outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
             num_computed=request.num_computed, held_blocks=worker.blocks_held(request) + taken,
             spare_blocks=plan.available_blocks - taken, block_size=worker.spec.block_size)
@@ -123,14 +153,14 @@ class StepPlanner:
             held_blocks=worker.blocks_held(request) + needed, spare_blocks=plan.available_blocks - needed,
             block_size=worker.spec.block_size)
 
-    def _plan_prefill(self, worker: WorkerState, plan: StepBuilder) -> None:
+    def _plan_prefill(self, worker: WorkerState, plan: StepBuilder, policy: Policy) -> None:
         for request in sorted(worker.prefilling, key=lambda r: r.running_key):
             if request.phase is not Phase.PREFILLING:
                 continue
             if plan.token_budget < 1:
                 return
             self._plan_chunk(worker, plan, request)
-        self._plan_admissions(worker, plan)
+        self._plan_admissions(worker, plan, policy)
 
     def _plan_chunk(self, worker: WorkerState, plan: StepBuilder, request: RequestState) -> None:
         # Once its last chunk is in flight, the next "chunk" is its first decode.
@@ -148,19 +178,18 @@ class StepPlanner:
         plan.add(request.seq_id, num_tokens, blocks_to_grow(request.num_computed, num_tokens, block_size, cap),
                  is_decode=False)
 
-    def _plan_admissions(self, worker: WorkerState, plan: StepBuilder) -> None:
+    def _plan_admissions(self, worker: WorkerState, plan: StepBuilder, policy: Policy) -> None:
         config = self._config
-        if worker.refused_allocation:
+        if worker.refused_allocation or not worker.pending or self._no_slot_to_hand_over(worker, policy):
             return
         block_size, min_shared = worker.spec.block_size, config.prefix_wait_min_tokens
         blocked = blocked_by_leaders(worker.pending, worker.prefilling, block_size, min_shared)
         while worker.pending and plan.token_budget >= 1:
             candidates = [r for r in worker.pending if r.request_id not in blocked] if blocked else worker.pending
-            request = pick_next(candidates, effective_policy(config.policy, worker.pending, worker.running),
-                                self._vtc)
+            request = pick_next(candidates, policy, self._vtc)
             if request is None:
                 return
-            if len(worker.running) >= config.max_batch_size and not self._free_a_slot(worker, plan, request):
+            if len(worker.running) >= config.max_batch_size and not self._free_a_slot(worker, plan, request, policy):
                 return
             gate = gates.holding_gate(worker.reserved_kv_tokens, request.kv_reservation,
                                       config.max_active_kv_tokens, request.cache_tokens(request.known_tokens),
@@ -172,11 +201,11 @@ class StepPlanner:
             self._admit(worker, plan, request)
             blocked |= blocked_by_leaders(worker.pending, [request], block_size, min_shared)
 
-    def _free_a_slot(self, worker: WorkerState, plan: StepBuilder, candidate: RequestState) -> bool:
+    def _free_a_slot(self, worker: WorkerState, plan: StepBuilder, candidate: RequestState,
+                     policy: Policy) -> bool:
         """Preempts the running request that gives its batch slot to `candidate`;
         False when none does."""
         admitted_now = {new.seq_id for new in plan.new_sequences}
-        policy = effective_policy(self._config.policy, worker.pending, worker.running)
         victim = slot_victim(candidate, worker.running, worker.pending, admitted_now,
                              policy, self._config.max_batch_size)
         if victim is None:

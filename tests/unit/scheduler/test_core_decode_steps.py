@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance
+from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_a_slot_frees
 from services.scheduler.core.types import CoreConfig, FinishReason
 from services.worker.decode_steps import run_decode_steps
 
@@ -40,6 +40,8 @@ def test_the_allowance_is_bounded_by_max_tokens_and_blocks_and_is_never_zero() -
     assert runs_allowance(decode_steps=8, drafts=0, outputs_left=1, spare_blocks=0, **common) == (1, 0)
     assert multi_stepping(4, waiting=False) and not multi_stepping(4, waiting=True)
     assert not multi_stepping(1, waiting=False)
+    assert runs_until_a_slot_frees([9, 5, 12]) == 5
+    assert runs_until_a_slot_frees([]) == 1 and runs_until_a_slot_frees([0]) == 1
 
 
 @pytest.mark.parametrize("depth", [1, 2])
@@ -142,3 +144,40 @@ def test_a_worker_lost_with_runs_in_flight_resumes_its_requests_elsewhere_exactl
     assert h.streams[moved].token_ids == reference_output(range(10, 18), 60)
     assert h.streams[stays].token_ids == reference_output(range(30, 38), 60)
     assert h.core.stats().migrations == 1
+
+
+def _full_batch_and_a_queue(priorities: tuple[int, int]) -> tuple[Harness, str]:
+    """Four running requests (the batch is four) that have decoded a run of sixteen, 13..34
+    outputs left; then a fifth queued on the worker. Returns the harness and its id."""
+    h = Harness(_config(1, decode_steps=16), _running_the_runs(FakeEngine()))
+    for n in range(4):
+        h.submit(range(10 + 10 * n, 18 + 10 * n), max_tokens=30 + 7 * n, priority=priorities[0])
+    for _ in range(2):         # the four prefill, then decode
+        h.step()
+    assert {item.decode_steps for item in h.plans["w0"][-1].work} == {16}
+    assert len(h.core._workers["w0"].active) == 4
+    queued = h.submit(range(90, 98), max_tokens=8, priority=priorities[1]).request_id
+    return h, queued
+
+
+def test_requests_queued_behind_a_full_batch_keep_the_runs_until_a_slot_frees() -> None:
+    h, queued = _full_batch_and_a_queue((0, 0))
+    worker = h.core._workers["w0"]
+    left = min(r.max_tokens - len(r.output) for r in worker.active)
+    h.step()
+    step = h.plans["w0"][-1]
+    assert not step.new_sequences and {item.decode_steps for item in step.work} == {left}
+    assert left > 1
+    h.step()                   # the first to finish freed its slot: the queued one goes in
+    assert [new.seq_id for new in h.plans["w0"][-1].new_sequences][0].startswith(queued)
+    h.run()
+    assert all(stream.finish is not None and stream.finish.reason is FinishReason.LENGTH
+               for stream in h.streams.values())
+
+
+def test_a_queued_request_that_would_take_a_slot_stops_the_runs() -> None:
+    h, queued = _full_batch_and_a_queue((0, 5))      # higher priority: a running one yields
+    h.step()
+    step = h.plans["w0"][-1]
+    assert [new.seq_id for new in step.new_sequences][0].startswith(queued)
+    assert all(item.decode_steps == 1 for item in step.work)

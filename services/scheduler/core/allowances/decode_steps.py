@@ -9,7 +9,13 @@ R * (1 + drafts) and need slots up to position num_computed + R * (1 + drafts):
 
 R never lets a request pass max_tokens even if every run keeps every draft, never needs more
 blocks than the step has to spare, and is 1 (one run, as without multi-step) while a request
-waits on the worker (queued or prefilling): its prefill should not wait out the runs.
+waits on the worker that a step could take now (prefilling, or queued with a batch slot for it):
+its prefill should not wait out the runs. Requests queued behind a full batch do not stop the
+runs (they would wait for a slot either way); the runs then end with the first running request
+that reaches its max_tokens, the step whose reply frees a slot (`runs_until_a_slot_frees`):
+
+    running   a: 5 outputs left   b: 12 left   c: 9 left      pending: d (no slot)
+    runs      a a a a a            b b b b b    c c c c c      -> 5 runs, then d is admitted
 """
 
 from __future__ import annotations
@@ -21,6 +27,17 @@ def multi_stepping(decode_steps: int, waiting: bool) -> bool:
     """Whether decodes on a worker may run several times a step: multi-step decoding is on
     (decode_steps > 1) and no request waits there."""
     return decode_steps > 1 and not waiting
+
+
+def runs_until_a_slot_frees(outputs_left: list[int]) -> int:
+    """The most runs a step may take while requests wait for a batch slot: those that bring the
+    running request nearest its max_tokens to it (at least one). A request that ends earlier
+    (EOS, a stop string) frees its slot when the step's reply comes, as without runs.
+
+    outputs_left: each running decode's max_tokens minus its outputs once the steps in flight
+        have run.
+    """
+    return max(1, min(outputs_left, default=1))
 
 
 def runs_allowance(*, decode_steps: int, drafts: int, outputs_left: int, num_computed: int,
