@@ -1,8 +1,8 @@
 """How many workers one scheduler keeps busy (docs/scaling.md): for each worker count, the real
 kvcache index and scheduler as processes of their own, that many simulated workers
 (sim_workers.py: the real worker server over a step-time model) in one more, and a closed-loop
-load driven through the scheduler's GenerateMany (or Generate) that saturates the ideal (a full decode batch per
-worker). A row per count: output tok/s against the ideal (the one-worker row's rate times the
+load driven through the scheduler's GenerateMany (or Generate) that saturates the ideal (two full
+decode batches per worker: one running, one queued behind it). A row per count: output tok/s against the ideal (the one-worker row's rate times the
 count), efficiency, the scheduler's CPU per step and per token, the workers' idle gap between a
 step's end and the next step's start (p50/p99), TTFT p50/p99, and the share of prompt tokens the
 workers served from their prefix caches (the simulated workers publish their blocks to the index;
@@ -179,8 +179,12 @@ async def drive(stack: Stack, concurrency: int, warmup_s: float, seconds: float,
 # with one, ~15 with four, ~8 with sixteen. The default layout gives each shard at most this much
 # of the workers' ideal rate.
 SCHEDULER_TOKENS_PER_S = {1: 28_000, 4: 55_000, 16: 107_000}
-# What docs/scaling.md recommends for a pool of GPU-class workers: sixteen runs a step.
+# What docs/scaling.md recommends for a pool of GPU-class workers: sixteen runs a step, also in the
+# steps that prefill (PREFILL_DECODE_STEPS).
 RECOMMENDED_DECODE_STEPS = 16
+# The load that saturates a worker: its running batch and as many requests queued behind it, so
+# that a finished request's slot is taken in the next step, not after its client's round trip.
+BATCHES_PER_WORKER = 2
 
 
 def scheduler_tokens_per_s(decode_steps: int) -> int:
@@ -203,9 +207,11 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
               else min(int(args.shards), workers))
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
                          profile=profile, log_dir=args.logs, log_level=args.log_level,
-                         shards=shards, exchange=not args.no_exchange, decode_steps=decode_steps)
+                         shards=shards, exchange=not args.no_exchange, decode_steps=decode_steps,
+                         prefill_decode_steps=args.prefill_decode_steps)
     with Stack(config) as stack:
-        load = asyncio.run(_measured(stack, workers * (args.per_worker or costs.decode_batch), args))
+        load = asyncio.run(_measured(stack, workers * (args.per_worker or BATCHES_PER_WORKER * costs.decode_batch),
+                                     args))
         gaps, busy = stack.worker_steps()
     seconds = args.seconds
     steps, index = stack.steps_in_window, stack.index_in_window
@@ -226,6 +232,7 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "errors": load.errors, "error_kinds": dict(sorted(load.error_kinds.items(), key=lambda kv: -kv[1])[:3]),
             "slowdown": args.slowdown, "stream": args.stream, "shards": config.shards,
             "decode_steps": config.decode_steps,
+            "prefill_decode_steps": config.prefill_decode_steps,
             "exchange": config.exchange and config.shards > 1,
             "scheduler_cpu_util_by_shard": [round(value / seconds, 3) for value in stack.scheduler_cpu_by_shard],
             "tenant_token_shares": {tenant: round(tokens / load.tokens, 3) for tenant, tokens
@@ -296,7 +303,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="every simulated step this many times as long (a slower device)")
     parser.add_argument("--costs", help="JSON step costs instead of the H200 model (sim_engine.StepCosts)")
     parser.add_argument("--per-worker", type=int, default=0,
-                        help="concurrent requests per worker (default: a full decode batch)")
+                        help="concurrent requests per worker (default: two full decode batches, one "
+                             "queued behind the other)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--range-ratio", type=float, default=0.0,
@@ -315,6 +323,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-steps", type=int, default=RECOMMENDED_DECODE_STEPS,
                         help="the schedulers' DECODE_STEPS: decode runs a step may take (docs/scaling.md "
                              "recommends 16 for GPU-class workers; 1: one decode a step)")
+    parser.add_argument("--prefill-decode-steps", type=int, default=RECOMMENDED_DECODE_STEPS,
+                        help="the schedulers' PREFILL_DECODE_STEPS: decode runs a step that also prefills may "
+                             "take, the new sequences decoding on (docs/scaling.md recommends the same as "
+                             "--decode-steps; 1: a new request's first token comes with its prefill)")
     parser.add_argument("--no-exchange", action="store_true", help="shards do not exchange their tenants' service")
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--pin-tenant", action="store_true",

@@ -41,6 +41,7 @@ class StackConfig:
     shards: int = 1              # schedulers, the workers split evenly between them
     exchange: bool = True        # shards exchange their tenants' service (SCHEDULER_PEERS)
     decode_steps: int = 16       # the schedulers' DECODE_STEPS
+    prefill_decode_steps: int = 1   # their PREFILL_DECODE_STEPS
 
 
 class Stack:
@@ -58,6 +59,7 @@ class Stack:
                         MAX_BATCH_SIZE=str(config.max_batch), MAX_ACTIVE_KV_TOKENS=str(1 << 30),
                         MAX_QUEUE_LEN=str(1 << 20), QUEUE_TIMEOUT_S="600", SPECULATIVE_TOKENS="0",
                         DECODE_STEPS=str(config.decode_steps),
+                        PREFILL_DECODE_STEPS=str(config.prefill_decode_steps),
                         # the simulated workers share two busy cores: a late heartbeat is not a dead worker
                         WORKER_HEARTBEAT_TIMEOUT_S="60")
         self._stats_paths = [Path(self._dir.name) / f"workers-{shard}.json" for shard in range(config.shards)]

@@ -47,6 +47,7 @@ class SchedulerSettings:
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
     decode_steps: int = 4           # core/allowances/decode_steps.py: runs a decode may take in one step
+    prefill_decode_steps: int = 1   # ... in a step that also prefills
     max_migrations: int = _CORE.max_migrations
     worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py
     detached_ttl_s: float = 3600.0   # detached.py: how long an ended detached request is kept
@@ -90,6 +91,7 @@ class SchedulerSettings:
             speculative_max_batch=values.speculative_max_batch,
             speculative_sampled=values.speculative_sampled,
             decode_steps=values.decode_steps,
+            prefill_decode_steps=values.prefill_decode_steps,
             max_migrations=values.max_migrations,
             worker_recovery_s=values.worker_recovery_s,
             detached_ttl_s=values.detached_ttl_s,
@@ -118,6 +120,7 @@ class SchedulerSettings:
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
             speculative_sampled=self.speculative_sampled, decode_steps=self.decode_steps,
+            prefill_decode_steps=min(self.prefill_decode_steps, self.decode_steps),
             max_migrations=self.max_migrations,
             worker_recovery_s=self.worker_recovery_s,
             kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),

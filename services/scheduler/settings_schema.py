@@ -35,6 +35,7 @@ class SchedulerSchema(
         "speculative_max_batch",
         "speculative_sampled",
         "decode_steps",
+        "prefill_decode_steps",
         "prefix_wait_min_tokens",
         "routing_load_slack",
         "vtc_input_weight",
@@ -145,13 +146,22 @@ class SchedulerSchema(
         ))
     decode_steps: int = Field(4, ge=1, le=64,
         description=(
-            'multi-step decoding: while no request waits on a worker (queued or prefilling there), '
-            'each decode may run up to this many times in one step, the worker running them back '
-            'to back, so the scheduling round trip (planning, the reply, the streams\' messages) is '
+            'multi-step decoding: while no request waits on a worker that a step could take (queued '
+            'with a batch slot for it, or prefilling there), each decode may run up to this many '
+            'times in one step, the worker running them back to back, so the scheduling round trip (planning, the reply, the streams\' messages) is '
             'paid once per that many tokens; a request arriving there ends the runs at the next '
             'one. One stream\'s TPOT on W1 ~9.5 -> ~8.2 ms on 2 cores (`docs/benchmarks.md`). Tokens '
             'reach the clients in bursts of a run\'s worth, and a request cancelled or ending on a '
             'stop string may compute up to that many runs that are thrown away; 1: off'
+        ))
+    prefill_decode_steps: int = Field(1, ge=1, le=64,
+        description=(
+            'multi-step decoding in a step that also prefills (its admissions or prompt chunks): '
+            'the runs its decodes may take, the new sequences decoding on from the token their '
+            'prefill samples (at most `DECODE_STEPS`). 1 (the default): such a step runs once, so a '
+            'new request\'s first token comes with its prefill. More: fewer, fuller steps where '
+            'requests keep arriving on busy workers (less scheduler CPU a token; '
+            '`docs/scaling.md`), each new request\'s first token waiting out the runs'
         ))
     max_migrations: int = Field(2, ge=0,
         description=(

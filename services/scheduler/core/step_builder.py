@@ -54,6 +54,18 @@ class StepBuilder:
         self.frees.append(seq_id)
         self.available_blocks += blocks_held
 
+    def grant_runs(self, seq_id: str, runs: int, more_blocks: int) -> None:
+        """Lets the planned work of `seq_id` (a decode, or a chunk that ends its prompt) decode
+        `runs` times in the step, taking `more_blocks` beyond what it was planned with."""
+        planned = self._work[seq_id]
+        self._work[seq_id] = planned._replace(blocks=planned.blocks + more_blocks, decode_steps=runs)
+        self.available_blocks -= more_blocks
+
+    def planned(self, seq_id: str) -> tuple[int, int, bool, int] | None:
+        """(num_tokens, blocks, is_decode, drafts) of the planned work of `seq_id`, if any."""
+        planned = self._work.get(seq_id)
+        return None if planned is None else (planned.num_tokens, planned.blocks, planned.is_decode, planned.drafts)
+
     def planned_blocks(self, seq_id: str) -> int:
         """Blocks this step's work for `seq_id` takes (0 when it has none)."""
         planned = self._work.get(seq_id)

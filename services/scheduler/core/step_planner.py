@@ -28,7 +28,7 @@ from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.fairness.slot_fairness import slot_victim
-from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_a_slot_frees
+from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_slots_free
 from services.scheduler.core.allowances.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
@@ -74,6 +74,7 @@ class StepPlanner:
                 self._plan_decodes(worker, plan, policy)
         else:
             self._plan_decodes(worker, plan, policy)
+        self._grant_runs(worker, plan, policy)
 
 
     def _prefill_turn(self, worker: WorkerState) -> bool | None:
@@ -88,11 +89,6 @@ class StepPlanner:
     def _plan_decodes(self, worker: WorkerState, plan: StepBuilder, policy: Policy) -> None:
         config = self._config
         drafting = speculating(config.speculative_tokens, config.speculative_max_batch, len(worker.active))
-        multi = multi_stepping(config.decode_steps, bool(worker.prefilling) or self.admits_waiting(worker, policy))
-        most_runs = config.decode_steps
-        if multi and worker.pending:    # queued behind a full batch: end the runs when a slot frees
-            most_runs = min(most_runs, runs_until_a_slot_frees(
-                [left for r in worker.active if (left := r.max_tokens - r.outputs_if_drafts_kept) > 0]))
         for request in sorted(worker.active, key=lambda r: r.running_key):
             if request.phase is not Phase.ACTIVE or request.worker_id != worker.worker_id:
                 continue  # preempted while this step was being planned
@@ -106,10 +102,45 @@ class StepPlanner:
                 allowed = drafting and drafts_allowed(request.kv_cap_tokens, request.sampling.is_greedy,
                                                       config.speculative_sampled)
                 drafts, extra = self._draft_allowance(worker, plan, request, needed) if allowed else (0, 0)
-                runs, more = (self._runs_allowance(worker, plan, request, needed + extra, drafts, most_runs)
-                              if multi and not request.kv_cap_tokens else (1, 0))
-                plan.add(request.seq_id, 1, needed + extra + more, is_decode=True, drafts=drafts,
-                         decode_steps=runs)
+                plan.add(request.seq_id, 1, needed + extra, is_decode=True, drafts=drafts)
+
+    def _grant_runs(self, worker: WorkerState, plan: StepBuilder, policy: Policy) -> None:
+        """Once the step's admissions are planned: lets its decodes, and the chunks that end
+        their prompts (their sequences decode on from the token the chunk samples), run
+        several times (allowances/decode_steps.py), unless a request waits that the next
+        step should take soon: one a step could admit, or a prefilling one with chunks left.
+        While the worker prefills, at most `prefill_decode_steps` runs (1 by default: a new
+        request's first token comes with its prefill's step). Requests queued behind a full
+        batch end the runs when running ones finish to free them slots (runs_until_slots_free)."""
+        config = self._config
+        waiting = self.admits_waiting(worker, policy) or any(
+            r.num_computed + (plan.planned(r.seq_id) or (0,))[0] < r.worker_tokens for r in worker.prefilling)
+        if not multi_stepping(config.decode_steps, waiting):
+            return
+        prefills = bool(worker.prefilling) or plan.has_prefill
+        most_runs = min(config.prefill_decode_steps, config.decode_steps) if prefills else config.decode_steps
+        if worker.pending and most_runs > 1:
+            most_runs = min(most_runs, runs_until_slots_free(
+                [left for r in worker.active if (left := r.max_tokens - r.outputs_if_drafts_kept) > 0],
+                len(worker.pending)))
+        if most_runs <= 1:
+            return
+        for request in sorted(worker.running, key=lambda r: r.running_key):
+            planned = plan.planned(request.seq_id or "")
+            if planned is None or request.kv_cap_tokens:
+                continue
+            num_tokens, blocks, is_decode, drafts = planned
+            if not is_decode and request.num_computed + num_tokens < request.worker_tokens:
+                continue    # a chunk short of its prompt's end samples nothing to decode on from
+            assert request.seq_id is not None
+            runs, more = runs_allowance(
+                decode_steps=most_runs, drafts=drafts,
+                outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
+                num_computed=request.num_computed + num_tokens - 1,
+                held_blocks=worker.blocks_held(request) + blocks, spare_blocks=plan.available_blocks,
+                block_size=worker.spec.block_size)
+            if runs > 1:
+                plan.grant_runs(request.seq_id, runs, more)
 
     def admits_waiting(self, worker: WorkerState, policy: Policy | None = None) -> bool:
         """Whether a request waits on the worker that its next step could admit: a batch slot
@@ -133,15 +164,6 @@ class StepPlanner:
         one: none has a lower priority, and slot fairness (vtc) is off."""
         return (len(worker.running) >= self._config.max_batch_size and policy is not Policy.VTC
                 and max(r.priority for r in worker.pending) <= min(r.priority for r in worker.running))
-
-    def _runs_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
-                        taken: int, drafts: int, most_runs: int) -> tuple[int, int]:
-        """(runs, extra blocks) for a decode whose first run takes `taken` blocks."""
-        return runs_allowance(
-            decode_steps=most_runs, drafts=drafts,
-            outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
-            num_computed=request.num_computed, held_blocks=worker.blocks_held(request) + taken,
-            spare_blocks=plan.available_blocks - taken, block_size=worker.spec.block_size)
 
     def _draft_allowance(self, worker: WorkerState, plan: StepBuilder, request: RequestState,
                          needed: int) -> tuple[int, int]:

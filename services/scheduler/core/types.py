@@ -76,6 +76,9 @@ class CoreConfig:
     # Multi-step decoding (allowances/decode_steps.py): while nothing waits on a worker (no request queued
     # or prefilling there), each decode may run up to this many times in one step; 1: off.
     decode_steps: int = 1
+    # The runs a step that also prefills may take (its new sequences decoding on): 1 keeps a new
+    # request's first token with its prefill's step.
+    prefill_decode_steps: int = 1
     # A request running on a worker that fails moves to another at most this
     # many times, then ends with an error (a request that crashes workers).
     max_migrations: int = 2

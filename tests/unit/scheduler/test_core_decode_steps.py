@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_a_slot_frees
+from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_slots_free
 from services.scheduler.core.types import CoreConfig, FinishReason
 from services.worker.decode_steps import run_decode_steps
 
@@ -40,16 +40,21 @@ def test_the_allowance_is_bounded_by_max_tokens_and_blocks_and_is_never_zero() -
     assert runs_allowance(decode_steps=8, drafts=0, outputs_left=1, spare_blocks=0, **common) == (1, 0)
     assert multi_stepping(4, waiting=False) and not multi_stepping(4, waiting=True)
     assert not multi_stepping(1, waiting=False)
-    assert runs_until_a_slot_frees([9, 5, 12]) == 5
-    assert runs_until_a_slot_frees([]) == 1 and runs_until_a_slot_frees([0]) == 1
+    assert runs_until_slots_free([9, 5, 12], waiting=1) == 5
+    assert runs_until_slots_free([], waiting=3) == 1 and runs_until_slots_free([0], waiting=1) == 1
+    batch = [1, 2] + [16] * 62       # two a token or two from their ends do not cut 64 to one run
+    assert runs_until_slots_free(batch, waiting=64) == 16
+    assert runs_until_slots_free([1, 2, 3] + [16] * 13, waiting=5) == 2     # an eighth of 16: two
 
 
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_blocks", [256, 30])    # 30: preemptions and recomputes
 @pytest.mark.parametrize("drafts", [0, 2])
-def test_runs_stream_the_reference_tokens_up_to_max_tokens(depth: int, num_blocks: int, drafts: int) -> None:
+@pytest.mark.parametrize("prefill_runs", [1, 4])
+def test_runs_stream_the_reference_tokens_up_to_max_tokens(depth: int, num_blocks: int, drafts: int,
+                                                          prefill_runs: int) -> None:
     engine = _running_the_runs(FakeEngine(num_blocks=num_blocks, accepted_drafts=drafts))
-    h = Harness(_config(depth, speculative_tokens=drafts), engine)
+    h = Harness(_config(depth, speculative_tokens=drafts, prefill_decode_steps=prefill_runs), engine)
     prompts = {}
     for n in range(6):
         prompt = tuple(range(20 + 3 * n, 25 + 7 * n))
@@ -146,17 +151,20 @@ def test_a_worker_lost_with_runs_in_flight_resumes_its_requests_elsewhere_exactl
     assert h.core.stats().migrations == 1
 
 
-def _full_batch_and_a_queue(priorities: tuple[int, int]) -> tuple[Harness, str]:
-    """Four running requests (the batch is four) that have decoded a run of sixteen, 13..34
-    outputs left; then a fifth queued on the worker. Returns the harness and its id."""
-    h = Harness(_config(1, decode_steps=16), _running_the_runs(FakeEngine()))
+def _full_batch_and_a_queue(priorities: tuple[int, int], tenants: tuple[str, str] = ("", ""),
+                            **config: object) -> tuple[Harness, str]:
+    """Four running requests (the batch is four) that have decoded with runs; then a fifth
+    queued on the worker. Returns the harness and its id."""
+    h = Harness(_config(1, decode_steps=16, **config), _running_the_runs(FakeEngine()))
+    keyed = dict(authenticated=True) if tenants[0] else {}
     for n in range(4):
-        h.submit(range(10 + 10 * n, 18 + 10 * n), max_tokens=30 + 7 * n, priority=priorities[0])
+        h.submit(range(10 + 10 * n, 18 + 10 * n), max_tokens=30 + 7 * n, priority=priorities[0],
+                 client_id=tenants[0], **keyed)
     for _ in range(2):         # the four prefill, then decode
         h.step()
-    assert {item.decode_steps for item in h.plans["w0"][-1].work} == {16}
+    assert min(item.decode_steps for item in h.plans["w0"][-1].work) > 1
     assert len(h.core._workers["w0"].active) == 4
-    queued = h.submit(range(90, 98), max_tokens=8, priority=priorities[1]).request_id
+    queued = h.submit(range(90, 98), max_tokens=8, priority=priorities[1], client_id=tenants[1], **keyed).request_id
     return h, queued
 
 
@@ -175,9 +183,40 @@ def test_requests_queued_behind_a_full_batch_keep_the_runs_until_a_slot_frees() 
                for stream in h.streams.values())
 
 
-def test_a_queued_request_that_would_take_a_slot_stops_the_runs() -> None:
-    h, queued = _full_batch_and_a_queue((0, 5))      # higher priority: a running one yields
+@pytest.mark.parametrize("case", ["priority", "tenant"])
+def test_a_queued_request_that_would_take_a_slot_stops_the_runs(case: str) -> None:
+    """A higher priority, or (the attack) another tenant while one tenant holds the whole batch
+    with long generations: slot fairness hands it a slot now, so it waits out no runs."""
+    h, queued = (_full_batch_and_a_queue((0, 5)) if case == "priority"
+                 else _full_batch_and_a_queue((0, 0), ("hog", "victim")))
     h.step()
     step = h.plans["w0"][-1]
     assert [new.seq_id for new in step.new_sequences][0].startswith(queued)
     assert all(item.decode_steps == 1 for item in step.work)
+
+
+def test_with_prefill_runs_an_arrival_decodes_on_in_its_prefill_step() -> None:
+    engine = _running_the_runs(FakeEngine())
+    h = Harness(_config(1, prefill_decode_steps=4), engine)
+    first = h.submit(range(10, 18), max_tokens=200).request_id
+    for _ in range(4):
+        h.step()
+    arrival = h.submit(range(40, 48), max_tokens=8).request_id
+    h.step()
+    step = h.plans["w0"][-1]
+    assert [new.seq_id for new in step.new_sequences][0].startswith(arrival)
+    assert {item.decode_steps for item in step.work} == {4}    # the chunk that ends its prompt too
+    assert len(h.streams[arrival].token_ids) == 4
+    h.run()
+    assert h.streams[arrival].token_ids == reference_output(tuple(range(40, 48)), 8)
+    assert h.streams[first].token_ids == reference_output(tuple(range(10, 18)), 200)
+
+
+def test_with_prefill_runs_a_prompt_with_chunks_left_keeps_the_runs_off() -> None:
+    h = Harness(_config(1, prefill_decode_steps=4), _running_the_runs(FakeEngine()))
+    h.submit(range(10, 18), max_tokens=200)
+    for _ in range(4):
+        h.step()
+    h.submit(range(100, 120), max_tokens=8)      # 20 tokens: chunks of 8, two left after the first
+    h.step()
+    assert all(item.decode_steps == 1 for item in h.plans["w0"][-1].work)

@@ -109,3 +109,17 @@ def test_an_absurd_ask_is_capped() -> None:
     _decoding(engine, "a")
     (result,) = _run(engine, (WorkItem("a", 1, 0, 10_000),)).results
     assert len(result.token_ids) == MAX_DECODE_STEPS
+
+
+def test_a_chunk_that_ends_its_prompt_decodes_on_in_the_same_step() -> None:
+    """PREFILL_DECODE_STEPS: a new sequence's last chunk asks for runs; the token its prefill
+    samples is the first of them, and a chunk short of its prompt's end samples nothing."""
+    engine = FakeEngine()
+    output = run_decode_steps(StepBatch(step_id=1, new_sequences=(NewSequence("a", PROMPT), NewSequence("b", PROMPT)),
+                                        work=(WorkItem("a", len(PROMPT), 0, 3), WorkItem("b", 4, 0, 3))),
+                              engine.step, {EOS_TOKEN_ID})
+    a, b = output.results
+    assert a.token_ids == tuple(reference_output(PROMPT, 3))
+    assert a.num_computed_tokens == len(PROMPT) + 2
+    assert not b.sampled and b.num_computed_tokens == 4
+    engine.check_invariants()

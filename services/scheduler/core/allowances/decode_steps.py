@@ -11,11 +11,15 @@ R never lets a request pass max_tokens even if every run keeps every draft, neve
 blocks than the step has to spare, and is 1 (one run, as without multi-step) while a request
 waits on the worker that a step could take now (prefilling, or queued with a batch slot for it):
 its prefill should not wait out the runs. Requests queued behind a full batch do not stop the
-runs (they would wait for a slot either way); the runs then end with the first running request
-that reaches its max_tokens, the step whose reply frees a slot (`runs_until_a_slot_frees`):
+runs (they would wait for a slot either way); the runs then end when the running requests that
+reach their max_tokens free slots for the queue, or an eighth of the batch
+(`runs_until_slots_free`):
 
     running   a: 5 outputs left   b: 12 left   c: 9 left      pending: d (no slot)
     runs      a a a a a            b b b b b    c c c c c      -> 5 runs, then d is admitted
+
+One request a token from its end does not cut a batch of 64 to one run: until an eighth of the
+slots free, the few that freed idle for the rest of the runs (at most an eighth of the batch).
 """
 
 from __future__ import annotations
@@ -29,15 +33,19 @@ def multi_stepping(decode_steps: int, waiting: bool) -> bool:
     return decode_steps > 1 and not waiting
 
 
-def runs_until_a_slot_frees(outputs_left: list[int]) -> int:
-    """The most runs a step may take while requests wait for a batch slot: those that bring the
-    running request nearest its max_tokens to it (at least one). A request that ends earlier
-    (EOS, a stop string) frees its slot when the step's reply comes, as without runs.
+def runs_until_slots_free(outputs_left: list[int], waiting: int) -> int:
+    """The most runs a step may take while `waiting` requests wait for batch slots: those after
+    which as many running requests have reached their max_tokens, or an eighth of them (at
+    least one; at least one run). A request that ends earlier (EOS, a stop string) frees its
+    slot when the step's reply comes, as without runs.
 
     outputs_left: each running decode's max_tokens minus its outputs once the steps in flight
         have run.
     """
-    return max(1, min(outputs_left, default=1))
+    if not outputs_left:
+        return 1
+    slots = max(1, min(waiting, len(outputs_left) // 8))
+    return max(1, sorted(outputs_left)[min(slots, len(outputs_left)) - 1])
 
 
 def runs_allowance(*, decode_steps: int, drafts: int, outputs_left: int, num_computed: int,
