@@ -185,6 +185,10 @@ RECOMMENDED_DECODE_STEPS = 16
 # The load that saturates a worker: its running batch and as many requests queued behind it, so
 # that a finished request's slot is taken in the next step, not after its client's round trip.
 BATCHES_PER_WORKER = 2
+# The schedulers' MAX_BATCH_TOKENS for GPU-class workers: a step's token budget as vLLM's tuning
+# guide advises for throughput on large GPUs (8k and above), so that a batch's worth of W1-sized
+# prompts is admitted in one step rather than one slice of it a step.
+GPU_MAX_BATCH_TOKENS = 8192
 
 
 def scheduler_tokens_per_s(decode_steps: int) -> int:
@@ -208,7 +212,7 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
     config = StackConfig(workers=workers, costs=costs, tokens=args.tokens, max_batch=costs.decode_batch,
                          profile=profile, log_dir=args.logs, log_level=args.log_level,
                          shards=shards, exchange=not args.no_exchange, decode_steps=decode_steps,
-                         prefill_decode_steps=args.prefill_decode_steps)
+                         prefill_decode_steps=args.prefill_decode_steps, max_batch_tokens=args.max_batch_tokens)
     with Stack(config) as stack:
         load = asyncio.run(_measured(stack, workers * (args.per_worker or BATCHES_PER_WORKER * costs.decode_batch),
                                      args))
@@ -233,6 +237,7 @@ def measure(workers: int, args: argparse.Namespace, costs: StepCosts) -> dict:
             "slowdown": args.slowdown, "stream": args.stream, "shards": config.shards,
             "decode_steps": config.decode_steps,
             "prefill_decode_steps": config.prefill_decode_steps,
+            "max_batch_tokens": config.max_batch_tokens,
             "exchange": config.exchange and config.shards > 1,
             "scheduler_cpu_util_by_shard": [round(value / seconds, 3) for value in stack.scheduler_cpu_by_shard],
             "tenant_token_shares": {tenant: round(tokens / load.tokens, 3) for tenant, tokens
@@ -327,6 +332,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="the schedulers' PREFILL_DECODE_STEPS: decode runs a step that also prefills may "
                              "take, the new sequences decoding on (docs/scaling.md recommends the same as "
                              "--decode-steps; 1: a new request's first token comes with its prefill)")
+    parser.add_argument("--max-batch-tokens", type=int, default=GPU_MAX_BATCH_TOKENS,
+                        help="the schedulers' MAX_BATCH_TOKENS (default: 8192, for GPU-class workers; the "
+                             "scheduler's own default, 2048, suits the CPU engine)")
     parser.add_argument("--no-exchange", action="store_true", help="shards do not exchange their tenants' service")
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--pin-tenant", action="store_true",

@@ -42,6 +42,7 @@ class StackConfig:
     exchange: bool = True        # shards exchange their tenants' service (SCHEDULER_PEERS)
     decode_steps: int = 16       # the schedulers' DECODE_STEPS
     prefill_decode_steps: int = 1   # their PREFILL_DECODE_STEPS
+    max_batch_tokens: int = 2048    # their MAX_BATCH_TOKENS
 
 
 class Stack:
@@ -56,7 +57,8 @@ class Stack:
         self.kv_port = kv_port
         self.env.update(KVCACHE_PORT=str(kv_port), KVCACHE_METRICS_PORT="0", KVCACHE_ADDR=f"127.0.0.1:{kv_port}",
                         SCHEDULER_METRICS_PORT="0",
-                        MAX_BATCH_SIZE=str(config.max_batch), MAX_ACTIVE_KV_TOKENS=str(1 << 30),
+                        MAX_BATCH_SIZE=str(config.max_batch), MAX_BATCH_TOKENS=str(config.max_batch_tokens),
+                        MAX_ACTIVE_KV_TOKENS=str(1 << 30),
                         MAX_QUEUE_LEN=str(1 << 20), QUEUE_TIMEOUT_S="600", SPECULATIVE_TOKENS="0",
                         DECODE_STEPS=str(config.decode_steps),
                         PREFILL_DECODE_STEPS=str(config.prefill_decode_steps),
