@@ -191,6 +191,21 @@ BATCHES_PER_WORKER = 2
 GPU_MAX_BATCH_TOKENS = 8192
 
 
+# The schedulers' settings of the recommended layout: (flag, default, help).
+_LAYOUT_SETTINGS = (
+    ("--decode-steps", RECOMMENDED_DECODE_STEPS,
+     "the schedulers' DECODE_STEPS: decode runs a step may take (docs/scaling.md recommends 16 for "
+     "GPU-class workers; 1: one decode a step)"),
+    ("--prefill-decode-steps", RECOMMENDED_DECODE_STEPS,
+     "the schedulers' PREFILL_DECODE_STEPS: decode runs a step that also prefills may take, the new "
+     "sequences decoding on (docs/scaling.md recommends the same as --decode-steps; 1: a new request's "
+     "first token comes with its prefill)"),
+    ("--max-batch-tokens", GPU_MAX_BATCH_TOKENS,
+     "the schedulers' MAX_BATCH_TOKENS (default: 8192, for GPU-class workers; the scheduler's own "
+     "default, 2048, suits the CPU engine)"),
+)
+
+
 def scheduler_tokens_per_s(decode_steps: int) -> int:
     """What one scheduler keeps up with at `decode_steps` (the measured figure at or below it)."""
     return SCHEDULER_TOKENS_PER_S[max(runs for runs in SCHEDULER_TOKENS_PER_S if runs <= max(decode_steps, 1))]
@@ -325,16 +340,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="schedulers, each with its share of the workers and the others as SCHEDULER_PEERS; "
                              "auto: the layout docs/scaling.md recommends for each count (one scheduler per "
                              "what one keeps up with at --decode-steps, of the workers' decode rate)")
-    parser.add_argument("--decode-steps", type=int, default=RECOMMENDED_DECODE_STEPS,
-                        help="the schedulers' DECODE_STEPS: decode runs a step may take (docs/scaling.md "
-                             "recommends 16 for GPU-class workers; 1: one decode a step)")
-    parser.add_argument("--prefill-decode-steps", type=int, default=RECOMMENDED_DECODE_STEPS,
-                        help="the schedulers' PREFILL_DECODE_STEPS: decode runs a step that also prefills may "
-                             "take, the new sequences decoding on (docs/scaling.md recommends the same as "
-                             "--decode-steps; 1: a new request's first token comes with its prefill)")
-    parser.add_argument("--max-batch-tokens", type=int, default=GPU_MAX_BATCH_TOKENS,
-                        help="the schedulers' MAX_BATCH_TOKENS (default: 8192, for GPU-class workers; the "
-                             "scheduler's own default, 2048, suits the CPU engine)")
+    for flag, default, text in _LAYOUT_SETTINGS:
+        parser.add_argument(flag, type=int, default=default, help=text)
     parser.add_argument("--no-exchange", action="store_true", help="shards do not exchange their tenants' service")
     parser.add_argument("--tenants", type=int, default=4)
     parser.add_argument("--pin-tenant", action="store_true",
