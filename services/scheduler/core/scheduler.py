@@ -323,7 +323,8 @@ class SchedulerCore:
         them. Requests queued behind a full batch wait for a slot to free either way."""
         worker = self._workers[worker_id]
         depth = self._config.max_steps_in_flight
-        if self._planner.admits_waiting(worker) and any(item.decode_steps > 1 for step in worker.in_flight for item in step.plan.work):
+        runs_in_flight = any(item.decode_steps > 1 for step in worker.in_flight for item in step.plan.work)
+        if runs_in_flight and self._planner.admits_waiting(worker):
             depth += 1
         return depth
 

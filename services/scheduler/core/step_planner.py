@@ -49,6 +49,13 @@ def one_token_chunk_in_flight(request: RequestState, worker: WorkerState) -> boo
             and any(item.seq_id == request.seq_id for step in worker.in_flight for item in step.plan.work))
 
 
+def _unplanned_prefill(request: RequestState, plan: StepBuilder) -> bool:
+    """Whether a prefilling request has prompt tokens, or the first decode after its last chunk,
+    that neither the steps in flight nor `plan` compute: a next step should come soon for it."""
+    planned = plan.planned(request.seq_id or "")
+    return request.num_computed + (planned[0] if planned else 0) < request.worker_tokens
+
+
 class StepPlanner:
     def __init__(self, config: CoreConfig, vtc: VirtualTokenCounter, book: RequestBook,
                  counts: CoreCounters, clock: Callable[[], float], new_id: Callable[[], str]) -> None:
@@ -113,8 +120,7 @@ class StepPlanner:
         request's first token comes with its prefill's step). Requests queued behind a full
         batch end the runs when running ones finish to free them slots (runs_until_slots_free)."""
         config = self._config
-        waiting = self.admits_waiting(worker, policy) or any(
-            r.num_computed + (plan.planned(r.seq_id) or (0,))[0] < r.worker_tokens for r in worker.prefilling)
+        waiting = self.admits_waiting(worker, policy) or any(_unplanned_prefill(r, plan) for r in worker.prefilling)
         if not multi_stepping(config.decode_steps, waiting):
             return
         prefills = bool(worker.prefilling) or plan.has_prefill
