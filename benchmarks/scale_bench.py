@@ -1,10 +1,11 @@
 """How many workers one scheduler keeps busy (docs/scaling.md): for each worker count, the real
 kvcache index and scheduler as processes of their own, that many simulated workers
 (sim_workers.py: the real worker server over a step-time model) in one more, and a closed-loop
-load driven through the scheduler's GenerateMany (or Generate) that saturates the ideal (two full
-decode batches per worker: one running, one queued behind it). A row per count: output tok/s against the ideal (the one-worker row's rate times the
-count), efficiency, the scheduler's CPU per step and per token, the workers' idle gap between a
-step's end and the next step's start (p50/p99), TTFT p50/p99, and the share of prompt tokens the
+load driven through the scheduler's GenerateMany (or Generate) that saturates the ideal (two
+full decode batches per worker: one running, one queued behind it). A row per count: output
+tok/s against the ideal (the one-worker row's rate times the count), efficiency, the
+scheduler's CPU per step and per token, the workers' idle gap between a step's end and the next
+step's start (p50/p99), TTFT p50/p99, and the share of prompt tokens the
 workers served from their prefix caches (the simulated workers publish their blocks to the index;
 `--shared-prefix N` starts every prompt of a tenant with the same N tokens, as a system prompt
 would, so that the scheduler's cache-aware routing has matches to find).
