@@ -120,7 +120,7 @@ class SchedulerSettings:
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
             speculative_sampled=self.speculative_sampled, decode_steps=self.decode_steps,
-            prefill_decode_steps=min(self.prefill_decode_steps, self.decode_steps),
+            prefill_decode_steps=self.prefill_decode_steps,   # the planner caps it at decode_steps
             max_migrations=self.max_migrations,
             worker_recovery_s=self.worker_recovery_s,
             kv_policy=KvPolicy(self.kv_policy, self.kv_budget_tokens, self.kv_sink_tokens),

@@ -3,9 +3,10 @@
 The engine keeps what a step frees for the next one (glibc told to keep freed memory,
 cpu/host_memory.py): a step allocates the same large buffers again, and taking them back from
 the kernel each time cost page faults on every step. So the worker keeps what its decode steps
-freed (a wide step hands its own back, HOST_MEMORY_RELEASE_ROWS in engine.py). Once no step has run for `delay_s` (HOST_MEMORY_IDLE_RELEASE_S), the freed memory goes back
-(malloc_trim), once per idle spell, on the engine's thread between steps; the next burst's first
-steps fault their buffers in again (a few ms).
+freed (a wide step hands its own back, HOST_MEMORY_RELEASE_ROWS in engine.py). Once no step has
+run for `delay_s` (HOST_MEMORY_IDLE_RELEASE_S), the freed memory goes back (malloc_trim), once
+per idle spell, on the engine's thread between steps; the next burst's first steps fault their
+buffers in again (a few ms).
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@ def runs_until_slots_free(outputs_left: list[int], waiting: int) -> int:
     """
     if not outputs_left:
         return 1
-    slots = max(1, min(waiting, len(outputs_left) // 8))
-    return max(1, sorted(outputs_left)[min(slots, len(outputs_left)) - 1])
+    slots = max(1, min(waiting, len(outputs_left) // 8))     # never more than len(outputs_left)
+    return max(1, sorted(outputs_left)[slots - 1])
 
 
 def runs_allowance(*, decode_steps: int, drafts: int, outputs_left: int, num_computed: int,
