@@ -148,7 +148,8 @@ class SchedulerSchema(
         description=(
             'multi-step decoding: while no request waits on a worker that a step could take (queued '
             'with a batch slot for it, or prefilling there), each decode may run up to this many '
-            'times in one step, the worker running them back to back, so the scheduling round trip (planning, the reply, the streams\' messages) is '
+            'times in one step, the worker running them back to back, so the scheduling round trip '
+            '(planning, the reply, the streams\' messages) is '
             'paid once per that many tokens; a request arriving there ends the runs at the next '
             'one. One stream\'s TPOT on W1 ~9.5 -> ~8.2 ms on 2 cores (`docs/benchmarks.md`). Tokens '
             'reach the clients in bursts of a run\'s worth, and a request cancelled or ending on a '
