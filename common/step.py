@@ -79,6 +79,9 @@ class NewSequence:
     lora_digest: str = ""
 
 
+MAX_DECODE_STEPS = 64   # the most runs a worker serves in one step; a larger ask is served as this many
+
+
 @dataclass(frozen=True)
 class WorkItem:
     seq_id: str

@@ -47,6 +47,7 @@ class SchedulerSettings:
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
     decode_steps: int = 4           # core/allowances/decode_steps.py: runs a decode may take in one step
+    decode_step_ms: float = 160.0   # ... more of them while they fit in this (quick runs)
     prefill_decode_steps: int = 1   # ... in a step that also prefills
     max_migrations: int = _CORE.max_migrations
     worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py
@@ -91,6 +92,7 @@ class SchedulerSettings:
             speculative_max_batch=values.speculative_max_batch,
             speculative_sampled=values.speculative_sampled,
             decode_steps=values.decode_steps,
+            decode_step_ms=values.decode_step_ms,
             prefill_decode_steps=values.prefill_decode_steps,
             max_migrations=values.max_migrations,
             worker_recovery_s=values.worker_recovery_s,
@@ -120,6 +122,7 @@ class SchedulerSettings:
             max_steps_in_flight=2 if self.async_scheduling else 1,
             speculative_tokens=self.speculative_tokens, speculative_max_batch=self.speculative_max_batch,
             speculative_sampled=self.speculative_sampled, decode_steps=self.decode_steps,
+            decode_step_ms=self.decode_step_ms,
             prefill_decode_steps=self.prefill_decode_steps,   # the planner caps it at decode_steps
             max_migrations=self.max_migrations,
             worker_recovery_s=self.worker_recovery_s,

@@ -35,6 +35,7 @@ class SchedulerSchema(
         "speculative_max_batch",
         "speculative_sampled",
         "decode_steps",
+        "decode_step_ms",
         "prefill_decode_steps",
         "prefix_wait_min_tokens",
         "routing_load_slack",
@@ -154,6 +155,15 @@ class SchedulerSchema(
             'one. One stream\'s TPOT on W1 ~9.5 -> ~8.2 ms on 2 cores (`docs/benchmarks.md`). Tokens '
             'reach the clients in bursts of a run\'s worth, and a request cancelled or ending on a '
             'stop string may compute up to that many runs that are thrown away; 1: off'
+        ))
+    decode_step_ms: float = Field(160.0, ge=0, le=10_000,
+        description=(
+            'multi-step decoding for quick runs: where the worker\'s last decode-only step ran its '
+            'decodes in less than this over `DECODE_STEPS` a run (a few streams on a CPU), a step may '
+            'take as many runs as fit in this many ms (the run\'s time scaled up with the batch\'s '
+            'decodes; at most 64), under the same conditions as `DECODE_STEPS`. One stream\'s TPOT on '
+            'W1 5-12 % lower on 2 cores (`docs/benchmarks.md`); tokens reach a stream in bursts of up '
+            'to this many ms; 0: off'
         ))
     prefill_decode_steps: int = Field(1, ge=1, le=64,
         description=(

@@ -21,10 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import replace
 
-from common.step import SeqResult, StepBatch, StepOutput, WorkItem
+from common.step import MAX_DECODE_STEPS, SeqResult, StepBatch, StepOutput, WorkItem
 from common.types import TokenLogprob
-
-MAX_DECODE_STEPS = 64   # a larger ask is served as this many runs
 
 
 def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],

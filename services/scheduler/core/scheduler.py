@@ -312,7 +312,8 @@ class SchedulerCore:
         worker.last_step_was_prefill = plan.has_prefill and not plan.has_decode
         step = plan.build(worker.in_flight[-1].plan.step_id if worker.in_flight else 0, worker.spec.epoch)
         if step is not None:
-            worker.in_flight.append(InFlightStep(step, plan.available_blocks, dispatch(step, self._by_seq)))
+            worker.in_flight.append(InFlightStep(step, plan.available_blocks, dispatch(step, self._by_seq),
+                                                 decode_only=plan.has_decode and not plan.has_prefill))
         return step
 
     def step_depth(self, worker_id: str) -> int:

@@ -160,6 +160,7 @@ class InFlightStep:
     plan: StepBatch
     available_after: int          # pool blocks the plan expects to be left once it has run
     sampling: frozenset[str]      # sequences the plan expects to sample
+    decode_only: bool = False     # every work item a decode: its time, over its runs, is a run's
 
 
 @dataclass(eq=False)
@@ -185,6 +186,9 @@ class WorkerState:
     steps: int = 0
     last_step_ms: float = 0.0
     last_batch_size: int = 0
+    # The last decode-only step's time a run and its decodes (quick_runs): 0 until one ran.
+    decode_run_ms: float = 0.0
+    decode_run_decodes: int = 0
     # Leaving on purpose (drain.py): nothing new is routed to it.
     draining: bool = False
     # LoRA adapters this worker was last sent requests of, most recent last: it likely holds
@@ -228,6 +232,9 @@ class WorkerState:
         self.steps += 1
         self.last_step_ms = outcome.forward_ms
         self.last_batch_size = len(done.plan.work)
+        if done.decode_only and outcome.forward_ms > 0:
+            runs = max(item.decode_steps for item in done.plan.work)
+            self.decode_run_ms, self.decode_run_decodes = outcome.forward_ms / runs, len(done.plan.work)
         return done, echoes_refusal
 
     def note_refusal(self) -> None:

@@ -28,7 +28,8 @@ from services.scheduler.core.prefix_share import blocked_by_leaders
 from services.scheduler.core.request_book import RequestBook
 from services.scheduler.core.room import blocks_to_grow, tokens_that_fit, victims_for_room
 from services.scheduler.core.fairness.slot_fairness import slot_victim
-from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_slots_free
+from services.scheduler.core.allowances.decode_steps import (multi_stepping, quick_runs, runs_allowance,
+                                                             runs_until_slots_free)
 from services.scheduler.core.allowances.speculation import draft_allowance, drafts_allowed, speculating
 from services.scheduler.core.state import Phase, RequestState, WorkerState, blocks_for
 from services.scheduler.core.step_builder import StepBuilder
@@ -117,14 +118,19 @@ class StepPlanner:
         several times (allowances/decode_steps.py), unless a request waits that the next
         step should take soon: one a step could admit, or a prefilling one with chunks left.
         While the worker prefills, at most `prefill_decode_steps` runs (1 by default: a new
-        request's first token comes with its prefill's step). Requests queued behind a full
+        request's first token comes with its prefill's step); otherwise `decode_steps`, or more
+        where the worker's runs are quick (`decode_step_ms`, quick_runs). Requests queued behind a full
         batch end the runs when running ones finish to free them slots (runs_until_slots_free)."""
         config = self._config
         waiting = self.admits_waiting(worker, policy) or any(_unplanned_prefill(r, plan) for r in worker.prefilling)
         if not multi_stepping(config.decode_steps, waiting):
             return
         prefills = bool(worker.prefilling) or plan.has_prefill
-        most_runs = min(config.prefill_decode_steps, config.decode_steps) if prefills else config.decode_steps
+        if prefills:
+            most_runs = min(config.prefill_decode_steps, config.decode_steps)
+        else:
+            most_runs = max(config.decode_steps, quick_runs(config.decode_step_ms, worker.decode_run_ms,
+                                                            worker.decode_run_decodes, len(worker.running)))
         if worker.pending and most_runs > 1:
             most_runs = min(most_runs, runs_until_slots_free(
                 [left for r in worker.active if (left := r.max_tokens - r.outputs_if_drafts_kept) > 0],

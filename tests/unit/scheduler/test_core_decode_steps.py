@@ -1,15 +1,21 @@
 """Multi-step decoding in the core (core/decode_steps.py) with the worker's runs
 (services/worker/decode_steps.py) over the fake engine: the same tokens as one decode a
-step, nothing past max_tokens, EOS or a stop token, fewer steps; no runs while a request
+step, nothing past max_tokens, EOS or a stop token, fewer steps; quick runs take as many
+as fit in DECODE_STEP_MS, fewer for a larger batch, none past decode_steps in a step
+that prefills; no runs while a request
 waits on the worker; an arrival's step reaches a worker whose steps in flight run several
 decodes (one step deeper) instead of waiting behind them; and a worker lost with steps of runs
 in flight costs its requests no token, lost or repeated."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from services.scheduler.core.allowances.decode_steps import multi_stepping, runs_allowance, runs_until_slots_free
+from common.step import MAX_DECODE_STEPS
+from services.scheduler.core.allowances.decode_steps import (multi_stepping, quick_runs, runs_allowance,
+                                                             runs_until_slots_free)
 from services.scheduler.core.types import CoreConfig, FinishReason
 from services.worker.decode_steps import run_decode_steps
 
@@ -68,6 +74,58 @@ def test_runs_stream_the_reference_tokens_up_to_max_tokens(depth: int, num_block
     assert any(item.decode_steps > 1 for plan in h.plans["w0"] for item in plan.work)
     engine.check_invariants()
     assert not engine.seqs and engine.pool().used_blocks == 0
+
+
+def test_quick_runs_fit_the_budget_scaled_with_the_decodes() -> None:
+    assert quick_runs(160.0, 11.0, 1, 1) == 14          # 4 runs of one decode took 44 ms
+    assert quick_runs(160.0, 11.0, 1, 2) == 7           # two decodes: a run counted twice as long
+    assert quick_runs(160.0, 11.0, 4, 2) == 14          # fewer decodes than measured: no quicker
+    assert quick_runs(160.0, 88.0, 8, 8) == 1           # the caller keeps decode_steps at least
+    assert quick_runs(160.0, 0.5, 1, 1) == MAX_DECODE_STEPS
+    assert quick_runs(0.0, 11.0, 1, 1) == 0 and quick_runs(160.0, 0.0, 0, 1) == 0
+
+
+def _timed_runs(engine: FakeEngine) -> FakeEngine:
+    """The worker's runs over a fake engine whose run takes 1 ms a decode."""
+    one_run = engine.step
+    engine.step = lambda plan: replace(one_run(plan), forward_ms=float(len(plan.work)))  # type: ignore[method-assign]
+    return _running_the_runs(engine)
+
+
+def _most_runs(h: Harness) -> int:
+    return max(item.decode_steps for plan in h.plans["w0"] for item in plan.work)
+
+
+def test_quick_runs_take_more_runs_a_step_within_the_budget_and_the_same_tokens() -> None:
+    # A run takes 1 ms a decode: 8 ms fit 8 runs of one decode, 4 of two.
+    streams = []
+    for decodes, budget, most in ((1, 0.0, 2), (1, 8.0, 8), (2, 8.0, 4)):
+        h = Harness(_config(2, decode_steps=2, decode_step_ms=budget), _timed_runs(FakeEngine()))
+        prompts = [tuple(range(10 + 20 * n, 18 + 20 * n)) for n in range(decodes)]
+        for prompt in prompts:
+            h.submit(prompt, max_tokens=60)
+        h.run()
+        assert _most_runs(h) == most
+        assert [h.streams[rid].token_ids for rid in h.streams] == [reference_output(p, 60) for p in prompts]
+        streams.append(h.steps)
+    assert streams[1] < streams[0]
+
+
+def test_quick_runs_leave_a_step_that_prefills_at_its_prefill_runs() -> None:
+    h = Harness(_config(2, decode_steps=2, decode_step_ms=8.0), _timed_runs(FakeEngine()))
+    first = h.submit(range(10, 18), max_tokens=200).request_id
+    for _ in range(6):
+        h.step()
+    assert h.plans["w0"][-1].work[0].decode_steps == 8
+    h.submit(range(40, 48), max_tokens=200)
+    h.step()
+    step = h.plans["w0"][-1]
+    assert step.new_sequences and all(item.decode_steps == 1 for item in step.work)
+    for _ in range(4):
+        h.step()
+    runs = [item.decode_steps for item in h.plans["w0"][-1].work]
+    assert len(runs) == 2 and max(runs) == 4      # the one-decode run's time, counted twice
+    assert any(item.seq_id.startswith(first) for item in h.plans["w0"][-1].work)
 
 
 def test_a_lone_request_takes_fewer_steps_than_tokens() -> None:

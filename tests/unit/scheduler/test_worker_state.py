@@ -46,3 +46,14 @@ def test_frees_wait_for_the_next_step_and_are_taken_once() -> None:
     worker.free_in_next_step("s2", 3)
     assert worker.take_frees() == (["s1", "s2"], 5)
     assert worker.take_frees() == ([], 0)
+
+
+def test_settle_keeps_the_time_a_run_of_the_last_decode_only_step() -> None:
+    worker = make_worker()
+    runs = StepBatch(step_id=1, work=(WorkItem("s1", 1, decode_steps=3), WorkItem("s2", 1, decode_steps=2)))
+    prefill = StepBatch(step_id=2, work=(WorkItem("s3", 40),))
+    worker.in_flight = [InFlightStep(runs, 20, frozenset(), decode_only=True), InFlightStep(prefill, 15, frozenset())]
+    worker.settle(_outcome(1, free_blocks=20))
+    assert (worker.decode_run_ms, worker.decode_run_decodes) == (2.5, 2)      # 7.5 ms over its 3 runs
+    worker.settle(_outcome(2, free_blocks=15))                                 # a prefill's time is no run's
+    assert (worker.decode_run_ms, worker.decode_run_decodes) == (2.5, 2)

@@ -5,10 +5,10 @@ earlier runs sampled; the runs' counters add up."""
 
 from __future__ import annotations
 
-from common.step import NewSequence, StepBatch, StepOutput, WorkItem
+from common.step import MAX_DECODE_STEPS, NewSequence, StepBatch, StepOutput, WorkItem
 from common.types import SamplingParams
 
-from services.worker.decode_steps import MAX_DECODE_STEPS, run_decode_steps
+from services.worker.decode_steps import run_decode_steps
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, reference_output
 
 PROMPT = tuple(range(10, 19))
