@@ -128,6 +128,25 @@ def test_quick_runs_leave_a_step_that_prefills_at_its_prefill_runs() -> None:
     assert any(item.seq_id.startswith(first) for item in h.plans["w0"][-1].work)
 
 
+def test_a_tenant_s_quick_runs_do_not_hold_back_another_tenant_s_arrival() -> None:
+    # One tenant's lone stream on a quick worker: steps of 16 runs in flight. Another tenant's
+    # request arriving is planned at once, one step deeper, and the worker ends the runs after
+    # the one in progress (tests/unit/worker/test_decode_steps_interrupt.py).
+    h = Harness(_config(2, decode_step_ms=16.0), _timed_runs(FakeEngine(num_blocks=256)))
+    h.submit(range(10, 18), max_tokens=200, client_id="alice")
+    for _ in range(4):
+        h.step()
+    core = h.core
+    while len(h.sent["w0"]) < 2:
+        h.sent["w0"].append(core.plan_step("w0"))
+    assert [item.decode_steps for step in h.sent["w0"] for item in step.work] == [16, 16]
+    arrival = h.submit(range(40, 48), max_tokens=8, client_id="bob").request_id
+    assert core.step_depth("w0") == 3
+    third = core.plan_step("w0")
+    assert third is not None and third.new_sequences[0].seq_id.startswith(arrival)
+    assert all(item.decode_steps == 1 for item in third.work)
+
+
 def test_a_lone_request_takes_fewer_steps_than_tokens() -> None:
     single, multi = Harness(_config(2, decode_steps=1), FakeEngine()), \
         Harness(_config(2), _running_the_runs(FakeEngine()))
