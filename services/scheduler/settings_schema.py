@@ -158,11 +158,11 @@ class SchedulerSchema(
         ))
     decode_step_ms: float = Field(160.0, ge=0, le=10_000,
         description=(
-            'multi-step decoding for quick runs: where the worker\'s last decode-only step ran its '
-            'decodes in less than this over `DECODE_STEPS` a run (a few streams on a CPU), a step may '
-            'take as many runs as fit in this many ms (the run\'s time scaled up with the batch\'s '
-            'decodes; at most 64), under the same conditions as `DECODE_STEPS`. One stream\'s TPOT on '
-            'W1 5-12 % lower on 2 cores (`docs/benchmarks.md`); tokens reach a stream in bursts of up '
+            'multi-step decoding for quick runs (a few streams on a CPU): a step may take more runs '
+            'than `DECODE_STEPS`, as many as fit in this many ms by the worker\'s last decode-only '
+            'step\'s time a run (scaled up with the batch\'s decodes; at most 64), under the same '
+            'conditions as `DECODE_STEPS`. One stream\'s TPOT on '
+            'W1 ~8 % lower on 2 cores (`docs/benchmarks.md`); tokens reach a stream in bursts of up '
             'to this many ms; 0: off'
         ))
     prefill_decode_steps: int = Field(1, ge=1, le=64,

@@ -119,8 +119,9 @@ class StepPlanner:
         step should take soon: one a step could admit, or a prefilling one with chunks left.
         While the worker prefills, at most `prefill_decode_steps` runs (1 by default: a new
         request's first token comes with its prefill's step); otherwise `decode_steps`, or more
-        where the worker's runs are quick (`decode_step_ms`, quick_runs). Requests queued behind a full
-        batch end the runs when running ones finish to free them slots (runs_until_slots_free)."""
+        where the worker's runs are quick (`decode_step_ms`, quick_runs). Requests queued behind
+        a full batch end the runs when running ones finish to free them slots
+        (runs_until_slots_free)."""
         config = self._config
         waiting = self.admits_waiting(worker, policy) or any(_unplanned_prefill(r, plan) for r in worker.prefilling)
         if not multi_stepping(config.decode_steps, waiting):

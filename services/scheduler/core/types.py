@@ -76,9 +76,9 @@ class CoreConfig:
     # Multi-step decoding (allowances/decode_steps.py): while nothing waits on a worker (no request queued
     # or prefilling there), each decode may run up to this many times in one step; 1: off.
     decode_steps: int = 1
-    # Where the worker's last decode-only step ran its decodes quicker than this many ms over
-    # decode_steps, a step may take as many runs as fit in it (allowances/decode_steps.py,
-    # quick_runs); 0: off.
+    # Quick runs: a step may take more runs than decode_steps, as many as fit in this many ms
+    # by the worker's last decode-only step's time a run, scaled up with the batch's decodes
+    # (allowances/decode_steps.py, quick_runs); 0: off.
     decode_step_ms: float = 0.0
     # The runs a step that also prefills may take (its new sequences decoding on): 1 keeps a new
     # request's first token with its prefill's step.
