@@ -402,9 +402,11 @@ class TestVtc:
             self, stack: Stack, client_of: Callable[[Stack], httpx.AsyncClient]) -> None:
         client = client_of(stack)
         waits = await heavy_starts_before_light_starts(stack, client)
-        # Admitted at the first step after it reaches the scheduler: only heavy
-        # requests admitted while it crossed the gateway, or in its own step, start first.
-        assert max(waits) <= 3, waits
+        # Admitted at the first step after it reaches the scheduler: only heavy requests
+        # admitted while it crossed the gateway, or in its own step, start first (0-3 of the
+        # HEAVY_QUEUE queued; one CI run on a loaded machine saw 4). Under FCFS it waits for
+        # the queue (TestFcfs: at least HEAVY_QUEUE - 2); under VTC fewer than half of it.
+        assert max(waits) <= HEAVY_QUEUE // 2, waits
         stats = await scheduler_stats_probe(client)()
         assert stats["policy"] == "vtc"
         clients = {c["client_id"]: c for c in stats["clients"]}
