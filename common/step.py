@@ -107,6 +107,9 @@ class StepBatch:
     # The worker's registration with the scheduler; a larger one than the worker
     # has seen frees its sequences of earlier epochs first (their scheduler is gone).
     epoch: int = 0
+    # Quick runs: no further run once the next would end past this many ms of the step's
+    # runs (services/worker/decode_steps.py); 0: no bound.
+    runs_ms: float = 0.0
 
     @property
     def num_tokens(self) -> int:

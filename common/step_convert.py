@@ -42,6 +42,7 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
         free_seq_ids=batch.free_seq_ids,
         after_step_id=batch.after_step_id,
         epoch=batch.epoch,
+        runs_ms=batch.runs_ms,
     )
 
 
@@ -62,6 +63,7 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
         free_seq_ids=tuple(message.free_seq_ids),
         after_step_id=message.after_step_id,
         epoch=message.epoch,
+        runs_ms=max(message.runs_ms, 0.0),
     )
 
 

@@ -11,6 +11,10 @@ After the step's own run, each further run decodes, one token each (plus drafts)
 sequences that sampled in the run before, did not fail, have runs left and did not sample
 an end-of-sequence token; it stops early when `interrupted()` says a step that waits
 behind this one brings new sequences (an arrival's prefill should not wait out N decodes).
+A step with a time bound (`runs_ms`, the scheduler's quick runs) starts no further run once
+the runs' forward time so far, plus their mean for the next, would pass it: the scheduler
+plans quick runs from an earlier step's speed, and a load that arrives meanwhile (another
+process on the cores) then costs a run past the bound, not several bounds.
 A later run's failure for a sequence (its pool ran out of blocks, say) ends its runs and
 keeps what the earlier ones sampled: each run commits on its own, and the scheduler takes
 fewer tokens than granted as it takes rejected drafts. Pure: `step` is the engine's.
@@ -36,6 +40,7 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
         stop_token_ids: tokens after which a sequence decodes no further in this step
             (the model's EOS tokens; the scheduler decides what ends a request).
         interrupted: polled between runs; True ends the step's decoding there.
+        The step's `runs_ms`, where set, also ends it there (`past_bound`).
 
     Returns:
         The step's output with each sequence's tokens of every run in its one result, and
@@ -50,7 +55,7 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
     latest = dict(results)
     for run in range(1, runs):
         work = next_work(items, latest, run, stop_token_ids)
-        if not work or interrupted():
+        if not work or interrupted() or past_bound(batch.runs_ms, output.forward_ms, run):
             break
         more = step(StepBatch(step_id=batch.step_id, work=work, epoch=batch.epoch))
         latest = {result.seq_id: result for result in more.results}
@@ -58,6 +63,12 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
             results[result.seq_id] = extend(results[result.seq_id], result)
         output = add_counters(output, more)
     return replace(output, results=tuple(results[result.seq_id] for result in output.results))
+
+
+def past_bound(runs_ms: float, forward_ms: float, runs_done: int) -> bool:
+    """Whether one more run would end past `runs_ms` (0: no bound), the next run taking the
+    mean of the `runs_done` runs' `forward_ms`."""
+    return runs_ms > 0 and forward_ms + forward_ms / runs_done > runs_ms
 
 
 def next_work(items: dict[str, WorkItem], latest: dict[str, SeqResult], run: int,

@@ -35,6 +35,7 @@ class StepBuilder:
         self.frees = frees
         self.new_sequences: list[NewSequence] = []
         self._work: dict[str, _Planned] = {}
+        self.runs_ms = 0.0      # quick runs' time bound for the worker (StepBatch.runs_ms); 0: none
 
     def add(self, seq_id: str, num_tokens: int, blocks: int, is_decode: bool, drafts: int = 0,
             decode_steps: int = 1) -> None:
@@ -90,4 +91,5 @@ class StepBuilder:
         work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts, planned.decode_steps)
                      for seq_id, planned in self._work.items())
         return StepBatch(step_id=self.step_id, new_sequences=tuple(self.new_sequences), work=work,
-                        free_seq_ids=tuple(self.frees), after_step_id=after_step_id, epoch=epoch)
+                        free_seq_ids=tuple(self.frees), after_step_id=after_step_id, epoch=epoch,
+                        runs_ms=self.runs_ms)

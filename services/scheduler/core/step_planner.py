@@ -132,6 +132,8 @@ class StepPlanner:
         else:
             most_runs = max(config.decode_steps, quick_runs(config.decode_step_ms, worker.decode_run_ms,
                                                             worker.decode_run_decodes, len(worker.running)))
+            if most_runs > config.decode_steps:
+                plan.runs_ms = config.decode_step_ms    # the worker keeps the budget if the runs slow
         if worker.pending and most_runs > 1:
             most_runs = min(most_runs, runs_until_slots_free(
                 [left for r in worker.active if (left := r.max_tokens - r.outputs_if_drafts_kept) > 0],

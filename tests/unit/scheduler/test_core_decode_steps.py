@@ -106,6 +106,10 @@ def test_quick_runs_take_more_runs_a_step_within_the_budget_and_the_same_tokens(
             h.submit(prompt, max_tokens=60)
         h.run()
         assert _most_runs(h) == most
+        # Quick runs carry their budget for the worker to keep; without them no step has one.
+        bounds = {plan.runs_ms for plan in h.plans["w0"] if any(i.decode_steps > 2 for i in plan.work)}
+        assert bounds == ({budget} if budget else set())
+        assert budget or all(plan.runs_ms == 0 for plan in h.plans["w0"])
         assert [h.streams[rid].token_ids for rid in h.streams] == [reference_output(p, 60) for p in prompts]
         streams.append(h.steps)
     assert streams[1] < streams[0]

@@ -1,14 +1,14 @@
 """The worker's multi-step decoding (services/worker/decode_steps.py) over a fake engine that
 keeps the step contract: the runs' tokens in one result, in order and the same as one run at a
-time; the runs stop at EOS, at an interruption and at a sequence's failure, keeping what
-earlier runs sampled; the runs' counters add up."""
+time; the runs stop at EOS, at an interruption, at the step's time bound and at a sequence's
+failure, keeping what earlier runs sampled; the runs' counters add up."""
 
 from __future__ import annotations
 
 from common.step import MAX_DECODE_STEPS, NewSequence, StepBatch, StepOutput, WorkItem
 from common.types import SamplingParams
 
-from services.worker.decode_steps import run_decode_steps
+from services.worker.decode_steps import past_bound, run_decode_steps
 from tests.unit.scheduler.fake_worker import EOS_TOKEN_ID, FakeEngine, reference_output
 
 PROMPT = tuple(range(10, 19))
@@ -76,6 +76,18 @@ def test_an_interruption_ends_the_runs_after_the_current_one() -> None:
     (result,) = _run(engine, (WorkItem("a", 1, 0, 8),), interrupted=interrupted).results
     assert len(result.token_ids) == 2 and len(engine.steps) == 3
     assert result.token_ids == tuple(reference_output(PROMPT, 3)[1:])
+
+
+def test_a_time_bound_starts_no_run_that_would_end_past_it() -> None:
+    # The fake engine's run takes 1 ms: in 3.5 ms, three runs (a fourth would end at 4).
+    engine = FakeEngine()
+    _decoding(engine, "a")
+    output = run_decode_steps(StepBatch(step_id=2, work=(WorkItem("a", 1, 0, 8),), runs_ms=3.5),
+                              engine.step, {EOS_TOKEN_ID})
+    assert output.results[0].token_ids == tuple(reference_output(PROMPT, 4)[1:])
+    assert output.forward_ms == 3.0
+    assert not past_bound(0.0, 1e9, 1)                       # 0: no bound
+    assert past_bound(160.0, 121.0, 3) and not past_bound(160.0, 121.0, 4)   # the next run: their mean
 
 
 def test_a_later_run_that_fails_keeps_what_the_earlier_ones_sampled() -> None:
