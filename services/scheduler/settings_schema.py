@@ -162,10 +162,10 @@ class SchedulerSchema(
             'more runs than `DECODE_STEPS`, as many as fit in this many ms by the worker\'s last '
             'decode-only step\'s time a run (scaled up with the batch\'s decodes; at most 64), under '
             'the same conditions as `DECODE_STEPS`. 160: one stream\'s TPOT on W1 ~8 % lower on 2 '
-            'cores. Risk: the estimate trails a sudden load on the worker\'s cores, so a step planned '
-            'from quick runs can run several times this long; under a tenant flooding the gateway on '
-            'the same cores another tenant\'s longest token gap went from ~400 to ~700 ms '
-            '(`docs/benchmarks.md`). Tokens reach a stream in bursts of up to this many ms; 0: off'
+            'cores. The worker ends a step\'s runs at this budget. Risk: the estimate trails a sudden '
+            'load on the worker\'s cores; before the worker kept the budget, under a tenant flooding '
+            'the gateway on the same cores another tenant\'s longest token gap went from ~400 to ~700 '
+            'ms (`docs/benchmarks.md`). Tokens reach a stream in bursts of up to this many ms; 0: off'
         ))
     prefill_decode_steps: int = Field(1, ge=1, le=64,
         description=(
