@@ -47,7 +47,7 @@ class SchedulerSettings:
     speculative_max_batch: int = 2
     speculative_sampled: bool = False
     decode_steps: int = 4           # core/allowances/decode_steps.py: runs a decode may take in one step
-    decode_step_ms: float = 0.0     # ... more of them while they fit in this (quick runs; opt-in)
+    decode_step_ms: float = 160.0   # ... more of them while they fit in this (quick runs)
     prefill_decode_steps: int = 1   # ... in a step that also prefills
     max_migrations: int = _CORE.max_migrations
     worker_recovery_s: float = _CORE.worker_recovery_s   # core/recovery.py

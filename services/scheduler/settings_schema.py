@@ -156,16 +156,14 @@ class SchedulerSchema(
             'reach the clients in bursts of a run\'s worth, and a request cancelled or ending on a '
             'stop string may compute up to that many runs that are thrown away; 1: off'
         ))
-    decode_step_ms: float = Field(0.0, ge=0, le=10_000,
+    decode_step_ms: float = Field(160.0, ge=0, le=10_000,
         description=(
-            'multi-step decoding for quick runs (a few streams on a CPU), opt-in: a step may take '
-            'more runs than `DECODE_STEPS`, as many as fit in this many ms by the worker\'s last '
-            'decode-only step\'s time a run (scaled up with the batch\'s decodes; at most 64), under '
-            'the same conditions as `DECODE_STEPS`. 160: one stream\'s TPOT on W1 ~8 % lower on 2 '
-            'cores. The worker ends a step\'s runs at this budget. Risk: the estimate trails a sudden '
-            'load on the worker\'s cores; before the worker kept the budget, under a tenant flooding '
-            'the gateway on the same cores another tenant\'s longest token gap went from ~400 to ~700 '
-            'ms (`docs/benchmarks.md`). Tokens reach a stream in bursts of up to this many ms; 0: off'
+            'multi-step decoding for quick runs (a few streams on a CPU): a step may take more runs '
+            'than `DECODE_STEPS`, as many as fit in this many ms by the worker\'s last decode-only '
+            'step\'s time a run (scaled up with the batch\'s decodes; at most 64), under the same '
+            'conditions as `DECODE_STEPS`, and the worker ends the runs at this budget where a load '
+            'slows them. One stream\'s TPOT on W1 3-8 % lower on 2 cores (`docs/benchmarks.md`); '
+            'tokens reach a stream in bursts of up to this many ms; 0: off'
         ))
     prefill_decode_steps: int = Field(1, ge=1, le=64,
         description=(

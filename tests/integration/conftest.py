@@ -23,7 +23,7 @@ TINY_ENV = {
     # drafts (on by default for one or two greedy streams) let the tiny model's repetitive text
     # end a stream in a few. test_speculative_decoding.py turns them on.
     "SPECULATIVE_TOKENS": "0",
-    # Quick runs (opt-in) would do the same: the tiny model's runs take a millisecond or two, so
+    # Quick runs would do the same: the tiny model's runs take a millisecond or two, so
     # a lone stream would take up to 64 of them a step. test_quick_runs.py turns them on.
     "DECODE_STEP_MS": "0",
 }
