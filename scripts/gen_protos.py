@@ -11,6 +11,8 @@ import grpc_tools
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "proto"
+sys.path.insert(0, str(ROOT))     # setup.py runs this file with only scripts/ on the path
+from fairserve.launcher.stub_sources import write_digest  # noqa: E402
 
 
 def proto_files() -> list[Path]:
@@ -29,6 +31,7 @@ def generate(out_dir: Path) -> None:
         parts = package_dir.parts
         for depth in range(1, len(parts) + 1):
             (out_dir.joinpath(*parts[:depth]) / "__init__.py").touch()
+    write_digest(out_dir / "fairserve" / "v1", PROTO_ROOT)
 
 
 if __name__ == "__main__":

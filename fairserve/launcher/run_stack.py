@@ -17,7 +17,8 @@ from common.transport.internal_auth import read_token
 from common.settings.env import EnvReader, SettingsError
 from fairserve.launcher.local_tokens import local_tokens, tokens_path
 from fairserve.launcher.settings_schema import RunSchema
-from fairserve.launcher.stack import Stack, StackPorts
+from fairserve.launcher.stack import ROOT, Stack, StackPorts
+from fairserve.launcher.stub_sources import stale_stubs
 from services.worker.settings_schema import WorkerSchema
 from fairserve.launcher.supervisor import Supervisor, SupervisorMetrics, SupervisorSettings
 
@@ -39,6 +40,10 @@ def ports_from_env(env: Mapping[str, str]) -> StackPorts:
 
 
 def main() -> int:
+    stale = stale_stubs(ROOT)
+    if stale is not None:
+        print(stale, file=sys.stderr)
+        return 2
     try:
         log_dir = Path(RunSchema.read(os.environ).log_dir or "~/.cache/fairserve/logs").expanduser()
         supervision = SupervisorSettings.from_env(os.environ)

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fairserve.launcher.stub_sources import stale_stubs
+
 if TYPE_CHECKING:
     from common.transport.internal_auth import InternalAuth
 
@@ -119,6 +121,9 @@ class Stack:
         self._spawn(name, module, extra)
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
+        stale = stale_stubs(ROOT)
+        if stale is not None:
+            raise RuntimeError(stale)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._spawn("kvcache", "services.kvcache.main")
         self._spawn("scheduler", "services.scheduler.main")
