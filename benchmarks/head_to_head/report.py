@@ -88,6 +88,11 @@ def _num(value: float | None, digits: int = 0) -> str:
     return "—" if value is None else f"{value:,.{digits}f}"
 
 
+def _tpot(value: float | None) -> str:
+    """A TPOT: two decimals under 100 ms, where one stream's ratio against another is read."""
+    return _num(value, 2 if value is not None and value < 100 else 0)
+
+
 def _x(kind: str, x: float) -> str:
     return {"concurrency": f"{x:g} in flight", "rate": f"{x:g} req/s", "chat": f"chat, {x:g} users"}[kind]
 
@@ -108,7 +113,7 @@ def table(points: list[Point], systems: list[str]) -> str:
                 lines.append(
                     f"| {_x(kind, x)} | {system} | {p.ok} / {p.sent} | {_num(p.output_tokens_per_s, 1)} | "
                     f"{_num(p.goodput_per_s, 2)} | {_num(p.ttft_p50_ms)} | {_num(p.ttft_p99_ms)} | "
-                    f"{_num(p.tpot_p50_ms)} | {_num(p.tpot_p99_ms)} | {tokens} | "
+                    f"{_tpot(p.tpot_p50_ms)} | {_tpot(p.tpot_p99_ms)} | {tokens} | "
                     f"{p.cached_prompt_fraction:.0%} | {_num(p.resident_peak_total_mb)} | "
                     f"{render_services(p.resident_peak_mb)} |")
     return "\n".join(lines)

@@ -51,8 +51,17 @@ def ratio_lines(points: list[Point], ours: str = "fairserve") -> list[str]:
         each = ", ".join(f"{name} {mine / p.output_tokens_per_s:.2f}x" for name, p in peers.items())
         lines.append(f"concurrency {x:g}: {ours} {mine:.1f} tok/s = {mine / best.output_tokens_per_s:.2f}x the "
                      f"best peer ({best.system}, {best.output_tokens_per_s:.1f}); {each}"
-                     f" (rounds: {_rounds(at[ours])} against {_rounds(best)})")
+                     f" (rounds: {_rounds(at[ours])} against {_rounds(best)}){_tpot(at[ours], peers)}")
     return lines
+
+
+def _tpot(mine: Point, peers: dict[str, Point]) -> str:
+    """Our TPOT p50 against each peer's (lower is better), each its median round's."""
+    theirs = {name: p.tpot_p50_ms for name, p in peers.items() if p.tpot_p50_ms}
+    if not mine.tpot_p50_ms or not theirs:
+        return ""
+    each = ", ".join(f"{mine.tpot_p50_ms / ms:.2f}x {name}'s {ms:.2f}" for name, ms in theirs.items())
+    return f"; TPOT p50 {mine.tpot_p50_ms:.2f} ms = {each}"
 
 
 def _rounds(p: Point) -> str:

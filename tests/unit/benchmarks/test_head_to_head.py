@@ -3,6 +3,8 @@ the numbers per point (goodput, wrong lengths), the table, finding peers."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 from pathlib import Path
 
@@ -64,6 +66,16 @@ def test_point_counts_goodput_within_both_slos_and_wrong_lengths() -> None:
     rows = table([p], ["fairserve"]).splitlines()
     assert rows[2].startswith("| 2 req/s | fairserve | 4 / 5 | 3.6 | 0.20 |")
     assert "(1 off)" in rows[2]
+
+
+def test_a_short_tpot_keeps_two_decimals_in_the_table() -> None:
+    run = PointRun("concurrency", 1.0, duration_s=1.0)
+    run.records = [record(0.4, 0.4 + 9 * 0.00868, 10)]
+    run.expected_tokens = [10]
+    quick = point("fairserve", run, Slo())
+    assert "| 8.68 | 8.68 |" in table([quick], ["fairserve"])
+    slow = replace(quick, tpot_p50_ms=144.6, tpot_p99_ms=None)
+    assert "| 145 | — |" in table([slow], ["fairserve"])
 
 
 def test_plan_sends_at_least_min_requests() -> None:

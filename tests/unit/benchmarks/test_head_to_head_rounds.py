@@ -12,9 +12,9 @@ from benchmarks.head_to_head.rounds import best_tuning, median_points, ratio_lin
 from benchmarks.head_to_head.systems import LaunchConfig, allowed_cpus, cpu_list, llama_tunings, tunings, vllm_tunings
 
 
-def at(system: str, x: float, tok_s: float) -> Point:
+def at(system: str, x: float, tok_s: float, tpot_ms: float = 1.0) -> Point:
     return Point(system=system, kind="concurrency", x=x, sent=4, ok=4, duration_s=1.0, output_tokens_per_s=tok_s,
-                 requests_per_s=4.0, goodput_per_s=4.0, ttft_p50_ms=1.0, ttft_p99_ms=1.0, tpot_p50_ms=1.0,
+                 requests_per_s=4.0, goodput_per_s=4.0, ttft_p50_ms=1.0, ttft_p99_ms=1.0, tpot_p50_ms=tpot_ms,
                  tpot_p99_ms=1.0, mean_output_tokens=64.0, mean_prompt_tokens=274.0, wrong_length=0,
                  cached_prompt_fraction=0.0, errors=())
 
@@ -46,6 +46,14 @@ def test_ratios_are_against_the_best_peer() -> None:
     assert len(lines) == 1                              # concurrency 1 has no fairserve point
     assert lines[0].startswith("concurrency 32: fairserve 150.0 tok/s = 1.50x the best peer (vllm, 100.0)")
     assert "llama.cpp 2.00x" in lines[0] and "150.0/140.0/160.0" in lines[0]
+
+
+def test_one_stream_s_tpot_is_given_against_each_peer_s() -> None:
+    points = [at("fairserve", 1, 60.0, tpot_ms=8.68), at("vllm", 1, 19.0, tpot_ms=47.58),
+              at("llama.cpp", 1, 42.5, tpot_ms=16.70)]
+    line = ratio_lines(points)[0]
+    assert "TPOT p50 8.68 ms = 0.18x vllm's 47.58, 0.52x llama.cpp's 16.70" in line
+    assert "TPOT" not in ratio_lines([at("fairserve", 1, 60.0, tpot_ms=None), at("vllm", 1, 19.0)])[0]
 
 
 def test_the_best_tuning_is_kept() -> None:
