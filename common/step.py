@@ -90,11 +90,16 @@ class WorkItem:
     # A decode may run up to this many times in the step (multi-step decoding,
     # services/worker/decode_steps.py), each verifying up to draft_tokens drafts.
     decode_steps: int = 1
+    # The most tokens its result may carry over all its runs (0: no cap but the runs' own): the
+    # worker starts no run once the result holds this many and lets a run verify no more drafts
+    # than would pass it, so runs need not be counted at their worst case against max_tokens.
+    max_outputs: int = 0
 
     @property
     def extra_tokens(self) -> int:
         """The most tokens its result may carry beyond the one sampled token."""
-        return self.decode_steps * (1 + self.draft_tokens) - 1
+        most = self.decode_steps * (1 + self.draft_tokens)
+        return (min(most, self.max_outputs) if self.max_outputs > 0 else most) - 1
 
 
 @dataclass(frozen=True)

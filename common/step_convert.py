@@ -37,7 +37,7 @@ def step_batch_to_proto(batch: StepBatch) -> worker_pb2.StepRequest:
                                               lora_digest=n.lora_digest)
                        for n in batch.new_sequences],
         work=[worker_pb2.WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens,
-                                  decode_steps=w.decode_steps)
+                                  decode_steps=w.decode_steps, max_outputs=w.max_outputs)
               for w in batch.work],
         free_seq_ids=batch.free_seq_ids,
         after_step_id=batch.after_step_id,
@@ -58,7 +58,7 @@ def step_batch_from_proto(message: worker_pb2.StepRequest) -> StepBatch:
                         lora_name=s.lora_name, lora_path=s.lora_path, lora_digest=s.lora_digest)
             for s in message.new_sequences),
         work=tuple(WorkItem(seq_id=w.seq_id, num_tokens=w.num_tokens, draft_tokens=w.draft_tokens,
-                            decode_steps=max(w.decode_steps, 1))
+                            decode_steps=max(w.decode_steps, 1), max_outputs=max(w.max_outputs, 0))
                    for w in message.work),
         free_seq_ids=tuple(message.free_seq_ids),
         after_step_id=message.after_step_id,

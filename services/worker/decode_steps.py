@@ -54,7 +54,8 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
     results = {result.seq_id: result for result in output.results}
     latest = dict(results)
     for run in range(1, runs):
-        work = next_work(items, latest, run, stop_token_ids)
+        taken = {seq_id: len(results[seq_id].token_ids) for seq_id in items if seq_id in results}
+        work = next_work(items, latest, run, stop_token_ids, taken)
         if not work or interrupted() or past_bound(batch.runs_ms, output.forward_ms, run):
             break
         more = step(StepBatch(step_id=batch.step_id, work=work, epoch=batch.epoch))
@@ -72,15 +73,24 @@ def past_bound(runs_ms: float, forward_ms: float, runs_done: int) -> bool:
 
 
 def next_work(items: dict[str, WorkItem], latest: dict[str, SeqResult], run: int,
-              stop_token_ids: Collection[int]) -> tuple[WorkItem, ...]:
+              stop_token_ids: Collection[int], taken: dict[str, int] | None = None) -> tuple[WorkItem, ...]:
     """The decodes of run `run` (0 is the step's own): one per sequence that asked for more
-    runs and sampled, without an error or a stop token, in the run before."""
+    runs and sampled, without an error or a stop token, in the run before, and whose result
+    holds fewer than its `max_outputs` tokens (`taken`: the tokens each result holds so far),
+    verifying no more drafts than would pass that cap."""
     work = []
     for seq_id, item in items.items():
         result = latest.get(seq_id)
-        if (item.decode_steps > run and result is not None and result.sampled and not result.error
+        if not (item.decode_steps > run and result is not None and result.sampled and not result.error
                 and result.token_ids[-1] not in stop_token_ids):
-            work.append(WorkItem(seq_id, 1, item.draft_tokens))
+            continue
+        drafts = item.draft_tokens
+        if item.max_outputs > 0:
+            left = item.max_outputs - (taken or {}).get(seq_id, 0)
+            if left < 1:
+                continue
+            drafts = min(drafts, left - 1)
+        work.append(WorkItem(seq_id, 1, drafts))
     return tuple(work)
 
 

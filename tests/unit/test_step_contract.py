@@ -30,7 +30,7 @@ def test_a_batch_survives_the_wire() -> None:
         new_sequences=(NewSequence("a", (1, 2, 3), (4,), SamplingParams(temperature=0.5, top_k=3, seed=11,
                                                                   logit_bias=((2, -100.0), (9, 0.5))),
                                    cache_salt="tenant-a"),),
-        work=(WorkItem("a", 4), WorkItem("b", 1, draft_tokens=3, decode_steps=9)), runs_ms=160.0)
+        work=(WorkItem("a", 4), WorkItem("b", 1, draft_tokens=3, decode_steps=9, max_outputs=12)), runs_ms=160.0)
     assert step_batch_from_proto(step_batch_to_proto(batch)) == batch
     assert batch.num_tokens == 5
 

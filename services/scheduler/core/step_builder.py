@@ -24,6 +24,7 @@ class _Planned(NamedTuple):
     is_decode: bool
     drafts: int         # speculative tokens the decode may verify
     decode_steps: int   # times the decode may run in the step (allowances/decode_steps.py)
+    max_outputs: int = 0    # the tokens those runs may bring in all (0: no cap but theirs)
 
 
 class StepBuilder:
@@ -55,11 +56,13 @@ class StepBuilder:
         self.frees.append(seq_id)
         self.available_blocks += blocks_held
 
-    def grant_runs(self, seq_id: str, runs: int, more_blocks: int) -> None:
+    def grant_runs(self, seq_id: str, runs: int, more_blocks: int, max_outputs: int = 0) -> None:
         """Lets the planned work of `seq_id` (a decode, or a chunk that ends its prompt) decode
-        `runs` times in the step, taking `more_blocks` beyond what it was planned with."""
+        `runs` times in the step, taking `more_blocks` beyond what it was planned with, and
+        bringing at most `max_outputs` tokens in all (0: no cap but the runs')."""
         planned = self._work[seq_id]
-        self._work[seq_id] = planned._replace(blocks=planned.blocks + more_blocks, decode_steps=runs)
+        self._work[seq_id] = planned._replace(blocks=planned.blocks + more_blocks, decode_steps=runs,
+                                              max_outputs=max_outputs)
         self.available_blocks -= more_blocks
 
     def planned(self, seq_id: str) -> tuple[int, int, bool, int] | None:
@@ -88,7 +91,7 @@ class StepBuilder:
         """The step to send (in the worker's registration `epoch`), or None when it would do nothing."""
         if not (self._work or self.frees or self.new_sequences):
             return None
-        work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts, planned.decode_steps)
+        work = tuple(WorkItem(seq_id, planned.num_tokens, planned.drafts, planned.decode_steps, planned.max_outputs)
                      for seq_id, planned in self._work.items())
         return StepBatch(step_id=self.step_id, new_sequences=tuple(self.new_sequences), work=work,
                         free_seq_ids=tuple(self.frees), after_step_id=after_step_id, epoch=epoch,

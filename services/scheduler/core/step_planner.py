@@ -148,14 +148,14 @@ class StepPlanner:
             if not is_decode and request.num_computed + num_tokens < request.worker_tokens:
                 continue    # a chunk short of its prompt's end samples nothing to decode on from
             assert request.seq_id is not None
-            runs, more = runs_allowance(
+            allowance = runs_allowance(
                 decode_steps=most_runs, drafts=drafts,
                 outputs_left=request.max_tokens - request.outputs_if_drafts_kept,
                 num_computed=request.num_computed + num_tokens - 1,
                 held_blocks=worker.blocks_held(request) + blocks, spare_blocks=plan.available_blocks,
                 block_size=worker.spec.block_size)
-            if runs > 1:
-                plan.grant_runs(request.seq_id, runs, more)
+            if allowance.runs > 1:
+                plan.grant_runs(request.seq_id, *allowance)
 
     def admits_waiting(self, worker: WorkerState, policy: Policy | None = None) -> bool:
         """Whether a request waits on the worker that its next step could admit: a batch slot

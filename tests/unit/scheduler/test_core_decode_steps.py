@@ -39,11 +39,14 @@ def _running_the_runs(engine: FakeEngine) -> FakeEngine:
 
 def test_the_allowance_is_bounded_by_max_tokens_and_blocks_and_is_never_zero() -> None:
     common = dict(num_computed=30, held_blocks=8, block_size=4)
-    assert runs_allowance(decode_steps=4, drafts=0, outputs_left=100, spare_blocks=100, **common) == (4, 1)
-    assert runs_allowance(decode_steps=4, drafts=2, outputs_left=100, spare_blocks=100, **common) == (4, 3)
-    assert runs_allowance(decode_steps=4, drafts=2, outputs_left=7, spare_blocks=100, **common) == (2, 1)
-    assert runs_allowance(decode_steps=8, drafts=0, outputs_left=100, spare_blocks=1, **common) == (6, 1)
-    assert runs_allowance(decode_steps=8, drafts=0, outputs_left=1, spare_blocks=0, **common) == (1, 0)
+    assert runs_allowance(decode_steps=4, drafts=0, outputs_left=100, spare_blocks=100, **common) == (4, 1, 0)
+    assert runs_allowance(decode_steps=4, drafts=2, outputs_left=100, spare_blocks=100, **common) == (4, 3, 0)
+    # 7 tokens left: a run brings at least one, so 4 runs, capped at 7 tokens (not 7 // 3 = 2 runs);
+    # their slots still counted as if every draft were kept (30 + 4 * 3 = 42: 3 more blocks)
+    assert runs_allowance(decode_steps=4, drafts=2, outputs_left=7, spare_blocks=100, **common) == (4, 3, 7)
+    assert runs_allowance(decode_steps=8, drafts=2, outputs_left=3, spare_blocks=100, **common) == (3, 2, 3)
+    assert runs_allowance(decode_steps=8, drafts=0, outputs_left=100, spare_blocks=1, **common) == (6, 1, 0)
+    assert runs_allowance(decode_steps=8, drafts=0, outputs_left=1, spare_blocks=0, **common) == (1, 0, 0)
     assert multi_stepping(4, waiting=False) and not multi_stepping(4, waiting=True)
     assert not multi_stepping(1, waiting=False)
     assert runs_until_slots_free([9, 5, 12], waiting=1) == 5
@@ -74,6 +77,24 @@ def test_runs_stream_the_reference_tokens_up_to_max_tokens(depth: int, num_block
     assert any(item.decode_steps > 1 for plan in h.plans["w0"] for item in plan.work)
     engine.check_invariants()
     assert not engine.seqs and engine.pool().used_blocks == 0
+
+
+@pytest.mark.parametrize("accepted, runs, caps", [(0, [4, 4, 3], [11, 7, 3]), (2, [4], [11])])
+def test_drafts_near_max_tokens_do_not_cut_the_runs_the_cap_ends_them(accepted: int, runs: list[int],
+                                                                     caps: list[int]) -> None:
+    # Two drafts a run, 4 runs a step, 11 tokens to go after the prefill's. Counted at 3 tokens a
+    # run against max_tokens, the runs would be 3, 2, 2, 1, 1, 1 (no draft kept): each run brings
+    # at least one token, so they are 4, 4, 3, the items capped at the tokens left and the worker
+    # ending the runs there (all drafts kept: 3 + 3 + 3 + 2, the last run's drafts trimmed).
+    h = Harness(_config(1, speculative_tokens=2), _running_the_runs(FakeEngine(accepted_drafts=accepted)))
+    prompt = tuple(range(30, 38))
+    rid = h.submit(prompt, max_tokens=12).request_id
+    h.run()
+    assert h.streams[rid].token_ids == reference_output(prompt, 12)
+    decodes = [item for plan in h.plans["w0"] for item in plan.work if item.num_tokens == 1]
+    assert [item.decode_steps for item in decodes] == runs
+    assert [item.max_outputs for item in decodes] == caps
+    assert all(item.extra_tokens + 1 == item.max_outputs for item in decodes)
 
 
 def test_quick_runs_fit_the_budget_scaled_with_the_decodes() -> None:

@@ -1,7 +1,8 @@
 """The worker's multi-step decoding (services/worker/decode_steps.py) over a fake engine that
 keeps the step contract: the runs' tokens in one result, in order and the same as one run at a
-time; the runs stop at EOS, at an interruption, at the step's time bound and at a sequence's
-failure, keeping what earlier runs sampled; the runs' counters add up."""
+time; the runs stop at EOS, at an interruption, at the step's time bound, at a work item's cap on
+its tokens (the last run's drafts trimmed to it) and at a sequence's failure, keeping what earlier
+runs sampled; the runs' counters add up."""
 
 from __future__ import annotations
 
@@ -46,6 +47,26 @@ def test_runs_with_drafts_bring_up_to_runs_times_one_plus_drafts_tokens() -> Non
     assert WorkItem("a", 1, 2, 3).extra_tokens == 8
     assert result.token_ids == tuple(reference_output(PROMPT, 10)[1:])
     assert result.num_computed_tokens == len(PROMPT) + 9
+
+
+def test_the_runs_end_at_the_item_s_cap_with_the_last_run_s_drafts_trimmed_to_it() -> None:
+    engine = FakeEngine(accepted_drafts=2)             # every draft kept: 3 tokens a run
+    _decoding(engine, "a")
+    item = WorkItem("a", 1, 2, 8, max_outputs=7)
+    assert item.extra_tokens == 6                       # the cap, not 8 runs * 3 tokens
+    (result,) = _run(engine, (item,)).results
+    assert result.token_ids == tuple(reference_output(PROMPT, 8)[1:])     # 3 + 3 + 1
+    assert [step.work[0].draft_tokens for step in engine.steps[2:]] == [2, 0]
+    assert len(engine.steps) == 1 + 3
+    engine.check_invariants()
+
+
+def test_runs_that_keep_no_draft_go_on_up_to_the_cap() -> None:
+    engine = FakeEngine(accepted_drafts=0)
+    _decoding(engine, "a")
+    (result,) = _run(engine, (WorkItem("a", 1, 2, 8, max_outputs=5),)).results
+    assert result.token_ids == tuple(reference_output(PROMPT, 6)[1:])     # five runs of one token
+    assert [step.work[0].draft_tokens for step in engine.steps[2:]] == [2, 2, 1, 0]   # 4, 3, 2, 1 left
 
 
 def test_one_run_is_the_engine_step_itself() -> None:

@@ -7,8 +7,17 @@ R * (1 + drafts) and need slots up to position num_computed + R * (1 + drafts):
     held blocks              | blocks the runs may add
     [ . . . . | . . . c r | r r r r | r r r . ]     c: computed  r: a run's slots
 
-R never lets a request pass max_tokens even if every run keeps every draft, never needs more
-blocks than the step has to spare, and is 1 (one run, as without multi-step) while a request
+Each run brings at least one token, so R is at most the tokens left to max_tokens; where R runs
+keeping every draft would bring more, the work item carries the tokens left as its cap
+(WorkItem.max_outputs) and the worker ends the runs there and trims the last run's drafts to it,
+so a request never passes max_tokens and its last steps are not cut to one run by drafts it
+may never keep:
+
+    8 tokens left, 2 drafts a run:   runs 4 (not 8 // 3 = 2), cap 8
+    worker:  run 1 keeps 3 -> 3    run 2 keeps 1 -> 4    run 3 keeps 3 -> 7    run 4: 0 drafts -> 8
+
+R never needs more blocks than the step has to spare (its slots counted as if every draft
+were kept), and is 1 (one run, as without multi-step) while a request
 waits on the worker that a step could take now (prefilling, or queued with a batch slot for it):
 its prefill should not wait out the runs. Requests queued behind a full batch do not stop the
 runs (they would wait for a slot either way); the runs then end when the running requests that
@@ -32,6 +41,8 @@ the batch's decodes, so a batch that grew takes fewer:
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 from common.step import MAX_DECODE_STEPS
 
@@ -70,9 +81,15 @@ def runs_until_slots_free(outputs_left: list[int], waiting: int) -> int:
     return max(1, sorted(outputs_left)[slots - 1])
 
 
+class RunsAllowance(NamedTuple):
+    runs: int           # at least one
+    blocks: int         # beyond the blocks the sequence holds
+    max_outputs: int    # the tokens the runs may bring in all (WorkItem.max_outputs); 0: no cap needed
+
+
 def runs_allowance(*, decode_steps: int, drafts: int, outputs_left: int, num_computed: int,
-                   held_blocks: int, spare_blocks: int, block_size: int) -> tuple[int, int]:
-    """(runs, blocks beyond `held_blocks`) for one decode; at least one run.
+                   held_blocks: int, spare_blocks: int, block_size: int) -> RunsAllowance:
+    """The runs of one decode, the blocks their slots take and the cap on their tokens.
 
     decode_steps: the most runs (CoreConfig.decode_steps).
     drafts: the decode's draft tokens a run.
@@ -83,5 +100,6 @@ def runs_allowance(*, decode_steps: int, drafts: int, outputs_left: int, num_com
     """
     per_run = 1 + drafts
     capacity = (held_blocks + max(spare_blocks, 0)) * block_size - num_computed
-    runs = max(1, min(decode_steps, outputs_left // per_run, capacity // per_run))
-    return runs, max(blocks_for(num_computed + runs * per_run, block_size) - held_blocks, 0)
+    runs = max(1, min(decode_steps, outputs_left, capacity // per_run))
+    blocks = max(blocks_for(num_computed + runs * per_run, block_size) - held_blocks, 0)
+    return RunsAllowance(runs, blocks, outputs_left if runs * per_run > outputs_left else 0)
