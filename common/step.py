@@ -165,12 +165,15 @@ class PoolStats:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """A step's reply. The counters after forward_ms are what the engine measured for the worker's
+    """A step's reply. The counters after step_id are what the engine measured for the worker's
     own metrics; they do not travel to the scheduler."""
 
     results: tuple[SeqResult, ...]
     pool: PoolStats
     forward_ms: float = 0.0
+    # The runs the step ran (multi-step decoding: fewer than asked where every sequence stopped
+    # early); 0: not counted (a worker before this field), read as the runs asked for.
+    runs: int = 0
     step_id: int = 0
     batch_tokens: int = 0
     prompt_tokens: int = 0      # of batch_tokens, those at prompt positions (prefill, not decode)

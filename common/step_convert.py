@@ -118,11 +118,12 @@ def step_output_to_proto(output: StepOutput) -> worker_pb2.StepResponse:
     """The reply; the engine's own counters stay on the worker."""
     return worker_pb2.StepResponse(
         step_id=output.step_id, results=[seq_result_to_proto(r) for r in output.results],
-        pool=pool_to_proto(output.pool), forward_ms=output.forward_ms,
+        pool=pool_to_proto(output.pool), forward_ms=output.forward_ms, runs=output.runs,
     )
 
 
 def step_output_from_proto(message: worker_pb2.StepResponse) -> StepOutput:
     return StepOutput(step_id=message.step_id,
                       results=tuple(seq_result_from_proto(r) for r in message.results),
-                      pool=pool_from_proto(message.pool), forward_ms=message.forward_ms)
+                      pool=pool_from_proto(message.pool), forward_ms=message.forward_ms,
+                      runs=max(message.runs, 0))

@@ -43,10 +43,10 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
         The step's `runs_ms`, where set, also ends it there (`past_bound`).
 
     Returns:
-        The step's output with each sequence's tokens of every run in its one result, and
-        the runs' counters summed.
+        The step's output with each sequence's tokens of every run in its one result, the
+        runs' counters summed and the count of runs that ran (`runs`).
     """
-    output = step(batch)
+    output = replace(step(batch), runs=1)
     runs = min(max((item.decode_steps for item in batch.work), default=1), MAX_DECODE_STEPS)
     if runs <= 1:
         return output
@@ -62,7 +62,7 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
         latest = {result.seq_id: result for result in more.results}
         for result in more.results:
             results[result.seq_id] = extend(results[result.seq_id], result)
-        output = add_counters(output, more)
+        output = replace(add_counters(output, more), runs=run + 1)
     return replace(output, results=tuple(results[result.seq_id] for result in output.results))
 
 

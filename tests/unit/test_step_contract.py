@@ -38,7 +38,7 @@ def test_a_batch_survives_the_wire() -> None:
 def test_a_reply_survives_the_wire_without_the_engine_counters() -> None:
     logprob = TokenLogprob(logprob=-0.5)
     output = StepOutput(
-        step_id=3, forward_ms=12.5, batch_tokens=9, screened_rows=2,
+        step_id=3, forward_ms=12.5, runs=4, batch_tokens=9, screened_rows=2,
         pool=PoolStats(total_blocks=8, free_blocks=3, cached_blocks=2, used_blocks=3, evictions=1,
                        prefix_hit_tokens=16, prefix_query_tokens=32),
         results=(SeqResult("a", 4, 2, sampled=True, token_id=5, logprob=logprob,
@@ -46,7 +46,7 @@ def test_a_reply_survives_the_wire_without_the_engine_counters() -> None:
                  SeqResult("b", 0, error=StepError.OUT_OF_BLOCKS)))
     back = step_output_from_proto(step_output_to_proto(output))
     assert back.results == output.results
-    assert (back.step_id, back.pool, back.forward_ms) == (3, output.pool, 12.5)
+    assert (back.step_id, back.pool, back.forward_ms, back.runs) == (3, output.pool, 12.5, 4)
     assert back.batch_tokens == 0 and back.screened_rows == 0   # the worker's own metrics stay home
     assert back.results[0].token_ids == (5, 6, 7) and back.results[1].token_ids == ()
     assert back.pool.available_blocks == 5

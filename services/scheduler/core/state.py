@@ -233,7 +233,8 @@ class WorkerState:
         self.last_step_ms = outcome.forward_ms
         self.last_batch_size = len(done.plan.work)
         if done.decode_only and outcome.forward_ms > 0:
-            runs = max(item.decode_steps for item in done.plan.work)
+            # the runs it ran: fewer than asked where its sequences stopped early (caps, EOS)
+            runs = outcome.runs or max(item.decode_steps for item in done.plan.work)
             self.decode_run_ms, self.decode_run_decodes = outcome.forward_ms / runs, len(done.plan.work)
         return done, echoes_refusal
 

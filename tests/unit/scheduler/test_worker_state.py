@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from services.scheduler.core.state import InFlightStep
 from common.step import PoolStats, StepOutput, StepBatch, WorkItem
 
@@ -57,3 +59,7 @@ def test_settle_keeps_the_time_a_run_of_the_last_decode_only_step() -> None:
     assert (worker.decode_run_ms, worker.decode_run_decodes) == (2.5, 2)      # 7.5 ms over its 3 runs
     worker.settle(_outcome(2, free_blocks=15))                                 # a prefill's time is no run's
     assert (worker.decode_run_ms, worker.decode_run_decodes) == (2.5, 2)
+    # A worker that says how many runs it ran (its sequences stopped early: caps, EOS) is read by that.
+    worker.in_flight = [InFlightStep(replace(runs, step_id=3), 20, frozenset(), decode_only=True)]
+    worker.settle(replace(_outcome(3, free_blocks=20), runs=2))
+    assert (worker.decode_run_ms, worker.decode_run_decodes) == (3.75, 2)     # 7.5 ms over the 2 it ran

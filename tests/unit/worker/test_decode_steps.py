@@ -58,6 +58,7 @@ def test_the_runs_end_at_the_item_s_cap_with_the_last_run_s_drafts_trimmed_to_it
     assert result.token_ids == tuple(reference_output(PROMPT, 8)[1:])     # 3 + 3 + 1
     assert [step.work[0].draft_tokens for step in engine.steps[2:]] == [2, 0]
     assert len(engine.steps) == 1 + 3
+    assert _run(engine, (WorkItem("a", 1, 0, 8, max_outputs=2),)).runs == 2     # the runs it ran
     engine.check_invariants()
 
 
@@ -81,9 +82,9 @@ def test_a_sequence_that_samples_eos_runs_no_further() -> None:
         return EOS_TOKEN_ID if len(tokens) == len(PROMPT) + 2 else 5
     engine = FakeEngine(next_token=next_token)
     _decoding(engine, "a")
-    (result,) = _run(engine, (WorkItem("a", 1, 0, 8),)).results
-    assert result.token_ids == (5, EOS_TOKEN_ID)
-    assert len(engine.steps) == 1 + 2
+    output = _run(engine, (WorkItem("a", 1, 0, 8),))
+    assert output.results[0].token_ids == (5, EOS_TOKEN_ID)
+    assert len(engine.steps) == 1 + 2 and output.runs == 2
 
 
 def test_an_interruption_ends_the_runs_after_the_current_one() -> None:
