@@ -54,15 +54,14 @@ def run_decode_steps(batch: StepBatch, step: Callable[[StepBatch], StepOutput],
     results = {result.seq_id: result for result in output.results}
     latest = dict(results)
     for run in range(1, runs):
-        taken = {seq_id: len(results[seq_id].token_ids) for seq_id in items if seq_id in results}
-        work = next_work(items, latest, run, stop_token_ids, taken)
+        work = next_work(items, latest, results, run, stop_token_ids)
         if not work or interrupted() or past_bound(batch.runs_ms, output.forward_ms, run):
             break
         more = step(StepBatch(step_id=batch.step_id, work=work, epoch=batch.epoch))
         latest = {result.seq_id: result for result in more.results}
         for result in more.results:
             results[result.seq_id] = extend(results[result.seq_id], result)
-        output = replace(add_counters(output, more), runs=run + 1)
+        output = add_counters(output, more)
     return replace(output, results=tuple(results[result.seq_id] for result in output.results))
 
 
@@ -72,12 +71,12 @@ def past_bound(runs_ms: float, forward_ms: float, runs_done: int) -> bool:
     return runs_ms > 0 and forward_ms + forward_ms / runs_done > runs_ms
 
 
-def next_work(items: dict[str, WorkItem], latest: dict[str, SeqResult], run: int,
-              stop_token_ids: Collection[int], taken: dict[str, int] | None = None) -> tuple[WorkItem, ...]:
+def next_work(items: dict[str, WorkItem], latest: dict[str, SeqResult], so_far: dict[str, SeqResult], run: int,
+              stop_token_ids: Collection[int]) -> tuple[WorkItem, ...]:
     """The decodes of run `run` (0 is the step's own): one per sequence that asked for more
-    runs and sampled, without an error or a stop token, in the run before, and whose result
-    holds fewer than its `max_outputs` tokens (`taken`: the tokens each result holds so far),
-    verifying no more drafts than would pass that cap."""
+    runs and sampled, without an error or a stop token, in the run before (`latest`), and whose
+    result over the runs so far (`so_far`) holds fewer than its `max_outputs` tokens, verifying
+    no more drafts than would pass that cap."""
     work = []
     for seq_id, item in items.items():
         result = latest.get(seq_id)
@@ -86,7 +85,7 @@ def next_work(items: dict[str, WorkItem], latest: dict[str, SeqResult], run: int
             continue
         drafts = item.draft_tokens
         if item.max_outputs > 0:
-            left = item.max_outputs - (taken or {}).get(seq_id, 0)
+            left = item.max_outputs - len(so_far[seq_id].token_ids)
             if left < 1:
                 continue
             drafts = min(drafts, left - 1)
@@ -113,8 +112,8 @@ def _logprobs(result: SeqResult) -> tuple[TokenLogprob | None, ...]:
 
 
 def add_counters(output: StepOutput, more: StepOutput) -> StepOutput:
-    """`output` with a later run's counters added and its pool figures."""
-    return replace(output, pool=more.pool, forward_ms=output.forward_ms + more.forward_ms,
+    """`output` with a later run's counters added, that run counted, and its pool figures."""
+    return replace(output, pool=more.pool, forward_ms=output.forward_ms + more.forward_ms, runs=output.runs + 1,
                    batch_tokens=output.batch_tokens + more.batch_tokens,
                    prompt_tokens=output.prompt_tokens + more.prompt_tokens,
                    prompt_logits_hits=output.prompt_logits_hits + more.prompt_logits_hits,
