@@ -34,9 +34,11 @@ from benchmarks.chaos_report import FaultReport, StreamResult, exit_code, fault_
 from benchmarks.chaos_responses import response_bodies, stream_response
 from fairserve.launcher.stack import ROOT, Stack, StackPorts
 
+# The tiny model's runs take a millisecond or two: quick runs (DECODE_STEP_MS) would finish its
+# 100-token streams in a step or two, before the kill they are there for (as conftest's TINY_ENV).
 QUICK_ENV = {
     "KV_CACHE_BLOCK_SIZE": "4", "KV_CACHE_NUM_BLOCKS": "512", "MAX_BATCH_SIZE": "8",
-    "PREFILL_CHUNK_SIZE": "16", "TORCH_THREADS": "1",
+    "PREFILL_CHUNK_SIZE": "16", "TORCH_THREADS": "1", "DECODE_STEP_MS": "0",
 }
 COMMON_ENV = {"WORKER_HEARTBEAT_INTERVAL_S": "0.5", "LOG_LEVEL": "info"}
 STREAM_TIMEOUT_S = 300.0
