@@ -45,6 +45,7 @@ from services.worker.engine.sampling.prompt_logprobs import PromptScorer
 from services.worker.engine.sampling.sampler import SampledToken, Sampler
 from services.worker.engine.sampling.sampling import LogitsRows, StepSampler
 from services.worker.engine.step.sequences import Sequences
+from services.worker.engine.step.wide_release import WideRelease
 from services.worker.engine.kv.sizing import kv_layout, layer_kv_layout, max_model_len
 from services.worker.engine.kv.sliding_blocks import SlidingBlocks
 
@@ -77,6 +78,7 @@ class Engine:
         self.model, self.model_config = prepared.model, prepared.model_config
         self.device, self.dtype = prepared.device, prepared.dtype
         self.block_size = config.block_size
+        self.wide_release = WideRelease(config.host_memory_release_rows if self.device.type == "cpu" else 0)
         varlen = accelerators.prefill_kernel(config.attention_backend, self.device, self.dtype,
                                              prepared.kernel_cache_dir)
         decode_kernel = accelerators.decode_kernel(config.decode_attention, self.device, self.dtype,
@@ -189,9 +191,9 @@ class Engine:
         results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
         planned, logits_rows = totals.planned, totals.logits_rows
         rows = sum(p.rows for p in planned)
-        if self.device.type == "cpu" and 0 < self.config.host_memory_release_rows <= rows:
-            # A wide step's buffers would otherwise stay resident, and other wide steps' land
-            # elsewhere in the heap (HOST_MEMORY_RELEASE_ROWS; cpu/host_memory.py).
+        if self.wide_release.after_step(rows):
+            # A burst of wide steps' buffers would otherwise stay resident, and later wide
+            # steps' land elsewhere in the heap (HOST_MEMORY_RELEASE_ROWS; step/wide_release.py).
             self.accelerators.release_freed_host_memory()
         return StepOutput(results=tuple(results), pool=self.pool_stats(), forward_ms=totals.forward_ms,
                             batch_tokens=rows,
@@ -286,6 +288,7 @@ class Engine:
         (a background build done, an idle worker): the next steps fault in what they use."""
         self.accelerators.release_freed_host_memory()
         self.accelerators.release_library_pages()
+        self.wide_release.released_elsewhere()
 
     def wait_for_screen(self, timeout: float | None = None) -> bool:
         """Blocks until the screen is built or known not to be (benchmarks, tests)."""

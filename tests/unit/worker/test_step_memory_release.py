@@ -1,7 +1,8 @@
 """When a CPU engine tunes its allocator and hands memory back: the tuning only once the model is
-loaded and prepared; after a step of HOST_MEMORY_RELEASE_ROWS rows or more the heap's freed pages
-(never after narrower steps, never with the setting at 0); at its quiet points
-(`release_host_memory`) the freed pages and the libraries' clean pages."""
+loaded and prepared; the heap's freed pages once after a burst of steps of HOST_MEMORY_RELEASE_ROWS
+rows or more, at the first narrower step after it (never after narrow steps alone, never with the
+setting at 0); at its quiet points (`release_host_memory`) the freed pages and the libraries'
+clean pages. The burst rule's own arithmetic: test_wide_release.py."""
 
 from __future__ import annotations
 
@@ -29,22 +30,46 @@ def _engine(release_rows: int, calls: list[str]) -> Engine:
     return Engine(config, model=model, accelerators=accelerators)
 
 
-def _prefill_then_decode(engine: Engine, prompt_len: int) -> None:
-    engine.step(StepBatch(new_sequences=[NewSequence("a", prompt_of(prompt_len))], work=[WorkItem("a", prompt_len)]))
-    engine.step(StepBatch(work=[WorkItem("a", 1)]))
+def _step(engine: Engine, calls: list[str], batch: StepBatch) -> list[str]:
+    """What `batch`'s step released."""
+    calls.clear()
+    engine.step(batch)
+    return list(calls)
 
 
 @pytest.mark.parametrize("release_rows,prompt_len,expected", [
-    (16, 20, ["heap"]),    # a 20-row prefill hands back; the one-row decode after it does not
-    (16, 15, []),          # a step just under the rows keeps it
+    (16, 20, ["heap"]),    # a 20-row prefill keeps its memory; the one-row decode after it hands it back
+    (16, 15, []),          # a step just under the rows is no burst
     (0, 40, []),           # 0: never
 ])
-def test_a_wide_step_hands_its_freed_memory_back(release_rows: int, prompt_len: int, expected: list[str]) -> None:
+def test_a_wide_step_hands_its_freed_memory_back_after_it(release_rows: int, prompt_len: int,
+                                                           expected: list[str]) -> None:
     calls: list[str] = []
     engine = _engine(release_rows, calls)
-    calls.clear()                      # what preparation released
-    _prefill_then_decode(engine, prompt_len)
-    assert calls == expected
+    assert _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(prompt_len))],
+                                          work=[WorkItem("a", prompt_len)])) == []
+    assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1)])) == expected
+    assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1)])) == []    # once
+
+
+def test_wide_steps_back_to_back_release_once_after_the_burst() -> None:
+    calls: list[str] = []
+    engine = _engine(16, calls)
+    prompts = {name: prompt_of(20, salt=i + 1) for i, name in enumerate("abc")}   # nothing cached
+    for name, prompt in prompts.items():       # three prefills, each step wide
+        assert _step(engine, calls, StepBatch(new_sequences=[NewSequence(name, prompt)],
+                                              work=[WorkItem(name, len(prompt))])) == []
+    decode = StepBatch(work=[WorkItem(name, 1) for name in prompts])
+    assert _step(engine, calls, decode) == ["heap"]
+    assert _step(engine, calls, dataclasses.replace(decode)) == []
+
+
+def test_a_quiet_point_takes_the_bursts_release() -> None:
+    calls: list[str] = []
+    engine = _engine(16, calls)
+    _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(20))], work=[WorkItem("a", 20)]))
+    engine.release_host_memory()               # the idle worker's release
+    assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1)])) == []
 
 
 def test_the_allocator_is_tuned_after_preparation_and_quiet_points_release_both() -> None:
