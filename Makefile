@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 PROTOS := $(wildcard proto/fairserve/v1/*.proto)
 GEN_STAMP := fairserve/v1/.stamp
 
-.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-prefix bench-memory bench-grammar bench-structured bench-isolation bench-serving bench-lora-serving bench-peers chaos loadsim locust unit integration clean image
+.PHONY: run test install secrets compose-up compose-down proto config-docs prepare-model bench-scale bench-engine bench-profile bench-longkv bench-bf16 bench-prefix bench-memory bench-grammar bench-structured bench-isolation bench-ab bench-serving bench-lora-serving bench-peers chaos loadsim locust unit integration clean image
 
 $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -94,6 +94,11 @@ bench-grammar: install prepare-model
 # (docs/benchmarks.md); ARGS="--quick" checks it on the tiny model.
 bench-structured: install prepare-model
 	$(PY) -m benchmarks.structured_bench $(ARGS)
+
+# Two stacks side by side on W1, rounds alternating, B against A paired by round: a change against
+# the commit before it (ARGS="--b-tree ../before") or a setting (ARGS="--b-env NAME=VALUE").
+bench-ab: install prepare-model
+	$(PY) -m benchmarks.ab_stacks $(ARGS)
 
 # One tenant's longest gap between streamed tokens, alone and while another floods /tokenize
 # with 750 KB texts from 2 threads (docs/benchmarks.md, Isolation); ARGS="--quick" checks it

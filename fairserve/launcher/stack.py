@@ -69,6 +69,7 @@ class Stack:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
     # How each process was started (module, extra environment), to start it again.
     launches: dict[str, tuple[str, dict[str, str]]] = field(default_factory=dict)
+    root: Path = ROOT       # the checkout the services run from (an A/B runs two: benchmarks/ab_stacks.py)
 
     @property
     def url(self) -> str:
@@ -111,7 +112,7 @@ class Stack:
         self.launches[name] = (module, dict(extra or {}))
         with open(self.log_dir / f"{name}.log", "ab") as log_file:
             self.processes[name] = subprocess.Popen(
-                [sys.executable, "-m", module], cwd=ROOT, env=env, stdout=log_file,
+                [sys.executable, "-m", module], cwd=self.root, env=env, stdout=log_file,
                 stderr=subprocess.STDOUT, start_new_session=True,
             )
 
@@ -121,7 +122,7 @@ class Stack:
         self._spawn(name, module, extra)
 
     def start(self, timeout_s: float = 300.0) -> "Stack":
-        stale = stale_stubs(ROOT)
+        stale = stale_stubs(self.root)
         if stale is not None:
             raise RuntimeError(stale)
         self.log_dir.mkdir(parents=True, exist_ok=True)
