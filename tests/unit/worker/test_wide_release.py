@@ -1,6 +1,6 @@
 """The burst rule of step/wide_release.py on its own: a burst of wide steps releases once, at
-the first narrow step after it; narrow steps alone, the setting at 0 and a quiet point's own
-release leave nothing pending."""
+the first narrow step after it, and within it every `max_burst` wide steps; narrow steps alone,
+the setting at 0 and a quiet point's own release leave nothing pending."""
 
 from __future__ import annotations
 
@@ -19,6 +19,13 @@ from services.worker.engine.step.wide_release import WideRelease
 def test_one_release_per_burst_of_wide_steps(rows: int, steps: list[int], expected: list[bool]) -> None:
     release = WideRelease(rows)
     assert [release.after_step(step) for step in steps] == expected
+
+
+def test_a_long_burst_releases_every_max_burst_wide_steps() -> None:
+    release = WideRelease(256, max_burst=3)
+    assert [release.after_step(2048) for _ in range(7)] == [False, False, True, False, False, True, False]
+    assert release.after_step(30) is True          # the seventh's
+    assert release.after_step(30) is False
 
 
 def test_a_release_elsewhere_clears_the_pending_one() -> None:

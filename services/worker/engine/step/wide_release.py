@@ -8,7 +8,9 @@ prompts arrive), and each of them paid that. So the release waits for the end of
 the first step after a wide one that is not wide itself (a decode) hands back what the burst
 freed, once. The peak is the burst's widest step either way; between the steps of a burst
 the worker holds what one of them used (an idle worker's release, idle_release.py, covers a
-burst that nothing follows).
+burst that nothing follows). A load of wide steps alone (prompts scored, or arriving faster
+than they decode) would keep them for good, and wide steps of other sizes land elsewhere in the
+heap: so a burst also hands back after every `max_burst` wide steps in a row.
 
     step:     wide  wide  wide  decode  decode  wide  decode
     release:                      ^                     ^
@@ -23,20 +25,23 @@ from dataclasses import dataclass
 class WideRelease:
     """`after_step(rows)` says whether the freed memory goes back after a step of `rows` rows.
 
-    Invariant: at most one release per burst of wide steps, and none while no wide step ran
-    since the last one. `rows` 0 never releases (the setting's "keep them")."""
+    Invariant: no release while no wide step ran since the last one; one at the end of a
+    burst, and within it one per `max_burst` wide steps. `rows` 0 never releases (the
+    setting's "keep them")."""
     rows: int
-    pending: bool = False       # a wide step ran since the last release
+    max_burst: int = 8
+    pending: int = 0            # wide steps since the last release
 
     def after_step(self, rows: int) -> bool:
         if self.rows <= 0:
             return False
         if rows >= self.rows:
-            self.pending = True
-            return False
-        released, self.pending = self.pending, False
+            self.pending += 1
+            if self.pending < self.max_burst:
+                return False
+        released, self.pending = self.pending > 0, 0
         return released
 
     def released_elsewhere(self) -> None:
         """A quiet point handed everything back (Engine.release_host_memory)."""
-        self.pending = False
+        self.pending = 0
