@@ -34,6 +34,7 @@ from benchmarks.head_to_head.resident import ResidentSampler
 from benchmarks.head_to_head.sweep import Driver, Plan, warm_up
 from benchmarks.head_to_head.systems import Served
 from benchmarks.head_to_head.workload import unique_requests
+from benchmarks.serving_bench import fairserve_settings
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from fairserve.launcher.stack import ROOT, Stack, StackPorts
 
@@ -53,17 +54,6 @@ class Round:
     tpot_ms: float
     worker_mb: float
     gateway_mb: float
-
-
-def parse_env(pairs: list[str], flag: str) -> dict[str, str]:
-    """`["K=V", ...]` as a dict; an entry without `=` is an error naming `flag`."""
-    env = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"{flag}: expected NAME=VALUE, got {pair!r}")
-        env[name] = value
-    return env
 
 
 def order(round_index: int) -> tuple[int, int]:
@@ -132,8 +122,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sides = (Side("A", args.a_tree.resolve(), parse_env(args.a_env, "--a-env")),
-             Side("B", args.b_tree.resolve(), parse_env(args.b_env, "--b-env")))
+    sides = (Side("A", args.a_tree.resolve(), fairserve_settings(args.a_env, "--a-env")),
+             Side("B", args.b_tree.resolve(), fairserve_settings(args.b_env, "--b-env")))
     if args.quick:
         args.concurrency, args.max_tokens = min(args.concurrency, 2), min(args.max_tokens, 6)
         args.rounds = min(args.rounds, 2)

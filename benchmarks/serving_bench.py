@@ -123,13 +123,14 @@ def one_run(server: str, model_dir: Path, args: argparse.Namespace, round_index:
     return Run(server, summary)
 
 
-def fairserve_settings(pairs: list[str]) -> dict[str, str]:
-    """--env NAME=VALUE options -> settings for the fairserve stack."""
+def fairserve_settings(pairs: list[str], flag: str = "--env") -> dict[str, str]:
+    """`flag`'s NAME=VALUE options -> settings for the fairserve stack; a malformed one is an
+    error naming `flag`."""
     settings = {}
     for pair in pairs:
         name, sep, value = pair.partition("=")
         if not sep or not name:
-            raise SystemExit(f"--env expects NAME=VALUE, got {pair!r}")
+            raise SystemExit(f"{flag} expects NAME=VALUE, got {pair!r}")
         settings[name] = value
     return settings
 

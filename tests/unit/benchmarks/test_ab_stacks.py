@@ -1,7 +1,7 @@
 """The A/B benchmark's arithmetic (benchmarks/ab_stacks.py): settings parsed from NAME=VALUE
-with an error naming the flag, the order flipping every round, B / A paired by round, and the
-summary's medians, peaks and count of rounds each way. The stacks themselves run in
-tests/integration/test_bench_ab.py."""
+with an error naming the flag (serving_bench's parser), the order flipping every round, B / A
+paired by round, and the summary's medians, peaks and count of rounds each way. The stacks
+themselves run in tests/integration/test_bench_ab.py."""
 
 from __future__ import annotations
 
@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.ab_stacks import Round, Side, order, paired_ratios, parse_env, summary
+from benchmarks.ab_stacks import Round, Side, order, paired_ratios, summary
+from benchmarks.serving_bench import fairserve_settings
 
 
 def test_settings_parse_and_a_malformed_one_names_its_flag() -> None:
-    assert parse_env(["A=1", "B=x=y", "C="], "--b-env") == {"A": "1", "B": "x=y", "C": ""}
-    with pytest.raises(SystemExit, match="--a-env: expected NAME=VALUE, got 'NOEQUALS'"):
-        parse_env(["NOEQUALS"], "--a-env")
+    assert fairserve_settings(["A=1", "B=x=y", "C="], "--b-env") == {"A": "1", "B": "x=y", "C": ""}
+    with pytest.raises(SystemExit, match="--a-env expects NAME=VALUE, got 'NOEQUALS'"):
+        fairserve_settings(["NOEQUALS"], "--a-env")
     with pytest.raises(SystemExit, match="--b-env"):
-        parse_env(["=1"], "--b-env")
+        fairserve_settings(["=1"], "--b-env")
 
 
 def test_the_order_flips_every_round() -> None:
