@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -531,14 +532,22 @@ HELD_BODY = {"prompt": "Hello", "max_tokens": 200, "temperature": 0}
 @contextlib.contextmanager
 def kv_blocker(stack: Stack) -> Iterator[LongStream]:
     """A running request that reserves nearly all of MAX_ACTIVE_KV_TOKENS
-    (1000), so HELD_BODY is held in the queue until QUEUE_TIMEOUT_S."""
+    (1000), so HELD_BODY is held in the queue until QUEUE_TIMEOUT_S.
+
+    The worker is paused (SIGSTOP) while the checks run: the tiny model's 990
+    tokens take about a second on a fast CPU, less than the checks; paused, the
+    blocker's step stays in flight and its reservation held, and the scheduler
+    waits for it (WORKER_HEARTBEAT_TIMEOUT_S and STEP_TIMEOUT_S are 10 and 60 s)."""
     assert wait_until(lambda: idle(stack), 5), scheduler_stats(stack)
     blocker = LongStream(stack.url, max_tokens=990)
+    worker = stack.processes["worker-0"].pid
     try:
         assert len(blocker.read_events(2)) == 2
+        os.kill(worker, signal.SIGSTOP)
         yield blocker
         assert scheduler_stats(stack)["active"] == 1, "the blocker ended too early"
     finally:
+        os.kill(worker, signal.SIGCONT)
         blocker.close()
 
 
