@@ -37,6 +37,7 @@ from benchmarks.head_to_head.workload import unique_requests
 from benchmarks.serving_bench import fairserve_settings
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from fairserve.launcher.stack import ROOT, Stack, StackPorts
+from loadsim.stats import summarize
 
 QUICK_ENV = {"DECODE_STEP_MS": "0"}     # the tiny model's runs take a millisecond or two (tests' TINY_ENV)
 
@@ -99,10 +100,9 @@ async def one_round(stack: Stack, concurrency: int, requests: int, max_tokens: i
         peaks = resident.finish().peak_mb
     finally:
         await driver.close()
-    tokens = sum(r.completion_tokens for r in run.records)
-    tpots = [(r.latency_s - r.ttft_s) / (r.completion_tokens - 1) * 1000 for r in run.records
-             if r.ttft_s is not None and r.completion_tokens > 1]
-    return Round(tokens / run.duration_s if run.duration_s > 0 else 0.0, statistics.median(tpots) if tpots else 0.0,
+    summary = summarize(run.records, run.duration_s)      # as the head-to-head reports a point
+    tpot_s = summary.tpot_s.p50
+    return Round(summary.output_tokens_per_s, tpot_s * 1000 if tpot_s is not None else 0.0,
                  peaks.get("worker-0", 0.0), peaks.get("gateway", 0.0))
 
 
