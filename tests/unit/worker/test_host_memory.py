@@ -1,8 +1,10 @@
-"""The allocator tuning applies once on glibc and is a no-op elsewhere; the GEMM caches are capped."""
+"""The allocator tuning applies once on glibc and is a no-op elsewhere; the C library is looked
+up once; the GEMM caches are capped."""
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterator
 
 import pytest
 
@@ -25,13 +27,32 @@ def test_glibc_accepts_the_settings() -> None:
     assert host_memory._tune_glibc()
 
 
-def test_without_glibc_nothing_changes(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def fresh_glibc_lookup() -> Iterator[None]:
+    """`_glibc` looked up again in the test and after it (it is cached per process)."""
+    host_memory._glibc.cache_clear()
+    yield
+    host_memory._glibc.cache_clear()
+
+
+def test_without_glibc_nothing_changes(monkeypatch: pytest.MonkeyPatch, fresh_glibc_lookup: None) -> None:
     def no_libc(name: str) -> object:
         raise OSError("no such library")
 
     monkeypatch.setattr(host_memory.ctypes, "CDLL", no_libc)
     assert host_memory._tune_glibc() is False
     assert host_memory.release_freed_host_memory() is False
+
+
+def test_the_c_library_is_looked_up_once(monkeypatch: pytest.MonkeyPatch, fresh_glibc_lookup: None) -> None:
+    """`find_library` starts `ldconfig` in a child process: not at every release."""
+    lookups: list[str] = []
+    find = host_memory.ctypes.util.find_library
+    monkeypatch.setattr(host_memory.ctypes.util, "find_library", lambda name: lookups.append(name) or find(name))
+    for _ in range(3):
+        host_memory.release_freed_host_memory()
+    host_memory.glibc_madvise()
+    assert lookups == ["c"]
 
 
 def test_freed_memory_goes_back() -> None:
