@@ -290,6 +290,22 @@ class Engine:
         self.accelerators.release_library_pages()
         self.wide_release.released_elsewhere()
 
+    @property
+    def holds_wide_step_memory(self) -> bool:
+        """Whether a wide step ran since the last release (what `release_wide_step_memory` gives back)."""
+        return self.wide_release.pending > 0
+
+    def release_wide_step_memory(self) -> bool:
+        """Hands back what the wide steps since the last release freed, if any ran (CPU): for a
+        worker's quiet moment right after a step, when no other step waits (server.py), so that
+        the release overlaps the reply's way back rather than delay a later step
+        (step/wide_release.py). False when there was nothing to hand back."""
+        if not self.holds_wide_step_memory:
+            return False
+        self.accelerators.release_freed_host_memory()
+        self.wide_release.released_elsewhere()
+        return True
+
     def wait_for_screen(self, timeout: float | None = None) -> bool:
         """Blocks until the screen is built or known not to be (benchmarks, tests)."""
         return self.prepared.screen.wait(timeout)

@@ -2,7 +2,9 @@
 loaded and prepared; the heap's freed pages once after a burst of steps of HOST_MEMORY_RELEASE_ROWS
 rows or more, at the first narrower step after it (never after narrow steps alone, never with the
 setting at 0); at its quiet points (`release_host_memory`) the freed pages and the libraries'
-clean pages. The burst rule's own arithmetic: test_wide_release.py."""
+clean pages; between steps (`release_wide_step_memory`, a worker's moment with no step waiting) the
+wide steps' freed pages when a wide step ran since the last release, and then not again. The
+burst rule's own arithmetic: test_wide_release.py."""
 
 from __future__ import annotations
 
@@ -70,6 +72,27 @@ def test_a_quiet_point_takes_the_bursts_release() -> None:
     _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(20))], work=[WorkItem("a", 20)]))
     engine.release_host_memory()               # the idle worker's release
     assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1)])) == []
+
+
+@pytest.mark.parametrize("prompt_len,released", [(20, ["heap"]), (15, [])])
+def test_between_steps_a_wide_steps_memory_goes_back_once(prompt_len: int, released: list[str]) -> None:
+    calls: list[str] = []
+    engine = _engine(16, calls)
+    _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(prompt_len))],
+                                   work=[WorkItem("a", prompt_len)]))
+    assert engine.holds_wide_step_memory is bool(released)
+    calls.clear()
+    assert engine.release_wide_step_memory() is bool(released)
+    assert calls == released and not engine.holds_wide_step_memory
+    assert engine.release_wide_step_memory() is False and calls == released     # once
+    assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1)])) == []       # the burst's release was taken
+
+
+def test_with_the_setting_at_0_nothing_is_held_between_steps() -> None:
+    calls: list[str] = []
+    engine = _engine(0, calls)
+    _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(40))], work=[WorkItem("a", 40)]))
+    assert not engine.holds_wide_step_memory and engine.release_wide_step_memory() is False
 
 
 def test_the_allocator_is_tuned_after_preparation_and_quiet_points_release_both() -> None:
