@@ -1,8 +1,8 @@
-"""The worker's server hands a wide step's freed memory back right after a step when no other
-step has been received (`WorkerService._release_if_quiet`): on the engine's thread, once, while
-the reply goes back; not while another step waits (that one runs first, and the engine's own
-rule releases at the end of the burst); not when no wide step ran; a release that fails is
-logged and serving goes on."""
+"""The worker's server hands a wide step's freed memory back right after a step that leaves no
+sequence running when no other step has been received (`WorkerService._release_if_quiet`): on
+the engine's thread, once, while the reply goes back; not while a sequence still runs (the
+engine's own rule keeps a burst's memory until its end); not while another step waits; not when
+no wide step ran; a release that fails is logged and serving goes on."""
 
 from __future__ import annotations
 
@@ -61,6 +61,10 @@ def _service(engine: HoldingEngine) -> tuple[WorkerService, EngineThread]:
     return WorkerService(thread, "w", metrics), thread
 
 
+def _free(step_id: int, name: str, after: int) -> object:
+    return step_batch_to_proto(StepBatch(step_id=step_id, after_step_id=after, free_seq_ids=(name,)))
+
+
 def _prefill(step_id: int, name: str, after: int = 0) -> object:
     return step_batch_to_proto(StepBatch(step_id=step_id, after_step_id=after,
                                          new_sequences=(NewSequence(name, PROMPT),),
@@ -71,16 +75,19 @@ async def _settled(service: WorkerService) -> None:
     await asyncio.gather(*service._releases)
 
 
-async def test_a_step_alone_releases_once_on_the_engine_thread() -> None:
+async def test_the_step_that_leaves_nothing_running_releases_once_on_the_engine_thread() -> None:
     engine = HoldingEngine()
     service, thread = _service(engine)
     try:
         await service._step(_prefill(1, "a"), None)
         await _settled(service)
-        assert len(engine.releases) == 1 and engine.releases[0].startswith("engine")
+        assert engine.releases == []              # "a" still runs: the burst may go on
         engine.wide = False
-        decode = StepBatch(step_id=2, after_step_id=1, work=(WorkItem("a", 1),))
-        await service._step(step_batch_to_proto(decode), None)
+        await service._step(_free(2, "a", after=1), None)
+        await _settled(service)
+        assert len(engine.releases) == 1 and engine.releases[0].startswith("engine")
+        await service._step(_prefill(3, "b", after=2), None)
+        await service._step(_free(4, "b", after=3), None)
         await _settled(service)
         assert len(engine.releases) == 1          # no wide step since: nothing to hand back
     finally:
@@ -88,17 +95,19 @@ async def test_a_step_alone_releases_once_on_the_engine_thread() -> None:
 
 
 async def test_no_release_while_another_step_waits() -> None:
-    engine = HoldingEngine(gate_at=1)
+    engine = HoldingEngine(gate_at=2)
     service, thread = _service(engine)
     try:
-        first = asyncio.ensure_future(service._step(_prefill(1, "a"), None))
+        await service._step(_prefill(1, "a"), None)
+        first = asyncio.ensure_future(service._step(_free(2, "a", after=1), None))
         await asyncio.get_running_loop().run_in_executor(None, engine.reached.wait, 10)
-        second = asyncio.ensure_future(service._step(_prefill(2, "b", after=1), None))
+        second = asyncio.ensure_future(service._step(_prefill(3, "b", after=2), None))
         await asyncio.sleep(0.05)                 # received, waiting for its turn
         engine.gate.set()
         await first
         assert service._releases == set()         # the step behind it goes first
         await second
+        await service._step(_free(4, "b", after=3), None)
         await _settled(service)
         assert len(engine.releases) == 1          # after the last one, once
     finally:
@@ -111,10 +120,10 @@ async def test_a_failed_release_is_logged_and_steps_go_on(caplog: pytest.LogCapt
     try:
         with caplog.at_level(logging.WARNING, logger="services.worker.server"):
             await service._step(_prefill(1, "a"), None)
+            await service._step(_free(2, "a", after=1), None)
             await asyncio.sleep(0.05)
-            await service._step(_prefill(2, "b", after=1), None)
-            await asyncio.sleep(0.05)
+            await service._step(_prefill(3, "b", after=2), None)
         assert "memory release after a step failed" in caplog.text
-        assert engine.runs == 2
+        assert engine.runs == 3
     finally:
         thread.shutdown()

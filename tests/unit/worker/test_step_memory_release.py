@@ -3,8 +3,9 @@ loaded and prepared; the heap's freed pages once after a burst of steps of HOST_
 rows or more, at the first narrower step after it (never after narrow steps alone, never with the
 setting at 0); at its quiet points (`release_host_memory`) the freed pages and the libraries'
 clean pages; between steps (`release_wide_step_memory`, a worker's moment with no step waiting) the
-wide steps' freed pages when a wide step ran since the last release, and then not again. The
-burst rule's own arithmetic: test_wide_release.py."""
+wide steps' freed pages when a wide step ran since the last release, and then not again; a step
+that only frees sequences leaves the release to that. The burst rule's own arithmetic:
+test_wide_release.py."""
 
 from __future__ import annotations
 
@@ -86,6 +87,16 @@ def test_between_steps_a_wide_steps_memory_goes_back_once(prompt_len: int, relea
     assert calls == released and not engine.holds_wide_step_memory
     assert engine.release_wide_step_memory() is False and calls == released     # once
     assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1)])) == []       # the burst's release was taken
+
+
+def test_a_step_that_only_frees_leaves_the_release_to_the_worker() -> None:
+    calls: list[str] = []
+    engine = _engine(16, calls)
+    _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(20))], work=[WorkItem("a", 20)]))
+    assert _step(engine, calls, StepBatch(free_seq_ids=["a"], work=[])) == []
+    assert engine.holds_wide_step_memory and engine.running_sequences() == 0
+    calls.clear()
+    assert engine.release_wide_step_memory() and calls == ["heap"]
 
 
 def test_with_the_setting_at_0_nothing_is_held_between_steps() -> None:

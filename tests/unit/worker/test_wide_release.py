@@ -1,6 +1,7 @@
 """The burst rule of step/wide_release.py on its own: a burst of wide steps releases once, at
 the first narrow step after it, and within it every `max_burst` wide steps; narrow steps alone,
-the setting at 0 and a quiet point's own release leave nothing pending."""
+the setting at 0 and a quiet point's own release leave nothing pending; a step of no rows (frees
+alone) neither ends a burst nor counts."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from services.worker.engine.step.wide_release import WideRelease
     (256, [255, 256, 255], [False, False, True]),      # the setting's rows count as wide
     (256, [2048, 30, 2048, 30], [False, True, False, True]),
     (0, [2048, 30, 2048, 30], [False, False, False, False]),
+    (256, [2048, 0, 0, 30], [False, False, False, True]),   # frees alone: still pending
 ])
 def test_one_release_per_burst_of_wide_steps(rows: int, steps: list[int], expected: list[bool]) -> None:
     release = WideRelease(rows)

@@ -15,10 +15,10 @@ heap: so a burst also hands back after every `max_burst` wide steps in a row.
     step:     wide  wide  wide  decode  decode  wide  decode
     release:                      ^                     ^
 
-A worker with no other step received hands it back sooner, right after a step, on the engine's
-thread while the reply goes back (`Engine.release_wide_step_memory`, services/worker/server.py):
-a release after a 1.5k-token prefill takes ~10 ms, and at the next step's start it delayed a
-cached prompt's first token by about that much.
+A worker left with no running sequence and no other step received hands it back right after its
+step, on the engine's thread while the reply goes back (`Engine.release_wide_step_memory`,
+services/worker/server.py), instead of at the next step's start: a release after a 1.5k-token
+prefill takes ~10 ms, and a cached prompt sent right after a cold one waited for it.
 """
 
 from __future__ import annotations
@@ -31,14 +31,15 @@ class WideRelease:
     """`after_step(rows)` says whether the freed memory goes back after a step of `rows` rows.
 
     Invariant: no release while no wide step ran since the last one; one at the end of a
-    burst, and within it one per `max_burst` wide steps. `rows` 0 never releases (the
-    setting's "keep them")."""
+    burst (the first step with rows that is not wide), and within it one per `max_burst` wide
+    steps. `rows` 0 never releases (the setting's "keep them"); nor does a step of no rows (it
+    only freed sequences: a worker left with none releases after its reply instead)."""
     rows: int
     max_burst: int = 8
     pending: int = 0            # wide steps since the last release
 
     def after_step(self, rows: int) -> bool:
-        if self.rows <= 0:
+        if self.rows <= 0 or rows <= 0:     # a step that computed nothing (frees alone) ends no burst
             return False
         if rows >= self.rows:
             self.pending += 1
