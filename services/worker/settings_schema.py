@@ -273,9 +273,10 @@ class WorkerSchema(
     host_memory_release_rows: int = Field(256, ge=0,
         description=(
             'on CPU, steps of at least this many rows (prefill chunks) count as wide, and what a burst '
-            'of them freed goes back right after a step when no other step waits (while its reply goes '
-            'back), else at the first narrower step after the burst (or every 8th in a row): the next '
-            "burst faults its buffers in again, and the worker stays near its live size instead "
+            'of them freed goes back at the first narrower step after it (or every 8th in a row), or '
+            'sooner, right after the step that leaves no sequence running when no other step waits '
+            '(while its reply goes back): the next burst faults its buffers in again, and the worker '
+            "stays near its live size instead "
             "of keeping every wide step's pages (~25-30 MB more at a 64-block pool under eight W1 "
             "streams, ~600 MB at c32 with the default pool). 0 keeps them"
         ))

@@ -19,7 +19,8 @@ resident too. So:
   placed a wide step's buffers in ever other parts of it: an 822-row prefill step touched 60-80
   MB more than the process held before it, ~40 MB with the heap compact;
 - `release_freed_host_memory` hands the free pages back once after preparation, and again after
-  each wide step (a prefill chunk of HOST_MEMORY_RELEASE_ROWS rows or more, engine.py): keeping
+  wide steps (prefill chunks of HOST_MEMORY_RELEASE_ROWS rows or more: at the end of a burst of
+  them, or once the worker has nothing running; step/wide_release.py): keeping
   those kept a served 64-block worker ~25-30 MB higher under eight W1 streams; faulting them in
   again cost ~2-3 % of c32 throughput (docs/benchmarks.md). Decode steps keep theirs.
 
