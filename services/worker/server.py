@@ -176,8 +176,9 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         (Engine.release_wide_step_memory), rather than at the start of the next step: a
         release takes ~10 ms after a 1.5k-token prefill. While sequences run, the engine's own
         rule keeps a burst's memory until its end (step/wide_release.py): released after any
-        wide step a next step did not wait for, a c32 run's wide steps faulted their buffers in
-        again each time (TPOT p50 +10 ms). A step that arrives meanwhile waits as it would have."""
+        wide step no next step waited for, a c32 run's wide steps faulted their buffers in again
+        (in a trial its TPOT p50 rose in each round paired). A step that arrives meanwhile waits
+        for the release, as it waited for one at its own start before."""
         if running or self._steps_received or not getattr(self._engine, "holds_wide_step_memory", False):
             return     # (read off the engine's thread: no step runs now)
         task = asyncio.create_task(self._thread.run(self._engine.release_wide_step_memory))

@@ -297,9 +297,9 @@ class Engine:
 
     def release_wide_step_memory(self) -> bool:
         """Hands back what the wide steps since the last release freed, if any ran (CPU): for a
-        worker's quiet moment right after a step, when no other step waits (server.py), so that
-        the release overlaps the reply's way back rather than delay a later step
-        (step/wide_release.py). False when there was nothing to hand back."""
+        worker's quiet moment right after a step, with nothing running and no other step waiting
+        (server.py), so that the release overlaps the reply's way back rather than delay a later
+        step (step/wide_release.py). False when there was nothing to hand back."""
         if not self.holds_wide_step_memory:
             return False
         self.accelerators.release_freed_host_memory()
