@@ -14,7 +14,7 @@ from common.transport.grpc_server import internal_channel, request_metadata
 from common.transport.internal_auth import InternalAuth
 from services.kvcache import convert
 from services.kvcache.kv_types import (
-    IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
+    IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult, RecordedLookup,
 )
 
 
@@ -60,6 +60,13 @@ class KvIndexClient:
             request_ids=request_ids)
         reply = await self._stub.LookupMany(request, timeout=self._timeout_s)
         return [None if result.error else convert.lookup_result_from_proto(result) for result in reply.results]
+
+    async def record_lookups(self, lookups: Sequence[RecordedLookup]) -> None:
+        """Lookups that were not asked, counted after the fact (RecordLookups; at most the
+        index's MAX_LOOKUPS_PER_CALL a call)."""
+        request = kvindex_pb2.RecordLookupsRequest(lookups=[convert.recorded_lookup_to_proto(lookup)
+                                                            for lookup in lookups])
+        await self._stub.RecordLookups(request, timeout=self._timeout_s)
 
     async def lookup(self, query: LookupQuery, request_id: str | None = None) -> LookupResult:
         request = kvindex_pb2.LookupRequest(block_hashes=query.block_hashes,

@@ -7,7 +7,7 @@ from fairserve.v1 import kvindex_pb2
 
 from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, EventBody, IndexStats, KvEvent, LookupQuery,
-    LookupResult, PublishBatch, PublishResult, WorkerMatch,
+    LookupResult, PublishBatch, PublishResult, RecordedLookup, WorkerMatch,
 )
 
 
@@ -91,6 +91,15 @@ def lookup_result_from_proto(message: kvindex_pb2.LookupResponse) -> LookupResul
               for m in message.matches),
         message.block_size,
     )
+
+
+def recorded_lookup_from_proto(message: kvindex_pb2.RecordedLookup) -> RecordedLookup:
+    return RecordedLookup(message.prompt_tokens, message.cached_tokens, message.request_id)
+
+
+def recorded_lookup_to_proto(lookup: RecordedLookup) -> kvindex_pb2.RecordedLookup:
+    return kvindex_pb2.RecordedLookup(prompt_tokens=lookup.prompt_tokens, cached_tokens=lookup.cached_tokens,
+                                      request_id=lookup.request_id)
 
 
 def stats_to_proto(stats: IndexStats) -> kvindex_pb2.KvIndexStats:

@@ -89,6 +89,21 @@ class LookupResult:
 
 
 @dataclass(frozen=True)
+class RecordedLookup:
+    """A lookup nobody needed to ask (one worker: nothing to route), recorded after the fact:
+    the request's prompt and what its worker took from the prefix cache."""
+    prompt_tokens: int
+    cached_tokens: int
+    request_id: str = ""
+
+    def check(self) -> None:
+        """ValueError unless 0 <= cached_tokens <= prompt_tokens."""
+        if not 0 <= self.cached_tokens <= self.prompt_tokens:
+            raise ValueError(f"a recorded lookup needs 0 <= cached_tokens <= prompt_tokens, got "
+                             f"{self.cached_tokens} of {self.prompt_tokens}")
+
+
+@dataclass(frozen=True)
 class IndexStats:
     lookups: int = 0
     hits: int = 0

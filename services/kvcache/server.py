@@ -66,6 +66,24 @@ class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
             "matches": {match.worker_id: match.matched_tokens for match in result.matches}})
         return convert.lookup_result_to_proto(result)
 
+    async def RecordLookups(self, request: kvindex_pb2.RecordLookupsRequest,
+                            context: grpc.aio.ServicerContext) -> kvindex_pb2.RecordLookupsResponse:
+        """Counts lookups a scheduler did not need to ask (KvIndexService.record_lookups); each
+        logs as a lookup under its request's id."""
+        request_id_from(context)
+        if len(request.lookups) > MAX_LOOKUPS_PER_CALL:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"at most {MAX_LOOKUPS_PER_CALL} lookups a call, got {len(request.lookups)}")
+        lookups = [convert.recorded_lookup_from_proto(lookup) for lookup in request.lookups]
+        async with _mapped_errors(context):
+            await self._service.record_lookups(lookups)
+        for lookup in lookups:
+            if lookup.request_id:
+                request_id_var.set(lookup.request_id)
+            log.info("lookup", extra={"tokens": lookup.prompt_tokens, "cached_tokens": lookup.cached_tokens,
+                                      "recorded": True})
+        return kvindex_pb2.RecordLookupsResponse()
+
     async def Publish(self, request: kvindex_pb2.PublishRequest,
                       context: grpc.aio.ServicerContext) -> kvindex_pb2.PublishResponse:
         request_id_from(context)

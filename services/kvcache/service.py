@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from common.block_hash import prompt_hashes, salted_key
 from services.kvcache.stores.backend import IndexBackend
 from services.kvcache.kv_types import (
-    IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult,
+    IndexStats, LookupQuery, LookupResult, PublishBatch, PublishResult, RecordedLookup,
 )
 from services.kvcache.metrics import KvCacheMetrics
 from services.kvcache.rules import validate_chain, validate_event
@@ -43,6 +43,15 @@ class KvIndexService:
         best = matches[0].matched_tokens if matches else 0
         self.metrics.observe_lookup(query.num_tokens(self.block_size), best)
         return LookupResult(tuple(matches), self.block_size)
+
+    async def record_lookups(self, lookups: Sequence[RecordedLookup]) -> None:
+        """Counts lookups that were not asked (one worker) as a lookup of the prompt that
+        matched what its worker reused; ValueError (nothing counted) for an impossible one."""
+        for lookup in lookups:
+            lookup.check()
+        await self.backend.record_lookups(lookups)
+        for lookup in lookups:
+            self.metrics.observe_lookup(lookup.prompt_tokens, lookup.cached_tokens)
 
     async def publish(self, batch: PublishBatch) -> PublishResult:
         if not batch.worker_id:

@@ -19,6 +19,8 @@ import grpc
 
 from common.transport.internal_auth import InternalAuth
 from services.kvcache.client import KvIndexClient
+from services.kvcache.kv_types import RecordedLookup
+from services.scheduler.lookup_records import Record
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,7 @@ class KvIndexRouter:
         self._on_availability = on_availability
         self.available = True
         self._many = True                    # False once the index answers LookupMany UNIMPLEMENTED
+        self._records = True                 # False once it answers RecordLookups UNIMPLEMENTED
         self._asked: list[_Asked] = []       # waiting for the next LookupMany call
         self._sender: asyncio.Task[None] | None = None
 
@@ -138,6 +141,25 @@ class KvIndexRouter:
             return {}
         self._answered()
         return _by_worker(result)
+
+    async def record_lookups(self, records: list[Record]) -> None:
+        """Lookups not asked (one worker), counted by the index after the fact
+        (lookup_records.py). Skipped while lookups are paused, and for good by an index that
+        predates RecordLookups; a failure pauses the index as a lookup's would, and is raised."""
+        if self._clock() < self._skip_until or not self._records:
+            return
+        try:
+            await self._lookup_client().record_lookups(
+                [RecordedLookup(record.prompt_tokens, record.cached_tokens, record.request_id) for record in records])
+        except grpc.aio.AioRpcError as error:
+            if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+                log.info("the kv index predates RecordLookups: lookups not asked go unrecorded",
+                         extra={"kvcache_addr": self._address})
+                self._records = False
+                return
+            self._on_failure(error.code())
+            raise
+        self._answered()
 
     def _answered(self) -> None:
         self._missed_deadlines = 0

@@ -27,6 +27,7 @@ from services.scheduler.core.scheduler import SchedulerCore
 from services.scheduler.detached import DetachedLog
 from services.scheduler.workers.epochs import EpochClock
 from services.scheduler.kv_router import KvIndexRouter
+from services.scheduler.lookup_records import LookupRecords
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request_traces import RequestTraces
 from services.scheduler.workers.registration import (
@@ -63,10 +64,14 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         self._reaper: asyncio.Task[None] | None = None
         self._background_tasks: set[asyncio.Task[object]] = set()
         self._detached = DetachedLog(settings.detached_ttl_s, clock)
-        self._many = GenerateMany(self._admit, self._end_stream, self._log_finish)
+        self._many = GenerateMany(self._admit, self._end_stream, self._finished)
+        # Requests admitted without asking the index (one worker) -> the id its log line takes.
+        self._unasked: dict[str, str] = {}
+        self._records = LookupRecords(self._kv.record_lookups)
 
     async def start(self) -> None:
         self._reaper = asyncio.create_task(self._reap())
+        self._background(self._records.run())
         if self._settings.peers:
             self._background(exchange_with_peers(
                 self._settings.peers, self._settings.peer_exchange_s, self._settings.internal,
@@ -79,6 +84,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             task.cancel()
         for worker_id in list(self._links):
             await self._unlink(worker_id)
+        await self._records.flush()
         await self._kv.close()
 
     # ---- Scheduler RPCs ----
@@ -105,7 +111,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
                     # (the generator then never resumes) did not cancel a finished request.
                     ended = True
                     reason = update.finish.reason.value
-                    self._log_finish(request_id, update)
+                    self._finished(request_id, update)
                 yield convert.generate_event_to_proto(update, request.packed_tokens)
                 if finished:
                     return
@@ -123,20 +129,18 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         cached); once admitted, its updates go to `sink` and its worker is woken."""
         spec = convert.request_spec_from_proto(request)
         hints: dict[str, int] = {}
-        # Asked even with one worker: the lookups feed the index's hit rate,
-        # and they carry the request id into the kvcache service's logs. With
-        # one worker there is nothing to route, so the request does not wait.
+        # With one worker there is nothing to route: the index is not asked, and the lookup is
+        # recorded when the request ends, from what its worker reused (lookup_records.py).
         # A gateway over shards asked already, to pick this shard: its answer is used.
         workers = self._core.worker_ids()
         if request.index_asked:
             hints = dict(request.cached_prefix_tokens)
-        elif workers:
-            lookup = self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id, spec.cache_salt)
-            if len(workers) > 1:
-                hints = await lookup
-            else:
-                self._background(lookup)
+        elif len(workers) > 1:
+            hints = await self._kv.cached_prefix_tokens(spec.prompt_token_ids, trace_id or spec.request_id,
+                                                        spec.cache_salt)
         result = self._core.submit(spec, hints)
+        if len(workers) == 1 and not request.index_asked and result.rejection is None:
+            self._unasked[result.request_id] = trace_id or spec.request_id
         if request.detached and result.rejection is None:
             self._detached.open(result.request_id, request, spec.client_id, request.authenticated)
         if result.rejection is not None:
@@ -156,6 +160,7 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
         """A request's events stop going to its caller: it ended, or its caller left
         (then it is cancelled, unless detached)."""
         self._streams.pop(request_id, None)
+        self._unasked.pop(request_id, None)
         self._traces.finished(request_id, reason)
         if not ended and detached:
             log.info("the caller of a detached request left; it goes on",
@@ -310,6 +315,15 @@ class SchedulerService(scheduler_pb2_grpc.SchedulerServicer):
             self._metrics.publish(self._core.stats())
 
     # ---- helpers ----
+
+    def _finished(self, request_id: str, update: RequestUpdate) -> None:
+        """A request's finish reached its caller: logged, and its lookup recorded when the
+        index was not asked (one worker)."""
+        self._log_finish(request_id, update)
+        unasked = self._unasked.pop(request_id, None)
+        if unasked is not None and update.finish is not None:
+            usage = update.finish.usage
+            self._records.add(usage.prompt_tokens, usage.cached_tokens, unasked)
 
     @staticmethod
     def _log_finish(request_id: str, update: RequestUpdate) -> None:

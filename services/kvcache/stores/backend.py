@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Protocol
 
 from services.kvcache.kv_types import (
-    IndexStats, LookupQuery, PublishBatch, PublishResult, WorkerMatch,
+    IndexStats, LookupQuery, PublishBatch, PublishResult, RecordedLookup, WorkerMatch,
 )
 from services.kvcache.radix_index import InconsistentEvent, RadixIndex
 from services.kvcache.rules import combine_matches, plan_events
@@ -21,6 +22,8 @@ class IndexBackend(Protocol):
     async def publish(self, batch: PublishBatch) -> PublishResult: ...
 
     async def lookup(self, query: LookupQuery) -> list[WorkerMatch]: ...
+
+    async def record_lookups(self, lookups: Sequence[RecordedLookup]) -> None: ...
 
     async def stats(self) -> IndexStats: ...
 
@@ -70,12 +73,19 @@ class MemoryBackend:
         prefix = self.index.match_prefix(query.block_hashes)
         holders = self.index.partial_holders(query.partial_hash) if query.partial_hash else ()
         matches = combine_matches(prefix, holders, query, self.block_size)
-        self._lookups += 1
-        self._lookup_tokens += query.num_tokens(self.block_size)
-        if matches and matches[0].matched_tokens > 0:
-            self._hits += 1
-            self._hit_tokens += matches[0].matched_tokens
+        self._count(query.num_tokens(self.block_size), matches[0].matched_tokens if matches else 0)
         return matches
+
+    async def record_lookups(self, lookups: Sequence[RecordedLookup]) -> None:
+        for lookup in lookups:
+            self._count(lookup.prompt_tokens, lookup.cached_tokens)
+
+    def _count(self, tokens: int, matched: int) -> None:
+        self._lookups += 1
+        self._lookup_tokens += tokens
+        if matched > 0:
+            self._hits += 1
+            self._hit_tokens += matched
 
     async def stats(self) -> IndexStats:
         blocks = {worker: 0 for worker in self._last_seq}

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Sequence
 
 import redis.asyncio as redis
 
 from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, IndexStats, LookupQuery, PublishBatch, PublishResult,
-    WorkerMatch,
+    RecordedLookup, WorkerMatch,
 )
 from services.kvcache.stores.redis_guard import RedisGuard, redis_client
 from services.kvcache.rules import order_chains, sort_matches
@@ -269,6 +270,21 @@ class RedisBackend:
             tokens = blocks * self.block_size + (query.partial_tokens if with_partial else 0)
             matches.append(WorkerMatch(worker, blocks, tokens, exact))
         return sort_matches(matches)
+
+    async def record_lookups(self, lookups: Sequence[RecordedLookup]) -> None:
+        """The lookups' counts added to the shared stats, as `lookup` adds its own."""
+        if not lookups:
+            return
+        hits = [lookup for lookup in lookups if lookup.cached_tokens > 0]
+        counts = {"lookups": len(lookups), "lookup_tokens": sum(lookup.prompt_tokens for lookup in lookups),
+                  "hits": len(hits), "hit_tokens": sum(lookup.cached_tokens for lookup in hits)}
+
+        async def add() -> None:
+            async with self._client.pipeline(transaction=True) as pipe:
+                for name, count in counts.items():
+                    pipe.hincrby(self._prefix + "stats", name, count)
+                await pipe.execute()
+        await self._guard.call(add)
 
     async def stats(self) -> IndexStats:
         counters, workers, sizes = await self._guard.call(self._read_stats)

@@ -12,7 +12,7 @@ from common.block_hash import chain_hashes
 from services.kvcache.stores.backend import IndexBackend, MemoryBackend
 from services.kvcache.kv_types import (
     AllCleared, BlockRemoved, BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult,
-    WorkerMatch,
+    RecordedLookup, WorkerMatch,
 )
 from services.kvcache.stores.redis_backend import RedisBackend
 from services.kvcache.service import KvIndexService
@@ -239,3 +239,25 @@ async def test_two_replicas_share_one_index(redis_url: str) -> None:
     finally:
         await one.close()
         await two.close()
+
+
+async def test_recorded_lookups_count_as_lookups_do(backend: IndexBackend) -> None:
+    """Lookups not asked (one worker) counted after the fact: a lookup each, a hit where the
+    worker reused something, their tokens, as a lookup's own counts."""
+    before = await backend.stats()
+    await backend.record_lookups([RecordedLookup(1496, 1486, "r1"), RecordedLookup(40, 0, "r2")])
+    await backend.record_lookups([])
+    after = await backend.stats()
+    assert (after.lookups - before.lookups, after.hits - before.hits) == (2, 1)
+    assert (after.lookup_tokens - before.lookup_tokens, after.hit_tokens - before.hit_tokens) == (1536, 1486)
+
+
+async def test_an_impossible_recorded_lookup_counts_nothing() -> None:
+    service = KvIndexService(MemoryBackend(BLOCK))
+    for bad in (RecordedLookup(10, 11), RecordedLookup(10, -1)):
+        with pytest.raises(ValueError, match="cached_tokens"):
+            await service.record_lookups([RecordedLookup(10, 5), bad])
+    assert (await service.stats()).lookups == 0
+    await service.record_lookups([RecordedLookup(10, 5)])
+    stats = await service.stats()
+    assert (stats.lookups, stats.hit_tokens) == (1, 5) and service.metrics.hit_rate() == 0.5

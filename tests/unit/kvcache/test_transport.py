@@ -4,6 +4,7 @@ and `python -m services.kvcache.main` as a process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import socket
@@ -18,11 +19,12 @@ import pytest
 from fairserve.v1 import kvindex_pb2, kvindex_pb2_grpc
 
 from common.block_hash import prompt_hashes
+from common.observability.logs import request_id_var
 from common.transport.grpc_server import GrpcServer, check_health, insecure_channel
 from services.kvcache.stores.backend import MemoryBackend
 from services.kvcache.client import KvIndexClient
 from services.kvcache.kv_types import (
-    BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult,
+    BlockStored, KvEvent, LookupQuery, PublishBatch, PublishResult, RecordedLookup,
 )
 from services.kvcache.publisher import KvEventPublisher
 from services.kvcache.server import SERVICE_NAME, build_server
@@ -133,6 +135,45 @@ async def test_lookup_many_answers_each_query_as_lookup_would(client: KvIndexCli
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.LookupMany(bad)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+class _RequestIds(logging.Handler):
+    """(message, cached tokens, the request id the log line takes) of each record, at emit time."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[tuple[str, object, str | None]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append((record.getMessage(), getattr(record, "cached_tokens", None), request_id_var.get()))
+
+
+async def test_recorded_lookups_over_grpc(client: KvIndexClient, server: GrpcServer) -> None:
+    """RecordLookups counts each as a lookup and logs it under its request's id; more than a
+    call's limit, or more cached tokens than the prompt has, is refused and counts nothing."""
+    handler, logger = _RequestIds(), logging.getLogger("services.kvcache.server")
+    logger.addHandler(handler)
+    # (Another test's logging set-up may have turned existing loggers off.)
+    level, disabled, logger.disabled = logger.level, logger.disabled, False
+    logger.setLevel(logging.INFO)
+    try:
+        await client.record_lookups([RecordedLookup(20, 16, "req-1"), RecordedLookup(20, 0, "req-2")])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.disabled = disabled
+    stats = await client.stats()
+    assert (stats.lookups, stats.hits, stats.lookup_tokens, stats.hit_tokens) == (2, 1, 40, 16)
+    assert [line for line in handler.lines if line[0] == "lookup"] == [("lookup", 16, "req-1"), ("lookup", 0, "req-2")]
+    async with insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = kvindex_pb2_grpc.KvIndexStub(channel)
+        for bad in (kvindex_pb2.RecordLookupsRequest(lookups=[kvindex_pb2.RecordedLookup(prompt_tokens=1)] * 1025),
+                    kvindex_pb2.RecordLookupsRequest(lookups=[kvindex_pb2.RecordedLookup(prompt_tokens=4,
+                                                                                         cached_tokens=5)])):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.RecordLookups(bad)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert (await client.stats()).lookups == 2
 
 
 async def test_gap_over_grpc_answers_resync_needed(client: KvIndexClient) -> None:

@@ -1,6 +1,7 @@
 """A request's cache salt through the real gRPC scheduler: its KV-index lookup carries the
 salt, and so does the sequence sent to the worker, whose prefix cache only serves the
-same salt's requests."""
+same salt's requests. With one worker the index is not asked (nothing to route): each request's
+lookup is recorded when it ends, from what the worker reused (lookup_records.py)."""
 
 from __future__ import annotations
 
@@ -26,11 +27,17 @@ class RecordingIndex(kvindex_pb2_grpc.KvIndexServicer):
 
     def __init__(self) -> None:
         self.lookups: list[kvindex_pb2.LookupRequest] = []
+        self.recorded: list[kvindex_pb2.RecordedLookup] = []
 
     async def Lookup(self, request: kvindex_pb2.LookupRequest,
                      context: grpc.aio.ServicerContext) -> kvindex_pb2.LookupResponse:
         self.lookups.append(request)
         return kvindex_pb2.LookupResponse(block_size=4)
+
+    async def RecordLookups(self, request: kvindex_pb2.RecordLookupsRequest,
+                            context: grpc.aio.ServicerContext) -> kvindex_pb2.RecordLookupsResponse:
+        self.recorded.extend(request.lookups)
+        return kvindex_pb2.RecordLookupsResponse()
 
 
 async def _index_and_scheduler() -> tuple[RecordingIndex, GrpcServer, SchedulerServer]:
@@ -72,18 +79,19 @@ async def test_the_salt_reaches_the_index_lookup_and_the_worker(stack) -> None:
     assert await _cached_tokens(stub, "plain", "") == 0
     sent = [new.cache_salt for step in engine.steps for new in step.new_sequences]
     assert sent == ["tenant-a", "tenant-b", "tenant-a", ""]
-    for _ in range(100):        # with one worker the lookups run beside the requests
-        if len(index.lookups) == 4:
+    for _ in range(300):        # recorded together, every half second
+        if len(index.recorded) == 4:
             break
         await asyncio.sleep(0.01)
-    assert [(tuple(lookup.token_ids), lookup.cache_salt) for lookup in index.lookups] == [
-        (PROMPT, "tenant-a"), (PROMPT, "tenant-b"), (PROMPT, "tenant-a"), (PROMPT, "")]
+    assert index.lookups == []
+    assert [(r.prompt_tokens, r.cached_tokens, r.request_id) for r in index.recorded] == [
+        (len(PROMPT), 0, "a1"), (len(PROMPT), 0, "b1"), (len(PROMPT), 16, "a2"), (len(PROMPT), 0, "plain")]
 
 
 async def test_a_gateways_index_answer_routes_the_request_without_a_second_lookup() -> None:
     """A gateway over shards asked the index to pick the shard (index_asked): the scheduler
     routes by that answer among its two workers and does not ask the index again; a request
-    without it is looked up as before."""
+    without it is looked up, under its salt."""
     index, index_server, server = await _index_and_scheduler()
     workers = [FakeWorkerProcess(FakeEngine(), worker_id, f"127.0.0.1:{server.port}") for worker_id in ("w0", "w1")]
     channel = insecure_channel(f"127.0.0.1:{server.port}")
@@ -98,9 +106,11 @@ async def test_a_gateways_index_answer_routes_the_request_without_a_second_looku
             (engine,) = [worker.engine for worker in workers if worker.worker_id == name]
             assert any(new.seq_id.startswith(f"to-{name}") for step in engine.steps for new in step.new_sequences)
         assert index.lookups == []
-        plain = scheduler_pb2.GenerateRequest(request_id="plain", prompt_token_ids=PROMPT, max_tokens=1)
-        [event async for event in stub.Generate(plain, timeout=10)]
-        assert len(index.lookups) == 1
+        salted = scheduler_pb2.GenerateRequest(request_id="salted", prompt_token_ids=PROMPT, max_tokens=1,
+                                               cache_salt="tenant-a")
+        [event async for event in stub.Generate(salted, timeout=10)]
+        assert [(tuple(lookup.token_ids), lookup.cache_salt) for lookup in index.lookups] == [(PROMPT, "tenant-a")]
+        assert index.recorded == []      # asked: nothing to record
     finally:
         for worker in workers:
             await worker.stop()

@@ -1,16 +1,19 @@
 """The scheduler's KV-index lookups: failures route without the index, and only an
 unreachable index or repeated timeouts pause the lookups; lookups asked while a call is
 out go together in the next (LookupMany), and an index without LookupMany is asked one
-lookup a call."""
+lookup a call. Lookups not asked (one worker) are recorded: not while the index is paused,
+a failure pauses it, an index without RecordLookups is not asked again."""
 
 from __future__ import annotations
 
 import asyncio
 
 import grpc
+import pytest
 from fairserve.v1 import kvindex_pb2
 
 from services.kvcache.client import KvIndexClient
+from services.scheduler.lookup_records import Record
 from services.scheduler.kv_router import (
     KV_MISSED_DEADLINES_BEFORE_PAUSE, KV_RETRY_AFTER_S, LOOKUPS_PER_CALL, KvIndexRouter,
 )
@@ -35,6 +38,7 @@ class ScriptedIndex:
         self.many = many
         self.batches: list[int] = []     # LookupMany calls' query counts
         self.gate: asyncio.Event | None = None
+        self.recorded: list[tuple[int, int, str]] = []
 
     def _fail(self, code: grpc.StatusCode) -> None:
         raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), "scripted")
@@ -46,6 +50,15 @@ class ScriptedIndex:
             self._fail(self.failures.pop(0))
         return kvindex_pb2.LookupResponse(matches=[kvindex_pb2.WorkerMatch(
             worker_id="w0", matched_tokens=len(request.token_ids))])
+
+    async def RecordLookups(self, request: kvindex_pb2.RecordLookupsRequest,
+                            timeout: float) -> kvindex_pb2.RecordLookupsResponse:
+        self.calls += 1
+        if self.failures:
+            self._fail(self.failures.pop(0))
+        self.recorded.extend((lookup.prompt_tokens, lookup.cached_tokens, lookup.request_id)
+                             for lookup in request.lookups)
+        return kvindex_pb2.RecordLookupsResponse()
 
     async def LookupMany(self, request: kvindex_pb2.LookupManyRequest,
                          timeout: float) -> kvindex_pb2.LookupManyResponse:
@@ -177,3 +190,29 @@ def test_an_index_without_lookup_many_is_asked_a_lookup_a_call() -> None:
 
     assert asyncio.run(together()) == [{"w0": 2}, {"w0": 3}] and index.calls == 2
     assert lookup(router) == {"w0": 4} and index.calls == 3 and index.batches == []
+
+
+def test_recorded_lookups_reach_the_index_and_a_failure_pauses_it() -> None:
+    index, clock = ScriptedIndex(), FakeClock()
+    heard: list[bool] = []
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index), on_availability=heard.append)
+    asyncio.run(router.record_lookups([Record(20, 16, "r1")]))
+    assert index.recorded == [(20, 16, "r1")]
+    index.failures = [grpc.StatusCode.UNAVAILABLE]
+    with pytest.raises(grpc.aio.AioRpcError):
+        asyncio.run(router.record_lookups([Record(20, 0, "r2")]))
+    assert heard == [False]
+    asyncio.run(router.record_lookups([Record(20, 0, "r3")]))      # paused: not sent
+    assert index.calls == 2
+    clock.now += KV_RETRY_AFTER_S
+    asyncio.run(router.record_lookups([Record(20, 0, "r4")]))
+    assert index.recorded[-1] == (20, 0, "r4") and heard == [False, True]
+
+
+def test_an_index_without_record_lookups_is_not_asked_again() -> None:
+    index, clock = ScriptedIndex(), FakeClock()
+    router = KvIndexRouter("unused", clock, client=KvIndexClient(None, stub=index))
+    index.failures = [grpc.StatusCode.UNIMPLEMENTED]
+    asyncio.run(router.record_lookups([Record(20, 16, "r1")]))
+    asyncio.run(router.record_lookups([Record(20, 16, "r2")]))
+    assert index.calls == 1 and router.available
