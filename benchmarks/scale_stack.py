@@ -21,6 +21,9 @@ from pathlib import Path
 
 from benchmarks.cpu_time import process_cpu_seconds
 from benchmarks.sim_engine import StepCosts
+from services.scheduler.lookup_records import LookupRecords
+
+LOOKUP_RECORDS_S = LookupRecords.interval_s + 0.2   # a recorded lookup's longest way to the index
 
 
 def free_port() -> int:
@@ -169,6 +172,9 @@ class Stack:
         self.scheduler_cpu_by_shard = [now - before for now, before in zip(cpu, self._cpu_mark)]
         self.scheduler_cpu_in_window = sum(cpu) - self._mark[0]
         self.steps_in_window = steps - self._mark[1]
+        # With one worker a shard records its requests' lookups every half second
+        # (services/scheduler/lookup_records.py): the window's last ones reach the index after it.
+        await asyncio.sleep(LOOKUP_RECORDS_S)
         index = await self._index_counters()
         self.index_in_window = {name: value - self._index_mark.get(name, 0) for name, value in index.items()}
         self.index_in_window["blocks"] = index["blocks"]     # indexed at the window's end, not a delta
