@@ -78,8 +78,7 @@ class KvIndexServicer(kvindex_pb2_grpc.KvIndexServicer):
         async with _mapped_errors(context):
             await self._service.record_lookups(lookups)
         for lookup in lookups:
-            if lookup.request_id:
-                request_id_var.set(lookup.request_id)
+            request_id_var.set(lookup.request_id or None)
             log.info("lookup", extra={"tokens": lookup.prompt_tokens, "cached_tokens": lookup.cached_tokens,
                                       "recorded": True})
         return kvindex_pb2.RecordLookupsResponse()

@@ -157,14 +157,16 @@ async def test_recorded_lookups_over_grpc(client: KvIndexClient, server: GrpcSer
     level, disabled, logger.disabled = logger.level, logger.disabled, False
     logger.setLevel(logging.INFO)
     try:
-        await client.record_lookups([RecordedLookup(20, 16, "req-1"), RecordedLookup(20, 0, "req-2")])
+        await client.record_lookups([RecordedLookup(20, 16, "req-1"), RecordedLookup(20, 0, "req-2"),
+                                     RecordedLookup(8, 0)])
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
         logger.disabled = disabled
     stats = await client.stats()
-    assert (stats.lookups, stats.hits, stats.lookup_tokens, stats.hit_tokens) == (2, 1, 40, 16)
-    assert [line for line in handler.lines if line[0] == "lookup"] == [("lookup", 16, "req-1"), ("lookup", 0, "req-2")]
+    assert (stats.lookups, stats.hits, stats.lookup_tokens, stats.hit_tokens) == (3, 1, 48, 16)
+    assert [line for line in handler.lines if line[0] == "lookup"] == [
+        ("lookup", 16, "req-1"), ("lookup", 0, "req-2"), ("lookup", 0, None)]    # no id: not the one before
     async with insecure_channel(f"127.0.0.1:{server.port}") as channel:
         stub = kvindex_pb2_grpc.KvIndexStub(channel)
         for bad in (kvindex_pb2.RecordLookupsRequest(lookups=[kvindex_pb2.RecordedLookup(prompt_tokens=1)] * 1025),
@@ -173,7 +175,7 @@ async def test_recorded_lookups_over_grpc(client: KvIndexClient, server: GrpcSer
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stub.RecordLookups(bad)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert (await client.stats()).lookups == 2
+    assert (await client.stats()).lookups == 3
 
 
 async def test_gap_over_grpc_answers_resync_needed(client: KvIndexClient) -> None:
