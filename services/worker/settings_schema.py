@@ -32,7 +32,7 @@ MODEL_IMPLS = ("auto", "transformers")                  # services/worker/engine
 CPU_WEIGHT_CODES_MODES = ("auto", "narrow", "8bit", "off")  # services/worker/engine/cpu/linear/weight_codes.py
 CPU_COMPUTE_MODES = ("float32", "bfloat16")             # services/worker/engine/cpu/linear/bf16_compute.py
 CPU_PREFILL_WEIGHTS_MODES = ("auto", "packs", "codes")  # services/worker/engine/cpu/linear/coded_wide.py
-CPU_PREFILL_GEMM_MODES = ("auto", "native", "library")  # services/worker/engine/cpu/linear/prefill_gemm.py
+CPU_PREFILL_GEMM_MODES = ("auto", "native", "amx", "library")  # services/worker/engine/cpu/linear/prefill_gemm.py
 GRAMMAR_TOKENIZER_MODES = ("first_use", "start")         # services/worker/engine/sampling/grammar.py
 CPU_THREAD_POLICIES = ("adaptive", "fixed")              # services/worker/engine/cpu/thread_governor.py
 
@@ -258,7 +258,8 @@ class WorkerSchema(
             "where every shape's layout is known, taking oneDNN for prefill unless the start-up "
             "calibration ran MKL's packs more than 15 % faster: the packs' kernel on the same bytes, "
             'so the same outputs and speed, with ~380 MB less resident on the default model (~900 MB '
-            "where MKL's packs would have served); elsewhere it keeps `packs`, a float32 pack of each"
+            "where MKL's packs would have served), or where the AMX GEMM serves every coded shape "
+            '(`CPU_PREFILL_GEMM`); elsewhere it keeps `packs`, a float32 pack of each'
             ' weight; `codes` expands the codes for every wide step regardless (into a plain weight '
             'that oneDNN reorders on each call where the layout is not known: prefill at ~0.93x). '
             'Decode never reaches these (`docs/engine.md`, "Prefill from the codes")'
@@ -298,8 +299,15 @@ class WorkerSchema(
             ' of 7, 40 and 300 rows at start and which a 7-round calibration at 1,024 rows runs '
             'faster, so the tokens never change; on a 2-core AMD EPYC Zen 3 it served all 5 of the '
             "default model's shapes, 1.15-1.34x faster, and prefill ran ~11 % faster "
-            '(`docs/engine.md`, "A prefill GEMM of our own"); `native` takes it for every shape it '
-            "runs (other bits where oneDNN's order differs); `library` keeps oneDNN's (or torch's)"
+            '(`docs/engine.md`, "A prefill GEMM of our own"); on a CPU with AMX-BF16 `auto` takes the '
+            'AMX GEMM (`native/amx_coded_gemm.c`: the codes times each activation split into three '
+            'bfloat16 pieces that add up to it exactly, the exact products added in float32) for each '
+            "shape whose outputs stay within a float32 GEMM's rounding bound of the float64 product at "
+            "start and which a 5-round calibration at 1,024 rows runs faster than what serves it "
+            "otherwise: float32 arithmetic in another order than oneDNN's, so other last bits (the same "
+            'greedy tokens on W1 measured), and the layers then keep no float32 pack; `native` takes the'
+            " AVX2 kernel for every shape it runs (other bits where oneDNN's order differs); `amx` the "
+            "AMX GEMM for every shape within the bound; `library` keeps oneDNN's (or torch's)"
         ))
     lm_head_screen: Literal[LM_HEAD_SCREEN_MODES] = Field('auto',
         description=(

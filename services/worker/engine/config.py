@@ -41,7 +41,7 @@ class EngineConfig:
     cpu_linear_kernel: str = "auto"    # packed kernel: auto (float32: the faster on this CPU) | mkl | onednn
     cpu_compute: str = "float32"       # CPU float32 models: float32 | bfloat16 (the layers' wide GEMMs in bfloat16; lossy)
     cpu_prefill_weights: str = "auto"  # CPU float32 coded linears' wide steps: auto (codes where a pack written from them stands in for oneDNN's) | packs (a float32 pack each) | codes (expanded per step: no float32 copy resident)
-    cpu_prefill_gemm: str = "auto"     # the GEMM of those steps from the codes: auto (the native AVX2 one per shape where it gives the library's bits and is faster) | native | library
+    cpu_prefill_gemm: str = "auto"     # the GEMM of those steps from the codes: auto (the native AVX2 one per shape where it gives the library's bits and is faster; the AMX one where it is faster, within a float32 bound) | native | amx | library
     cpu_max_model_len: int = 8192
     lm_head_screen: str = "auto"       # CPU float32 greedy/top-k rows: auto (built in the background, large vocabularies) | on | off
     lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head

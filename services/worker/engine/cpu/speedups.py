@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from services.worker.engine.cpu.linear.bf16_compute import (CPU_COMPUTE_MODES, B
 from services.worker.engine.cpu.linear.coded_wide import PREFILL_WEIGHTS_MODES, WideFromCodes
 from services.worker.engine.cpu.linear.prefill_gemm import MODES as PREFILL_GEMM_MODES
 from services.worker.engine.cpu.linear.prefill_gemm import load_prefill_gemm
+from services.worker.engine.cpu.linear.amx_gemm import load_amx_gemm
 from services.worker.engine.cpu.linear.cpu_linear import (ALL_ROWS, PREFILL_CODES_TOLERANCE, PREFILL_PACK_ROWS_HINT,
                                                    KernelPlan, PackedLinear, choose_prefill_kernel, kernel_available,
                                                    pack_linears, resolve_kernel_plan)
@@ -56,6 +58,7 @@ class CpuSpeedups(Speedups):
     dropped_bytes: int = 0                 # weight copies the coded linears made unneeded: let go, or packs never built
     prefill_weights: str = "packs"         # what the coded layers' wide steps multiply: packs or codes
     native_prefill_shapes: int = 0         # weight shapes whose wide steps the native GEMM serves
+    amx_prefill_shapes: int = 0            # ... the AMX GEMM serves
 
 
 @dataclass(frozen=True)
@@ -99,6 +102,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     wide = _wide_from_codes(target, base, done.lm_head)
     done.prefill_weights = "codes" if wide is not None else "packs"
     done.native_prefill_shapes = wide.native_shapes() if wide is not None else 0
+    done.amx_prefill_shapes = wide.amx_shapes() if wide is not None else 0
     unbuilt = _pack_where_served(base, done.lm_head, wide)
     done.dropped_bytes = unbuilt + _drop_unserved_copies(base, done.lm_head, wide)
     return done
@@ -136,19 +140,39 @@ def _wide_from_codes(target: _Target, base: torch.nn.Module, lm_head: torch.nn.M
         return None
     onednn = kernel_available("onednn", torch.float32)
     gemm = load_prefill_gemm(target.kernel_cache_dir) if config.cpu_prefill_gemm != "library" else None
-    wide = WideFromCodes(layers[0].coded_kernel, onednn, PREFILL_PACK_ROWS_HINT, gemm, config.cpu_prefill_gemm)
+    amx = load_amx_gemm(target.kernel_cache_dir) if config.cpu_prefill_gemm in ("auto", "amx") else None
+    if config.cpu_prefill_gemm == "amx" and amx is None:
+        log.warning("CPU_PREFILL_GEMM=amx: the AMX GEMM does not run here (no AMX-BF16, or the tiles not "
+                    "granted): the other GEMMs serve prefill")
+    wide = WideFromCodes(layers[0].coded_kernel, onednn, PREFILL_PACK_ROWS_HINT, gemm, config.cpu_prefill_gemm, amx)
     same_kernel = all(linear.kernel == "onednn" and linear.max_packed_rows == ALL_ROWS for linear in layers)
     blocked = all([wide.prepare(linear.coded) for linear in layers]) if onednn else False
-    if mode == "auto" and not (same_kernel and blocked):
+    if mode == "auto" and not (same_kernel and blocked) and not _amx_serves_all(wide, layers):
         log.info("prefill: the layers' float32 packs serve wide steps (%s)",
                  "no pack written from codes stands in for oneDNN's here" if same_kernel
                  else "oneDNN does not pack these layers' prefill here")
         return None
-    native = sum(wide.prepare_gemm(linear.coded) for linear in layers)
-    log.info("prefill: the layers' wide steps multiply their weights expanded from the codes (%s; %d of %d "
-             "linears through the native GEMM)", f"into oneDNN's pack layout, {wide.blocked_shapes()} shapes"
-             if blocked else "plain weights", native, len(layers))
+    for linear in layers:
+        wide.prepare_gemm(linear.coded)
+    log.info("prefill: the layers' wide steps multiply their weights expanded from the codes (%s; %d shapes "
+             "through the native GEMM, %d through the AMX GEMM)", f"into oneDNN's pack layout, "
+             f"{wide.blocked_shapes()} shapes" if blocked else "plain weights", wide.native_shapes(), wide.amx_shapes())
     return wide
+
+
+def _amx_serves_all(wide: WideFromCodes, layers: list[PackedLinear]) -> bool:
+    """Whether the AMX GEMM serves every coded layer's wide steps, each shape decided against
+    its layers' float32 packs (what serves them otherwise): then no pack is needed."""
+    return wide.amx is not None and all([wide.prepare_amx(linear.coded, _packed_product(linear)) for linear in layers])
+
+
+def _packed_product(linear: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:
+    """`linear`'s wide steps as its float32 pack runs them, the pack built at the first call (one
+    linear a shape is timed; the packs go once the AMX GEMM serves them all)."""
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        linear.pack_now()
+        return linear(rows)
+    return product
 
 
 def _drop_unserved_copies(base: torch.nn.Module, lm_head: torch.nn.Module, wide: WideFromCodes | None) -> int:

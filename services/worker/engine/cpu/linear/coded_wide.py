@@ -16,16 +16,20 @@ linear multiplies it.
 
 With a native GEMM (prefill_gemm.py, CPU_PREFILL_GEMM) the codes of a shape it serves are
 expanded into its panels of 16 columns instead and it multiplies them; `prepare_gemm` decides per
-shape, under `auto` only where its outputs are the path's it replaces bit for bit.
+shape, under `auto` only where its outputs are the path's it replaces bit for bit. On a CPU with
+AMX the AMX GEMM (amx_gemm.py) multiplies the codes themselves, no weight expanded: under `auto`
+where its outputs stay within a float32 GEMM's rounding bound and it runs faster.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
 from services.worker.engine.cpu.linear import onednn_layout
+from services.worker.engine.cpu.linear.amx_gemm import AmxVerdict, NativeAmxGemm, decide_amx
 from services.worker.engine.cpu.linear.onednn_layout import BlockedPack
 from services.worker.engine.cpu.linear.prefill_gemm import PANEL, NativePrefillGemm, Verdict, decide
 from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
@@ -45,14 +49,16 @@ class WideFromCodes:
     weight (92-95 % of it at 512 rows, AMD EPYC Zen 5); without, torch's linear."""
 
     def __init__(self, kernel: NativeCodedLinear, onednn: bool, rows_hint: int = 512,
-                 gemm: NativePrefillGemm | None = None, gemm_mode: str = "auto") -> None:
+                 gemm: NativePrefillGemm | None = None, gemm_mode: str = "auto",
+                 amx: NativeAmxGemm | None = None) -> None:
         self.kernel = kernel
         self.onednn = onednn
         self.rows_hint = rows_hint          # the row count oneDNN's packs are laid out for
-        self.gemm, self.gemm_mode = gemm, gemm_mode
+        self.gemm, self.gemm_mode, self.amx = gemm, gemm_mode, amx
         self._scratch = torch.empty(0)      # a plain weight, or the native GEMM's panels [out / 16][in][16]
         self._packs: dict[tuple[int, int], BlockedPack | None] = {}
         self._native: dict[tuple[int, int], Verdict] = {}
+        self._amx: dict[tuple[int, int], AmxVerdict] = {}
 
     def prepare(self, coded: CodedWeight) -> bool:
         """Learns (once per shape) whether `coded`'s wide steps can multiply a pack written
@@ -64,14 +70,30 @@ class WideFromCodes:
 
     def prepare_gemm(self, coded: CodedWeight) -> bool:
         """Decides (once per shape, after `prepare`) whether the native GEMM serves `coded`'s
-        wide steps (prefill_gemm.decide); whether it does."""
+        wide steps (prefill_gemm.decide), then whether the AMX GEMM does instead
+        (amx_gemm.decide_amx, against what serves them otherwise); whether either does."""
         shape = (coded.out_features, coded.in_features)
         self.prepare(coded)
         if shape not in self._native and self.gemm is not None and coded.out_features % PANEL == 0:
             self._native[shape] = decide(self.gemm_mode, lambda x: self._native_product(x, coded),
                                          lambda x: self._library_product(x, coded, None), coded.in_features)
             log.info("prefill GEMM of %d x %d weights: %s", *shape, self._native[shape].describe())
-        return shape in self._native and self._native[shape].serves
+        self.prepare_amx(coded, lambda x: self._product(x, coded, None))
+        return self._serves(self._native, shape) or self._serves(self._amx, shape)
+
+    def prepare_amx(self, coded: CodedWeight, otherwise: Callable[[torch.Tensor], torch.Tensor]) -> bool:
+        """Decides (once per shape) whether the AMX GEMM serves `coded`'s wide steps, against
+        `otherwise`, what would serve them (amx_gemm.decide_amx); whether it does."""
+        shape = (coded.out_features, coded.in_features)
+        if shape not in self._amx and self.amx is not None:
+            self._amx[shape] = decide_amx(self.gemm_mode, self.amx, coded, otherwise)
+            log.info("prefill AMX GEMM of %d x %d weights: %s", *shape, self._amx[shape].describe())
+        return self._serves(self._amx, shape)
+
+    @staticmethod
+    def _serves(verdicts: dict[tuple[int, int], Verdict] | dict[tuple[int, int], AmxVerdict],
+                shape: tuple[int, int]) -> bool:
+        return shape in verdicts and verdicts[shape].serves
 
     def _learn(self, coded: CodedWeight) -> BlockedPack | None:
         """A pack of the shape whose layout the codes can be written in, checked on `coded`:
@@ -89,12 +111,21 @@ class WideFromCodes:
         return sum(pack is not None for pack in self._packs.values())
 
     def native_shapes(self) -> int:
-        """Shapes whose wide steps the native GEMM serves."""
-        return sum(verdict.serves for verdict in self._native.values())
+        """Shapes whose wide steps the native GEMM serves (the AMX GEMM's not counted)."""
+        return sum(verdict.serves and not self._serves(self._amx, shape) for shape, verdict in self._native.items())
+
+    def amx_shapes(self) -> int:
+        """Shapes whose wide steps the AMX GEMM serves."""
+        return sum(verdict.serves for verdict in self._amx.values())
 
     def __call__(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        verdict = self._native.get((coded.out_features, coded.in_features))
-        if verdict is not None and verdict.serves and bias is None:
+        if bias is None and self._serves(self._amx, (coded.out_features, coded.in_features)):
+            assert self.amx is not None
+            return self.amx(rows, coded)
+        return self._product(rows, coded, bias)
+
+    def _product(self, rows: torch.Tensor, coded: CodedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is None and self._serves(self._native, (coded.out_features, coded.in_features)):
             return self._native_product(rows, coded)
         return self._library_product(rows, coded, bias)
 

@@ -5,7 +5,7 @@ The kernel multiplies a weight laid out in panels of 16 output columns, which co
 writes straight from a linear's codes. Under `auto` it serves a shape only where its outputs
 equal the GEMM it replaces bit for bit on probes of several row counts (so the tokens do not
 change) and a short calibration runs it faster; `native` takes it wherever it runs; `library`
-never.
+and `amx` (the AMX GEMM wherever it runs, amx_gemm.py) never.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from services.worker.engine.cpu.kernels.native_build import load_binding
 
 PANEL = 16                       # output columns a panel of the kernel's weight layout
-MODES = ("auto", "native", "library")
+MODES = ("auto", "native", "amx", "library")   # amx: amx_gemm.py
 PROBE_ROWS = (7, 40, 300)        # row counts whose outputs must match bit for bit (tiles, blocks, threads)
 CALIBRATION_ROWS = 1024          # a prefill step's rows: at 256 the two GEMMs were even on AVX2
 CALIBRATION_ROUNDS = 7           # alternating the two GEMMs, each one's best kept
@@ -82,7 +82,7 @@ def decide(mode: str, native: Gemm, library: Gemm, in_features: int, seed: int =
     """Whether `native` serves a shape whose wide steps `library` serves now, under `mode`."""
     if mode not in MODES:
         raise ValueError(f"CPU_PREFILL_GEMM must be one of {', '.join(MODES)}, not {mode!r}")
-    if mode == "library":
+    if mode in ("library", "amx"):
         return Verdict(False, False)
     generator = torch.Generator().manual_seed(seed)
     probes = [torch.randn(rows, in_features, generator=generator) for rows in PROBE_ROWS]

@@ -128,13 +128,19 @@ class CodedWeight:
         scale * code, rounded, plus offset, rounded, gives every value back."""
         ids = ids.reshape(-1).to(torch.long)
         panel, lane = ids // PANEL, ids % PANEL
-        codes = (self.codes[panel, :, lane] if self.bits == 8 else _narrow_lanes(self.codes, self.bits, panel, lane))
-        codes = codes.view(ids.numel(), -1, self.group)
+        codes = self.code_rows(ids).view(ids.numel(), -1, self.group)
         scales = self.scales[panel, :, lane].float()
         offsets = (self.zeros[panel, :, lane].float().neg_().mul_(scales) if self.zeros is not None
                    else self.offsets[panel, :, lane])
         values = codes.float().mul_(scales[..., None]).add_(offsets[..., None])
         return values.view(ids.numel(), self.in_features)
+
+
+    def code_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """The codes of weight rows `ids` ([N] -> [N, in] uint8), narrow ones unpacked."""
+        ids = ids.reshape(-1).to(torch.long)
+        panel, lane = ids // PANEL, ids % PANEL
+        return self.codes[panel, :, lane] if self.bits == 8 else _narrow_lanes(self.codes, self.bits, panel, lane)
 
 
 def narrow_stride(bits: int) -> int:
