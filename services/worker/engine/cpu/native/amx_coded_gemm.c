@@ -22,9 +22,12 @@
  *        +---------------+---------------+
  *   then acc[m, n] += scale[n, b] * C[m, n] + offset[n, b] * X[m, b]   (AVX-512, in block order)
  *
- * Loops: first the threads split the rows into their pieces and turn every panel's codes into
- * B tiles; then they take the panels (output columns) in turns, walking the rows in chunks whose
- * three pieces stay in a thread's L2, each panel's B tiles against the chunk's 32-row blocks.
+ * Loops: first the threads turn every panel's codes into B tiles. With many rows (prefill) each
+ * thread then takes its share of the rows in chunks whose three pieces fit its L2: it splits a
+ * chunk's rows and runs every panel's B tiles against the chunk's 32-row blocks, so the pieces
+ * are read back from L2, never from memory (splitting all rows first and then sharing out the
+ * panels took 20-40 % longer). With few rows (decode) they split the rows and take the panels
+ * in turns.
  *
  * x [rows, in] float32; codes in the coded kernel's panels ([ceil(out / 32)][in][32] bytes, or
  * narrow codes of 4-6 bits, coded_linear.c), scales and offsets [ceil(out / 32)][in / G][32]
@@ -35,12 +38,14 @@
 #include <stdint.h>
 #include <string.h>
 #include <unistd.h>
+#include <omp.h>
 #include <sys/syscall.h>
 
 #define PANEL 32          /* output columns a panel of the codes' layout (two tiles) */
 #define ROW_BLOCK 32      /* activation rows a pass (two tiles) */
 #define PIECES 3
-#define CHUNK_BYTES (1 << 20)   /* a chunk's split activations: a thread's L2 share */
+#define CHUNK_BYTES (1 << 19)   /* a chunk's split activations: with the B tiles streaming past, a share of L2 */
+#define ROW_MODE_BLOCKS 4       /* 32-row blocks a thread from which the threads split the rows */
 
 static inline int64_t narrow_stride(int64_t bits) { return 16 + 4 * (bits - 4); }
 
@@ -96,8 +101,14 @@ static void split_rows(const float *x, int64_t lo, int64_t hi, int64_t rows, int
             continue;
         }
         const float *row = x + m * in;
+        __m512 block = _mm512_setzero_ps();
         for (int64_t k = 0; k < in; k += 16) {
             const __m512 v = _mm512_loadu_ps(row + k);
+            block = _mm512_add_ps(block, v);
+            if ((k + 16) % group == 0) {       /* the block's sum, its halves added in a tree */
+                sums[m * blocks + k / group] = _mm512_reduce_add_ps(block);
+                block = _mm512_setzero_ps();
+            }
             const __m256bh h = _mm512_cvtneps_pbh(v);
             const __m512 r1 = _mm512_sub_ps(v, _mm512_cvtpbh_ps(h));
             const __m256bh d = _mm512_cvtneps_pbh(r1);
@@ -105,11 +116,6 @@ static void split_rows(const float *x, int64_t lo, int64_t hi, int64_t rows, int
             _mm256_storeu_si256((__m256i *)(p0 + k), (__m256i)h);
             _mm256_storeu_si256((__m256i *)(p1 + k), (__m256i)d);
             _mm256_storeu_si256((__m256i *)(p2 + k), (__m256i)l);
-        }
-        for (int64_t b = 0; b < blocks; b++) {
-            float sum = 0.0f;
-            for (int64_t k = b * group; k < (b + 1) * group; k++) sum += row[k];
-            sums[m * blocks + b] = sum;
         }
     }
 }
@@ -199,22 +205,38 @@ int fairserve_amx_coded_gemm(const float *x, int64_t rows, int64_t in, const uin
     float *sums = (float *)(pieces + PIECES * piece_stride);
     const int64_t panels = (out + PANEL - 1) / PANEL;
     const int64_t panel_bytes = in * (bits == 8 ? PANEL : narrow_stride(bits));
-    int64_t chunk = CHUNK_BYTES / (PIECES * 2 * in) / ROW_BLOCK * ROW_BLOCK;
-    if (chunk < ROW_BLOCK) chunk = ROW_BLOCK;
     uint16_t *b_tiles = (uint16_t *)(sums + padded * blocks);
 #pragma omp parallel num_threads(num_threads)
     {
+        /* Each thread's share of the rows (of the team it got), in chunks whose pieces fit L2. */
+        const int64_t team = omp_get_num_threads();
+        const int64_t share = padded_rows((padded + team - 1) / team);
+        const int64_t chunks = (share * PIECES * 2 * in + CHUNK_BYTES - 1) / CHUNK_BYTES;
+        const int64_t chunk = padded_rows((share + chunks - 1) / chunks);
+        const int by_rows = padded >= ROW_MODE_BLOCKS * ROW_BLOCK * team;
+        if (!by_rows) {
 #pragma omp for schedule(static) nowait
-        for (int64_t m = 0; m < padded; m += ROW_BLOCK)
-            split_rows(x, m, m + ROW_BLOCK, rows, in, group, pieces, piece_stride, sums);
+            for (int64_t m = 0; m < padded; m += ROW_BLOCK)
+                split_rows(x, m, m + ROW_BLOCK, rows, in, group, pieces, piece_stride, sums);
+        }
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) panel_tiles(codes + p * panel_bytes, in, (int)bits, b_tiles + p * in * PANEL);
         configure_tiles(group);
-        for (int64_t m0 = 0; m0 < padded; m0 += chunk) {
-            const int64_t m1 = m0 + chunk < padded ? m0 + chunk : padded;
-#pragma omp for schedule(static) nowait
+        if (by_rows) {            /* each thread its chunks: split, then every panel against them */
+            const int64_t first = omp_get_thread_num() * share;
+            const int64_t last = first + share < padded ? first + share : padded;
+            for (int64_t m0 = first; m0 < last; m0 += chunk) {
+                const int64_t m1 = m0 + chunk < last ? m0 + chunk : last;
+                split_rows(x, m0, m1, rows, in, group, pieces, piece_stride, sums);
+                for (int64_t p = 0; p < panels; p++)
+                    for (int64_t m = m0; m < m1; m += ROW_BLOCK)
+                        block_pass(pieces, piece_stride, sums, b_tiles + p * in * PANEL, scales + p * blocks * PANEL,
+                                   offsets + p * blocks * PANEL, group, in, m, rows, y, out, p * PANEL);
+            }
+        } else {                  /* few rows: the threads take the panels in turns */
+#pragma omp for schedule(static)
             for (int64_t p = 0; p < panels; p++)
-                for (int64_t m = m0; m < m1; m += ROW_BLOCK)
+                for (int64_t m = 0; m < padded; m += ROW_BLOCK)
                     block_pass(pieces, piece_stride, sums, b_tiles + p * in * PANEL, scales + p * blocks * PANEL,
                                offsets + p * blocks * PANEL, group, in, m, rows, y, out, p * PANEL);
         }
