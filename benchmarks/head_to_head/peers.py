@@ -129,11 +129,31 @@ def setup_llama_server(peers_dir: Path) -> Path:
     tree, build, log = llama_source(peers_dir), peers_dir / "llama.cpp" / "build", peers_dir / "llama.cpp" / "build.log"
     _run(["cmake", "-S", str(tree), "-B", str(build), "-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release",
           "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON",
-          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON"], log)
+          "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+          *without_amx_flags(cpu_flags())], log)
     _run(["cmake", "--build", str(build), "--target", "llama-server", "-j2"], log)
     if not executable.is_file():
         raise RuntimeError(f"the build made no {executable}; see {log}")
     return executable
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return next((set(line.split(":", 1)[1].split()) for line in text.splitlines() if line.startswith("flags")), set())
+
+
+def without_amx_flags(flags: set[str]) -> list[str]:
+    """cmake options that leave ggml's AMX backend out of a native build on a CPU with AMX: the
+    vendored llama.cpp's AMX matmul (`ggml_backend_amx_mul_mat`) crashed the server on its first
+    graph with the default model on a 2-vCPU Intel Xeon with AMX-INT8 (2026-12-07), while its
+    AVX-512 repacked kernels serve it; none elsewhere."""
+    if "amx_int8" not in flags and "amx_tile" not in flags:
+        return []
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    return [f"-DCMAKE_C_FLAGS={no_amx}", f"-DCMAKE_CXX_FLAGS={no_amx}"]
 
 
 def setup_gguf(peers_dir: Path) -> Path:
