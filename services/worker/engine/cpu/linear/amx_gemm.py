@@ -36,8 +36,10 @@ Gemm = Callable[[torch.Tensor], torch.Tensor]
 
 
 class NativeAmxGemm:
-    """The kernel, with a scratch for its split activations grown as steps need (steps run one
-    at a time on the engine's thread)."""
+    """The kernel. Its scratch (the split activations and the B tiles, ~25 MB for a 2,048-row
+    step of the default model's widest input) is a step's buffer like the others: allocated per
+    call from the heap glibc keeps, and handed back with them after a burst of wide steps
+    (`HOST_MEMORY_RELEASE_ROWS`)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
         self._available = library.fairserve_amx_available
@@ -51,7 +53,6 @@ class NativeAmxGemm:
         self._function.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3
                                    + [ctypes.c_int64] * 2 + [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
                                                              ctypes.c_int64])
-        self._scratch = torch.empty(0, dtype=torch.uint8)
 
     def runs(self) -> bool:
         """Whether this build runs here: AMX-BF16 in the build and the tiles granted."""
@@ -66,21 +67,16 @@ class NativeAmxGemm:
         if rows.dtype != torch.float32 or not rows.is_contiguous() or rows.dim() != 2:
             raise ValueError("the AMX GEMM takes contiguous float32 rows [M, in]")
         threads = torch.get_num_threads()
-        needed = self._scratch_bytes(rows.shape[0], coded.in_features, coded.group, coded.out_features)
-        if self._scratch.numel() < needed:
-            self._scratch = torch.empty(needed, dtype=torch.uint8)
+        scratch = torch.empty(self._scratch_bytes(rows.shape[0], coded.in_features, coded.group, coded.out_features),
+                              dtype=torch.uint8)
         scales, offsets = coded.float_scales()
         out = torch.empty(rows.shape[0], coded.out_features)
         status = self._function(rows.data_ptr(), rows.shape[0], coded.in_features, coded.codes.data_ptr(),
                                 scales.data_ptr(), offsets.data_ptr(), coded.group, coded.bits, out.data_ptr(),
-                                coded.out_features, self._scratch.data_ptr(), threads)
+                                coded.out_features, scratch.data_ptr(), threads)
         if status:
             raise ValueError(f"the AMX GEMM does not take this weight here (status {status})")
         return out
-
-    def release_scratch(self) -> None:
-        """Lets the split activations' scratch go (the memory released between bursts)."""
-        self._scratch = torch.empty(0, dtype=torch.uint8)
 
 
 def load_amx_gemm(cache_dir: Path) -> NativeAmxGemm | None:
