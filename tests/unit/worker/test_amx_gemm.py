@@ -11,33 +11,21 @@ everywhere."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from services.worker.engine.cpu.kernels.native_build import default_cache_dir
-from services.worker.engine.cpu.linear import amx_gemm
+from services.worker.engine.cpu import timing
 from services.worker.engine.cpu.linear.amx_gemm import (NativeAmxGemm, decide_amx, float32_bound, load_amx_gemm,
                                                         within_float32_bound)
 from services.worker.engine.cpu.linear.coded_wide import WideFromCodes
-from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear, load_coded_linear
+from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
 from tests.fixtures.tiny_model import build_model, gemma3_config
 from tests.unit.worker.engine_helpers import Driver, assert_greedy_matches, prompt_of
+from tests.unit.worker.test_coded_wide import _no_grad, kernel  # noqa: F401 (fixtures)
 from tests.unit.worker.test_weight_codes import _engine, coded_weight, snap_to_codes
-
-
-@pytest.fixture(autouse=True)
-def _no_grad() -> Iterator[None]:
-    with torch.no_grad():
-        yield
-
-
-@pytest.fixture(scope="module")
-def kernel() -> NativeCodedLinear:
-    coded = load_coded_linear(default_cache_dir())
-    assert coded is not None, "the coded linear did not build (is there a C compiler?)"
-    return coded
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +113,7 @@ def test_each_mode_takes_the_amx_gemm_where_it_says(kernel: NativeCodedLinear, m
                                                     mode: str, amx_faster: bool, serves: bool) -> None:
     weight, coded = _coded(kernel, 64, 128, 32, 16, narrow=True)
     clock = itertools.count()
-    monkeypatch.setattr(amx_gemm.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
     fake = _FakeAmx(weight, on_call=(lambda: None) if amx_faster else (lambda: next(clock)))
 
     def library(rows: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,12 +23,13 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.cpu.kernels.native_build import load_binding
+from services.worker.engine.cpu.timing import best_alternating
 from services.worker.engine.cpu.linear.weight_codes import PANEL, CodedWeight
 
 UNIT_ROUNDOFF = 2.0 ** -24
 PROBE_ROWS = (7, 40, 300)        # row counts checked against float64 (tiles, padding, chunks, threads)
 CALIBRATION_ROWS = 1024
-CALIBRATION_ROUNDS = 5           # alternating with the GEMM it would replace, each one's best kept
+CALIBRATION_ROUNDS = 5           # alternating with the GEMM it would replace, each one's best kept (after a warm-up)
 SPARE_ROUNDINGS = 8              # beyond the count derived in `float32_bound`: conversions, margin
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
@@ -142,11 +142,5 @@ def decide_amx(mode: str, amx: NativeAmxGemm, coded: CodedWeight, library: Gemm,
     if mode == "amx":
         return AmxVerdict(True, True)
     x = torch.randn(CALIBRATION_ROWS, coded.in_features, generator=torch.Generator().manual_seed(seed + 1))
-    gemms: dict[str, Gemm] = {"amx": lambda rows: amx(rows, coded), "library": library}
-    best = dict.fromkeys(gemms, float("inf"))
-    for _ in range(CALIBRATION_ROUNDS):          # alternating: the machine's drift hits both
-        for name, gemm in gemms.items():
-            started = time.perf_counter()
-            gemm(x)
-            best[name] = min(best[name], time.perf_counter() - started)
-    return AmxVerdict(best["amx"] < best["library"], True, best["amx"], best["library"])
+    amx_s, library_s = best_alternating([lambda: amx(x, coded), lambda: library(x)], CALIBRATION_ROUNDS)
+    return AmxVerdict(amx_s < library_s, True, amx_s, library_s)

@@ -135,7 +135,6 @@ class CodedWeight:
         values = codes.float().mul_(scales[..., None]).add_(offsets[..., None])
         return values.view(ids.numel(), self.in_features)
 
-
     def code_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """The codes of weight rows `ids` ([N] -> [N, in] uint8), narrow ones unpacked."""
         ids = ids.reshape(-1).to(torch.long)

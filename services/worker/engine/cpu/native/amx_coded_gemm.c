@@ -26,8 +26,8 @@
  * thread then takes its share of the rows in chunks whose three pieces fit its L2: it splits a
  * chunk's rows and runs every panel's B tiles against the chunk's 32-row blocks, so the pieces
  * are read back from L2, never from memory (splitting all rows first and then sharing out the
- * panels took 20-40 % longer). With few rows (decode) they split the rows and take the panels
- * in turns.
+ * panels took 4-54 % longer by shape). With few rows (decode) they split the rows and take
+ * the panels in turns.
  *
  * x [rows, in] float32; codes in the coded kernel's panels ([ceil(out / 32)][in][32] bytes, or
  * narrow codes of 4-6 bits, coded_linear.c), scales and offsets [ceil(out / 32)][in / G][32]
