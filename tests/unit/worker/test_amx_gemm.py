@@ -160,3 +160,15 @@ def test_an_engine_whose_prefill_runs_on_amx_generates_the_references_tokens(amx
     got = Driver(engine).run(prompts, 10, chunk={"b": 36})
     assert got == Driver(library).run(prompts, 10, chunk={"b": 36})
     assert_greedy_matches(reference, prompts, got, 10)
+
+
+def test_a_rows_outputs_do_not_depend_on_the_rows_beside_it(kernel: NativeCodedLinear, amx: NativeAmxGemm) -> None:
+    """Another tenant's rows in the same step change nothing of a row's bits: alone, in a few
+    rows (the threads share out the panels) or among hundreds (the threads split the rows)."""
+    _, coded = _coded(kernel, 96, 640, 32, 16, narrow=True)
+    x = _hidden_rows(300, 640, seed=7)
+    alone = torch.cat([amx(x[i:i + 1], coded) for i in (5, 150, 299)])
+    for batch in (x[:40], x):
+        got = amx(batch.contiguous(), coded)
+        rows = [i for i in (5, 150, 299) if i < len(batch)]
+        assert torch.equal(got[rows], alone[:len(rows)])
