@@ -11,6 +11,7 @@ everywhere."""
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +19,8 @@ import torch
 
 from services.worker.engine.cpu.kernels.native_build import default_cache_dir
 from services.worker.engine.cpu import timing
-from services.worker.engine.cpu.linear.amx_gemm import (NativeAmxGemm, decide_amx, float32_bound, load_amx_gemm,
+from services.worker.engine.cpu.linear.amx_gemm import (AmxVerdict, NativeAmxGemm, decide_amx, float32_bound,
+                                                        load_amx_gemm, settle,
                                                         within_float32_bound)
 from services.worker.engine.cpu.linear.coded_wide import WideFromCodes
 from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
@@ -126,6 +128,24 @@ def test_each_mode_takes_the_amx_gemm_where_it_says(kernel: NativeCodedLinear, m
     assert verdict.describe().startswith("AMX (") is serves
 
 
+@pytest.mark.parametrize("mode,times,serves", [
+    ("auto", {(8, 4): (1.0, 2.0), (4, 4): (3.0, 2.0)}, True),      # slower on one shape, faster in all
+    ("auto", {(8, 4): (1.0, 2.0), (4, 4): (3.0, 1.0)}, False),     # the one shape's 3 linears outweigh
+    ("amx", {(8, 4): (1.0, 2.0), (4, 4): (3.0, 1.0)}, None)])     # as decided, shape by shape
+def test_auto_settles_one_answer_for_all_shapes(mode: str, times: dict[tuple[int, int], tuple[float, float]],
+                                                serves: bool | None) -> None:
+    verdicts = {shape: AmxVerdict(amx_s < library_s, True, amx_s, library_s)
+                for shape, (amx_s, library_s) in times.items()}
+    settled = settle(mode, verdicts, Counter({(8, 4): 1, (4, 4): 3}) if serves is False else Counter({(8, 4): 3,
+                                                                                                    (4, 4): 1}))
+    if serves is None:
+        assert settled == verdicts
+    else:
+        assert all(verdict.serves is serves for verdict in settled.values())
+    outside = {**verdicts, (2, 4): AmxVerdict(False, False)}
+    assert not any(verdict.serves for verdict in settle("auto", outside, Counter(dict.fromkeys(outside, 1))).values())
+
+
 def test_a_gemm_outside_the_bound_or_a_weight_it_does_not_take_never_serves(kernel: NativeCodedLinear) -> None:
     weight, coded = _coded(kernel, 64, 128, 32, 16, narrow=True)
     for fake in (_FakeAmx(weight, exact=False), _FakeAmx(weight, takes=False)):
@@ -137,7 +157,8 @@ def test_wide_steps_go_to_the_amx_gemm_where_it_serves_and_without_a_bias(kernel
     weight, coded = _coded(kernel, 64, 128, 32, 16, narrow=True)
     fake = _FakeAmx(weight)
     wide = WideFromCodes(kernel, onednn=False, gemm_mode="amx", amx=fake)         # type: ignore[arg-type]
-    assert wide.prepare_gemm(coded) and wide.amx_shapes() == 1 and wide.native_shapes() == 0
+    assert not wide.prepare_gemm(coded)                           # the native GEMM: not under `amx`
+    assert wide.settle_amx() and wide.amx_shapes() == 1 and wide.native_shapes() == 0
     x = torch.randn(40, 128)
     calls = fake.calls
     torch.testing.assert_close(wide(x, coded, None), x @ weight.T, rtol=1e-5, atol=1e-5)

@@ -169,7 +169,7 @@ def test_auto_takes_the_codes_where_a_written_pack_stands_in_for_every_layer() -
 def test_auto_keeps_the_packs_when_a_layer_shape_has_no_written_pack() -> None:
     reference = build_model(CONFIGS["gemma3"]())          # 16-wide K/V projections
     assert snap_to_codes(reference) > 0
-    engine = _engine(reference)
+    engine = _engine(reference, cpu_prefill_gemm="library")   # the AMX GEMM would take them all (test_amx_gemm.py)
     assert engine.prepared.speedups.prefill_weights == "packs"
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not engine.prepared.lm_head]
     assert layers and all(m.wide is None for m in layers)
@@ -186,7 +186,7 @@ def test_auto_takes_onednn_and_the_codes_unless_mkl_is_much_faster(monkeypatch: 
     monkeypatch.setattr(cpu_linear, "_prefill_seconds", {"mkl": 1.0, "onednn": onednn_seconds})
     reference = build_model(gemma3_config(num_key_value_heads=4))
     assert snap_to_codes(reference) > 0
-    engine = _engine(reference, cpu_prefill_weights=prefill_weights)
+    engine = _engine(reference, cpu_prefill_weights=prefill_weights, cpu_prefill_gemm="library")   # no AMX GEMM
     layers = [m for m in engine.model.modules() if isinstance(m, PackedLinear) and m is not engine.prepared.lm_head]
     within = prefill_weights == "auto" and onednn_seconds <= cpu_linear.PREFILL_CODES_TOLERANCE
     assert engine.prefill_linear_kernel == ("onednn" if within else "mkl")

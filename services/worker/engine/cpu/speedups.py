@@ -154,6 +154,7 @@ def _wide_from_codes(target: _Target, base: torch.nn.Module, lm_head: torch.nn.M
         return None
     for linear in layers:
         wide.prepare_gemm(linear.coded)
+    wide.settle_amx()
     log.info("prefill: the layers' wide steps multiply their weights expanded from the codes (%s; %d shapes "
              "through the native GEMM, %d through the AMX GEMM)", f"into oneDNN's pack layout, "
              f"{wide.blocked_shapes()} shapes" if blocked else "plain weights", wide.native_shapes(), wide.amx_shapes())
@@ -163,7 +164,11 @@ def _wide_from_codes(target: _Target, base: torch.nn.Module, lm_head: torch.nn.M
 def _amx_serves_all(wide: WideFromCodes, layers: list[PackedLinear]) -> bool:
     """Whether the AMX GEMM serves every coded layer's wide steps, each shape decided against
     its layers' float32 packs (what serves them otherwise): then no pack is needed."""
-    return wide.amx is not None and all([wide.prepare_amx(linear.coded, _packed_product(linear)) for linear in layers])
+    if wide.amx is None:
+        return False
+    for linear in layers:
+        wide.prepare_amx(linear.coded, _packed_product(linear))
+    return wide.settle_amx()
 
 
 def _packed_product(linear: PackedLinear) -> Callable[[torch.Tensor], torch.Tensor]:

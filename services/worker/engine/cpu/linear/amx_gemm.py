@@ -15,7 +15,9 @@ a calibration at prefill's rows runs it faster than the GEMM it replaces.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +35,7 @@ CALIBRATION_ROUNDS = 5           # alternating with the GEMM it would replace, e
 SPARE_ROUNDINGS = 8              # beyond the count derived in `float32_bound`: conversions, margin
 
 Gemm = Callable[[torch.Tensor], torch.Tensor]
+Shape = tuple[int, int]                  # (out_features, in_features)
 
 
 class NativeAmxGemm:
@@ -133,8 +136,9 @@ class AmxVerdict:
 
 def decide_amx(mode: str, amx: NativeAmxGemm, coded: CodedWeight, library: Gemm, seed: int = 0) -> AmxVerdict:
     """Whether the AMX GEMM serves `coded`'s shape, under CPU_PREFILL_GEMM `mode`: `amx`
-    wherever it takes the weight and stays within the bound, `auto` only where it also ran
-    faster than `library` (what serves the shape otherwise), `native` and `library` never."""
+    wherever it takes the weight and stays within the bound, `auto` where it also ran faster
+    than `library` (what serves the shape otherwise; `settle` then gives one answer for all
+    shapes), `native` and `library` never."""
     if mode not in ("auto", "amx") or not amx.takes(coded):
         return AmxVerdict(False, False)
     if not within_float32_bound(amx, coded, seed):
@@ -144,3 +148,18 @@ def decide_amx(mode: str, amx: NativeAmxGemm, coded: CodedWeight, library: Gemm,
     x = torch.randn(CALIBRATION_ROWS, coded.in_features, generator=torch.Generator().manual_seed(seed + 1))
     amx_s, library_s = best_alternating([lambda: amx(x, coded), lambda: library(x)], CALIBRATION_ROUNDS)
     return AmxVerdict(amx_s < library_s, True, amx_s, library_s)
+
+
+def settle(mode: str, verdicts: dict[Shape, AmxVerdict], linears: Counter[Shape]) -> dict[Shape, AmxVerdict]:
+    """Under `auto`, one answer for all of a model's shapes, so that its outputs do not hang on
+    one shape's timing noise from one start to the next (the AMX GEMM's bits are not the
+    library's): it serves them all where every shape is within the bound and the calibration
+    times, each shape's counted once a linear of it (`linears`), add up to less than what serves
+    them otherwise; none of them else. Under another mode, the verdicts as they are."""
+    if mode != "auto" or not verdicts:
+        return verdicts
+    bounded = all(verdict.within_bound for verdict in verdicts.values())
+    amx_s = sum(verdict.amx_s * linears[shape] for shape, verdict in verdicts.items())
+    library_s = sum(verdict.library_s * linears[shape] for shape, verdict in verdicts.items())
+    serves = bounded and amx_s < library_s
+    return {shape: dataclasses.replace(verdict, serves=serves) for shape, verdict in verdicts.items()}

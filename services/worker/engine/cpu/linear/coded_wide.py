@@ -24,12 +24,13 @@ where its outputs stay within a float32 GEMM's rounding bound and it runs faster
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 
 import torch
 
 from services.worker.engine.cpu.linear import onednn_layout
-from services.worker.engine.cpu.linear.amx_gemm import AmxVerdict, NativeAmxGemm, decide_amx
+from services.worker.engine.cpu.linear.amx_gemm import AmxVerdict, NativeAmxGemm, decide_amx, settle
 from services.worker.engine.cpu.linear.onednn_layout import BlockedPack
 from services.worker.engine.cpu.linear.prefill_gemm import PANEL, NativePrefillGemm, Verdict, decide
 from services.worker.engine.cpu.linear.weight_codes import CodedWeight, NativeCodedLinear
@@ -59,6 +60,8 @@ class WideFromCodes:
         self._packs: dict[tuple[int, int], BlockedPack | None] = {}
         self._native: dict[tuple[int, int], Verdict] = {}
         self._amx: dict[tuple[int, int], AmxVerdict] = {}
+        self._amx_linears: Counter[tuple[int, int]] = Counter()    # linears a shape, for `settle_amx`
+        self._amx_counted: set[int] = set()
 
     def prepare(self, coded: CodedWeight) -> bool:
         """Learns (once per shape) whether `coded`'s wide steps can multiply a pack written
@@ -70,8 +73,8 @@ class WideFromCodes:
 
     def prepare_gemm(self, coded: CodedWeight) -> bool:
         """Decides (once per shape, after `prepare`) whether the native GEMM serves `coded`'s
-        wide steps (prefill_gemm.decide), then whether the AMX GEMM does instead
-        (amx_gemm.decide_amx, against what serves them otherwise); whether either does."""
+        wide steps (prefill_gemm.decide), and prepares the AMX GEMM's check against what serves
+        them otherwise (`prepare_amx`; `settle_amx` decides); whether the native GEMM serves."""
         shape = (coded.out_features, coded.in_features)
         self.prepare(coded)
         if shape not in self._native and self.gemm is not None and coded.out_features % PANEL == 0:
@@ -79,16 +82,29 @@ class WideFromCodes:
                                          lambda x: self._library_product(x, coded, None), coded.in_features)
             log.info("prefill GEMM of %d x %d weights: %s", *shape, self._native[shape].describe())
         self.prepare_amx(coded, lambda x: self._product(x, coded, None))
-        return self._serves(self._native, shape) or self._serves(self._amx, shape)
+        return self._serves(self._native, shape)
 
-    def prepare_amx(self, coded: CodedWeight, otherwise: Callable[[torch.Tensor], torch.Tensor]) -> bool:
-        """Decides (once per shape) whether the AMX GEMM serves `coded`'s wide steps, against
-        `otherwise`, what would serve them (amx_gemm.decide_amx); whether it does."""
+    def prepare_amx(self, coded: CodedWeight, otherwise: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Checks and times (once per shape) the AMX GEMM on `coded`'s wide steps, against
+        `otherwise`, what would serve them (amx_gemm.decide_amx), and counts the linear; once
+        every linear is prepared, `settle_amx` decides."""
         shape = (coded.out_features, coded.in_features)
-        if shape not in self._amx and self.amx is not None:
+        if self.amx is None:
+            return
+        if id(coded) not in self._amx_counted:        # each linear once, however often prepared
+            self._amx_counted.add(id(coded))
+            self._amx_linears[shape] += 1
+        if shape not in self._amx:
             self._amx[shape] = decide_amx(self.gemm_mode, self.amx, coded, otherwise)
             log.info("prefill AMX GEMM of %d x %d weights: %s", *shape, self._amx[shape].describe())
-        return self._serves(self._amx, shape)
+
+    def settle_amx(self) -> bool:
+        """Settles which shapes the AMX GEMM serves (amx_gemm.settle: under `auto` all or none);
+        whether it serves every shape prepared."""
+        self._amx = settle(self.gemm_mode, self._amx, self._amx_linears)
+        if self._amx:
+            log.info("prefill AMX GEMM: %d of %d shapes", self.amx_shapes(), len(self._amx))
+        return bool(self._amx) and all(verdict.serves for verdict in self._amx.values())
 
     @staticmethod
     def _serves(verdicts: dict[tuple[int, int], Verdict] | dict[tuple[int, int], AmxVerdict],
