@@ -301,10 +301,11 @@ class WorkerSchema(
             "default model's shapes, 1.15-1.34x faster, and prefill ran ~11 % faster "
             '(`docs/engine.md`, "A prefill GEMM of our own"); on a CPU with AMX-BF16 `auto` takes the '
             'AMX GEMM (`native/amx_coded_gemm.c`: the codes times each activation split into three '
-            'bfloat16 pieces that add up to it exactly, the exact products added in float32) for each '
-            "shape whose outputs stay within a float32 GEMM's rounding bound of the float64 product at "
-            "start and which a 5-round calibration at 1,024 rows runs faster than what serves it "
-            "otherwise: float32 arithmetic in another order than oneDNN's, so other last bits (the same "
+            'bfloat16 pieces that add up to it exactly, the exact products added in float32) for all '
+            "of the model's shapes where each one's outputs stay within a float32 GEMM's rounding bound "
+            "of the float64 product at start and a 5-round calibration at 1,024 rows, summed over the "
+            "model's linears, runs it faster than what serves them otherwise (else for none, so that "
+            "the bits do not hang on one shape's timing): float32 arithmetic in another order than oneDNN's, so other last bits (the same "
             'greedy tokens on W1 measured), and the layers then keep no float32 pack; `native` takes the'
             " AVX2 kernel for every shape it runs (other bits where oneDNN's order differs); `amx` the "
             "AMX GEMM for every shape within the bound; `library` keeps oneDNN's (or torch's)"
