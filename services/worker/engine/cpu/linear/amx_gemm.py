@@ -1,6 +1,6 @@
 """ctypes binding of native/amx_coded_gemm.c, a float32 GEMM for wide steps on AMX, straight
-from a linear's weight codes, and the start-up check that decides per weight shape whether it
-serves them (CPU_PREFILL_GEMM).
+from a linear's weight codes, and the start-up check of each weight shape that decides whether
+it serves them (CPU_PREFILL_GEMM).
 
 The kernel splits each float32 activation into three bfloat16 pieces that add up to it exactly
 and multiplies them by the codes (small integers, exact in bfloat16) on AMX's bfloat16 tiles,
@@ -8,8 +8,9 @@ which add the exact products in float32; each block's sum then takes its scale a
 in float32, as the codes define the weight. So it is a float32 GEMM: the same products,
 float32 additions in another order than oneDNN's, not its bits. Its outputs are checked at
 start against float64 on probes of several row counts, within a float32 GEMM's rounding
-bound (`within_float32_bound`); `auto` takes it for a shape only after that check and where
-a calibration at prefill's rows runs it faster than the GEMM it replaces.
+bound (`within_float32_bound`); `auto` takes it for all of a model's shapes or none: all
+where every shape passed that check and a calibration at prefill's rows, summed over the
+model's linears, runs it faster than the GEMMs it replaces (`settle`).
 """
 
 from __future__ import annotations
