@@ -88,22 +88,27 @@ def load_amx_gemm(cache_dir: Path) -> NativeAmxGemm | None:
     return gemm if gemm is not None and gemm.runs() else None
 
 
-def float32_bound(x: torch.Tensor, coded: CodedWeight) -> torch.Tensor:
+def float32_bound(x: torch.Tensor, coded: CodedWeight, alpha: torch.Tensor | None = None) -> torch.Tensor:
     """[M, out] float64: how far a float32 GEMM of `coded` may land from the exact product.
     Each block's sum adds 3 G exact products (gamma_3G), takes its scale and its offset's
     term by two roundings, and the blocks add up in 2 B more; the float32 weight itself is
     scale * code + offset rounded twice. All of it within (3 G + 2 B + 4) u of
-    sum_k |x_k| alpha_k, alpha_k = code_k |scale| + |offset| (codes_screen_bound.py's alpha),
-    with SPARE_ROUNDINGS more for the block sums X_b and slack."""
-    blocks = coded.in_features // coded.group
+    sum_k |x_k| alpha_k, alpha_k = code_k |scale| + |offset| (codes_screen_bound.py's alpha,
+    `alpha_rows`, computed here unless given), with SPARE_ROUNDINGS more for the block sums
+    X_b and slack."""
+    alpha = alpha_rows(coded) if alpha is None else alpha
+    roundings = 3 * coded.group + 2 * (coded.in_features // coded.group) + 4 + SPARE_ROUNDINGS
+    return (x.double().abs() @ alpha.T) * (roundings * UNIT_ROUNDOFF)
+
+
+def alpha_rows(coded: CodedWeight) -> torch.Tensor:
+    """[out, in] float64: code_k |scale| + |offset| of every weight entry."""
     ids = torch.arange(coded.out_features)
     scales, offsets = coded.float_scales()
     panel, lane = ids // PANEL, ids % PANEL
     s = scales[panel, :, lane].double().repeat_interleave(coded.group, dim=1)
     o = offsets[panel, :, lane].double().repeat_interleave(coded.group, dim=1)
-    alpha = coded.code_rows(ids).double() * s.abs() + o.abs()
-    roundings = 3 * coded.group + 2 * blocks + 4 + SPARE_ROUNDINGS
-    return (x.double().abs() @ alpha.T) * (roundings * UNIT_ROUNDOFF)
+    return coded.code_rows(ids).double() * s.abs() + o.abs()
 
 
 def within_float32_bound(amx: NativeAmxGemm, coded: CodedWeight, seed: int = 0) -> bool:
@@ -111,11 +116,12 @@ def within_float32_bound(amx: NativeAmxGemm, coded: CodedWeight, seed: int = 0) 
     rest, as Gemma's hidden states have) within `float32_bound` of the float64 product."""
     generator = torch.Generator().manual_seed(seed)
     weight = coded.rows(torch.arange(coded.out_features)).double()
+    alpha = alpha_rows(coded)                        # once a shape, for every probe
     for rows in PROBE_ROWS:
         x = torch.randn(rows, coded.in_features, generator=generator)
         x[:, :: max(1, coded.in_features // 3)] *= 50
         exact = x.double() @ weight.T
-        if not bool(((amx(x, coded).double() - exact).abs() <= float32_bound(x, coded)).all()):
+        if not bool(((amx(x, coded).double() - exact).abs() <= float32_bound(x, coded, alpha)).all()):
             return False
     return True
 
