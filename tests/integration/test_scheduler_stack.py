@@ -17,6 +17,8 @@ import asyncio
 import itertools
 import json
 import math
+import os
+import signal
 import string
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -556,10 +558,14 @@ class TestTwoWorkers:
         bodies = {f"moved-{i}": generate_body(prompts.next(), length) for i in range(6)}
         streams = start_streams(client, timeline, bodies)
         await until(lambda: all(timeline.tokens_of(n) >= 1 for n in streams), "every stream's first token")
+        # Paused, worker-1 makes no more tokens, so none of its streams can end between the
+        # count below and the kill (on a busy machine the worker runs far ahead of what the
+        # client has read: a count checked against the client's tokens raced the last steps).
+        os.killpg(stack.processes["worker-1"].pid, signal.SIGSTOP)
+        await asyncio.sleep(0.5)    # the replies it sent before the pause are applied
         before = await stats()
         running = {w: s["running"] for w, s in workers_by_id(before).items()}
-        assert running["worker-0"] > 0 and running["worker-1"] > 0, running
-        assert all(timeline.tokens_of(n) < length // 2 for n in streams), "streams ran too far before the kill"
+        assert running["worker-1"] > 0, running
 
         await asyncio.to_thread(stack.kill, "worker-1")
 
