@@ -83,7 +83,8 @@ async def serve(settings: WorkerSettings) -> None:
                             on_block_events=partial(add_events, publisher),
                             kv_events_unacknowledged=lambda: publisher.unacknowledged,
                             after_step=_after_step(pacer.after_step if pacer else None, idle),
-                            before_step=pacer.before_step if pacer else None)
+                            before_step=pacer.before_step if pacer else None,
+                            quiet_release_s=settings.quiet_release_s)
     server = GrpcServer([(worker_pb2_grpc.add_WorkerServicer_to_server, service)],
                         [worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name],
                         settings.host, settings.port, settings.internal)
@@ -107,6 +108,7 @@ async def serve(settings: WorkerSettings) -> None:
     stop.set()
     log.info("worker stopping")
     await server.stop()
+    service.quiet_release.close()
     await asyncio.gather(*tasks, return_exceptions=True)
     engine_thread.shutdown()
     if link.channel is not None:

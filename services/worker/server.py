@@ -18,6 +18,7 @@ from common.transport.grpc_server import request_id_from
 from common.sequence_ids import request_id_of
 from common.step_convert import pool_to_proto, step_batch_from_proto
 from services.worker.decode_steps import run_decode_steps
+from services.worker.host.quiet_release import QuietRelease
 from services.worker.step_order import StepOrder
 from services.worker.step_spans import record_step_spans
 from services.worker.step_stream import replies_in_order
@@ -95,7 +96,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
                  on_block_events: Callable[[list[BlockEvent]], None] | None = None,
                  kv_events_unacknowledged: Callable[[], int] | None = None,
                  after_step: Callable[[int, float], None] | None = None,
-                 before_step: Callable[[bool], None] | None = None) -> None:
+                 before_step: Callable[[bool], None] | None = None, quiet_release_s: float = 0.0) -> None:
         self._thread = thread
         self._engine = thread.engine
         self._worker_id = worker_id
@@ -112,7 +113,10 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         # in progress stops at its next run (decode_steps.py) rather than make them wait.
         self._arrivals_waiting = 0
         self._steps_received = 0        # steps received and not yet run to the end
-        self._releases: set[asyncio.Task] = set()
+        # What wide steps freed goes back once the worker has been quiet quiet_release_s (host/quiet_release.py).
+        self.quiet_release = QuietRelease(
+            quiet_release_s, lambda: getattr(self._engine, "holds_wide_step_memory", False),
+            lambda: self._thread.run(self._engine.release_wide_step_memory))
 
     def _run_once(self, batch: StepBatch) -> StepOutput:
         """One run of the engine, between the CPU pacer's hooks."""
@@ -153,6 +157,7 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         arrival = bool(batch.new_sequences)
         self._arrivals_waiting += arrival
         self._steps_received += 1
+        self.quiet_release.step_received()
         try:
             async with self._order.turn(request.step_id, request.after_step_id, request.epoch):
                 self._arrivals_waiting -= arrival
@@ -164,31 +169,11 @@ class WorkerService(worker_pb2_grpc.WorkerServicer):
         finally:
             self._arrivals_waiting -= arrival
             self._steps_received -= 1
-        self._release_if_quiet(running)
+        self.quiet_release.after_step(running, self._steps_received)
         record_step_spans(request.trace_context, batch, output, started_ns, time.time_ns(), self._worker_id)
         self._record(batch, output, running)
         self._log_step(batch, output)
         return convert.step_response_to_proto(request.step_id, output)
-
-    def _release_if_quiet(self, running: int) -> None:
-        """With no sequence left running and no other step received, what wide steps freed
-        goes back now, on the engine's thread while this step's reply makes its way
-        (Engine.release_wide_step_memory), rather than at the start of the next step: a
-        release takes ~10 ms after a 1.5k-token prefill. While sequences run, the engine's own
-        rule keeps a burst's memory until its end (step/wide_release.py): released after any
-        wide step no next step waited for, a c32 run's wide steps faulted their buffers in again
-        (in a trial its TPOT p50 rose in each round paired). A step that arrives meanwhile waits
-        for the release, as it waited for one at its own start before."""
-        if running or self._steps_received or not getattr(self._engine, "holds_wide_step_memory", False):
-            return     # (read off the engine's thread: no step runs now)
-        task = asyncio.create_task(self._thread.run(self._engine.release_wide_step_memory))
-        self._releases.add(task)
-        task.add_done_callback(self._released)
-
-    def _released(self, task: asyncio.Task) -> None:
-        self._releases.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.warning("memory release after a step failed", extra={"error": repr(task.exception())})
 
     @property
     def epoch(self) -> int:

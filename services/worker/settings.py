@@ -119,6 +119,7 @@ class WorkerSettings:
     worker_token: bytes = field(default=b"", repr=False)   # sent to the scheduler (common/transport/worker_auth.py)
     cpu_thread_policy: str = "adaptive"   # engine/cpu/thread_governor.py
     idle_release_s: float = 5.0           # HOST_MEMORY_IDLE_RELEASE_S (idle_release.py); 0: never
+    quiet_release_s: float = 1.0          # HOST_MEMORY_QUIET_RELEASE_S (host/quiet_release.py); 0: right after the step
     scheduler_shards: tuple[str, ...] = ()   # SCHEDULER_SHARDS (shard_choice.py); (): scheduler_addr
     shard_rebalance_s: float = 30.0          # SCHEDULER_SHARD_REBALANCE_S (shard_choice.py); 0: off
 
@@ -148,4 +149,5 @@ class WorkerSettings:
             worker_token=worker_token_from_env(env, internal.token),
             cpu_thread_policy=values.cpu_thread_policy,
             idle_release_s=values.host_memory_idle_release_s,
+            quiet_release_s=values.host_memory_quiet_release_s,
         )

@@ -63,6 +63,7 @@ class WorkerSchema(
         "cpu_prefill_gemm",
         "cpu_thread_policy",
         "host_memory_idle_release_s",
+        "host_memory_quiet_release_s",
         "host_memory_release_rows",
         "lm_head_screen",
         "lm_head_screen_max_rows",
@@ -271,13 +272,20 @@ class WorkerSchema(
             'buffers again), and unmaps the pages of the shared libraries it is not running; the '
             'next steps fault them in again (a few ms). 0 never hands it back'
         ))
+    host_memory_quiet_release_s: float = Field(1.0, ge=0,
+        description=(
+            'on CPU, a worker left with no sequence running hands back what its wide steps '
+            '(HOST_MEMORY_RELEASE_ROWS) freed once no step has come for this many seconds (the '
+            'release takes ~10 ms after a 1.5k-token prompt and holds the lock every allocation '
+            'waits for: a prompt sent meanwhile, one sharing the prefix just prefilled, waited for '
+            'it). 0 releases right after the step, while its reply goes back'
+        ))
     host_memory_release_rows: int = Field(256, ge=0,
         description=(
             'on CPU, steps of at least this many rows (prefill chunks) count as wide, and what a burst '
-            'of them freed goes back at the first narrower step after it (or every 8th in a row), or '
-            'sooner, right after the step that leaves no sequence running when no other step waits '
-            '(while its reply goes back): the next burst faults its buffers in again, and the worker '
-            "stays near its live size instead "
+            'of them freed goes back at the first narrower step after it that decodes (or every 8th '
+            'in a row), or once the worker is quiet (HOST_MEMORY_QUIET_RELEASE_S): the next burst '
+            'faults its buffers in again, and the worker stays near its live size instead '
             "of keeping every wide step's pages (~25-30 MB more at a 64-block pool under eight W1 "
             "streams, ~600 MB at c32 with the default pool). 0 keeps them"
         ))

@@ -191,7 +191,7 @@ class Engine:
         results = self.isolation.run(list(batch.work), lambda work: self._compute(work, totals))
         planned, logits_rows = totals.planned, totals.logits_rows
         rows = sum(p.rows for p in planned)
-        if self.wide_release.after_step(rows):
+        if self.wide_release.after_step(rows, decodes=any(p.prompt_tokens < p.rows for p in planned)):
             # A burst of wide steps' buffers would otherwise stay resident, and later wide
             # steps' land elsewhere in the heap (HOST_MEMORY_RELEASE_ROWS; step/wide_release.py).
             self.accelerators.release_freed_host_memory()
@@ -297,9 +297,9 @@ class Engine:
 
     def release_wide_step_memory(self) -> bool:
         """Hands back what the wide steps since the last release freed, if any ran (CPU): for a
-        worker's quiet moment right after a step, with nothing running and no other step waiting
-        (server.py), so that the release overlaps the reply's way back rather than delay a later
-        step (step/wide_release.py). False when there was nothing to hand back."""
+        worker's quiet moment, nothing running and no step come for a while (server.py), so
+        that the release delays no step (step/wide_release.py). False when there was nothing
+        to hand back."""
         if not self.holds_wide_step_memory:
             return False
         self.accelerators.release_freed_host_memory()

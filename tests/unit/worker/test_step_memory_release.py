@@ -1,7 +1,7 @@
 """When a CPU engine tunes its allocator and hands memory back: the tuning only once the model is
 loaded and prepared; the heap's freed pages once after a burst of steps of HOST_MEMORY_RELEASE_ROWS
-rows or more, at the first narrower step after it (never after narrow steps alone, never with the
-setting at 0); at its quiet points (`release_host_memory`) the freed pages and the libraries'
+rows or more, at the first narrower step after it that decodes (never after narrow steps alone,
+never at a narrow step of prompt tokens alone, never with the setting at 0); at its quiet points (`release_host_memory`) the freed pages and the libraries'
 clean pages; between steps (`release_wide_step_memory`, a worker's moment with no step waiting) the
 wide steps' freed pages when a wide step ran since the last release, and then not again; a step
 that only frees sequences leaves the release to that. The burst rule's own arithmetic:
@@ -65,6 +65,19 @@ def test_wide_steps_back_to_back_release_once_after_the_burst() -> None:
     decode = StepBatch(work=[WorkItem(name, 1) for name in prompts])
     assert _step(engine, calls, decode) == ["heap"]
     assert _step(engine, calls, dataclasses.replace(decode)) == []
+
+
+def test_a_short_prompt_after_a_burst_leaves_the_release_to_a_decode() -> None:
+    """A narrow step of prompt tokens alone (a cached prompt's last few, a short prompt) does not
+    pay the burst's release: the first step that decodes does."""
+    calls: list[str] = []
+    engine = _engine(16, calls)
+    _step(engine, calls, StepBatch(new_sequences=[NewSequence("a", prompt_of(20))], work=[WorkItem("a", 20)]))
+    short = prompt_of(6, salt=7)
+    assert _step(engine, calls, StepBatch(new_sequences=[NewSequence("b", short)],
+                                          work=[WorkItem("b", len(short))])) == []
+    assert engine.holds_wide_step_memory
+    assert _step(engine, calls, StepBatch(work=[WorkItem("a", 1), WorkItem("b", 1)])) == ["heap"]
 
 
 def test_a_quiet_point_takes_the_bursts_release() -> None:

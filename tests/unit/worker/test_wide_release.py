@@ -1,7 +1,7 @@
 """The burst rule of step/wide_release.py on its own: a burst of wide steps releases once, at
 the first narrow step after it, and within it every `max_burst` wide steps; narrow steps alone,
 the setting at 0 and a quiet point's own release leave nothing pending; a step of no rows (frees
-alone) neither ends a burst nor counts."""
+alone) or a narrow one of prompt tokens alone neither ends a burst nor counts."""
 
 from __future__ import annotations
 
@@ -35,3 +35,11 @@ def test_a_release_elsewhere_clears_the_pending_one() -> None:
     release.after_step(2048)
     release.released_elsewhere()
     assert release.after_step(30) is False
+
+
+def test_a_narrow_step_of_prompt_tokens_alone_does_not_end_a_burst() -> None:
+    release = WideRelease(256)
+    assert release.after_step(2048) is False
+    assert release.after_step(10, decodes=False) is False      # a cached prompt's last tokens
+    assert release.pending == 1
+    assert release.after_step(11, decodes=True) is True        # the first decode after it
