@@ -33,7 +33,7 @@ class QuietRelease:
         self._release = release
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task] = set()
-        self.releases = 0
+        self.releases = 0           # releases that handed something back
 
     @property
     def armed(self) -> bool:
@@ -71,5 +71,5 @@ class QuietRelease:
             return
         if task.exception() is not None:
             log.warning("memory release after a step failed", extra={"error": repr(task.exception())})
-        else:
-            self.releases += 1
+        elif task.result():
+            self.releases += 1      # something was handed back

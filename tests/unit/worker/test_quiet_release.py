@@ -141,7 +141,7 @@ async def test_with_a_delay_the_release_waits_for_a_quiet_spell() -> None:
         await asyncio.sleep(0.3)
         await _settled(service)
         assert len(engine.releases) == 1 and engine.releases[0].startswith("engine")
-        assert not service.quiet_release.armed
+        assert not service.quiet_release.armed and service.quiet_release.releases == 1
     finally:
         thread.shutdown()
 
