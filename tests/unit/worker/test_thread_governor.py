@@ -133,6 +133,28 @@ def test_the_wait_clock_sums_run_delay_and_throttling(tmp_path: Path) -> None:
     assert WaitClock(tmp_path / "none", root, proc).available() is False
 
 
+def test_the_wait_clock_follows_threads_that_come_and_go(tmp_path: Path) -> None:
+    """Each thread's file stays open between readings: a new value is read again, a thread gone
+    is dropped (and its file closed), a new one counted."""
+    import shutil
+    tasks = tmp_path / "task"
+    for tid in (1, 2):
+        (tasks / str(tid)).mkdir(parents=True)
+        (tasks / str(tid) / "schedstat").write_text("1 1000000000 1\n")
+    root, proc = cgroup(tmp_path, "0::/", {"cpu.stat": "usage_usec 5\n"})
+    clock = WaitClock(tasks, root, proc)
+    assert clock.waited_s() == pytest.approx(2.0)
+    (tasks / "1" / "schedstat").write_text("1 3000000000 1\n")
+    assert clock.waited_s() == pytest.approx(4.0)
+    shutil.rmtree(tasks / "2")
+    (tasks / "3").mkdir()
+    (tasks / "3" / "schedstat").write_text("1 500000000 1\n")
+    assert clock.waited_s() == pytest.approx(3.5)
+    assert sorted(clock._open) == ["1", "3"]
+    clock.close()
+    assert clock._open == {}
+
+
 def test_this_machines_wait_clock_reads() -> None:
     clock = WaitClock()
     if clock.available():

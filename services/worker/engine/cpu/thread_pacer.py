@@ -1,6 +1,6 @@
 """The thread governor applied to the engine's steps (CPU_THREAD_POLICY=adaptive): called on the
 engine's thread after each step with its decode rows and wall time, it reads how long the process
-waited for a CPU since its last reading (cpu_share.WaitClock: at most every `sample_s`, ~0.1-0.3 ms a reading), asks the
+waited for a CPU since its last reading (cpu_share.WaitClock: at most every `sample_s`, ~0.06 ms a reading with ~26 threads), asks the
 governor (thread_governor.py) and sets the engine thread's OpenMP team size, which torch's
 kernels and the C kernels (they pass torch.get_num_threads()) use from the next step on; called
 before each step with whether it is decode-only, it sets the count the governor gives that kind
