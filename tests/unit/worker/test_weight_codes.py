@@ -85,6 +85,28 @@ def test_blocks_of_16_with_their_own_scales_take_groups_of_16(kernel: NativeCode
     assert torch.equal(kernel.expand(coded), weight)
 
 
+def test_codes_found_in_chunks_are_those_of_one_pass(kernel: NativeCodedLinear) -> None:
+    """`find` reads a large weight a chunk of rows at a time, straight into the panels: the
+    same codes as in one pass, every row read once, in order, where each chunk is handed to
+    `after_rows`; a chunk off the grid ends that block size's pass there."""
+    weight = coded_weight(5 * PANEL + 7, 64, 32, 256, seed=5)
+    whole = kernel.find(weight, chunk_rows=1 << 20)
+    chunks: list[tuple[int, int]] = []
+    chunked = kernel.find(weight, lambda rows: chunks.append((rows.data_ptr(), rows.shape[0])), chunk_rows=2 * PANEL)
+    assert whole is not None and chunked is not None
+    for name in ("codes", "scales", "offsets"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
+    assert [count for _, count in chunks] == [2 * PANEL, 2 * PANEL, PANEL + 7]
+    assert [address for address, _ in chunks] == [weight.data_ptr() + row * 64 * 4 for row in (0, 2 * PANEL, 4 * PANEL)]
+    nudged = weight.clone()
+    nudged[2 * PANEL + 1, 3] = torch.nextafter(nudged[2 * PANEL + 1, 3], torch.tensor(1.0))
+    chunks.clear()
+    assert kernel.find(nudged, lambda rows: chunks.append((rows.data_ptr(), rows.shape[0])), chunk_rows=2 * PANEL) is None
+    assert [count for _, count in chunks] == [2 * PANEL] * 4          # groups of 32, then of 16: two chunks each
+    with pytest.raises(ValueError):
+        kernel.find(weight, chunk_rows=PANEL + 1)
+
+
 def test_weights_off_the_grid_are_left_alone(kernel: NativeCodedLinear) -> None:
     generator = torch.Generator().manual_seed(3)
     assert kernel.find(torch.randn(64, 64, generator=generator)) is None        # trained-like float32

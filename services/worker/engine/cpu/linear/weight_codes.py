@@ -24,6 +24,7 @@ the codes for them instead, coded_wide.py).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,6 +41,8 @@ PANEL = 32               # output rows per panel of the kernel's layout
 # 62.3 / 65.9 at 48 and 84.7 / 72.0 at 64.
 MAX_ROWS = 32
 NARROW_BITS = (4, 5, 6)  # narrow code widths the kernel reads (else a byte a code)
+FIND_CHUNK_ROWS = 16384  # rows `find` reads at a time (40 MB of Gemma's head)
+HALF_FORM_PANELS = 1024  # panels `half_form` converts at a time
 
 
 @dataclass(frozen=True)
@@ -100,20 +103,17 @@ class CodedWeight:
         taking zero 0 and a zero offset), checked; else None. 8-bit codes only."""
         if self.zeros is not None:
             return self
-        if self.bits != 8 or self.offsets is None or not bool(torch.isfinite(self.scales).all()):
+        if self.bits != 8 or self.offsets is None:
             return None
-        scales, offsets = self.scales, self.offsets
-        half = scales.half()
-        if not torch.equal(half.float(), scales):
-            return None
-        zeros = torch.where(scales != 0, -offsets / torch.where(scales != 0, scales, 1), 0).round()
-        if not bool(((zeros >= 0) & (zeros <= 255)).all()):
-            return None
-        zeros = zeros.to(torch.uint8)
-        if not torch.equal(zeros.float().neg_().mul_(scales), offsets):
-            return None
-        return CodedWeight(self.codes, half.contiguous(), None, self.group, self.out_features, self.in_features,
-                           self.bits, zeros.contiguous())
+        half = torch.empty(self.scales.shape, dtype=torch.float16)
+        zeros = torch.empty(self.scales.shape, dtype=torch.uint8)
+        # A chunk of panels at a time: the checks' temporaries of the whole (Gemma's head: ~20 MB
+        # each, five at once) would raise a starting worker's peak by ~100 MB.
+        for start in range(0, self.scales.shape[0], HALF_FORM_PANELS):
+            end = start + HALF_FORM_PANELS
+            if not _half_chunk(self.scales[start:end], self.offsets[start:end], half[start:end], zeros[start:end]):
+                return None
+        return CodedWeight(self.codes, half, None, self.group, self.out_features, self.in_features, self.bits, zeros)
 
     def panel_rows(self, start: int, end: int) -> "CodedWeight":
         """Output rows [start, end) as a weight of their own (views; `start` on a panel's
@@ -140,6 +140,21 @@ class CodedWeight:
         ids = ids.reshape(-1).to(torch.long)
         panel, lane = ids // PANEL, ids % PANEL
         return self.codes[panel, :, lane] if self.bits == 8 else _narrow_lanes(self.codes, self.bits, panel, lane)
+
+
+def _half_chunk(scales: torch.Tensor, offsets: torch.Tensor, half: torch.Tensor, zeros: torch.Tensor) -> bool:
+    """Writes `scales` as half floats into `half` and -offsets / scales as bytes into `zeros`
+    where both are exact (`CodedWeight.half_form`); False where one is not."""
+    if not bool(torch.isfinite(scales).all()):
+        return False
+    half.copy_(scales)
+    if not torch.equal(half.float(), scales):
+        return False
+    found = torch.where(scales != 0, -offsets / torch.where(scales != 0, scales, 1), 0).round()
+    if not bool(((found >= 0) & (found <= 255)).all()):
+        return False
+    zeros.copy_(found)
+    return torch.equal(zeros.float().neg_().mul_(scales), offsets)
 
 
 def narrow_stride(bits: int) -> int:
@@ -201,25 +216,55 @@ class NativeCodedLinear:
         """The C linear itself (native_layers.py calls it from C)."""
         return self._linear
 
-    def find(self, weight: torch.Tensor) -> CodedWeight | None:
+    def find(self, weight: torch.Tensor, after_rows: Callable[[torch.Tensor], object] | None = None,
+             chunk_rows: int = FIND_CHUNK_ROWS) -> CodedWeight | None:
         """The codes of a float32 CPU [out, in] weight, or None when it does not fit them
-        exactly (or its shape does not fit the kernel's panels)."""
+        exactly (or its shape does not fit the kernel's panels).
+
+        The rows are read `chunk_rows` at a time (a multiple of PANEL), each chunk's codes
+        written straight into the panels, so that finding the codes of a large matrix (Gemma's
+        262k x 640 head) holds no full-size temporaries beside them; `after_rows` is called with
+        each chunk of the weight once it has been read (the loader lets a checkpoint's mapped
+        pages of it go there: cpu/host_memory.py)."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             return None
+        if chunk_rows < PANEL or chunk_rows % PANEL:
+            raise ValueError(f"find: chunks of {chunk_rows} rows (a positive multiple of {PANEL})")
         weight = weight.detach().contiguous()
         out_features, in_features = weight.shape
         for group in GROUPS:
             if in_features % group:
                 continue
-            codes = torch.empty(out_features, in_features, dtype=torch.uint8)
-            scales = torch.empty(out_features, in_features // group)
-            offsets = torch.empty_like(scales)
-            failed = self._find(weight.data_ptr(), out_features, in_features, group, codes.data_ptr(),
-                                scales.data_ptr(), offsets.data_ptr(), torch.get_num_threads())
-            if not failed:
-                return CodedWeight(_panels(codes), _panels(scales), _panels(offsets), group, out_features,
-                                   in_features)
+            panels = -(-out_features // PANEL)
+            codes = torch.zeros(panels, in_features, PANEL, dtype=torch.uint8)
+            scales = torch.zeros(panels, in_features // group, PANEL)
+            offsets = torch.zeros_like(scales)
+            if self._find_chunks(weight, group, (codes, scales, offsets), after_rows, chunk_rows):
+                return CodedWeight(codes, scales, offsets, group, out_features, in_features)
         return None
+
+    def _find_chunks(self, weight: torch.Tensor, group: int, panels: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                     after_rows: Callable[[torch.Tensor], object] | None, chunk_rows: int) -> bool:
+        """Writes the codes, scales and offsets of `weight` at `group` into `panels`, chunk by
+        chunk; False at the first chunk that does not fit them (the rest is not read)."""
+        out_features, in_features = weight.shape
+        for start in range(0, out_features, chunk_rows):
+            rows = weight[start:start + chunk_rows]
+            count = rows.shape[0]
+            codes = torch.empty(count, in_features, dtype=torch.uint8)
+            scales = torch.empty(count, in_features // group)
+            offsets = torch.empty_like(scales)
+            failed = self._find(rows.data_ptr(), count, in_features, group, codes.data_ptr(), scales.data_ptr(),
+                                offsets.data_ptr(), torch.get_num_threads())
+            if after_rows is not None:
+                after_rows(rows)
+            if failed:
+                return False
+            first = start // PANEL
+            for target, values in zip(panels, (codes, scales, offsets)):
+                chunk = _panels(values)
+                target[first:first + chunk.shape[0]] = chunk
+        return True
 
     def narrow(self, coded: CodedWeight) -> CodedWeight:
         """`coded` (8-bit) with its codes in the fewest of NARROW_BITS that hold them all, or as
