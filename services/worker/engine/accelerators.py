@@ -171,8 +171,31 @@ def _no_gemm_cache_bound(entries: int) -> None:
     return None
 
 
-def _no_page_release() -> Callable[[int, int], object]:
-    return lambda address, nbytes: 0
+class CheckpointPages(Protocol):
+    """The checkpoint's file mappings once loaded (cpu/host_memory.py): called with (address,
+    bytes), lets those mapped pages go; `holds`: whether a tensor is still a view of them;
+    `release`: lets a view's pages go (read again, they come back from the file)."""
+
+    def __call__(self, address: int, nbytes: int) -> object: ...
+
+    def holds(self, tensor: torch.Tensor) -> bool: ...
+
+    def release(self, tensor: torch.Tensor) -> object: ...
+
+
+class _NoCheckpointPages:
+    def __call__(self, address: int, nbytes: int) -> object:
+        return 0
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return False
+
+    def release(self, tensor: torch.Tensor) -> object:
+        return 0
+
+
+def _no_page_release() -> CheckpointPages:
+    return _NoCheckpointPages()
 
 
 def _no_kernel_dir() -> Path | None:
@@ -180,7 +203,8 @@ def _no_kernel_dir() -> Path | None:
 
 
 def _no_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: EngineConfig, device: torch.device,
-                 dtype: torch.dtype, kernel_cache_dir: Path | None) -> Speedups:
+                 dtype: torch.dtype, kernel_cache_dir: Path | None,
+                 after_read: Callable[[torch.Tensor], object] | None = None) -> Speedups:
     return Speedups(lm_head=lm_head)
 
 
@@ -221,11 +245,12 @@ class Accelerators:
     bound_gemm_caches: Callable[[int], object] = _no_gemm_cache_bound
     release_freed_host_memory: Callable[[], object] = _nothing
     release_library_pages: Callable[[], object] = _nothing
-    # After loading: (address, bytes) -> lets the checkpoint mapping's pages of a copied weight go.
-    checkpoint_page_release: Callable[[], Callable[[int, int], object]] = _no_page_release
+    # After loading: the checkpoint's mappings, whose pages of a weight read or copied go at once.
+    checkpoint_page_release: Callable[[], CheckpointPages] = _no_page_release
     # Where compiled kernels are kept when KERNEL_CACHE_DIR is unset.
     default_kernel_dir: Callable[[], Path | None] = _no_kernel_dir
-    # (base, lm_head, config, device, dtype, kernel_cache_dir) -> what was applied to the model.
+    # (base, lm_head, config, device, dtype, kernel_cache_dir, after_read) -> what was applied to the
+    # model; after_read(weight) once a weight has been read to replace it (its mapped pages may go).
     apply_speedups: Callable[..., Speedups] = _no_speedups
     # (config, device) -> whether apply_speedups gives the base model a direct forward (then a
     # model class of our own may stand in for transformers' one: models/loader.py).

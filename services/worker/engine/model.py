@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.engine.accelerators import Accelerators, HeadScreenLoader, Speedups
+from services.worker.engine.accelerators import Accelerators, CheckpointPages, HeadScreenLoader, Speedups
 from services.worker.engine.step.attention import ATTENTION_NAME, register_attention
 from services.worker.engine.config import EngineConfig, require_choice
 from services.worker.engine.device import resolve_device, resolve_dtype
@@ -59,8 +59,12 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     if device.type == "cpu":
         accelerators.bound_gemm_caches(config.cpu_gemm_cache_entries)
     own = model is None and _loads_own_model(config, device, accelerators)
+    pages = None
     if model is None:
-        model = _load_model(config.model_dir, dtype, accelerators.checkpoint_page_release, own)
+        # On CPU the weight matrices stay views of the checkpoint until the speed-ups have read
+        # them (weight codes, packs): only what the model still holds then is copied out.
+        model, pages = _load_model(config.model_dir, dtype, accelerators.checkpoint_page_release, own,
+                                   defer_matrices=device.type == "cpu")
     model.to(device=device, dtype=dtype).eval()
     if not own:
         register_attention()
@@ -73,7 +77,7 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     base = getattr(base, "language_model", base)
     kernel_cache_dir = Path(config.kernel_cache_dir) if config.kernel_cache_dir else accelerators.default_kernel_dir()
     speedups = accelerators.apply_speedups(base, model.get_output_embeddings(), config, device, dtype,
-                                           kernel_cache_dir)
+                                           kernel_cache_dir, pages.release if pages is not None else None)
     if own and speedups.direct is None:
         raise RuntimeError(f"{config.model_dir}: our model class runs only through the direct forward, which "
                            "does not serve here: set MODEL_IMPL=transformers")
@@ -81,6 +85,8 @@ def prepare_model(config: EngineConfig, model: torch.nn.Module | None = None,
     lora_step, lora_shapes = _serve_loras(config, model, speedups)
     # The tied embedding and LM head from the head's codes: the float32 matrix only builds the screen.
     head_weight = accelerators.serve_tied_weight_from_codes(model, speedups.lm_head)
+    if pages is not None:
+        _own_weights(model, pages, keep_mapped=lambda tensor: not pages.holds(tensor))
     if device.type == "cpu":
         gc.collect()                  # replaced modules sit in reference cycles, holding weights
         accelerators.release_freed_host_memory()   # what loading and the speed-ups freed (cpu/host_memory.py)
@@ -122,30 +128,47 @@ def _loads_own_model(config: EngineConfig, device: torch.device, accelerators: A
             and own_model_class(config.model_dir) is not None)
 
 
-def _load_model(model_dir: str, dtype: torch.dtype, page_release: Callable[[], Callable[[int, int], object]],
-                own: bool) -> torch.nn.Module:
+def _load_model(model_dir: str, dtype: torch.dtype, page_release: Callable[[], CheckpointPages], own: bool,
+                defer_matrices: bool = False) -> tuple[torch.nn.Module, CheckpointPages]:
+    """The checkpoint's model, its weights copied out of the file's mapping, and the mapping's
+    pages (`page_release`, made once loaded). `defer_matrices`: the weight matrices stay views
+    of the mapping (prepare_model copies what the speed-ups leave of them)."""
     if own:
         model = load_own_model(model_dir, dtype)
     else:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    _own_weights(model, page_release())
-    return model
+    pages = page_release()
+    _own_weights(model, pages, keep_mapped=(lambda tensor: tensor.dim() == 2 and pages.holds(tensor))
+                 if defer_matrices else _copy_all)
+    return model, pages
 
 
-def _own_weights(model: torch.nn.Module, release: Callable[[int, int], object]) -> None:
+def _copy_all(tensor: torch.Tensor) -> bool:
+    return False
+
+
+def _own_weights(model: torch.nn.Module, release: Callable[[int, int], object],
+                 keep_mapped: Callable[[torch.Tensor], bool] = _copy_all) -> None:
     """Weights loaded from safetensors are views of the file's memory mapping, and
     every page read stays resident as long as one of them lives. Copying each into
     memory of its own lets the mapping go, so that the weights the speed-ups replace
     (by packs or codes) are really let go; `release` lets each copied weight's mapped
-    pages go at once, so that the checkpoint is not resident twice while it is copied."""
+    pages go at once, so that the checkpoint is not resident twice while it is copied.
+    Those `keep_mapped` names are left as they are: on CPU the weight matrices wait for the
+    speed-ups, which read most of them once (into weight codes; their pages go as they are
+    read, `after_read`) and keep no float32 copy, so the default model's worker never holds its
+    1.07 GB of float32 weights in memory of its own while it starts (at 64 blocks 1.9 -> 0.7 GB
+    at most; docs/engine/cpu-forward.md)."""
     seen: set[int] = set()
     with torch.no_grad():
         for tensor in (*model.parameters(), *model.buffers()):
             if id(tensor) in seen or tensor.device.type != "cpu":
                 continue
             seen.add(id(tensor))
+            if keep_mapped(tensor):
+                continue
             loaded = tensor.data
             tensor.data = loaded.clone()
             release(loaded.data_ptr(), loaded.numel() * loaded.element_size())

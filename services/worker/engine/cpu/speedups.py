@@ -70,9 +70,13 @@ class _Target:
 
 
 def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: EngineConfig, device: torch.device,
-                   dtype: torch.dtype, kernel_cache_dir: Path) -> CpuSpeedups:
+                   dtype: torch.dtype, kernel_cache_dir: Path,
+                   after_read: Callable[[torch.Tensor], object] | None = None) -> CpuSpeedups:
     """Applies the speed-ups that `config` allows on `device` to `base` (modules swapped in
-    place) and returns what was applied, with the LM head the engine calls."""
+    place) and returns what was applied, with the LM head the engine calls. `after_read` is
+    called with each weight matrix (or a chunk of it) once a speed-up has read it: the loader
+    lets the checkpoint's mapped pages of it go (model.py)."""
+    after_read = after_read or _keep_pages
     target = _Target(config, device, dtype, kernel_cache_dir)
     _check_compute(target)
     declined = config.cpu_compute == "bfloat16" and not bfloat16_pays(base)
@@ -85,6 +89,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     native_ops = load_elementwise(kernel_cache_dir) if done.native_kernels else None
     done.fused_norms = fuse_rms_norms(base, native_ops)
     done.fused_mlps = fuse_gated_mlps(base, native_ops) if native_ops is not None else 0
+    _after_reading(after_read, base, lm_head)      # the fused MLPs' probes read their weights
     done.linear_kernel = _packed_kernel_plan(target)
     if done.linear_kernel is not None:
         # The packs wait until the weight codes are known (`_pack_where_served`).
@@ -93,7 +98,7 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
             done.lm_head = PackedLinear(lm_head, done.linear_kernel.lm_head_max_rows, done.linear_kernel.kernel,
                                         pack=False)
     done.native_linears = _route_few_rows_to_native(target, base, done.lm_head) if done.native_kernels else 0
-    done.coded_linears = _route_few_rows_to_codes(target, base, done)
+    done.coded_linears = _route_few_rows_to_codes(target, base, done, after_read)
     if config.cpu_compute == "bfloat16":
         _pack_where_served(base, done.lm_head, None)   # its calibration times the layers' float32 packs
     done.bfloat16 = (Bfloat16Compute(linears=0, min_rows=None) if declined
@@ -105,7 +110,22 @@ def apply_speedups(base: torch.nn.Module, lm_head: torch.nn.Module, config: Engi
     done.amx_prefill_shapes = wide.amx_shapes() if wide is not None else 0
     unbuilt = _pack_where_served(base, done.lm_head, wide)
     done.dropped_bytes = unbuilt + _drop_unserved_copies(base, done.lm_head, wide)
+    _after_reading(after_read, base, done.lm_head)     # the packs' and calibrations' reads
     return done
+
+
+def _keep_pages(weight: torch.Tensor) -> None:
+    return None
+
+
+def _after_reading(after_read: Callable[[torch.Tensor], object], *modules: torch.nn.Module) -> None:
+    """`after_read` on every weight matrix `modules` hold (whatever the speed-ups read so far)."""
+    seen: set[int] = set()
+    for module in modules:
+        for weight in module.parameters():
+            if weight.dim() == 2 and id(weight) not in seen:
+                seen.add(id(weight))
+                after_read(weight.detach())
 
 
 def _pack_where_served(base: torch.nn.Module, lm_head: torch.nn.Module, wide: WideFromCodes | None) -> int:
@@ -251,7 +271,8 @@ def _route_few_rows_to_native(target: _Target, base: torch.nn.Module, lm_head: t
     return sum(1 for linear in _packed_linears(base, lm_head) if linear.use_native(kernel, SKINNY_MAX_ROWS))
 
 
-def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: CpuSpeedups) -> int:
+def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: CpuSpeedups,
+                             after_read: Callable[[torch.Tensor], object] = _keep_pages) -> int:
     """Packed linears whose float32 weights are exact 8-bit codes (weight_codes.py) run
     steps of at most weight_codes.MAX_ROWS rows through the coded kernel, with `auto` from
     their codes in the fewest bits (4-6) that hold them where that is faster (`_narrow_codes`);
@@ -265,7 +286,7 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: CpuSp
         return 0
     started = time.perf_counter()
     linears = _packed_linears(base, done.lm_head)
-    coded = [linear for linear in linears if linear.use_codes(kernel, weight_codes.MAX_ROWS)]
+    coded = [linear for linear in linears if linear.use_codes(kernel, weight_codes.MAX_ROWS, after_read)]
     if coded and _narrow_codes(target.config.cpu_weight_codes, kernel):
         for linear in coded:
             linear.coded = kernel.narrow(linear.coded)

@@ -368,12 +368,14 @@ class PackedLinear(torch.nn.Module):
         self.native, self.native_max_rows = kernel, max_rows
         return True
 
-    def use_codes(self, kernel: NativeCodedLinear, max_rows: int) -> bool:
+    def use_codes(self, kernel: NativeCodedLinear, max_rows: int,
+                  after_rows: Callable[[torch.Tensor], object] | None = None) -> bool:
         """Routes steps of at most `max_rows` rows to the coded kernel when the weight is
-        exact 8-bit codes (weight_codes.py); the float32 weight stays for larger steps."""
+        exact 8-bit codes (weight_codes.py); the float32 weight stays for larger steps.
+        `after_rows`: called with each chunk of the weight once its codes have read it."""
         if self.bias is not None and (self.bias.dtype != torch.float32 or not self.bias.is_contiguous()):
             return False
-        coded = kernel.find(self.weight)
+        coded = kernel.find(self.weight, after_rows)
         if coded is None:
             return False
         self.coded, self.coded_kernel, self.coded_max_rows = coded, kernel, max_rows
