@@ -15,6 +15,7 @@ import pytest
 from services.worker.engine.cpu import host_memory
 from services.worker.engine.model import _load_model
 from tests.fixtures.tiny_model import save_tiny_model
+from tests.unit.worker.test_weight_codes import snap_to_codes
 
 
 def _no_release():
@@ -94,8 +95,6 @@ def test_deferred_matrices_stay_mapped_until_the_speedups(tmp_path: Path) -> Non
 def _coded_checkpoint(directory: Path) -> tuple[Path, "torch.nn.Module"]:
     """A tiny Gemma 3 checkpoint whose matrices are exact 4-bit codes, as a GGUF one dequantized."""
     from transformers import AutoModelForCausalLM
-
-    from tests.unit.worker.test_weight_codes import snap_to_codes
 
     save_tiny_model(directory)
     model = AutoModelForCausalLM.from_pretrained(directory)
