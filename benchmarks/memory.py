@@ -2,6 +2,7 @@
 
     resident_mb()                        # this process (an in-process engine)
     service_resident_mb({"gateway": pid, "worker-0": pid, ...})   # a running stack
+    service_peak_resident_mb({...})      # each one's high-water mark since it started (VmHWM)
 
 A service counts its whole process tree (a worker's compiler or helper children
 included). Figures are VmRSS from /proc (Linux), else psutil's rss: the pages a
@@ -20,14 +21,30 @@ from benchmarks.process_tree import tree_pids
 MB = 1 << 20
 
 
-def _vm_rss_bytes(pid: int) -> int | None:
+def _vm_rss_bytes(pid: int, field: str = "VmRSS:") -> int | None:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def tree_peak_resident_mb(pid: int) -> float | None:
+    """The high-water mark of a process's resident memory since it started (VmHWM: its start-up
+    included, which no sampling misses), summed over its tree's living processes (an upper bound
+    on the tree's own peak); None where /proc has no VmHWM."""
+    peaks = [_vm_rss_bytes(member, "VmHWM:") for member in tree_pids(pid)]
+    if not peaks or any(peak is None for peak in peaks):
+        return None
+    return sum(peaks) / MB
+
+
+def service_peak_resident_mb(pids: Mapping[str, int]) -> dict[str, float]:
+    """Each named service's `tree_peak_resident_mb`, leaving out those /proc does not give."""
+    found = {name: tree_peak_resident_mb(pid) for name, pid in pids.items()}
+    return {name: value for name, value in found.items() if value is not None}
 
 
 def resident_bytes(pid: int | None = None) -> int:

@@ -15,7 +15,8 @@ closed loop at each concurrency, Poisson arrivals at each rate, then the
 chat-like multi-turn mix; results.json, table.md and PNG curves go to --out.
 Every point also reports the resident memory of the system's services while it
 ran (read every 0.25 s: the peak, per service and all together, and the closing
-figures in the JSON).
+figures in the JSON), and each system's services their high-water mark (VmHWM, start-up
+included) once ready and at the end of its sweep, a line per round.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from benchmarks.head_to_head.rounds import best_tuning, median_points, ratio_lin
 from benchmarks.head_to_head.sweep import Plan, sweep
 from benchmarks.head_to_head.systems import DTYPES, LAUNCHERS, SYSTEMS, LaunchConfig, tunings
 from benchmarks.machine import cpu_name
+from benchmarks.memory import service_peak_resident_mb
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 
 QUICK_PLAN = Plan(concurrencies=(1, 4), rates=(2.0, 8.0), max_tokens=8, requests_per_slot=1, min_requests=2,
@@ -107,17 +109,23 @@ def launch_config(system: str, args: argparse.Namespace, model_dir: Path, log_di
     return config
 
 
-def run_system(system: str, config: LaunchConfig, plan: Plan, slo: Slo, chat: bool) -> tuple[list[Point], str]:
-    """The sweep on `system`, started and stopped around it; its points and its settings."""
+def run_system(system: str, config: LaunchConfig, plan: Plan, slo: Slo,
+               chat: bool) -> tuple[list[Point], str, str]:
+    """The sweep on `system`, started and stopped around it; its points, its settings, and its
+    services' high-water resident memory (VmHWM) once ready and at the sweep's end."""
     print(f"[{system}] starting", file=sys.stderr, flush=True)
     with LAUNCHERS[system](config) as served:
+        ready = service_peak_resident_mb(served.services)
         print(f"[{system}] serving at {served.url} ({served.settings}); sweeping", file=sys.stderr, flush=True)
         runs = asyncio.run(sweep(system, served, plan, chat=chat))
+        whole = service_peak_resident_mb(served.services)
     points = [point(system, run, slo) for run in runs]
     for p in points:
         print(f"[{system}] {p.kind} {p.x:g}: {p.ok}/{p.sent} ok, {p.output_tokens_per_s:.1f} tok/s, "
               f"peak resident MB {render_services(p.resident_peak_mb)}", file=sys.stderr, flush=True)
-    return points, served.settings
+    highwater = f"once ready {render_services(ready)}; at the end {render_services(whole)}"
+    print(f"[{system}] high-water resident MB (VmHWM, start-up included): {highwater}", file=sys.stderr, flush=True)
+    return points, served.settings, highwater
 
 
 def tune(system: str, config: LaunchConfig, plan: Plan, slo: Slo) -> tuple[LaunchConfig, list[str]]:
@@ -131,7 +139,8 @@ def tune(system: str, config: LaunchConfig, plan: Plan, slo: Slo) -> tuple[Launc
     settings: dict[str, str] = {}
     for choice in choices:
         try:
-            points, settings[choice.name] = run_system(system, replace(config, tuning=choice), probe, slo, chat=False)
+            points, settings[choice.name], _ = run_system(system, replace(config, tuning=choice), probe, slo,
+                                                          chat=False)
             trials[choice.name] = points[0].output_tokens_per_s
         except (RuntimeError, TimeoutError, OSError) as error:
             print(f"[{system}] {choice.name}: did not run: {error}", file=sys.stderr, flush=True)
@@ -190,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     per_round: list[list[Point]] = []
     skipped: dict[str, str] = {}
     settings: dict[str, str] = {}
+    highwaters: dict[str, list[str]] = {}     # per system, per round: its services' VmHWM
     tuning_lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as scratch:
         model_dir = model_for(args, Path(scratch))
@@ -210,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
                 if system in skipped:
                     continue
                 try:
-                    ran_points, settings[system] = run_system(system, configs[system], plan, slo,
-                                                              chat=not args.no_chat)
+                    ran_points, settings[system], highwater = run_system(system, configs[system], plan, slo,
+                                                                         chat=not args.no_chat)
+                    highwaters.setdefault(system, []).append(highwater)
                     points += ran_points
                 except (RuntimeError, TimeoutError, OSError) as error:
                     skipped[system] = f"did not run: {str(error).splitlines()[0]}"
@@ -222,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     meta = {"date": stamp.strftime("%Y-%m-%d %H:%M UTC"), "machine": cpu_name(), "cpus": os.cpu_count(),
             "model": model_dir.name, "command": "python -m benchmarks.head_to_head " + shlex.join(argv or sys.argv[1:]),
             "plan": plan.__dict__, "slo": slo.__dict__, "systems": ran, "fairserve_source": source_version(),
-            "rounds": rounds, "settings": settings, "tuning": tuning_lines, "dtype": args.dtype}
+            "rounds": rounds, "settings": settings, "tuning": tuning_lines, "dtype": args.dtype,
+            "highwater": highwaters}
     (out / "results.json").write_text(json.dumps(to_json(points, skipped, meta), indent=2))
     title = f"{model_dir.name}, {cpu_name()}, {os.cpu_count()} CPUs"
     pictures = plots.write_all(points, ran, out, title) if points else []
@@ -231,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
              f"goodput: {slo.describe()}; {rounds} round(s), order alternating, each point the median round.",
              "", table(points, ran), ""]
     lines += [f"- {system} settings: {settings[system]}" for system in ran]
+    lines += [f"- {system} high-water resident MB (VmHWM over each service's processes, start-up included), "
+              f"round {index + 1}: {line}" for system in ran for index, line in enumerate(highwaters.get(system, []))]
     lines += [f"- {line}" for line in tuning_lines + ratio_lines(points)]
     lines += [f"- {system}: skipped: {reason}" for system, reason in skipped.items()]
     lines += [f"- {line}" for line in problems(points)]

@@ -1,4 +1,5 @@
-"""Resident memory per process and per process tree (benchmarks/memory.py)."""
+"""Resident memory per process and per process tree (benchmarks/memory.py), now and at its
+high-water mark since the process started."""
 
 from __future__ import annotations
 
@@ -8,9 +9,10 @@ import sys
 import time
 
 import psutil
+import pytest
 
-from benchmarks.memory import (render_memory, resident_bytes, resident_mb, service_resident_mb,
-                               tree_resident_bytes)
+from benchmarks.memory import (render_memory, resident_bytes, resident_mb, service_peak_resident_mb,
+                               service_resident_mb, tree_peak_resident_mb, tree_resident_bytes)
 
 HOLD_64_MB = "import sys, time; b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096]); " \
              "print('ready', flush=True); time.sleep(60)"
@@ -51,3 +53,30 @@ def test_a_process_that_has_gone_counts_nothing() -> None:
     child.wait()
     time.sleep(0.1)
     assert tree_resident_bytes(child.pid) == 0
+
+
+PEAK_THEN_LET_GO = "import ctypes, mmap, time; m = mmap.mmap(-1, 96 << 20); m[::4096] = b'x' * len(m[::4096]); " \
+                   "m.close(); print('ready', flush=True); time.sleep(60)"
+
+
+def test_the_high_water_mark_keeps_a_peak_that_has_gone() -> None:
+    """96 MB touched and unmapped before the reading: resident now is far below it, the
+    high-water mark (VmHWM) still holds it, as a service's start-up peak is kept."""
+    child = _spawn(PEAK_THEN_LET_GO)
+    try:
+        now = tree_resident_bytes(child.pid) / (1 << 20)
+        peak = tree_peak_resident_mb(child.pid)
+        if peak is None:
+            pytest.skip("no VmHWM in /proc here")
+        assert peak >= now + 90
+        assert service_peak_resident_mb({"svc": child.pid}) == {"svc": peak}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_process_that_has_gone_has_no_high_water_mark() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    time.sleep(0.1)
+    assert service_peak_resident_mb({"gone": child.pid}) == {}
