@@ -370,7 +370,7 @@ class WorkerSchema(
     grammar_tokenizer: Literal[GRAMMAR_TOKENIZER_MODES] = Field('first_use',
         description=(
             "when the worker builds the tokenizer structured output needs (llguidance's, from the "
-            "checkpoint's `tokenizer.json`: ~3 s and ~225 MB resident on a 262k vocabulary): "
+            "checkpoint's `tokenizer.json`: ~3 s and ~185 MB resident on a 262k vocabulary): "
             '`first_use` when the first constrained request reaches the worker (its first token, and '
             "the worker's other steps and heartbeats, wait for the build once: llguidance holds the "
             'GIL while it builds, 2.9 s on the idle 2-vCPU AMD EPYC, inside '

@@ -111,7 +111,7 @@ class Engine:
         self.sequences = Sequences(self.pool, self.block_size, config.model_key, self.loras)
         vocab_size = int(self.model_config.vocab_size)
         # Structured output: the grammar tokenizer builds in the background (seconds on 262k tokens,
-        # ~225 MB resident), at start or when the first constrained sequence registers
+        # ~185 MB resident), at start or when the first constrained sequence registers
         # (GRAMMAR_TOKENIZER). Its build's temporaries (~0.3 GB on 262k tokens) are handed back
         # once it is built.
         require_choice("GRAMMAR_TOKENIZER", config.grammar_tokenizer, GRAMMAR_TOKENIZER_MODES)
