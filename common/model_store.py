@@ -107,12 +107,15 @@ def _merges_as_strings_once(target: Path) -> None:
         return
     if "tokenizer_merges" in recorded or not (target / "tokenizer.json").is_file():
         return
-    recorded["tokenizer_merges"] = "strings" if write_merges_as_strings(target / "tokenizer.json") else "as saved"
-    handle, scratch = tempfile.mkstemp(dir=target, prefix=".marker-", suffix=".json")
-    with os.fdopen(handle, "w") as out:
-        out.write(json.dumps(recorded))
-    os.chmod(scratch, stat.S_IMODE(marker.stat().st_mode))
-    os.replace(scratch, marker)
+    try:
+        recorded["tokenizer_merges"] = "strings" if write_merges_as_strings(target / "tokenizer.json") else "as saved"
+        handle, scratch = tempfile.mkstemp(dir=target, prefix=".marker-", suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            out.write(json.dumps(recorded))
+        os.chmod(scratch, stat.S_IMODE(marker.stat().st_mode))
+        os.replace(scratch, marker)
+    except OSError as error:   # a directory mounted read-only (compose's services): it serves as it is
+        log.info("the prepared model's tokenizer keeps its merges as pairs", extra={"error": str(error)})
 
 
 def main() -> None:

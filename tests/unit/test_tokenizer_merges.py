@@ -1,6 +1,7 @@
 """A prepared tokenizer.json's BPE merges written as "a b" strings (common/tokenizer_merges.py):
 the same tokenizer (serialization and ids), only where every merge is a pair of tokens without a
-space, never half a file; and a directory prepared before gets them once (common/model_store.py)."""
+space, never half a file; and a directory prepared before gets them once, or, read-only, serves as
+it is (common/model_store.py)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,20 @@ def test_a_directory_prepared_before_gets_string_merges_once(tmp_path: Path, mon
     monkeypatch.setattr(model_store, "write_merges_as_strings", lambda p: calls.append(p) or True)
     model_store.prepare_default_model(tmp_path)
     assert calls == []                              # the marker says it is done
+
+
+def test_a_read_only_directory_serves_as_it_is(tmp_path: Path, monkeypatch) -> None:
+    """Compose mounts the prepared models read-only into the gateway: a directory prepared before
+    that cannot be rewritten is served unchanged, not refused."""
+    target = model_store.default_model_dir(tmp_path)
+    target.mkdir(parents=True)
+    path = _saved(target)
+    text = path.read_text()
+    (target / model_store._MARKER).write_text(json.dumps({"format": model_store._FORMAT_VERSION}))
+
+    def read_only(path: Path) -> bool:
+        raise PermissionError(13, "Read-only file system", str(path))
+
+    monkeypatch.setattr(model_store, "write_merges_as_strings", read_only)
+    assert model_store.prepare_default_model(tmp_path) == target
+    assert path.read_text() == text
