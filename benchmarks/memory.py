@@ -21,7 +21,8 @@ from benchmarks.process_tree import tree_pids
 MB = 1 << 20
 
 
-def _vm_rss_bytes(pid: int, field: str = "VmRSS:") -> int | None:
+def _status_bytes(pid: int, field: str = "VmRSS:") -> int | None:
+    """A field of /proc/<pid>/status given in kB, as bytes; None where it cannot be read."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith(field):
@@ -35,7 +36,7 @@ def tree_peak_resident_mb(pid: int) -> float | None:
     """The high-water mark of a process's resident memory since it started (VmHWM: its start-up
     included, which no sampling misses), summed over its tree's living processes (an upper bound
     on the tree's own peak); None where /proc has no VmHWM."""
-    peaks = [_vm_rss_bytes(member, "VmHWM:") for member in tree_pids(pid)]
+    peaks = [_status_bytes(member, "VmHWM:") for member in tree_pids(pid)]
     if not peaks or any(peak is None for peak in peaks):
         return None
     return sum(peaks) / MB
@@ -50,7 +51,7 @@ def service_peak_resident_mb(pids: Mapping[str, int]) -> dict[str, float]:
 def resident_bytes(pid: int | None = None) -> int:
     """One process's resident bytes (this one by default); 0 once it has gone."""
     pid = psutil.Process(pid).pid if pid is None else pid
-    found = _vm_rss_bytes(pid)
+    found = _status_bytes(pid)
     if found is not None:
         return found
     try:

@@ -13,10 +13,10 @@ import json
 import logging
 import os
 import shutil
-import stat
 import tempfile
 from pathlib import Path
 
+from common.file_replace import replace_text
 from common.tokenizer_merges import write_merges_as_strings
 
 DEFAULT_MODEL_ID = "google/gemma-3-270m"
@@ -109,11 +109,7 @@ def _merges_as_strings_once(target: Path) -> None:
         return
     try:
         recorded["tokenizer_merges"] = "strings" if write_merges_as_strings(target / "tokenizer.json") else "as saved"
-        handle, scratch = tempfile.mkstemp(dir=target, prefix=".marker-", suffix=".json")
-        with os.fdopen(handle, "w") as out:
-            out.write(json.dumps(recorded))
-        os.chmod(scratch, stat.S_IMODE(marker.stat().st_mode))
-        os.replace(scratch, marker)
+        replace_text(marker, json.dumps(recorded))
     except OSError as error:   # a directory mounted read-only (compose's services): it serves as it is
         log.info("the prepared model's tokenizer keeps its merges as pairs", extra={"error": str(error)})
 

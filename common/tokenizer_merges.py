@@ -18,10 +18,9 @@ prepared (model_store.py), never on a user's model directory.
 from __future__ import annotations
 
 import json
-import os
-import stat
-import tempfile
 from pathlib import Path
+
+from common.file_replace import replace_text
 
 
 def write_merges_as_strings(path: Path) -> bool:
@@ -39,11 +38,7 @@ def write_merges_as_strings(path: Path) -> bool:
 
     if Tokenizer.from_str(text).to_str() != Tokenizer.from_file(str(path)).to_str():
         return False
-    handle, scratch = tempfile.mkstemp(dir=path.parent, prefix=".tokenizer-", suffix=".json")
-    with os.fdopen(handle, "w", encoding="utf-8") as out:
-        out.write(text)
-    os.chmod(scratch, stat.S_IMODE(path.stat().st_mode))
-    os.replace(scratch, path)   # readers see the old file or the new one, never half of one
+    replace_text(path, text)
     return True
 
 
