@@ -78,6 +78,7 @@ def engine_config_from_env(env: Mapping[str, str]) -> EngineConfig:
         lm_head_screen_max_rows=values.lm_head_screen_max_rows,
         lm_head_screen_weights=values.lm_head_screen_weights,
         lm_head_screen_activations=values.lm_head_screen_activations,
+        lm_head_screen_plane=values.lm_head_screen_plane,
         ngram_min=values.speculative_ngram_min,
         ngram_max=values.speculative_ngram_max,
         grammar_tokenizer=values.grammar_tokenizer,

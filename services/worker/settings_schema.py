@@ -69,6 +69,7 @@ class WorkerSchema(
         "lm_head_screen_max_rows",
         "lm_head_screen_weights",
         "lm_head_screen_activations",
+        "lm_head_screen_plane",
         "speculative_ngram_min",
         "speculative_ngram_max",
         "grammar_tokenizer",
@@ -357,6 +358,15 @@ class WorkerSchema(
             'AMD EPYC Zen 5; `docs/engine.md`). The tokens are the same either way (the bound covers '
             'the rounding); int8 leaves a few more candidates for exact logits and was 1.2-1.4x '
             'faster at 30-32 rows on the AMD EPYC (Zen 4), not at 1-8 (`docs/engine.md`)'
+        ))
+    lm_head_screen_plane: bool = Field(False,
+        description=(
+            "keeps a 4-bit plane of a coded head's 8-bit codes (their high nibbles: 84 MB more on the "
+            "default model's Q8_0 head) and screens one-row steps (batch-1 decodes, a cached prompt's "
+            'last step) from it first: an upper bound on every token from 5/8 of the bytes, then the '
+            'codes of only the panels that can hold the best tokens; the same exact logits, a one-row '
+            'pass ~1.3-1.7x faster where memory bandwidth bounds it. Off by default for its memory; '
+            'needs AVX-512BW and a head in the half form (`docs/engine.md`)'
         ))
     speculative_ngram_min: int = Field(2, ge=1, le=16,
         description=(

@@ -47,6 +47,7 @@ class EngineConfig:
     lm_head_screen_max_rows: int = 0   # screened rows per step at most (0: by the screen's kernel); more take the full LM head
     lm_head_screen_weights: str = "auto"   # what the screen multiplies: auto (a head kept as 8-bit codes: the codes; else an int8 copy) | copy (an int8 copy always)
     lm_head_screen_activations: str = "auto"   # a screen from 8-bit codes rounds hidden states to: auto (the faster kernel, timed at build) | int16 | int8 (AVX-512 VNNI + VBMI)
+    lm_head_screen_plane: bool = False   # one-row passes from a 4-bit plane of a coded head's codes first (+half the codes' bytes in memory)
     ngram_min: int = 2                 # speculation: shortest suffix looked up earlier in the sequence
     ngram_max: int = 4                 # speculation: longest suffix looked up
     grammar_tokenizer: str = "first_use"   # structured output's tokenizer: first_use (built when the first constrained sequence registers) | start

@@ -28,7 +28,7 @@ Binding = TypeVar("Binding")
 
 SOURCES = Path(__file__).resolve().parents[1] / "native"   # cpu/native/: the C sources
 # Libraries built from more than their own `native/<name>.c`: the further sources, linked in.
-EXTRA_SOURCES = {"int8_matmul": ("codes_screen.c", "codes_screen_quads.c", "screen_pick.c")}
+EXTRA_SOURCES = {"int8_matmul": ("codes_screen.c", "codes_screen_plane.c", "codes_screen_quads.c", "screen_pick.c")}
 COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 COMPILE_TIMEOUT_S = 120
 

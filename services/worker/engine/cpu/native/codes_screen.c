@@ -327,15 +327,19 @@ static void block_sums(const int16_t *x, int64_t rows, int64_t in, int64_t group
  * 2 when it cannot allocate the block sums. */
 static int codes_screen_run(const uint8_t *codes, const float *scales, const uint16_t *half, const uint8_t *zeros,
                             const float *offsets, int64_t group, const int16_t *x, const float *x_scale,
-                            float *out, float *maxima, int64_t vocab, int64_t in, int64_t rows, int64_t num_threads) {
+                            float *out, float *maxima, int64_t vocab, int64_t in, int64_t rows,
+                            const int64_t *listed, int64_t listed_count, int64_t num_threads) {
     if (vocab <= 0 || in <= 0 || group <= 0 || group % 2 || group > MAX_GROUP || in % group || rows < 0) return 1;
-    if (rows == 0) return 0;
     const int64_t count = (vocab + PANEL - 1) / PANEL, blocks = in / group;
+    for (int64_t i = 0; listed != NULL && i < listed_count; i++)
+        if (listed[i] < 0 || listed[i] >= count) return 1;
+    if (rows == 0) return 0;
     float *sums = malloc(sizeof(float) * rows * blocks);
     if (sums == NULL) return 2;
     block_sums(x, rows, in, group, sums);
 #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t p = 0; p < count; p++) {
+    for (int64_t i = 0; i < (listed != NULL ? listed_count : count); i++) {
+        const int64_t p = listed != NULL ? listed[i] : i;
         const int valid = vocab - p * PANEL < PANEL ? (int)(vocab - p * PANEL) : PANEL;
         /* The rows spread evenly over the fewest tiles (9 rows: 4 + 5, not 8 + 1: a pass of one
          * row costs about twice as much a row as a wider one). Each tile takes the rows left
@@ -360,7 +364,7 @@ int fairserve_codes_screen(const uint8_t *codes, const float *scales, const floa
                            const int16_t *x, const float *x_scale, float *out, float *maxima, int64_t vocab,
                            int64_t in, int64_t rows, int64_t num_threads) {
     return codes_screen_run(codes, scales, NULL, NULL, offsets, group, x, x_scale, out, maxima, vocab, in, rows,
-                            num_threads);
+                            NULL, 0, num_threads);
 }
 
 /* The same outputs, bit for bit, for codes whose scales are half floats exactly and whose
@@ -370,5 +374,17 @@ int fairserve_codes_screen_half(const uint8_t *codes, const uint16_t *half_scale
                                 int64_t group, const int16_t *x, const float *x_scale, float *out, float *maxima,
                                 int64_t vocab, int64_t in, int64_t rows, int64_t num_threads) {
     return codes_screen_run(codes, NULL, half_scales, zeros, NULL, group, x, x_scale, out, maxima, vocab, in, rows,
-                            num_threads);
+                            NULL, 0, num_threads);
+}
+
+/* fairserve_codes_screen_half over the panels listed[0 .. count) alone (each once, in range, else
+ * 1 and nothing written): their outputs and maxima, bit for bit those of the whole pass; nothing
+ * else is written (codes_plane.py: the panels the plane's upper values could not rule out). */
+int fairserve_codes_screen_half_panels(const uint8_t *codes, const uint16_t *half_scales, const uint8_t *zeros,
+                                       int64_t group, const int16_t *x, const float *x_scale, float *out,
+                                       float *maxima, int64_t vocab, int64_t in, int64_t rows, const int64_t *listed,
+                                       int64_t count, int64_t num_threads) {
+    if (listed == NULL || count < 0) return 1;
+    return codes_screen_run(codes, NULL, half_scales, zeros, NULL, group, x, x_scale, out, maxima, vocab, in, rows,
+                            listed, count, num_threads);
 }

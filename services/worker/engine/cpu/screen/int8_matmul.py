@@ -37,6 +37,7 @@ class NativeInt8Matmul:
     """ctypes binding of fairserve_int8_matmul (native/int8_matmul.c)."""
 
     def __init__(self, library: ctypes.CDLL) -> None:
+        self.library = library          # its further entries bind where they are used (codes_plane.py)
         function = library.fairserve_int8_matmul
         function.restype = ctypes.c_int
         function.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 4

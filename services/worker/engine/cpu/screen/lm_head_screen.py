@@ -19,13 +19,10 @@ exact logits always, and are left out of the thresholds.
 Without the engine's C kernels the approximate logits come from fbgemm's int8 op
 (screen_fbgemm.py).
 
-Where the engine's C kernels build (`native/int8_matmul.c` by `native_build.py`, bound
-in `int8_matmul.py`), the approximate logits come from it instead: activations are rounded
-per row to int16 (|q(x)| <= 16383, so 127 * hidden * |q(x)| stays an exact int32 sum) and
-multiplied with the same int8 rows, one row per row, no grid split. The
-activation rounding is then ~1/32766 of a row's largest entry, and the weight is
-streamed once for up to 8 rows (on the 2-core AMD EPYC: 12 ms for 8 rows against
-~25 ms for fbgemm's 17 grid rows), so many more rows per step pay off.
+Where the engine's C kernels build (`native/int8_matmul.c`, bound in `int8_matmul.py`), the
+approximate logits come from it instead: activations rounded per row to int16 (|q(x)| <= 16383,
+so 127 * hidden * |q(x)| stays an exact int32 sum) times the same int8 rows, the weight streamed
+once for up to 8 rows.
 
 Where the head is kept as 8-bit weight codes (weight_codes.py: the float32 head is
 scale * code + offset in every block of 16 or 32 inputs; Gemma's Q8_0 head is), the screen
@@ -33,7 +30,8 @@ needs no int8 copy at all (`from_codes`): the same C kernel multiplies the int16
 the codes themselves, exactly in int32 within each block, and applies each block's scale
 and offset in float32. The weight side of the bound is then exact, and what is left of
 |x| * |w_r - q(w_r)| is the kernel's float32 rounding (codes_screen_bound.py). Or the rows
-are int8 with a scale per block (codes_screen_int8.py: faster, a few more candidates).
+are int8 with a scale per block (codes_screen_int8.py: faster, a few more candidates). One-row
+steps may read a 4-bit plane of the codes first (codes_plane.py, LM_HEAD_SCREEN_PLANE).
 """
 
 from __future__ import annotations
@@ -44,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.engine.cpu.screen.codes_plane import CodesPlane
 from services.worker.engine.cpu.screen.codes_screen_bound import coded_row_norms, codes_error_norms, codes_kernel_within_bound
 from services.worker.engine.cpu.screen.codes_screen_half import HalfScales, checked_half_scales
 from services.worker.engine.cpu.screen.codes_screen_int8 import ACTIVATIONS, INT8_GRID, faster_activations, int8_available
@@ -90,6 +89,7 @@ class LMHeadScreen:
         self._from_codes = False                   # approximate logits from the codes (from_codes)
         self._half_scales: HalfScales | None = None     # the codes' scales as half floats (codes_screen_half.py)
         self._pick_scratch: PickScratch | None = None   # the C pick's candidates, made at its first step
+        self._plane: CodesPlane | None = None       # one-row passes from the codes' high nibbles (use_plane)
         self._approx_rows = ReusedRows()           # `logits`' approximate logits, reused step to step
         self._logits_rows = ReusedRows()           # its returned rows where the C pick does not take them
         self.activations = "int16"                 # how hidden states are rounded for the kernel
@@ -152,7 +152,7 @@ class LMHeadScreen:
         self._native = native
         self._panels = self._packed = None
         self._int16_grid = INT16_GRID              # the block sums stay exact int32 for any int16
-        self._pick_scratch = None
+        self._pick_scratch, self._plane = None, None
         self._approx_rows, self._logits_rows = ReusedRows(), ReusedRows()
         self._half_scales = checked_half_scales(native, coded, INT16_GRID) if activations == "int16" else None
         grid = INT8_GRID if activations == "int8" else self._int16_grid
@@ -299,10 +299,15 @@ class LMHeadScreen:
         quantized = self._native.screen_quantize(x, self._int16_grid)
         if quantized is None:
             return None
-        maxima = torch.empty(x.shape[0], -(-self.vocab_size // PANEL))
-        approx = self._native.codes_screen(self._coded, quantized.q, quantized.scale, maxima,
-                                           self._half_for(x.shape[0]),
-                                           self._approx_rows.take(x.shape[0], self.vocab_size))
+        if self._plane is not None and x.shape[0] == 1:     # the plane, then the panels it leaves (codes_plane.py)
+            row = self._plane.screen_row(x, quantized, top_counts[0], self._bound_norms,
+                                         self._approx_rows.take(1, self.vocab_size))
+            approx, maxima = row.approx, row.maxima
+        else:
+            maxima = torch.empty(x.shape[0], -(-self.vocab_size // PANEL))
+            approx = self._native.codes_screen(self._coded, quantized.q, quantized.scale, maxima,
+                                               self._half_for(x.shape[0]),
+                                               self._approx_rows.take(x.shape[0], self.vocab_size))
         if self._pick_scratch is None:
             self._pick_scratch = PickScratch(self.MAX_CANDIDATES, self._logits_rows)
         picked = self._native.screen_pick(approx, maxima, list(top_counts), x, quantized, self._bound_norms,
@@ -312,6 +317,12 @@ class LMHeadScreen:
         if self.softcap:
             picked.logits[picked.rows, picked.ids] = self._capped(picked.values)
         return picked.logits
+
+    def use_plane(self, plane: CodesPlane) -> None:
+        """One-row steps read `plane` (of this screen's codes) first (int16 rows, the C pick)."""
+        if not (self._from_codes and self.activations == "int16" and plane.coded is self._coded):
+            raise ValueError("a codes plane serves the int16 screen of the same codes")
+        self._plane = plane
 
     def _half_for(self, rows: int) -> HalfScales | None:
         """The half scales where they serve this many rows, else None (the float ones)."""

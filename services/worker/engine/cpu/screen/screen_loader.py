@@ -23,9 +23,11 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.config import EngineConfig, require_choice
+from services.worker.engine.cpu.screen.codes_plane import CodesPlane
 from services.worker.engine.cpu.screen.codes_screen_int8 import ACTIVATIONS
 from services.worker.engine.cpu.host_memory import release_freed_host_memory
 from services.worker.engine.cpu.library_pages import release_library_pages
+from services.worker.engine.cpu.screen.int8_matmul import NativeInt8Matmul
 from services.worker.engine.cpu.screen.lm_head_screen import LMHeadScreen, load_native_matmul
 from services.worker.engine.cpu.screen.screen_fbgemm import screening_available
 from services.worker.engine.cpu.screen.screen_rows import RowSplit, split_by_rows
@@ -56,6 +58,7 @@ class ScreenLoader:
         self.mode = config.lm_head_screen
         self.from_codes = config.lm_head_screen_weights == "auto"
         self.activations = config.lm_head_screen_activations
+        self.plane = config.lm_head_screen_plane
         self.setting_max_rows = config.lm_head_screen_max_rows
         self.screen: LMHeadScreen | None = None
         self._split: RowSplit | None = None        # int16 rounding for narrow steps (screen_rows.py)
@@ -99,6 +102,17 @@ class ScreenLoader:
         """Screened rows per step at most: the setting, or past where the full head is faster."""
         return self.setting_max_rows or DEFAULT_SCREEN_MAX_ROWS[screen.kernel]
 
+    def _with_plane(self, screen: LMHeadScreen | None, native: NativeInt8Matmul,
+                    coded: CodedWeight) -> LMHeadScreen | None:
+        """`screen`, reading a plane of the codes on its one-row steps where LM_HEAD_SCREEN_PLANE
+        asks for one and it is an int16 screen the plane's kernel serves (codes_plane.py)."""
+        if self.plane and screen is not None and screen.activations == "int16":
+            plane = CodesPlane.create(native, coded)
+            if plane is not None:
+                screen.use_plane(plane)
+                log.info("LM head screen: one-row steps read a plane of the codes first (%.0f MB)", plane.nbytes / 1e6)
+        return screen
+
     def _build(self) -> None:
         weight, coded = self._source
         self._source = None
@@ -109,12 +123,13 @@ class ScreenLoader:
                 return
             screen = None
             if self.from_codes and coded is not None and coded.bits == 8 and native is not None:
-                screen = LMHeadScreen.from_codes(coded, self._softcap, native, self.activations)
+                screen = self._with_plane(LMHeadScreen.from_codes(coded, self._softcap, native, self.activations),
+                                          native, coded)
                 if screen is None:
                     log.warning("LM head screen: not from the head's codes; from an int8 copy of it instead")
                 elif self.activations == "auto":
-                    self._split = split_by_rows(
-                        screen, lambda: LMHeadScreen.from_codes(coded, self._softcap, native, "int16"))
+                    self._split = split_by_rows(screen, lambda: self._with_plane(
+                        LMHeadScreen.from_codes(coded, self._softcap, native, "int16"), native, coded))
             if screen is None:     # no 8-bit codes or C kernel, or the codes kernel failed its check
                 screen = LMHeadScreen.create(weight, self._softcap, native)
                 if screen is not None and coded is not None:
