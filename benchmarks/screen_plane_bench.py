@@ -51,7 +51,7 @@ def _one_row_screen(engine: Any) -> LMHeadScreen:
     """The engine's screen of one-row steps, which reads a plane (exits where none was built)."""
     screen = engine.prepared.screen.screen_for(1)
     if screen is None or screen._plane is None:
-        raise SystemExit("the plane was not built here (it needs AVX-512BW and a Q8_0 head; see the worker's log)")
+        raise SystemExit("the plane was not built here (it needs AVX2 and a Q8_0 head; see the worker's log)")
     return screen
 
 

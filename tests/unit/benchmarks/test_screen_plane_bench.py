@@ -1,5 +1,5 @@
 """The screen-plane benchmark's table from recorded timings, and its exit where no plane was built
-(the run itself needs the default model's Q8_0 head and AVX-512BW: docs/benchmarks.md)."""
+(the run itself needs the default model's Q8_0 head and AVX2: docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -36,5 +36,5 @@ def test_different_tokens_are_reported() -> None:
 
 def test_an_engine_without_a_plane_stops_the_run_with_why() -> None:
     engine = SimpleNamespace(prepared=SimpleNamespace(screen=SimpleNamespace(screen_for=lambda rows: None)))
-    with pytest.raises(SystemExit, match="AVX-512BW"):
+    with pytest.raises(SystemExit, match="AVX2"):
         screen_plane_bench._one_row_screen(engine)

@@ -120,11 +120,11 @@ def test_upper_values_are_never_below_the_full_kernels_and_not_vacuous(native: N
 @pytest.mark.skipif(platform.machine() != "x86_64" or not (shutil.which("cc") or shutil.which("gcc")),
                     reason="the other paths are built for x86-64")
 def test_every_path_bounds_from_above(tmp_path: Path) -> None:
-    """AVX-512 without VNNI and the scalar path (AVX2 and plain C) keep the same bound."""
+    """AVX-512 without VNNI, AVX2 and the scalar path (plain C) keep the same bound."""
     coded = random_half_codes(301, 96, 32, seed=8, low=15)
     for number, march in enumerate(m for m, needs in PATHS.items() if needs <= _cpu_flags()):
         kernel = _build([march], tmp_path / f"plane_{number}.so")
-        assert bool(kernel.library.fairserve_codes_plane_fast()) == (march == "-march=skylake-avx512")
+        assert bool(kernel.library.fairserve_codes_plane_fast()) == (march != "-march=x86-64")
         plane = CodesPlane(kernel.library, coded)
         for q in int16_rows(2, 96, seed=number):
             upper, maxima = torch.empty(10 * PANEL), torch.empty(10)

@@ -51,9 +51,10 @@
 #define CARRY 263.0f             /* 15 (the low nibbles) + 255 (a zero) - 7 */
 #define WIDEN (1.0f + 0x1p-12f)  /* the bound's own roundings */
 
-/* Whether the vector kernel serves here (else the scalar one: the same bound, slower). */
+/* Whether a vector kernel serves here (AVX-512BW, or AVX2 with F16C; else the scalar one: the
+ * same bound, slower). */
 int fairserve_codes_plane_fast(void) {
-#if defined(__AVX512BW__) && defined(__AVX512F__)
+#if (defined(__AVX512BW__) && defined(__AVX512F__)) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__))
     return 1;
 #else
     return 0;
@@ -126,6 +127,51 @@ static void plane_panel(const uint8_t *plane, const uint16_t *half, const uint8_
     }
     for (int v = 0; v < 2; v++)
         _mm512_storeu_ps(out + v * 16, _mm512_fmadd_ps(room[v], _mm512_set1_ps(WIDEN), total[v]));
+}
+#elif defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)
+/* The same with 8 rows a vector: bytes 0-15 of an input pair are rows 0-7 (low nibbles) and 16-23
+ * (high), bytes 16-31 rows 8-15 and 24-31; v below indexes rows 8 v .. 8 v + 7. */
+static void plane_panel(const uint8_t *plane, const uint16_t *half, const uint8_t *zeros, int64_t group,
+                        int64_t in, const int16_t *x, const float *sums, const float *abs_sums, float *out) {
+    const __m256i nibble = _mm256_set1_epi16(15);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 total[4], room[4];
+    for (int v = 0; v < 4; v++) total[v] = room[v] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < in / group; b++) {
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};
+        const uint8_t *p = plane + b * group * 16;
+        for (int64_t j = 0; j < group / 2; j++) {
+            __builtin_prefetch(p + j * 32 + PREFETCH_AHEAD, 0, 3);
+            int32_t pair;
+            memcpy(&pair, x + b * group + 2 * j, sizeof pair);
+            const __m256i xr = _mm256_set1_epi32(pair);
+            for (int half_bytes = 0; half_bytes < 2; half_bytes++) {     /* rows 0-7 / 16-23, then 8-15 / 24-31 */
+                const __m256i words =
+                    _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(p + j * 32 + 16 * half_bytes)));
+                acc[half_bytes] = _mm256_add_epi32(acc[half_bytes],
+                                                   _mm256_madd_epi16(_mm256_and_si256(words, nibble), xr));
+                acc[2 + half_bytes] = _mm256_add_epi32(acc[2 + half_bytes],
+                                                       _mm256_madd_epi16(_mm256_srli_epi16(words, 4), xr));
+            }
+        }
+        const __m256 sum = _mm256_set1_ps(sums[b]), abs_sum = _mm256_set1_ps(abs_sums[b]);
+        for (int v = 0; v < 4; v++) {
+            const int64_t at = b * PANEL + v * 8;
+            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(half + at)));
+            const __m256 zero = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(zeros + at))));
+            const __m256 h = _mm256_cvtepi32_ps(acc[v]);
+            const __m256 mid = _mm256_mul_ps(_mm256_sub_ps(_mm256_set1_ps(7.5f), zero), sum);
+            total[v] = _mm256_fmadd_ps(scale, _mm256_fmadd_ps(h, _mm256_set1_ps(16.0f), mid), total[v]);
+            const __m256 magnitude = _mm256_fmadd_ps(_mm256_and_ps(h, abs_mask), _mm256_set1_ps(16.0f),
+                                                     _mm256_mul_ps(abs_sum, _mm256_set1_ps(CARRY)));
+            const __m256 err = _mm256_fmadd_ps(magnitude, _mm256_set1_ps(ROUNDING),
+                                               _mm256_mul_ps(abs_sum, _mm256_set1_ps(7.5f)));
+            room[v] = _mm256_fmadd_ps(_mm256_and_ps(scale, abs_mask), err, room[v]);
+        }
+    }
+    for (int v = 0; v < 4; v++)
+        _mm256_storeu_ps(out + v * 8, _mm256_fmadd_ps(room[v], _mm256_set1_ps(WIDEN), total[v]));
 }
 #else
 static void plane_panel(const uint8_t *plane, const uint16_t *half, const uint8_t *zeros, int64_t group,

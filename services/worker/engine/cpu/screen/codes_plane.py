@@ -20,7 +20,7 @@ So the logits a greedy or top-k draw reads are the same exact ones; what changes
 read: the plane, the scales and a few hundred panels instead of every code. Off by default: it
 costs the plane's memory (a worker with a 64-block pool at ~0.7 GB gains 84 MB), which a
 deployment that wants batch-1 latency more than memory may spend. Built for heads kept as 8-bit
-codes in the half form (scale * (code - zero): a Q8_0 head) on CPUs with AVX-512BW; elsewhere
+codes in the half form (scale * (code - zero): a Q8_0 head) on CPUs with AVX-512BW or AVX2; elsewhere
 it is not built (logged) and the screen reads the codes.
 """
 
@@ -87,7 +87,7 @@ class CodesPlane:
     @classmethod
     def create(cls, native: NativeInt8Matmul, coded: CodedWeight) -> CodesPlane | None:
         """The plane of `coded`, or None (logged) where the kernel does not serve it: codes not
-        8-bit in the half form, a group not a multiple of 4, or a CPU without AVX-512BW."""
+        8-bit in the half form, a group not a multiple of 4, or a CPU without AVX2."""
         fast = native.library.fairserve_codes_plane_fast
         fast.restype = ctypes.c_int
         if coded.bits != 8 or not coded.half or coded.group % 4 or coded.in_features % 2:
@@ -95,7 +95,7 @@ class CodesPlane:
                         "(a Q8_0 head); the screen reads the codes")
             return None
         if not fast():
-            log.warning("LM head screen plane not built: its kernel needs AVX-512BW; the screen reads the codes")
+            log.warning("LM head screen plane not built: its kernel needs AVX2 (or AVX-512BW); the screen reads the codes")
             return None
         return cls(native.library, coded)
 
