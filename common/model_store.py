@@ -16,8 +16,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from common.file_replace import replace_text
-from common.tokenizer_merges import write_merges_as_strings
+from common.model_files.file_replace import replace_text
+from common.model_files.tokenizer_merges import write_merges_as_strings
 
 DEFAULT_MODEL_ID = "google/gemma-3-270m"
 _MARKER = "fairserve-converted.json"

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common.transport.internal_auth import InternalAuth
-from common.lora_paths import AdapterPathError, parse_lora_modules
+from common.model_files.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
 from common.settings.env import SettingsError, address_list
 from services.gateway.settings_schema import GatewaySchema

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from common.transport.internal_auth import InternalAuth
-from common.lora_paths import AdapterPathError, parse_lora_modules
+from common.model_files.lora_paths import AdapterPathError, parse_lora_modules
 from common.model_store import default_cache_dir
 from common.settings.env import SettingsError, address_list
 from services.worker.settings_schema import WorkerSchema

@@ -12,7 +12,7 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from common import model_store
-from common.tokenizer_merges import write_merges_as_strings
+from common.model_files.tokenizer_merges import write_merges_as_strings
 from tests.fixtures.tiny_model import build_tokenizer
 
 TEXTS = ["Hello, world!", "fn main() { println!(\"{}\", 1 + 2); }", "Ünïcödé ✓ 日本語 😀 " * 3, "a  b\t\tc\n\nd"]

@@ -16,8 +16,8 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
-from common.lora_paths import AdapterPathError
-from common.peft_config import AdapterError
+from common.model_files.lora_paths import AdapterPathError
+from common.model_files.peft_config import AdapterError
 from services.gateway.errors import NOT_FOUND, ApiError, bad_request, not_found
 from services.gateway.state import GatewayState
 

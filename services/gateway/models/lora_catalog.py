@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from common.block_hash import adapter_id, adapter_salt
-from common.lora_paths import AdapterPathError, check_name, resolve_under_root
+from common.model_files.lora_paths import AdapterPathError, check_name, resolve_under_root
 from services.gateway.requests.backend import GenerationSpec
 from services.gateway.tenancy.tenants import Tenant
-from common.peft_config import WEIGHTS_FILE, AdapterError, file_digest, read_config
+from common.model_files.peft_config import WEIGHTS_FILE, AdapterError, file_digest, read_config
 from common.settings.env import SettingsError
 
 DIGEST_CHARS = 16     # of the sha256 carried with each request

@@ -37,7 +37,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from common.lora_paths import NAME_PATTERN
+from common.model_files.lora_paths import NAME_PATTERN
 from common.settings.env import SettingsError
 from services.gateway.tenancy.tenants import (
     DERIVED_PREFIX,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.peft_config import AdapterError
+from common.model_files.peft_config import AdapterError
 from services.worker.engine.lora.registry import AdapterRef, LoraConfig, LoraRegistry
 from tests.fixtures.tiny_lora import save_random_adapter
 from tests.fixtures.tiny_model import gemma3_config

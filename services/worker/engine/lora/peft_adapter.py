@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from common.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest, read_config, scale_of
+from common.model_files.peft_config import CONFIG_FILE, WEIGHTS_FILE, AdapterError, file_digest, read_config, scale_of
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<part>[AB])\.weight$")

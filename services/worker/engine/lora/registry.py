@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from common.lora_paths import AdapterPathError, check_name, resolve_under_root
-from common.peft_config import AdapterError
+from common.model_files.lora_paths import AdapterPathError, check_name, resolve_under_root
+from common.model_files.peft_config import AdapterError
 from services.worker.engine.lora.peft_adapter import LoraAdapter, load_adapter
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from common.block_hash import ROOT_HASH, adapter_id, adapter_salt, extend_chain, parent_of, partial_block_hash, salted_key
-from common.peft_config import AdapterError
+from common.model_files.peft_config import AdapterError
 from common.step import NewSequence, SeqResult
 from services.worker.engine.kv.block_pool import BlockPool, PartialBlock
 from services.worker.engine.kv.kv_policy import BlockBudget, block_budget, policy_error

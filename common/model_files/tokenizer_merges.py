@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from common.file_replace import replace_text
+from common.model_files.file_replace import replace_text
 
 
 def write_merges_as_strings(path: Path) -> bool:
