@@ -6,7 +6,7 @@ three from the environment themselves)."""
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -143,3 +143,13 @@ class MaxTokensLimitFields(SettingsSchema):
             '(`INVALID_ARGUMENT`, never clamps) any request that reaches it above its own; set the '
             "scheduler's at least as high as the gateways'"
         ))
+
+
+class EventLoopFields(SettingsSchema):
+    """EVENT_LOOP (common/event_loop.py): the asyncio loop a service's main runs on."""
+
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description=(
+        "the event loop the service runs on: `auto` uvloop where installed (it comes with "
+        "uvicorn[standard]), else asyncio's; `uvloop` requires it; `asyncio` the standard loop. "
+        "uvloop makes each hop of a request cheaper (a cached prompt's first token ~2 ms sooner "
+        "on 2 cores)"))

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import uvicorn
 from fastapi import FastAPI
 
+from common import event_loop
 from common.transport.grpc_server import GrpcServer
 from common.observability.logs import configure_logging
 from common.observability.tracing import setup_tracing, shutdown_tracing
@@ -139,7 +140,7 @@ def main() -> None:
     configure_logging("gateway", settings.log_level)
     setup_tracing("gateway", os.environ)    # off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
-        asyncio.run(serve(settings))
+        event_loop.run(serve(settings), settings.event_loop)
     finally:
         shutdown_tracing()
 

@@ -41,6 +41,7 @@ class GatewaySettings:
     max_model_len: int = 0          # 0: ask the workers through the scheduler
     max_tokens_limit: int = 0       # the most max_tokens any request may ask; 0: the context length
     log_level: str = "info"
+    event_loop: str = "auto"      # EVENT_LOOP (common/event_loop.py)
     # What a slow or greedy client can hold: connections, and how long the
     # request line and headers, an idle keep-alive and a body may take.
     max_connections: int = 1024     # HTTP requests in flight (headers arrived); past it, 503
@@ -115,6 +116,7 @@ class GatewaySettings:
             max_model_len=values.max_model_len,
             max_tokens_limit=values.max_tokens_limit,
             log_level=values.log_level,
+            event_loop=values.event_loop,
             max_connections=values.gateway_max_connections,
             max_pending_connections=values.gateway_max_pending_connections,
             max_pending_per_address=values.gateway_max_pending_per_address,

@@ -17,16 +17,17 @@ from services.gateway.tool_parsers import PARSERS
 
 from common.settings.shared import (
     InternalAuthFields, TracingFields, SchedulerAddrFields, KvcacheAddrFields, ModelFields,
-    LoraFields, DrainFields, MaxTokensLimitFields,
+    LoraFields, DrainFields, MaxTokensLimitFields, EventLoopFields,
 )
 
 
 class GatewaySchema(
         InternalAuthFields, TracingFields, SchedulerAddrFields, KvcacheAddrFields,
-        ModelFields, LoraFields, DrainFields, MaxTokensLimitFields,
+        ModelFields, LoraFields, DrainFields, MaxTokensLimitFields, EventLoopFields,
 ):
     service: ClassVar[str] = "gateway"
     advanced: ClassVar[frozenset[str]] = frozenset({
+        "event_loop",
         "gateway_max_pending_connections",
         "gateway_max_pending_per_address",
         "gateway_header_timeout_s",

@@ -9,6 +9,7 @@ import os
 
 from prometheus_client import CollectorRegistry
 
+from common import event_loop
 from common.observability.logs import configure_logging
 from common.observability.metrics import serve_metrics
 from common.shutdown import on_stop_signal
@@ -76,7 +77,7 @@ async def run(settings: KvCacheSettings, stop: asyncio.Event | None = None) -> N
 def main() -> None:
     settings = KvCacheSettings.from_env(os.environ)
     configure_logging("kvcache", settings.log_level)
-    asyncio.run(run(settings))
+    event_loop.run(run(settings), settings.event_loop)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ class KvCacheSettings:
     block_size: int = 16
     model_key: str = ""
     log_level: str = "info"
+    event_loop: str = "auto"      # EVENT_LOOP (common/event_loop.py)
     internal: InternalAuth = InternalAuth()
 
     @classmethod
@@ -46,6 +47,7 @@ class KvCacheSettings:
             block_size=values.kv_cache_block_size,
             model_key=values.model_key,
             log_level=values.log_level,
+            event_loop=values.event_loop,
             internal=InternalAuth.from_env(env),
         )
         if settings.redis_password and urlsplit(settings.redis_url).password:

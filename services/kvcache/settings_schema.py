@@ -13,12 +13,13 @@ from pydantic import Field
 
 from common.observability.logs import LOG_LEVELS
 
-from common.settings.shared import InternalAuthFields, ModelKeyFields
+from common.settings.shared import EventLoopFields, InternalAuthFields, ModelKeyFields
 
 
-class KvCacheSchema(InternalAuthFields, ModelKeyFields):
+class KvCacheSchema(InternalAuthFields, ModelKeyFields, EventLoopFields):
     service: ClassVar[str] = "kvcache"
     advanced: ClassVar[frozenset[str]] = frozenset({
+        "event_loop",
     })
     secrets: ClassVar[frozenset[str]] = InternalAuthFields.secrets | {"kv_index_redis_password"}
     kv_index_redis_password: str = Field('',

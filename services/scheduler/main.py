@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 
+from common import event_loop
 from common.observability.logs import configure_logging
 from common.observability.tracing import setup_tracing, shutdown_tracing
 from common.observability.metrics import serve_metrics
@@ -36,7 +37,7 @@ def main() -> None:
     configure_logging("scheduler", settings.log_level)
     setup_tracing("scheduler", os.environ)    # off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
-        asyncio.run(serve(settings))
+        event_loop.run(serve(settings), settings.event_loop)
     finally:
         shutdown_tracing()
 

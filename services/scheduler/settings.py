@@ -59,6 +59,7 @@ class SchedulerSettings:
     kv_sink_tokens: int = 4
     max_tokens_limit: int = _CORE.max_tokens_limit   # 0: each worker's context length
     log_level: str = "info"
+    event_loop: str = "auto"      # EVENT_LOOP (common/event_loop.py)
     internal: InternalAuth = InternalAuth()
     worker_token: bytes = field(default=b"", repr=False)  # common/transport/worker_auth.py; empty: none required
     registration_address_check: str = "peer"              # address_check.py: peer | off
@@ -104,6 +105,7 @@ class SchedulerSettings:
             kv_sink_tokens=values.kv_sink_tokens,
             max_tokens_limit=values.max_tokens_limit,
             log_level=values.log_level,
+            event_loop=values.event_loop,
             internal=internal,
             worker_token=worker_token_from_env(env, internal.token),
             registration_address_check=values.registration_address_check,

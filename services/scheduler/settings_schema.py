@@ -19,16 +19,17 @@ from services.scheduler.workers.step_link import STEP_TRANSPORTS
 
 from common.settings.shared import (
     InternalAuthFields, WorkerTokenFields, TracingFields, KvcacheAddrFields,
-    MaxTokensLimitFields,
+    MaxTokensLimitFields, EventLoopFields,
 )
 
 
 class SchedulerSchema(
         InternalAuthFields, WorkerTokenFields, TracingFields, KvcacheAddrFields,
-        MaxTokensLimitFields,
+        MaxTokensLimitFields, EventLoopFields,
 ):
     service: ClassVar[str] = "scheduler"
     advanced: ClassVar[frozenset[str]] = frozenset({
+        "event_loop",
         "async_scheduling",
         "step_transport",
         "speculative_tokens",

@@ -25,6 +25,7 @@ import grpc
 from fairserve.v1 import worker_pb2, worker_pb2_grpc
 from prometheus_client import CollectorRegistry
 
+from common import event_loop
 from common.transport.grpc_server import GrpcServer, internal_channel
 from common.observability.logs import configure_logging
 from common.observability.tracing import setup_tracing, shutdown_tracing
@@ -161,7 +162,7 @@ def main() -> None:
     configure_logging("worker", settings.log_level)
     setup_tracing("worker", os.environ)    # off unless OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
-        asyncio.run(serve(settings))
+        event_loop.run(serve(settings), settings.event_loop)
     finally:
         shutdown_tracing()
 

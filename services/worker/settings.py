@@ -121,6 +121,7 @@ class WorkerSettings:
     cpu_thread_policy: str = "adaptive"   # engine/cpu/thread_governor.py
     idle_release_s: float = 5.0           # HOST_MEMORY_IDLE_RELEASE_S (idle_release.py); 0: never
     quiet_release_s: float = 1.0          # HOST_MEMORY_QUIET_RELEASE_S (host/quiet_release.py); 0: right after the step
+    event_loop: str = "auto"              # EVENT_LOOP (common/event_loop.py)
     scheduler_shards: tuple[str, ...] = ()   # SCHEDULER_SHARDS (shard_choice.py); (): scheduler_addr
     shard_rebalance_s: float = 30.0          # SCHEDULER_SHARD_REBALANCE_S (shard_choice.py); 0: off
 
@@ -142,6 +143,7 @@ class WorkerSettings:
             heartbeat_interval_s=values.worker_heartbeat_interval_s,
             kv_publish_interval_s=values.kv_publish_interval_s,
             log_level=values.log_level,
+            event_loop=values.event_loop,
             engine=engine_config_from_env(env),
             internal=internal,
             drain_timeout_s=values.drain_timeout_s,

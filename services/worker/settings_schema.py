@@ -13,7 +13,7 @@ from pydantic import Field
 
 from common.settings.shared import (
     InternalAuthFields, WorkerTokenFields, TracingFields, SchedulerAddrFields,
-    KvcacheAddrFields, ModelFields, ModelKeyFields, LoraFields, DrainFields,
+    KvcacheAddrFields, ModelFields, ModelKeyFields, LoraFields, DrainFields, EventLoopFields,
 )
 
 
@@ -39,10 +39,11 @@ CPU_THREAD_POLICIES = ("adaptive", "fixed")              # services/worker/engin
 
 class WorkerSchema(
         InternalAuthFields, WorkerTokenFields, TracingFields, SchedulerAddrFields,
-        KvcacheAddrFields, ModelFields, ModelKeyFields, LoraFields, DrainFields,
+        KvcacheAddrFields, ModelFields, ModelKeyFields, LoraFields, DrainFields, EventLoopFields,
 ):
     service: ClassVar[str] = "worker"
     advanced: ClassVar[frozenset[str]] = frozenset({
+        "event_loop",
         "kv_cache_hybrid",
         "kv_cache_sliding_blocks",
         "prompt_logits_cache_size",
