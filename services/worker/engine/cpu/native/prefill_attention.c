@@ -15,7 +15,8 @@
  *
  * K is first written transposed into tiles of KEY_TILE keys ([tile][d][KEY_TILE], zero past
  * the chunk's last key; LANES x LANES blocks through registers), so the score kernel loads
- * KEY_TILE keys' values of one dimension as whole vectors and broadcasts the query's.
+ * KEY_TILE keys' values of one dimension as whole vectors and broadcasts the query's; only the
+ * tiles some query of the chunk sees (on sliding layers, from its first query's window on).
  *
  * Layouts:
  *   q    [total_q, H, d]    token stride q_token, head stride q_head (in floats; d contiguous)
@@ -401,6 +402,10 @@ static int attend(const float *q, int64_t q_token, int64_t q_head, const float *
             while (tile_base[c + 1] <= t) c++;
             const int64_t nk = cu_k[c + 1] - cu_k[c], per_head = (nk + KEY_TILE - 1) / KEY_TILE;
             const int64_t h = (t - tile_base[c]) / per_head, tile = (t - tile_base[c]) % per_head;
+            /* Tiles wholly before the chunk's first query's window are never read: a sliding
+             * layer's few queries over a long cached context see its last `window` keys only. */
+            const int64_t nq = cu_q[c + 1] - cu_q[c];
+            if (tile < visible_start(visible_end(0, nq, nk), window) / KEY_TILE) continue;
             transpose_keys(k + h * d, key_rows + cu_k[c], kv_heads * d, nk, d,
                            kt + (tile_base[c] + h * per_head) * d * KEY_TILE, tile);
         }
