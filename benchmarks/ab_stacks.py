@@ -10,6 +10,7 @@ proto`) with its own settings (`--a-env`, `--b-env`).
 
     python -m benchmarks.ab_stacks --b-tree ../before --concurrency 32 --rounds 6
     python -m benchmarks.ab_stacks --b-env HOST_MEMORY_RELEASE_ROWS=0 --concurrency 8 --rounds 4
+    python -m benchmarks.ab_stacks --prefix --b-env EVENT_LOOP=asyncio --rounds 8   # cached prompts' TTFT
     python -m benchmarks.ab_stacks --quick        # tiny model: checks the script
 
 Prints each round (output tok/s, TPOT p50, the worker's and the gateway's peak resident MB)
@@ -30,10 +31,12 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.ab_prefix import prefix_round, prefix_summary
 from benchmarks.head_to_head.resident import ResidentSampler
 from benchmarks.head_to_head.sweep import Driver, Plan, warm_up
 from benchmarks.head_to_head.systems import Served
 from benchmarks.head_to_head.workload import unique_requests
+from benchmarks.prefix_cache_bench import first_token
 from benchmarks.serving_bench import fairserve_settings
 from common.model_store import default_cache_dir, default_model_dir, is_prepared
 from fairserve.launcher.stack import ROOT, Stack, StackPorts
@@ -106,6 +109,28 @@ async def one_round(stack: Stack, concurrency: int, requests: int, max_tokens: i
                  peaks.get("worker-0", 0.0), peaks.get("gateway", 0.0))
 
 
+def prefix_rounds(sides: tuple[Side, Side], stacks: list[Stack], model_dir: Path,
+                  args: argparse.Namespace) -> list[str]:
+    """--prefix: a document a round on both stacks (ab_prefix.py); returns the summary's lines."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    urls = (stacks[0].url, stacks[1].url)
+    rounds = []
+    with httpx.Client() as a, httpx.Client() as b:
+        for url, client in zip(urls, (a, b)):
+            first_token(client, url, "Warm up the engine.", None)
+        for index in range(args.rounds):
+            pair = prefix_round(urls, (a, b), tokenizer, 5000 + index, 120 if args.quick else 1500,
+                                max(1, args.variants))
+            rounds.append(pair)
+            for side, times in zip(sides, pair):
+                print(f"round {index + 1} {side.name}: warm prefix {times.median('warm'):.2f} ms, identical "
+                      f"{times.median('exact'):.2f} ms, cold {times.median('cold'):,.1f} ms", flush=True)
+    return [f"Prefix TTFT, {args.rounds} documents, {max(1, args.variants)} warm prompts each, alternating:",
+            *prefix_summary((describe(sides[0]), describe(sides[1])), rounds)]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a-tree", type=Path, default=ROOT, help="checkout A runs from (default: this one)")
@@ -116,6 +141,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--requests", type=int, default=0, help="per round and side (default 1.5 x concurrency)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--prefix", action="store_true",
+                        help="cached prompts' first tokens instead of W1 (benchmarks/ab_prefix.py): a new "
+                             "document a round, request by request alternating")
+    parser.add_argument("--variants", type=int, default=10, help="--prefix: warm prompts a round and side")
     parser.add_argument("--quick", action="store_true", help="tiny model, small load: checks the script")
     return parser.parse_args(argv)
 
@@ -127,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.concurrency, args.max_tokens = min(args.concurrency, 2), min(args.max_tokens, 6)
         args.rounds = min(args.rounds, 2)
+        args.variants = min(args.variants, 2)
     requests = args.requests or max(2, round(args.concurrency * 1.5))
     results: tuple[list[Round], list[Round]] = ([], [])
     with tempfile.TemporaryDirectory(prefix="ab-stacks-") as scratch:
@@ -145,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                 stacks.append(Stack(ports=StackPorts.free(1), env=env, log_dir=Path(scratch) / side.name,
                                     root=side.tree).start(timeout_s=900))
                 print(f"[{side.name}] {side.tree} serving at {stacks[-1].url}", file=sys.stderr, flush=True)
+            if args.prefix:
+                print("\n".join(prefix_rounds(sides, stacks, model_dir, args)))
+                return 0
             for index in range(args.rounds):
                 for which in order(index):
                     run = asyncio.run(one_round(stacks[which], args.concurrency, requests, args.max_tokens,
