@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 ROOT_HASH = 0
 _MASK = (1 << 63) - 1
@@ -95,11 +95,22 @@ def _append_chain(hashes: list[int], parent: int, tokens: Sequence[int], start: 
     full = start + (len(tokens) - start) // block_size * block_size
     if full <= start:
         return hashes
-    packed, key, width = np.asarray(tokens[start:full], dtype="<i4").tobytes(), model_key.encode(), 4 * block_size
+    packed, key, width = _int32_bytes(tokens[start:full]), model_key.encode(), 4 * block_size
     for begin in range(0, len(packed), width):
         parent = _hash(parent, key, packed[begin:begin + width])
         hashes.append(parent)
     return hashes
+
+
+def _int32_bytes(tokens: Sequence[int]) -> bytes:
+    """The tokens as little-endian int32, as block_hash packs them (the standard library's
+    array, so a process hashing prompts, the gateway among them, need not load numpy)."""
+    values = array("i", tokens)
+    if values.itemsize != 4:
+        return struct.pack(f"<{len(tokens)}i", *tokens)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tobytes()
 
 
 ADAPTER_MARK = "\x00lora\x00"   # no tenant salt holds a NUL
