@@ -4,8 +4,8 @@
 asyncio's own loop; `uvloop` requires it; `asyncio` keeps the standard loop. uvloop runs the
 same coroutines: what changes is the cost of each wake-up, socket write and callback, which a
 request pays several times on its way through the gateway, the scheduler and a worker (on the
-2-core AMD EPYC Zen 5 of docs/benchmarks.md: a cached prompt's first token ~0.5 ms sooner, W1 at
-32 streams ~3 % more tokens a second).
+2-core AMD EPYC Zen 5 of docs/benchmarks.md: W1 at 32 streams ~3 % more tokens a second, an
+identical cached prompt's first token ~0.5-1 ms sooner; a warm prefix's, bound by its step, alike).
 gRPC's asyncio API runs on any asyncio loop (it polls on a thread of its own and hands its
 completions to the loop), uvicorn runs on uvloop by default when serving alone."""
 
