@@ -80,3 +80,17 @@ def test_the_packed_chain_gives_each_blocks_own_hash() -> None:
     for held in (tokens, tuple(tokens), np.array(tokens, dtype=np.int64)):
         assert chain_hashes(held, 4, "m") == expected
         assert extend_chain(expected[:1], held, 4, "m") == expected
+
+
+def test_tokens_pack_as_little_endian_int32_on_either_byte_order(monkeypatch) -> None:
+    """The chain packs with the standard library's array (no numpy in the light services): its
+    bytes are little-endian int32 whatever the host's order (a big-endian host swaps them)."""
+    import struct
+    import sys
+
+    from common import block_hash as module
+
+    tokens = [1, 2**31 - 1, 262143, 0]
+    assert module._int32_bytes(tokens) == struct.pack("<4i", *tokens)
+    monkeypatch.setattr(module.sys, "byteorder", "big" if sys.byteorder == "little" else "little")
+    assert module._int32_bytes(tokens) == struct.pack(">4i", *tokens)
