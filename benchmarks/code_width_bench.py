@@ -26,8 +26,8 @@ from benchmarks.machine import cpu_name
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
 from common.step import NewSequence, StepBatch, WorkItem
-from services.worker.engine.cpu.linear import weight_codes
 from services.worker.engine.cpu.kernels.native_build import default_cache_dir
+from services.worker.engine.cpu.linear.narrow_calibration import time_widths
 from services.worker.engine.cpu.linear.weight_codes import load_coded_linear
 from services.worker.wiring import build_engine
 
@@ -70,17 +70,31 @@ def main(argv: list[str] | None = None) -> None:
                     rates.setdefault((mode, batch), []).append(rate)
     prompts = make_prompts(4, 32, vocab, seed=7)
     same = _tokens(engines["narrow"], prompts) == _tokens(engines["8bit"], prompts)
-    kernel = load_coded_linear(default_cache_dir())
-    picks = "narrow" if kernel is not None and weight_codes.narrow_is_faster(kernel) else "8-bit"
+    picks = _calibration(engines)
     print(f"Code widths: {model_dir}, {cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads, {args.steps} decode steps, median of {args.rounds} rounds "
-          f"alternating; same greedy tokens: {'yes' if same else 'NO'}; auto's calibration picks {picks} codes.\n")
+          f"alternating; same greedy tokens: {'yes' if same else 'NO'}; auto's calibration: {picks}.\n")
     print("| CPU_WEIGHT_CODES | linears | codes MB | " + " | ".join(f"decode tok/s @ {b}" for b in batches) + " |")
     print("|---|---|---|" + "---|" * len(batches))
     for mode, engine in engines.items():
         megabytes = sum(linear.coded.nbytes for linear in _coded(engine)) / 1e6
         cells = " | ".join(f"{statistics.median(rates[(mode, b)]):.1f}" for b in batches)
         print(f"| {mode} | {_widths(engine)} | {megabytes:.0f} | {cells} |")
+
+
+def _calibration(engines: dict[str, Engine]) -> str:
+    """What `auto`'s start-up calibration (narrow_calibration.py) finds on the two engines' codes."""
+    kernel = load_coded_linear(default_cache_dir())
+    wide = [linear.coded for linear in _coded(engines["8bit"])]
+    narrow = [linear.coded for linear in _coded(engines["narrow"])]
+    if kernel is None or len(wide) != len(narrow):
+        return "not run"
+    narrow = [ours if ours.bits != theirs.bits else theirs for ours, theirs in zip(narrow, wide)]
+    try:
+        timings = time_widths(kernel, wide, narrow)
+    except ValueError:
+        return "nothing narrower to time, picks 8-bit codes"
+    return f"{timings.describe()}, picks {'narrow' if timings.keeps_narrow else '8-bit'} codes"
 
 
 def _tokens(engine: Engine, prompts: list[list[int]], new_tokens: int = 24) -> list[list[int]]:

@@ -222,8 +222,9 @@ class WorkerSchema(
             ' in 4, 5 or 6 bits (GGUF Q4_K, Q5_0, Q6_K blocks) at that width, checked at start to '
             'unpack to the same codes (on the default model all linears but the 9 Q8_0 `v_proj` and '
             "the LM head: 128 → 90 MB of layer codes), with the 8-bit path's outputs bit for bit; "
-            '`auto` does so only where a calibration at start finds it faster on this CPU (not on the'
-            ' AMD EPYC Zen 5: ~9 % slower at batch 1); `8bit` keeps a byte a code everywhere. On the '
+            '`auto` does so where timing the model\'s own linears at start (both widths, 1 and 32 rows)'
+            ' finds narrow codes faster at 1 row and not slower at 32 (on a 2-core AMD EPYC Zen 5: '
+            '1.28x and 1.03x, kept); `8bit` keeps a byte a code everywhere. On the '
             'default model all 127 linears qualify (about 2 s at start, ~0.7 GB more resident memory '
             'with the codes and the prefill packs); a decode step runs 1.6x faster at batch 1, 1.45x '
             'at 8, 1.2x at 32 (`docs/engine.md`). Other weights keep their kernels; `off` never uses '

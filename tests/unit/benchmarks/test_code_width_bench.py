@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ def test_a_short_run_prints_both_modes(tmp_path: Path, capsys: pytest.CaptureFix
     code_width_bench.main(["--model-dir", str(model_dir), "--rounds", "1", "--steps", "2", "--batches", "1,2"])
     out = capsys.readouterr().out
     assert "same greedy tokens: yes" in out
+    assert re.search(r"auto's calibration: .*picks (narrow|8-bit) codes\.", out)
     assert "| CPU_WEIGHT_CODES | linears | codes MB | decode tok/s @ 1 | decode tok/s @ 2 |" in out
     rows = [line for line in out.splitlines() if line.startswith(("| narrow", "| 8bit"))]
     assert len(rows) == 2

@@ -12,9 +12,11 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cpu.linear import weight_codes
+from services.worker.engine.cpu import speedups
+from services.worker.engine.cpu.linear.narrow_calibration import WidthTimings, time_widths
 from services.worker.engine.cpu.kernels.native_build import default_cache_dir
-from services.worker.engine.cpu.linear.weight_codes import PANEL, NativeCodedLinear, load_coded_linear, narrow_stride
+from services.worker.engine.cpu.linear.weight_codes import (PANEL, CodedWeight, NativeCodedLinear, load_coded_linear,
+                                                            narrow_stride)
 from services.worker.wiring import build_engine
 from tests.fixtures.tiny_model import build_model
 from tests.unit.worker.engine_helpers import CONFIGS, Driver, assert_greedy_matches, prompt_of
@@ -126,19 +128,71 @@ def _coded_linears(engine: Engine) -> list:
 def test_auto_keeps_narrow_codes_where_the_calibration_finds_them_faster(monkeypatch: pytest.MonkeyPatch,
                                                                           faster: bool) -> None:
     calls = []
-    monkeypatch.setattr(weight_codes, "narrow_is_faster", lambda kernel: calls.append(kernel) or faster)
+
+    def timed(kernel, wide, narrow):
+        calls.append((wide, narrow))
+        return WidthTimings((1, 32), (2.0, 5.0), (1.0 if faster else 3.0, 5.0))
+    monkeypatch.setattr(speedups, "time_widths", timed)
     reference = build_model(CONFIGS["gemma3"]())
     _snap_mixed(reference)
     engine = _engine(reference)
     assert len(calls) == 1
+    wide, narrow = calls[0]
+    assert {codes.bits for codes in wide} == {8} and {codes.bits for codes in narrow} >= {4, 5, 6}
     widths = {linear.coded.bits for linear in _coded_linears(engine)}
     assert (widths >= {4, 5, 6}) if faster else widths == {8}
 
 
-def test_the_calibration_runs_both_widths(kernel: NativeCodedLinear, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_times_nothing_where_no_codes_fit_in_fewer_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(speedups, "time_widths", lambda *args: pytest.fail("timed 8-bit codes against themselves"))
+    reference = build_model(CONFIGS["gemma3"]())
+    snap_to_codes(reference, levels=256)    # codes over the whole byte
+    engine = _engine(reference)
+    assert {linear.coded.bits for linear in _coded_linears(engine)} == {8}
+
+
+@pytest.mark.parametrize(("narrow", "keeps"), [
+    ((1.0, 5.0), True),                     # faster at one row, even at 32
+    ((1.0, 5.09), True),                    # within the tolerance at 32 rows
+    ((1.0, 5.2), False),                    # faster at one row, 4 % slower at 32
+    ((2.0, 4.0), False),                    # not faster at one row
+    ((2.5, 4.0), False),
+])
+def test_narrow_codes_are_kept_when_faster_at_one_row_and_not_slower_at_the_most_rows(
+        narrow: tuple[float, float], keeps: bool) -> None:
+    timings = WidthTimings((1, 32), (2.0, 5.0), narrow)
+    assert timings.keeps_narrow is keeps
+    assert timings.speedups == (2.0 / narrow[0], 5.0 / narrow[1])
+    assert timings.describe().startswith("1 row ") and " 32 rows " in timings.describe()
+
+
+def _random_codes(largest: int, seed: int, out_features: int = 64, in_features: int = 64) -> CodedWeight:
+    """8-bit codes of a random matrix whose largest code is `largest`."""
+    generator = torch.Generator().manual_seed(seed)
+    panels = -(-out_features // PANEL)
+    codes = torch.randint(0, largest + 1, (panels, in_features, PANEL), generator=generator, dtype=torch.uint8)
+    codes[0, 0, 0] = largest
+    scales = torch.rand(panels, in_features // 32, PANEL, generator=generator)
+    return CodedWeight(codes, scales, -scales, 32, out_features, in_features)
+
+
+def test_the_calibration_times_both_widths_at_each_row_count(kernel: NativeCodedLinear,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    wide = [_random_codes(largest, seed) for seed, largest in enumerate((15, 31, 63, 255))]
+    narrow = [kernel.narrow(codes) for codes in wide]
+    assert narrow[-1] is wide[-1]           # a byte's codes stay as they are: not timed
     seen = []
     timed = kernel.__call__
-    monkeypatch.setattr(NativeCodedLinear, "__call__", lambda self, rows, coded, bias: seen.append(coded.bits)
-                        or timed(rows, coded, bias))
-    assert isinstance(weight_codes.narrow_is_faster(kernel, repeats=2), bool)
-    assert set(seen) == {4, 5, 6, 8}
+    monkeypatch.setattr(NativeCodedLinear, "__call__", lambda self, rows, coded, bias: seen.append(
+        (rows.shape[0], coded.bits)) or timed(rows, coded, bias))
+    timings = time_widths(kernel, wide, narrow, repeats=2, rows=(1, 5))
+    assert timings.rows == (1, 5) and len(timings.wide) == len(timings.narrow) == 2
+    assert all(seconds > 0 for seconds in (*timings.wide, *timings.narrow))
+    assert {(rows, bits) for rows, bits in seen} == {(rows, bits) for rows in (1, 5) for bits in (4, 5, 6, 8)}
+    assert sum(1 for rows, bits in seen if bits == 8) == 2 * 3 * 3   # 3 matrices, warm-up + 2 passes, 2 row counts
+
+
+def test_the_calibration_refuses_nothing_to_time(kernel: NativeCodedLinear) -> None:
+    wide = [_random_codes(255, 4)]
+    with pytest.raises(ValueError, match="narrower"):
+        time_widths(kernel, wide, wide)

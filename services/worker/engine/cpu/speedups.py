@@ -38,6 +38,7 @@ from services.worker.engine.cpu.linear.fused_mlp import fuse_gated_mlps
 from services.worker.engine.cpu.linear.fused_norms import fuse_rms_norms
 from services.worker.engine.cpu.kernels.native_layers import NativeDecodeLayers
 from services.worker.engine.cpu.kernels.native_ops import NativeElementwise, load_elementwise, load_skinny_linear
+from services.worker.engine.cpu.linear.narrow_calibration import time_widths
 from services.worker.engine.cpu.linear.weight_codes import NativeCodedLinear, load_coded_linear
 
 CPU_NATIVE_KERNELS_MODES = ("auto", "off")
@@ -287,9 +288,7 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: CpuSp
     started = time.perf_counter()
     linears = _packed_linears(base, done.lm_head)
     coded = [linear for linear in linears if linear.use_codes(kernel, weight_codes.MAX_ROWS, after_read)]
-    if coded and _narrow_codes(target.config.cpu_weight_codes, kernel):
-        for linear in coded:
-            linear.coded = kernel.narrow(linear.coded)
+    _narrow_codes(target.config.cpu_weight_codes, kernel, coded)
     if coded:
         widths = Counter(linear.coded.bits for linear in coded)
         log.info("%d of %d linears kept as exact weight codes (%s; %.0f MB) in %.1f s", len(coded), len(linears),
@@ -315,18 +314,28 @@ def _route_few_rows_to_codes(target: _Target, base: torch.nn.Module, done: CpuSp
     return len(coded)
 
 
-def _narrow_codes(mode: str, kernel: NativeCodedLinear) -> bool:
-    """Whether codes that fit in 4-6 bits are kept at that width: `narrow` always, `auto` where
-    a short calibration finds them faster on this CPU, `8bit` never. (Either way the outputs
-    are the same bit for bit; narrow codes take 0.5-0.75 bytes a weight instead of 1.)"""
+def _narrow_codes(mode: str, kernel: NativeCodedLinear, coded: list[PackedLinear]) -> None:
+    """Keeps `coded`'s codes in the fewest bits (4-6) that hold them (a matrix no narrower width
+    holds stays as it is): `narrow` always, `auto` where timing the model's own linears at both
+    widths finds narrow ones faster on this CPU (narrow_calibration.py), `8bit` never. (Either
+    way the outputs are the same bit for bit; narrow codes take 0.5-0.75 bytes a weight instead
+    of 1.)"""
     if mode == "narrow":
-        return True
-    if mode != "auto":
-        return False
-    faster = weight_codes.narrow_is_faster(kernel)
-    log.info("weight codes: narrow codes %s than 8-bit ones at one row on this CPU; keeping %s",
-             "faster" if faster else "slower", "narrow codes" if faster else "a byte a code")
-    return faster
+        for linear in coded:
+            linear.coded = kernel.narrow(linear.coded)
+    if mode != "auto" or not coded:
+        return
+    wide = [linear.coded for linear in coded]
+    narrow = [kernel.narrow(codes) for codes in wide]
+    if all(ours is theirs for ours, theirs in zip(narrow, wide)):
+        return                          # nothing fits in fewer bits
+    timings = time_widths(kernel, wide, narrow)
+    keep = timings.keeps_narrow
+    log.info("weight codes: narrow codes against a byte a code, the model's own linears on this CPU: %s; "
+             "keeping %s", timings.describe(), "narrow codes" if keep else "a byte a code")
+    if keep:
+        for linear, codes in zip(coded, narrow):
+            linear.coded = codes
 
 
 def runs_direct_forward(config: EngineConfig, device: torch.device) -> bool:

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from services.worker.engine.cpu.kernels.native_build import load_binding
-from services.worker.engine.cpu.timing import best_alternating
 
 GROUPS = (32, 16)        # block sizes tried, largest first (fewer scales to read)
 PANEL = 32               # output rows per panel of the kernel's layout
@@ -334,30 +333,6 @@ class NativeCodedLinear:
             raise ValueError(f"coded linear: shapes it does not take ({coded.out_features} x {coded.in_features}, "
                              f"group {coded.group}, {coded.bits} bits)")
         return out
-
-
-# Calibration shapes: (out, in, group, largest code) of the default model's gate_proj (Q5_0),
-# o_proj (Q4_K) and a Q6_K down_proj.
-CALIBRATION = ((2048, 640, 32, 31), (640, 1024, 32, 15), (640, 2048, 16, 63))
-
-
-def narrow_is_faster(kernel: NativeCodedLinear, repeats: int = 9) -> bool:
-    """Whether, on this CPU, one-row linears (batch-1 decode) run faster from narrow codes than
-    from 8-bit ones: best of `repeats` alternating passes over CALIBRATION's shapes (random codes;
-    the speed does not depend on them). Expanding narrow codes costs more instructions than
-    bytes saved on some CPUs (on the 2-core AMD EPYC Zen 5 ~20 % slower at one row)."""
-    generator = torch.Generator().manual_seed(0)
-    pairs = []
-    for out_features, in_features, group, largest in CALIBRATION:
-        panels = -(-out_features // PANEL)
-        codes = torch.randint(0, largest + 1, (panels, in_features, PANEL), generator=generator, dtype=torch.uint8)
-        scales = torch.rand(panels, in_features // group, PANEL, generator=generator)
-        wide = CodedWeight(codes, scales, -scales, group, out_features, in_features)
-        pairs.append((torch.randn(1, in_features, generator=generator), wide, kernel.narrow(wide)))
-    wide_seconds, narrow_seconds = best_alternating((
-        lambda: [kernel(rows, wide, None) for rows, wide, _ in pairs],
-        lambda: [kernel(rows, narrow, None) for rows, _, narrow in pairs]), repeats, warm_up=False)
-    return narrow_seconds < wide_seconds
 
 
 def load_coded_linear(cache_dir: Path) -> NativeCodedLinear | None:
