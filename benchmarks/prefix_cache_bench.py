@@ -12,8 +12,9 @@
    benchmarks/span_sink.py): the client's HTTP, the gateway's parsing and
    tokenizing, the hop to the scheduler, the queue until the first step, the
    steps (the worker's forward and the rest of each step: planning, gRPC,
-   block hashing, applying the reply), and the way back to the client's first
-   SSE event. The traced TTFTs are printed beside the untraced ones: exporting
+   block hashing, applying the reply), the way back to the gateway (the
+   scheduler's events reaching it: its `first_event` span event) and on to the
+   client's first SSE event. The traced TTFTs are printed beside the untraced ones: exporting
    the spans costs CPU on the same cores while the next request runs.
 2. Two workers, eight sessions each repeating its own long prefix (all sessions
    at once, each session's turns one after another): the fraction of the
@@ -71,7 +72,7 @@ N_CHOICES = 4
 
 
 STAGES = ("client to gateway", "tokenize", "gateway, other", "gateway to scheduler", "queue",
-          "worker forward", "steps, outside the forward", "back to the client")
+          "worker forward", "steps, outside the forward", "scheduler to gateway", "gateway to the client")
 SPANS_NEEDED = ("POST /generate", "tokenize", "scheduler.Generate", "scheduler.request", "queue_wait",
                 "prefill_chunk", "worker.forward")
 
@@ -100,6 +101,8 @@ def stages_of(trace: Trace, sent_ns: int, first_event_ns: int) -> dict[str, floa
     forward = sum(span.duration_ms for span in trace.named("worker.forward")
                   if span.attributes.get("fairserve.step_id") in chunk_steps)
     steps = (chunks[-1].end_ns - chunks[0].start_ns) / 1e6
+    answered_ns = generate.events.get("first_event")   # the scheduler's first answer at the gateway
+    assert answered_ns is not None, f"trace {trace.trace_id}: the gateway's span lacks its first_event"
     return {"client to gateway": (post.start_ns - sent_ns) / 1e6,
             "tokenize": tokenize,
             "gateway, other": (generate.start_ns - post.start_ns) / 1e6 - tokenize,
@@ -107,7 +110,8 @@ def stages_of(trace: Trace, sent_ns: int, first_event_ns: int) -> dict[str, floa
             "queue": (chunks[0].start_ns - request.start_ns) / 1e6,
             "worker forward": forward,
             "steps, outside the forward": steps - forward,
-            "back to the client": (first_event_ns - chunks[-1].end_ns) / 1e6}
+            "scheduler to gateway": (answered_ns - chunks[-1].end_ns) / 1e6,
+            "gateway to the client": (first_event_ns - answered_ns) / 1e6}
 
 
 # ---- prompts -------------------------------------------------------------------------------

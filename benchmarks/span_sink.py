@@ -35,6 +35,7 @@ class Span:
     start_ns: int
     end_ns: int
     attributes: dict[str, str | int]
+    events: dict[str, int] = field(default_factory=dict)     # name -> time (ns) of its first event
 
     @property
     def duration_ms(self) -> float:
@@ -65,8 +66,16 @@ def spans_of(body: bytes) -> list[Span]:
     request.ParseFromString(body)
     return [Span(name=span.name, trace_id=span.trace_id.hex(), start_ns=span.start_time_unix_nano,
                  end_ns=span.end_time_unix_nano,
-                 attributes={attr.key: _value(attr.value) for attr in span.attributes})
+                 attributes={attr.key: _value(attr.value) for attr in span.attributes},
+                 events=_first_events(span.events))
             for resource in request.resource_spans for scope in resource.scope_spans for span in scope.spans]
+
+
+def _first_events(events) -> dict[str, int]:  # a span's OTLP events
+    first: dict[str, int] = {}
+    for event in sorted(events, key=lambda event: event.time_unix_nano):
+        first.setdefault(event.name, event.time_unix_nano)
+    return first
 
 
 class SpanSink:

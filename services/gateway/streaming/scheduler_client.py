@@ -69,8 +69,13 @@ class SchedulerClient:
                 convert.generate_request_to_proto(spec, request_id), metadata=metadata)
         try:
             skip = len(spec.resume_token_ids) if spec.attach else 0   # read already, before a loss
+            first = True
             async for message in call:
                 self.scheduler_seen = True
+                if first:
+                    first = False
+                    if span.is_recording():     # when the scheduler's first answer reached the gateway
+                        span.add_event("first_event")
                 event = convert.event_from_proto(message)
                 if skip:
                     dropped = min(skip, len(event.tokens))
