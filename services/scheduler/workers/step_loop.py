@@ -3,7 +3,9 @@
 (max_steps_in_flight 2) the next step is planned and sent while the current one runs, so
 the worker starts it as soon as the current one ends instead of waiting a round trip and
 a planning pass; with multi-step decodes an arrival may deepen that pipeline by one
-(SchedulerCore.step_depth). All decisions are the core's; this is the transport around them."""
+(SchedulerCore.step_depth). A step of frees alone (nothing else to run) lets the streams write
+the events just delivered first: a request's last token does not wait behind that step's write.
+All decisions are the core's; this is the transport around them."""
 
 from __future__ import annotations
 
@@ -78,6 +80,10 @@ class StepLoop:
                     plan = core.plan_step(worker_id)
                     self.metrics.observe_queue_waits(core.drain_queue_waits())
                     if plan is not None:
+                        if not plan.work:
+                            # Frees alone (nothing else runs): the events just delivered go out
+                            # first, a request's last token not waiting behind this step's write.
+                            await asyncio.sleep(0)
                         _log_plan(worker_id, plan)
                         request = step_batch_to_proto(plan)
                         request.trace_context.update(self.traces.planned(worker_id, plan))
