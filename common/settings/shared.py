@@ -10,6 +10,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field
 
+from common.event_loop import EVENT_LOOPS
 from common.settings.schema import SettingsSchema
 
 
@@ -148,7 +149,7 @@ class MaxTokensLimitFields(SettingsSchema):
 class EventLoopFields(SettingsSchema):
     """EVENT_LOOP (common/event_loop.py): the asyncio loop a service's main runs on."""
 
-    event_loop: Literal["auto", "uvloop", "asyncio"] = Field("auto", description=(
+    event_loop: Literal[EVENT_LOOPS] = Field("auto", description=(
         "the event loop the service runs on: `auto` uvloop where installed (it comes with "
         "uvicorn[standard]), else asyncio's; `uvloop` requires it; `asyncio` the standard loop. "
         "uvloop makes each hop of a request cheaper (on 2 cores: ~3 % more tokens/s at 32 streams, an "
