@@ -89,7 +89,6 @@ def _calibration(engines: dict[str, Engine]) -> str:
     narrow = [linear.coded for linear in _coded(engines["narrow"])]
     if kernel is None or len(wide) != len(narrow):
         return "not run"
-    narrow = [ours if ours.bits != theirs.bits else theirs for ours, theirs in zip(narrow, wide)]
     try:
         timings = time_widths(kernel, wide, narrow)
     except ValueError:

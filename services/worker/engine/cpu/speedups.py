@@ -320,22 +320,21 @@ def _narrow_codes(mode: str, kernel: NativeCodedLinear, coded: list[PackedLinear
     widths finds narrow ones faster on this CPU (narrow_calibration.py), `8bit` never. (Either
     way the outputs are the same bit for bit; narrow codes take 0.5-0.75 bytes a weight instead
     of 1.)"""
-    if mode == "narrow":
-        for linear in coded:
-            linear.coded = kernel.narrow(linear.coded)
-    if mode != "auto" or not coded:
+    if mode not in ("narrow", "auto") or not coded:
         return
     wide = [linear.coded for linear in coded]
     narrow = [kernel.narrow(codes) for codes in wide]
-    if all(ours is theirs for ours, theirs in zip(narrow, wide)):
-        return                          # nothing fits in fewer bits
-    timings = time_widths(kernel, wide, narrow)
-    keep = timings.keeps_narrow
-    log.info("weight codes: narrow codes against a byte a code, the model's own linears on this CPU: %s; "
-             "keeping %s", timings.describe(), "narrow codes" if keep else "a byte a code")
-    if keep:
-        for linear, codes in zip(coded, narrow):
-            linear.coded = codes
+    if mode == "auto":
+        if all(ours.bits == theirs.bits for ours, theirs in zip(narrow, wide)):
+            return                          # nothing fits in fewer bits
+        timings = time_widths(kernel, wide, narrow)
+        keep = timings.keeps_narrow
+        log.info("weight codes: narrow codes against a byte a code, the model's own linears on this CPU: %s; "
+                 "keeping %s", timings.describe(), "narrow codes" if keep else "a byte a code")
+        if not keep:
+            return
+    for linear, codes in zip(coded, narrow):
+        linear.coded = codes
 
 
 def runs_direct_forward(config: EngineConfig, device: torch.device) -> bool:

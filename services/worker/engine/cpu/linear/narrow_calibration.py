@@ -58,9 +58,9 @@ class WidthTimings:
 def time_widths(kernel: NativeCodedLinear, wide: Sequence[CodedWeight], narrow: Sequence[CodedWeight],
                 repeats: int = REPEATS, rows: Sequence[int] = CALIBRATION_ROWS) -> WidthTimings:
     """Times `kernel` over the pairs of `wide` (8-bit) and `narrow` codes of the same matrices,
-    at each of `rows`, the widths taking turns; a pair whose narrow codes are the wide ones (no
+    at each of `rows`, the widths taking turns; a pair whose narrow codes are no narrower (no
     narrower width holds them) is left out. Raises ValueError when no pair is left."""
-    pairs = [(w, n) for w, n in zip(wide, narrow, strict=True) if n is not w]
+    pairs = [(w, n) for w, n in zip(wide, narrow, strict=True) if n.bits < w.bits]
     if not pairs:
         raise ValueError("no matrix has codes narrower than a byte to time")
     generator = torch.Generator().manual_seed(0)
